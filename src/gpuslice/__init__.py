@@ -1,0 +1,3 @@
+"""gpuslice: GPU sharing for ML inference on Kubernetes."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,251 @@
+"""``gpuslice`` command line. ``main()`` returns an exit code: 0 ok, 2 bad input, 130 interrupted."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from gpuslice import __version__
+from gpuslice.core import catalog, mig
+from gpuslice.core.errors import GpusliceError, ValidationError
+from gpuslice.core.policies import make_policy, policy_names
+
+DEFAULT_POLICIES = ("random", "dotprod", "gpu-clustering", "gpu-packing", "bestfit", "fgd",
+                    "ours")
+
+
+def parse_seeds(text: str) -> list[int]:
+    """``42-51``, ``42,43`` or ``42`` -> a list of seeds."""
+    seeds: list[int] = []
+    for part in text.split(","):
+        item = part.strip()
+        if not item:
+            continue
+        lo, sep, hi = item.partition("-")
+        try:
+            if sep:
+                a, b = int(lo), int(hi)
+                if b < a:
+                    raise ValueError
+                seeds.extend(range(a, b + 1))
+            else:
+                seeds.append(int(item))
+        except ValueError:
+            raise ValidationError("--seeds", "seeds like 42-51, 42,43 or 42", text) from None
+    if not seeds:
+        raise ValidationError("--seeds", "at least one seed", text)
+    return seeds
+
+
+def parse_policies(text: str) -> list[str]:
+    names = [p.strip() for p in text.split(",") if p.strip()]
+    if not names:
+        raise ValidationError("--policy", f"policy names from {', '.join(policy_names())}", text)
+    for n in names:
+        make_policy(n)
+    return names
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="gpuslice", description=__doc__)
+    ap.add_argument("--version", action="version", version=f"gpuslice {__version__}")
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    sim = sub.add_parser(
+        "simulate",
+        help="replay a cluster trace against placement policies (FGD protocol)",
+        description="Replay a task trace against placement policies: tasks arrive one by one "
+        "and never leave; metrics in 1%% bins of arrived GPU demand. With no --trace it runs "
+        "an embedded generated scenario.",
+    )
+    src = sim.add_mutually_exclusive_group()
+    src.add_argument("--trace", type=Path, help="pod list CSV (Alibaba openb format)")
+    src.add_argument("--variant", help="a trace variant from the shared data folder "
+                     "(default, gpushare40, ...); needs GPUSLICE_DATA or ../shared")
+    sim.add_argument("--nodes", type=Path, help="node list CSV (with --trace)")
+    sim.add_argument("--policy", default=",".join(DEFAULT_POLICIES),
+                     help=f"comma-separated policies (default: all); known: "
+                     f"{', '.join(policy_names())}")
+    sim.add_argument("--seeds", default=None, help="seeds, e.g. 42-51 (default: 42-51 for a "
+                     "trace, 42-44 for the embedded scenario)")
+    sim.add_argument("--tune", type=float, default=1.3,
+                     help="resize the task list to this multiple of GPU capacity (default 1.3)")
+    sim.add_argument("--out", type=Path, default=Path("gpuslice-sim"),
+                     help="output folder (default ./gpuslice-sim)")
+    sim.add_argument("--workers", type=int, default=0, help="processes (default: CPU count)")
+    sim.add_argument("--ties", choices=("order", "random"), default="order",
+                     help="break score ties by a fixed random node order per seed (as the FGD "
+                     "simulator does; default) or uniformly per decision")
+    sim.add_argument("--compare", nargs="?", const="auto", default=None, metavar="CSV",
+                     help="print the published FGD results beside ours (default file from "
+                     "the shared data folder)")
+    sim.add_argument("--no-plot", action="store_true", help="skip the PNG plot")
+
+    sub.add_parser("gpus", help="list the GPU catalogue")
+    m = sub.add_parser("mig", help="MIG geometry of a GPU model: maximal layouts, or check one")
+    m.add_argument("model", help="GPU model, e.g. A100-80GB, H100-SXM, A30")
+    m.add_argument("--layout", help="check a layout such as '3g.40gb@0,2g.20gb@4,1g.10gb@6'")
+    m.add_argument("--used", help="partly used GPU: list what still fits next to this layout")
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    console = Console(stderr=False)
+    err = Console(stderr=True)
+    try:
+        args = _build_parser().parse_args(argv)
+        if args.command == "simulate":
+            return _simulate(args, console)
+        if args.command == "gpus":
+            return _gpus(console)
+        if args.command == "mig":
+            return _mig(args, console)
+    except GpusliceError as exc:
+        err.print(f"gpuslice: error: {exc}", markup=False, highlight=False, soft_wrap=True)
+        return 2
+    except KeyboardInterrupt:
+        err.print("gpuslice: interrupted")
+        return 130
+    return 2
+
+
+def _simulate(args: argparse.Namespace, console: Console) -> int:
+    from gpuslice.adapters.traces.data import published_results, variant_paths
+    from gpuslice.adapters.traces.fgd_results import read_published
+    from gpuslice.sim.compare import compare
+    from gpuslice.sim.default import default_nodes, default_tasks
+    from gpuslice.sim.runner import (
+        Experiment,
+        JobResult,
+        load_scenario,
+        run_experiment,
+        scenario_of,
+        write_results,
+    )
+
+    policies = parse_policies(args.policy)
+    if args.tune <= 0:
+        raise ValidationError("--tune", "a positive multiple of GPU capacity", args.tune)
+    if args.workers < 0:
+        raise ValidationError("--workers", "0 (CPU count) or more", args.workers)
+    if args.variant:
+        pods, nodes = variant_paths(args.variant)
+        scenario = load_scenario(pods, args.nodes or nodes)
+    elif args.trace:
+        if args.nodes is None:
+            raise ValidationError("--nodes", "a node list CSV to go with --trace", None)
+        scenario = load_scenario(args.trace, args.nodes)
+    else:
+        if args.nodes is not None:
+            raise ValidationError("--trace", "a pod list CSV to go with --nodes", None)
+        scenario = scenario_of("embedded-default", default_nodes(), default_tasks())
+    seeds = parse_seeds(args.seeds or ("42-51" if (args.trace or args.variant) else "42-44"))
+    exp = Experiment(scenario, policies, seeds, args.tune, args.ties == "order")
+    if args.workers:
+        exp.workers = args.workers
+    console.print(
+        f"[bold]{scenario.name}[/]: {scenario.arrays.n_nodes} nodes, {scenario.total_gpus} GPUs, "
+        f"{len(scenario.tasks)} tasks, {len(scenario.workload.shapes)} target shapes; "
+        f"{len(policies)} policies x {len(seeds)} seeds, tune {args.tune}"
+    )
+    results: list[JobResult] = []
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), console=console, transient=False) as progress:
+        bar = progress.add_task("replaying", total=len(exp.jobs()))
+
+        def done(res: JobResult) -> None:
+            results.append(res)
+            progress.update(bar, advance=1, description=f"{res.job.policy} seed {res.job.seed}")
+
+        ordered = run_experiment(exp, on_done=done)
+    written = write_results(args.out, scenario.name, ordered)
+    if not args.no_plot:
+        from gpuslice.sim.plot import plot_unallocated
+
+        written.append(plot_unallocated(ordered, args.out / "unallocated.png",
+                                        f"{scenario.name}: unallocated GPU vs arrived workload"))
+    published = []
+    if args.compare is not None:
+        path = published_results() if args.compare == "auto" else Path(args.compare)
+        published = read_published(path)
+    rows = compare(scenario.name, ordered, published)
+    table = Table(title=f"unallocated GPU % at 100% arrived ({len(seeds)} seeds)")
+    table.add_column("policy")
+    table.add_column("ours mean ± sd", justify="right")
+    if args.compare is not None:
+        table.add_column("published", justify="right")
+        table.add_column("published mean ± sd", justify="right")
+        table.add_column("diff", justify="right")
+    table.add_column("s/seed", justify="right")
+    for r in rows:
+        cells = [r.policy, f"{r.ours_mean:.2f} ± {r.ours_sd:.2f}"]
+        if args.compare is not None:
+            if r.published_mean is None or r.published_sd is None or r.diff is None:
+                cells += [r.published_as or "-", "-", "-"]
+            else:
+                cells += [r.published_as or "-", f"{r.published_mean:.2f} ± {r.published_sd:.2f}",
+                          f"{r.diff:+.2f}"]
+        cells.append(f"{r.seconds_per_seed:.1f}")
+        table.add_row(*cells)
+    console.print(table)
+    for path in written:
+        console.print(f"wrote {path}", highlight=False)
+    return 0
+
+
+def _gpus(console: Console) -> int:
+    table = Table(title="GPU catalogue")
+    for col in ("model", "memory MiB", "SMs", "FP16 TFLOPS", "BF16 TFLOPS", "CC", "MPS caps",
+                "MIG profiles"):
+        table.add_column(col)
+    for m in catalog.known_models():
+        cc = f"{m.compute_capability[0]}.{m.compute_capability[1]}" if m.compute_capability else "-"
+        table.add_row(
+            m.name, str(m.memory_mib), str(m.sms or "-"), str(m.fp16_tflops or "-"),
+            str(m.bf16_tflops or "-"), cc, "yes" if m.mps_limits else "no",
+            ", ".join(p.name for p in m.mig.profiles) if m.mig else "-",
+        )
+    console.print(table)
+    return 0
+
+
+def _mig(args: argparse.Namespace, console: Console) -> int:
+    model = catalog.resolve(args.model)
+    if model.mig is None:
+        raise ValidationError("model", "a MIG-capable GPU model (A30, A100, H100, H200)",
+                              args.model)
+    geo = model.mig
+    if args.layout:
+        layout = mig.parse_layout(geo, args.layout)
+        problems = mig.layout_problems(geo, layout)
+        if problems:
+            for p in problems:
+                console.print(f"invalid: {p}", highlight=False)
+            return 1
+        console.print(f"valid: {', '.join(str(p) for p in layout)}", highlight=False)
+        return 0
+    if args.used is not None:
+        used = mig.parse_layout(geo, args.used)
+        problems = mig.layout_problems(geo, used)
+        if problems:
+            raise ValidationError("--used", "a valid layout", "; ".join(problems))
+        fits = mig.fitting_placements(geo, used)
+        console.print(f"still fits next to {args.used or 'nothing'}:", highlight=False)
+        for pl in fits:
+            console.print(f"  {pl}", highlight=False)
+        return 0
+    layouts = mig.maximal_layouts(geo)
+    console.print(f"{model.name}: {len(layouts)} maximal layouts", highlight=False)
+    for lay in layouts:
+        console.print("  " + ", ".join(str(p) for p in lay), highlight=False)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

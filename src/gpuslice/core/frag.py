@@ -1,0 +1,175 @@
+"""GPU fragmentation against a target workload (FGD, USENIX ATC '23).
+
+The target workload M is the popularity distribution of task shapes (CPU, GPU count, milli per
+GPU, allowed models). For a node n and a shape m, the fragment F_n(m) is the idle GPU milli that m
+could not use: all of it when m does not fit (or is CPU-only, or may not use n's model), else the
+idle milli of the GPUs whose leftover is smaller than m's share. F_n(M) = sum_m p_m F_n(m).
+
+The tables here let a policy evaluate F for every node, and for every candidate placement of a
+sharing task, with a few vectorised numpy operations instead of a loop over nodes.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from gpuslice.core.errors import ValidationError
+from gpuslice.core.model import BoolArray, ClusterArrays, FloatArray, IntArray
+
+
+@dataclass(frozen=True, slots=True)
+class Shape:
+    """A task shape of the target workload."""
+
+    cpu_milli: int
+    gpus: int
+    milli: int
+    models: frozenset[str] = frozenset()
+    memory_mib: int = 0
+
+
+@dataclass(frozen=True)
+class TargetWorkload:
+    """Shapes with their popularity (summing to 1), as arrays for vectorised use."""
+
+    shapes: tuple[Shape, ...]
+    popularity: FloatArray
+    cpu: IntArray
+    gpus: IntArray
+    milli: IntArray
+    memory: IntArray
+
+    @classmethod
+    def of(cls, shapes: Sequence[Shape], popularity: Sequence[float]) -> TargetWorkload:
+        if len(shapes) != len(popularity) or not shapes:
+            raise ValidationError(
+                "target workload", "one popularity per shape, at least one shape",
+                (len(shapes), len(popularity)),
+            )
+        p = np.asarray(popularity, dtype=np.float64)
+        if (p < 0).any() or abs(float(p.sum()) - 1.0) > 1e-6:
+            raise ValidationError("target workload popularity", "shares >= 0 summing to 1", p)
+        return cls(
+            tuple(shapes),
+            p,
+            np.array([s.cpu_milli for s in shapes], dtype=np.int64),
+            np.array([s.gpus for s in shapes], dtype=np.int64),
+            np.array([s.milli for s in shapes], dtype=np.int64),
+            np.array([s.memory_mib for s in shapes], dtype=np.int64),
+        )
+
+    def with_memory(self, memory_mib: Sequence[int]) -> TargetWorkload:
+        """The same shapes, each also needing ``memory_mib`` of node memory to fit."""
+        if len(memory_mib) != len(self.shapes):
+            raise ValidationError("shape memory", f"{len(self.shapes)} values", len(memory_mib))
+        shapes = [
+            Shape(s.cpu_milli, s.gpus, s.milli, s.models, int(m))
+            for s, m in zip(self.shapes, memory_mib, strict=True)
+        ]
+        return TargetWorkload.of(shapes, self.popularity.tolist())
+
+    def model_access(self, models: Sequence[str]) -> BoolArray:
+        """(n_models + 1, M): may shape m use GPU model i? The last row (model id -1, no GPU) is
+        all False."""
+        acc = np.zeros((len(models) + 1, len(self.shapes)), dtype=np.bool_)
+        for i, name in enumerate(models):
+            for k, s in enumerate(self.shapes):
+                acc[i, k] = not s.models or name in s.models
+        return acc
+
+
+def typical_shapes(
+    shapes: Sequence[Shape], *, coverage_pct: float = 95.0, step: int = 10
+) -> TargetWorkload:
+    """The most popular shapes of a task list, up to ``coverage_pct`` of the tasks.
+
+    Shapes are taken in decreasing count, ``step`` at a time, until the taken ones cover the
+    percentage; their shares are then renormalised to sum to 1 (FGD's ``GetTypicalPods``). Ties
+    in count are broken by larger CPU, then larger milli, more GPUs, and model names.
+    """
+    if not shapes:
+        raise ValidationError("task list", "at least one task to derive a target workload", 0)
+    if not 0 < coverage_pct <= 100:
+        raise ValidationError("coverage_pct", "a percentage in (0, 100]", coverage_pct)
+    counts = Counter(shapes)
+    total = float(len(shapes))
+
+    def order(item: tuple[Shape, int]) -> tuple[int, int, int, int, tuple[str, ...]]:
+        s, c = item
+        return (c, s.cpu_milli, s.milli, s.gpus, tuple(sorted(s.models)))
+
+    ranked = sorted(counts.items(), key=order, reverse=True)
+    want = coverage_pct * total / 100.0
+    taken = 0
+    cum = 0.0
+    while cum < want and taken < len(ranked):
+        upto = min(taken + max(step, 1), len(ranked))
+        for _, c in ranked[taken:upto]:
+            cum += c
+        taken = upto
+    chosen = ranked[:taken]
+    weight = float(sum(c for _, c in chosen))
+    return TargetWorkload.of([s for s, _ in chosen], [c / weight for _, c in chosen])
+
+
+@dataclass
+class FragTables:
+    """Per node and shape: how many GPUs have at least the shape's share free (``count``) and
+    how much milli those GPUs hold (``big``). Derived from the arrays; refresh rows with
+    :meth:`refresh` after a node changes."""
+
+    access: BoolArray  # (N, M)
+    count: IntArray  # (N, M)
+    big: IntArray  # (N, M)
+
+    @classmethod
+    def build(cls, arrays: ClusterArrays, tw: TargetWorkload) -> FragTables:
+        acc = tw.model_access(arrays.models)[arrays.model_id]  # model_id -1 -> last row
+        count, big = _count_big(arrays.gpu_free, tw.milli)
+        return cls(acc, count, big)
+
+    def refresh(self, arrays: ClusterArrays, tw: TargetWorkload, node: int) -> None:
+        count, big = _count_big(arrays.gpu_free[node : node + 1], tw.milli)
+        self.count[node] = count[0]
+        self.big[node] = big[0]
+
+
+def _count_big(gpu_free: IntArray, milli: IntArray) -> tuple[IntArray, IntArray]:
+    ge = gpu_free[:, :, None] >= milli[None, None, :]  # (N, G, M)
+    count = ge.sum(axis=1)
+    big = (gpu_free[:, :, None] * ge).sum(axis=1)
+    return np.asarray(count, dtype=np.int64), np.asarray(big, dtype=np.int64)
+
+
+def shape_frag(
+    total_free: IntArray, cpu_free: IntArray, mem_free: IntArray, access: BoolArray,
+    count: IntArray, big: IntArray, tw: TargetWorkload,
+) -> FloatArray:
+    """F(m) for each row and shape: rows may be nodes or candidate placements."""
+    fits = (
+        access
+        & (cpu_free[:, None] >= tw.cpu[None, :])
+        & (count >= tw.gpus[None, :])
+        & (tw.gpus[None, :] > 0)
+    )
+    if tw.memory.any():
+        fits &= mem_free[:, None] >= tw.memory[None, :]
+    return np.asarray(total_free[:, None] - np.where(fits, big, 0), dtype=np.float64)
+
+
+def node_frag(arrays: ClusterArrays, tw: TargetWorkload, tables: FragTables) -> FloatArray:
+    """F_n(M) for every node, in milli-GPU."""
+    total = arrays.gpu_free.sum(axis=1)
+    per_shape = shape_frag(
+        total, arrays.cpu_free, arrays.mem_free, tables.access, tables.count, tables.big, tw
+    )
+    return np.asarray(per_shape @ tw.popularity)
+
+
+def cluster_frag(arrays: ClusterArrays, tw: TargetWorkload) -> float:
+    """F(M) of the whole cluster, in milli-GPU."""
+    return float(node_frag(arrays, tw, FragTables.build(arrays, tw)).sum())

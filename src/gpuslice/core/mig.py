@@ -1,0 +1,148 @@
+"""MIG geometry: which sets of GPU instances a MIG-capable GPU can hold.
+
+A GPU instance occupies ``memory_slices`` consecutive memory slices starting at one of its
+profile's allowed starts; instances may not overlap, the compute slices they use may not exceed
+the GPU's, and no profile may have more than its ``max_instances``. These are the rules NVML
+enforces in ``nvmlDeviceCreateGpuInstanceWithPlacement``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from gpuslice.core.catalog import MigGeometry, MigProfile
+from gpuslice.core.errors import ValidationError
+
+
+@dataclass(frozen=True, slots=True)
+class MigPlacement:
+    """One GPU instance: a profile at a start memory slice."""
+
+    start: int
+    profile: MigProfile
+
+    @property
+    def end(self) -> int:
+        return self.start + self.profile.memory_slices
+
+    @property
+    def key(self) -> tuple[int, int, int]:
+        return (self.start, -self.profile.memory_slices, self.profile.profile_id)
+
+    def __str__(self) -> str:
+        return f"{self.profile.name}@{self.start}"
+
+
+def _sorted(layout: Iterable[MigPlacement]) -> list[MigPlacement]:
+    return sorted(layout, key=lambda p: p.key)
+
+
+def layout_problems(geometry: MigGeometry, layout: Iterable[MigPlacement]) -> list[str]:
+    """Every reason ``layout`` cannot exist on a GPU of ``geometry`` (empty when it can)."""
+    items = _sorted(layout)
+    problems: list[str] = []
+    known = {p.profile_id for p in geometry.profiles}
+    for pl in items:
+        if pl.profile.profile_id not in known:
+            problems.append(f"{pl}: profile {pl.profile.name} is not offered by this GPU")
+        elif pl.start not in pl.profile.starts:
+            starts = ",".join(str(s) for s in pl.profile.starts)
+            problems.append(f"{pl}: start {pl.start} is not one of the allowed starts {starts}")
+    occupied: dict[int, MigPlacement] = {}
+    for pl in items:
+        for s in pl.profile.span(pl.start):
+            if s >= geometry.memory_slices:
+                problems.append(f"{pl}: memory slice {s} is past the GPU's last slice")
+            elif s in occupied:
+                problems.append(f"{pl}: memory slice {s} is already used by {occupied[s]}")
+            else:
+                occupied[s] = pl
+    compute = sum(pl.profile.compute_slices for pl in items)
+    if compute > geometry.compute_slices:
+        problems.append(
+            f"layout uses {compute} compute slices, the GPU has {geometry.compute_slices}"
+        )
+    counts = Counter(pl.profile.profile_id for pl in items)
+    for pl_id, n in sorted(counts.items()):
+        prof = geometry.profile(pl_id) if pl_id in known else None
+        if prof is not None and n > prof.max_instances:
+            problems.append(f"{n} instances of {prof.name}, at most {prof.max_instances} allowed")
+    return problems
+
+
+def is_valid_layout(geometry: MigGeometry, layout: Iterable[MigPlacement]) -> bool:
+    return not layout_problems(geometry, layout)
+
+
+def fitting_placements(
+    geometry: MigGeometry, used: Iterable[MigPlacement], *, include_media: bool = True
+) -> list[MigPlacement]:
+    """Every (profile, start) that can still be created next to the instances in ``used``."""
+    current = list(used)
+    out: list[MigPlacement] = []
+    for prof in geometry.profiles:
+        if not include_media and prof.name.endswith("+me"):
+            continue
+        for start in prof.starts:
+            cand = MigPlacement(start, prof)
+            if is_valid_layout(geometry, [*current, cand]):
+                out.append(cand)
+    return out
+
+
+def fitting_profiles(
+    geometry: MigGeometry, used: Iterable[MigPlacement], *, include_media: bool = True
+) -> list[MigProfile]:
+    """The profiles that still fit on a partly used GPU, each once, largest first."""
+    seen: dict[int, MigProfile] = {}
+    for pl in fitting_placements(geometry, used, include_media=include_media):
+        seen.setdefault(pl.profile.profile_id, pl.profile)
+    return sorted(seen.values(), key=lambda p: (-p.compute_slices, -p.memory_slices, p.name))
+
+
+def maximal_layouts(
+    geometry: MigGeometry, *, include_media: bool = False
+) -> list[tuple[MigPlacement, ...]]:
+    """All layouts to which no further instance can be added, each once, sorted by start.
+
+    ``+me`` profiles (one per GPU, with the media engines) are left out unless
+    ``include_media`` is set; they only repeat the geometry of their plain twin.
+    """
+    candidates = _sorted(
+        MigPlacement(start, prof)
+        for prof in geometry.profiles
+        if include_media or not prof.name.endswith("+me")
+        for start in prof.starts
+    )
+    found: set[tuple[MigPlacement, ...]] = set()
+
+    def extend(layout: list[MigPlacement], first: int) -> None:
+        grown = False
+        for i in range(len(candidates)):
+            cand = candidates[i]
+            if is_valid_layout(geometry, [*layout, cand]):
+                grown = True
+                if i >= first:
+                    extend([*layout, cand], i + 1)
+        if not grown:
+            found.add(tuple(_sorted(layout)))
+
+    extend([], 0)
+    return sorted(found, key=lambda lay: [p.key for p in lay])
+
+
+def parse_layout(geometry: MigGeometry, text: str) -> list[MigPlacement]:
+    """Parse ``"3g.40gb@0,2g.20gb@4,1g.10gb@6"`` (profile name or ID ``@`` start)."""
+    out: list[MigPlacement] = []
+    for raw in text.split(","):
+        item = raw.strip()
+        if not item:
+            continue
+        name, sep, start = item.partition("@")
+        if not sep or not start.strip().isdigit():
+            raise ValidationError("mig layout", "items like '3g.40gb@0'", item)
+        key: int | str = int(name) if name.strip().isdigit() else name.strip()
+        out.append(MigPlacement(int(start), geometry.profile(key)))
+    return out

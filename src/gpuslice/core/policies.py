@@ -1,0 +1,469 @@
+"""Placement policies: score the feasible nodes, pick the best, choose GPUs inside it.
+
+Each policy scores every feasible node at once (numpy, no loop over nodes) and says which GPUs
+it would use there. The node with the highest score wins; ties are broken uniformly at random
+with the generator passed in, as kube-scheduler's ``selectHost`` does. The six published policies
+follow the FGD simulator (``shared/reference/fgd-protocol.md``) including its integer scores;
+``frag-strand`` (alias ``ours``) is our own (see :class:`FragStrandPolicy`).
+
+Policies live in :data:`REGISTRY` (name -> factory), validated when they are built.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from gpuslice.core.errors import ValidationError
+from gpuslice.core.fit import feasible, gpu_ok, reject_reasons
+from gpuslice.core.frag import FragTables, TargetWorkload, node_frag, shape_frag
+from gpuslice.core.model import (
+    MILLI,
+    BoolArray,
+    ClusterArrays,
+    ClusterSnapshot,
+    Decision,
+    FloatArray,
+    IntArray,
+    Placement,
+    SliceRequest,
+)
+
+MAX_SPEC_CPU = 128_000
+MAX_SPEC_GPU = 8_000
+SHARE_TAG = 0
+
+
+def task_tag(req: SliceRequest) -> int:
+    """GPU-clustering class of a task: 0 for a shared GPU, k for k whole GPUs, -1 CPU-only."""
+    if req.gpus == 0:
+        return -1
+    return SHARE_TAG if req.is_sharing else req.gpus
+
+
+@dataclass
+class PlacementState:
+    """A cluster's arrays plus what policies derive from them: fragmentation tables against
+    the target workload and, per node, how many tasks of each class it holds.
+
+    The owner (simulator, extender ledger) changes the arrays and then calls :meth:`refresh`
+    for the changed node, so the derived values stay exact.
+    """
+
+    arrays: ClusterArrays
+    workload: TargetWorkload | None
+    tables: FragTables | None
+    frag: FloatArray
+    affinity: IntArray  # (N, 1 + max GPUs): [share, 1-gpu, 2-gpu, ...] task counts
+
+    @classmethod
+    def build(cls, arrays: ClusterArrays, workload: TargetWorkload | None) -> PlacementState:
+        width = int(arrays.gpu_present.shape[1]) + 1
+        affinity = np.zeros((arrays.n_nodes, width), dtype=np.int64)
+        if workload is None:
+            return cls(arrays, None, None, np.zeros(arrays.n_nodes), affinity)
+        tables = FragTables.build(arrays, workload)
+        return cls(arrays, workload, tables, node_frag(arrays, workload, tables), affinity)
+
+    def refresh(self, node: int) -> None:
+        if self.workload is None or self.tables is None:
+            return
+        self.tables.refresh(self.arrays, self.workload, node)
+        row = slice(node, node + 1)
+        per = shape_frag(
+            self.arrays.gpu_free[row].sum(axis=1), self.arrays.cpu_free[row],
+            self.arrays.mem_free[row], self.tables.access[row], self.tables.count[row], self.tables.big[row], self.workload,
+        )
+        self.frag[node] = float((per @ self.workload.popularity)[0])
+
+
+@dataclass(frozen=True, slots=True)
+class Scored:
+    """Scores of candidate nodes (aligned with ``nodes``) and, where the policy chose them while
+    scoring, the GPU per node (``-1``: use the policy's GPU selection)."""
+
+    nodes: IntArray
+    scores: FloatArray
+    gpu: IntArray | None = None
+
+
+class Policy(Protocol):
+    name: str
+    needs_workload: bool
+
+    def score(self, st: PlacementState, req: SliceRequest, nodes: IntArray) -> Scored: ...
+
+    def choose_gpus(self, st: PlacementState, req: SliceRequest, node: int,
+                    rng: np.random.Generator) -> tuple[int, ...]: ...
+
+
+# ---- GPU selection inside a node -----------------------------------------------------------
+
+
+def exclusive_gpus(arrays: ClusterArrays, req: SliceRequest, node: int) -> tuple[int, ...]:
+    """Whole GPUs: the first fully free ones by index."""
+    free = np.flatnonzero(arrays.gpu_present[node] & (arrays.gpu_free[node] == MILLI))
+    return tuple(int(i) for i in free[: req.gpus])
+
+
+def best_fit_gpu(arrays: ClusterArrays, req: SliceRequest, node: int) -> tuple[int, ...]:
+    """A share: the fitting GPU with the least free milli (lowest index on ties)."""
+    if not req.is_sharing:
+        return exclusive_gpus(arrays, req, node)
+    ok = gpu_ok(arrays, req)[node]
+    left = np.where(ok, arrays.gpu_free[node], np.iinfo(np.int64).max)
+    return (int(np.argmin(left)),)
+
+
+def random_gpu(arrays: ClusterArrays, req: SliceRequest, node: int,
+               rng: np.random.Generator) -> tuple[int, ...]:
+    if not req.is_sharing:
+        return exclusive_gpus(arrays, req, node)
+    ok = np.flatnonzero(gpu_ok(arrays, req)[node])
+    return (int(ok[int(rng.integers(len(ok)))]),)
+
+
+def _trunc(x: FloatArray) -> FloatArray:
+    return np.asarray(np.trunc(x), dtype=np.float64)
+
+
+# ---- the published policies ----------------------------------------------------------------
+
+
+class _BestFitGpuMixin:
+    def choose_gpus(self, st: PlacementState, req: SliceRequest, node: int,
+                    rng: np.random.Generator) -> tuple[int, ...]:
+        return best_fit_gpu(st.arrays, req, node)
+
+
+class RandomPolicy:
+    """Uniformly random feasible node, random fitting GPU."""
+
+    name = "random"
+    needs_workload = False
+
+    def score(self, st: PlacementState, req: SliceRequest, nodes: IntArray) -> Scored:
+        return Scored(nodes, np.zeros(len(nodes)))
+
+    def choose_gpus(self, st: PlacementState, req: SliceRequest, node: int,
+                    rng: np.random.Generator) -> tuple[int, ...]:
+        return random_gpu(st.arrays, req, node, rng)
+
+
+class DotProductPolicy(_BestFitGpuMixin):
+    """Tetris-like: the smallest dot product of free resources and request (both normalised
+    by the largest node) wins, which packs."""
+
+    name = "dotprod"
+    needs_workload = False
+
+    def score(self, st: PlacementState, req: SliceRequest, nodes: IntArray) -> Scored:
+        a = st.arrays
+        cpu = a.cpu_free[nodes] / MAX_SPEC_CPU
+        gpu = a.gpu_free[nodes].sum(axis=1) / MAX_SPEC_GPU
+        dot = cpu * (req.cpu_milli / MAX_SPEC_CPU) + gpu * (req.total_milli / MAX_SPEC_GPU)
+        return Scored(nodes, _trunc(100.0 * (1.0 - dot / 2.0)))
+
+
+class GpuClusteringPolicy(_BestFitGpuMixin):
+    """Keep tasks of one class (shared, k whole GPUs) together; fuller nodes first."""
+
+    name = "gpu-clustering"
+    needs_workload = False
+
+    def score(self, st: PlacementState, req: SliceRequest, nodes: IntArray) -> Scored:
+        tag = task_tag(req)
+        if tag < 0:
+            return Scored(nodes, np.zeros(len(nodes)))
+        left = st.arrays.gpu_free[nodes].sum(axis=1)
+        base = (25 * (MAX_SPEC_GPU - left)) // MAX_SPEC_GPU
+        aff = st.affinity[nodes]
+        kinds = (aff > 0).sum(axis=1)
+        has = aff[:, tag] > 0 if tag < aff.shape[1] else np.zeros(len(nodes), dtype=np.bool_)
+        bonus = np.where(has, np.where(kinds == 1, 75, 50), np.where(kinds == 0, 25, 0))
+        return Scored(nodes, np.asarray(base + bonus, dtype=np.float64))
+
+
+class GpuPackingPolicy(_BestFitGpuMixin):
+    """Partly used GPUs first, then free GPUs on used nodes, then empty nodes."""
+
+    name = "gpu-packing"
+    needs_workload = False
+
+    def score(self, st: PlacementState, req: SliceRequest, nodes: IntArray) -> Scored:
+        if req.gpus == 0:
+            return Scored(nodes, np.zeros(len(nodes)))
+        a = st.arrays
+        left = a.gpu_free[nodes]
+        present = a.gpu_present[nodes]
+        n_free = (present & (left == MILLI)).sum(axis=1)
+        count = a.gpu_count[nodes]
+        idle_node = np.maximum(33 - n_free, n_free)
+        if req.is_sharing:
+            fits = present & (left >= req.milli)
+            tight = np.where(fits, left, MILLI + 1).min(axis=1)
+            partly = np.maximum(100 - (tight * 100 // MILLI) // 10, 50)
+            used = np.where(tight == MILLI, 49, partly)
+        else:
+            used = np.full(len(nodes), max(50 - req.gpus, 33))
+        return Scored(nodes, np.asarray(np.where(n_free == count, idle_node, used), dtype=float))
+
+
+class BestFitPolicy(_BestFitGpuMixin):
+    """The node with the least weighted CPU and GPU left over after placement."""
+
+    name = "bestfit"
+    needs_workload = False
+
+    def score(self, st: PlacementState, req: SliceRequest, nodes: IntArray) -> Scored:
+        a = st.arrays
+        cpu = (a.cpu_free[nodes] - req.cpu_milli) / MAX_SPEC_CPU
+        gpu = (a.gpu_free[nodes].sum(axis=1) - req.total_milli) / MAX_SPEC_GPU
+        return Scored(nodes, _trunc(100.0 * (1.0 - (0.5 * cpu + 0.5 * gpu))))
+
+
+def _sigmoid(x: FloatArray) -> FloatArray:
+    return np.asarray(1.0 / (1.0 + np.exp(-x)), dtype=np.float64)
+
+
+def share_pairs(st: PlacementState, req: SliceRequest,
+                nodes: IntArray) -> tuple[IntArray, IntArray, FloatArray]:
+    """Every (node, GPU) where a share fits, with the node's fragmentation after placing it
+    there: (row into ``nodes``, GPU index, F_n'), sorted by row then GPU index."""
+    a, tw, tb = st.arrays, _workload(st), _tables(st)
+    ok = gpu_ok(a, req)[nodes]  # (K, G)
+    rows, cols = np.nonzero(ok)
+    node_rows = nodes[rows]
+    r = a.gpu_free[node_rows, cols][:, None]
+    r2 = r - req.milli
+    g = tw.milli[None, :]
+    ge, ge2 = r >= g, r2 >= g
+    count = tb.count[node_rows] - ge + ge2
+    big = tb.big[node_rows] - r * ge + r2 * ge2
+    total = a.gpu_free[node_rows].sum(axis=1) - req.milli
+    cpu = a.cpu_free[node_rows] - req.cpu_milli
+    mem = a.mem_free[node_rows] - req.memory_mib
+    per = shape_frag(total, cpu, mem, tb.access[node_rows], count, big, tw)
+    return rows, cols, np.asarray(per @ tw.popularity)
+
+
+def whole_frag_after(st: PlacementState, req: SliceRequest, nodes: IntArray) -> FloatArray:
+    """F_n' of each node after a CPU-only or whole-GPU task takes its first free GPUs."""
+    a, tw, tb = st.arrays, _workload(st), _tables(st)
+    used = req.gpus * MILLI
+    total = a.gpu_free[nodes].sum(axis=1) - used
+    cpu = a.cpu_free[nodes] - req.cpu_milli
+    mem = a.mem_free[nodes] - req.memory_mib
+    per = shape_frag(total, cpu, mem, tb.access[nodes], tb.count[nodes] - req.gpus,
+                     tb.big[nodes] - used, tw)
+    return np.asarray(per @ tw.popularity)
+
+
+def best_per_row(values: FloatArray, rows: IntArray, cols: IntArray,
+                 n_rows: int) -> tuple[FloatArray, IntArray]:
+    """Per row the largest value and the lowest column reaching it (pairs sorted by row)."""
+    best = np.full(n_rows, -np.inf)
+    np.maximum.at(best, rows, values)
+    hit = values >= best[rows]
+    col = np.full(n_rows, -1, dtype=np.int64)
+    col[rows[hit][::-1]] = cols[hit][::-1]
+    return best, col
+
+
+def _workload(st: PlacementState) -> TargetWorkload:
+    if st.workload is None:
+        raise ValidationError("placement state", "one built with a target workload", None)
+    return st.workload
+
+
+def _tables(st: PlacementState) -> FragTables:
+    if st.tables is None:
+        raise ValidationError("placement state", "one built with a target workload", None)
+    return st.tables
+
+
+def fgd_int_score(delta: FloatArray) -> FloatArray:
+    return _trunc(_sigmoid(delta / 1000.0) * 100.0)
+
+
+class FgdPolicy:
+    """Fragmentation gradient descent: the placement that grows the expected fragmentation
+    least, scored as FGD's simulator does, ``int(100 * sigmoid(-delta / 1000))``; for a share,
+    the GPU with the best integer score, the lowest index on ties."""
+
+    name = "fgd"
+    needs_workload = True
+
+    def score(self, st: PlacementState, req: SliceRequest, nodes: IntArray) -> Scored:
+        before = st.frag[nodes]
+        if not req.is_sharing:
+            after = whole_frag_after(st, req, nodes)
+            return Scored(nodes, fgd_int_score(before - after))
+        rows, cols, after_pair = share_pairs(st, req, nodes)
+        pair_score = fgd_int_score(before[rows] - after_pair)
+        best, gpu = best_per_row(pair_score, rows, cols, len(nodes))
+        return Scored(nodes, best, gpu)
+
+    def choose_gpus(self, st: PlacementState, req: SliceRequest, node: int,
+                    rng: np.random.Generator) -> tuple[int, ...]:
+        if not req.is_sharing:
+            return exclusive_gpus(st.arrays, req, node)
+        scored = self.score(st, req, np.array([node], dtype=np.int64))
+        assert scored.gpu is not None
+        return (int(scored.gpu[0]),)
+
+
+class FragStrandPolicy(FgdPolicy):
+    """Ours: fragmentation gradient descent that also counts GPUs stranded without CPU.
+
+    FGD only notices CPU when a node can no longer fit a whole typical task, so it lets
+    CPU-heavy tasks drain the CPU of nodes with few cores per GPU (the trace's 8-GPU, 96-core
+    nodes) and strands their GPUs. This policy adds the growth of the node's *stranded GPU*
+    estimate, ``max(0, free_gpu_milli - free_cpu / rho)``, where ``rho`` is the target
+    workload's CPU per milli-GPU, so it sends CPU-heavy tasks to CPU-rich nodes. Scores use
+    FGD's integer scale, so near-equal placements tie and go to a fixed node order, which
+    packs.
+
+    ``weight`` scales the stranding term against the fragmentation term (1.0: a stranded milli
+    counts like a fragmented one).
+    """
+
+    name = "frag-strand"
+    needs_workload = True
+
+    def __init__(self, weight: float = 1.0) -> None:
+        if not weight >= 0:
+            raise ValidationError("frag-strand weight", "a number >= 0", weight)
+        self.weight = weight
+
+    @staticmethod
+    def cpu_per_milli(tw: TargetWorkload) -> float:
+        gpu = tw.gpus > 0
+        demand = float((tw.popularity[gpu] * tw.gpus[gpu] * tw.milli[gpu]).sum())
+        cpu = float((tw.popularity[gpu] * tw.cpu[gpu]).sum())
+        if demand <= 0 or cpu <= 0:
+            return 0.0
+        return cpu / demand
+
+    def _stranding_gain(self, st: PlacementState, req: SliceRequest,
+                        nodes: IntArray) -> FloatArray:
+        rho = self.cpu_per_milli(_workload(st))
+        if rho <= 0 or self.weight == 0:
+            return np.zeros(len(nodes))
+        free = st.arrays.gpu_free[nodes].sum(axis=1).astype(np.float64)
+        cpu = st.arrays.cpu_free[nodes].astype(np.float64)
+        before = np.maximum(0.0, free - cpu / rho)
+        after = np.maximum(0.0, free - req.total_milli - (cpu - req.cpu_milli) / rho)
+        return np.asarray(self.weight * (before - after))
+
+    def score(self, st: PlacementState, req: SliceRequest, nodes: IntArray) -> Scored:
+        before = st.frag[nodes]
+        gain = self._stranding_gain(st, req, nodes)
+        if not req.is_sharing:
+            after = whole_frag_after(st, req, nodes)
+            return Scored(nodes, fgd_int_score(before - after + gain))
+        rows, cols, after_pair = share_pairs(st, req, nodes)
+        pair_score = fgd_int_score(before[rows] - after_pair + gain[rows])
+        best, gpu = best_per_row(pair_score, rows, cols, len(nodes))
+        return Scored(nodes, best, gpu)
+
+
+PolicyFactory = Callable[[], Policy]
+
+REGISTRY: dict[str, PolicyFactory] = {
+    "random": RandomPolicy,
+    "dotprod": DotProductPolicy,
+    "gpu-clustering": GpuClusteringPolicy,
+    "gpu-packing": GpuPackingPolicy,
+    "bestfit": BestFitPolicy,
+    "fgd": FgdPolicy,
+    "frag-strand": FragStrandPolicy,
+}
+ALIASES: dict[str, str] = {"ours": "frag-strand"}
+PUBLISHED_NAMES: Mapping[str, str] = {
+    "random": "01-Random",
+    "dotprod": "02-DotProd",
+    "gpu-clustering": "03-GpuClustering",
+    "gpu-packing": "04-GpuPacking",
+    "bestfit": "05-BestFit",
+    "fgd": "06-FGD",
+}
+
+
+def policy_names() -> list[str]:
+    return [*REGISTRY, *ALIASES]
+
+
+def make_policy(name: str) -> Policy:
+    """Build the policy registered as ``name`` (or an alias of it)."""
+    key = ALIASES.get(name, name)
+    factory = REGISTRY.get(key)
+    if factory is None:
+        raise ValidationError("policy", f"one of {', '.join(policy_names())}", name)
+    return factory()
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    node: int
+    gpus: tuple[int, ...]
+    score: float
+
+
+def choose(policy: Policy, st: PlacementState, req: SliceRequest, ok: BoolArray,
+           rng: np.random.Generator, rank: IntArray | None = None) -> Choice | None:
+    """The policy's choice among the nodes where ``ok`` is True (``None`` when there is none).
+
+    A single feasible node is taken without scoring; otherwise the highest score wins. Ties go
+    to the node of lowest ``rank`` when a ranking is given (a fixed node order, as the FGD
+    simulator has), else are broken uniformly at random.
+    """
+    nodes = np.flatnonzero(ok)
+    if len(nodes) == 0:
+        return None
+    if len(nodes) == 1:
+        node = int(nodes[0])
+        return Choice(node, _gpus_for(policy, st, req, node, None, rng), float("nan"))
+    scored = policy.score(st, req, nodes)
+    top = scored.scores.max()
+    best = np.flatnonzero(scored.scores == top)
+    if len(best) == 1:
+        pick = int(best[0])
+    elif rank is not None:
+        pick = int(best[np.argmin(rank[nodes[best]])])
+    else:
+        pick = int(best[int(rng.integers(len(best)))])
+    node = int(nodes[pick])
+    pre = None if scored.gpu is None else int(scored.gpu[pick])
+    return Choice(node, _gpus_for(policy, st, req, node, pre, rng), float(top))
+
+
+def _gpus_for(policy: Policy, st: PlacementState, req: SliceRequest, node: int,
+              pre: int | None, rng: np.random.Generator) -> tuple[int, ...]:
+    if req.gpus == 0:
+        return ()
+    if pre is not None and pre >= 0:
+        return (pre,)
+    return policy.choose_gpus(st, req, node, rng)
+
+
+def place(snapshot: ClusterSnapshot, req: SliceRequest, policy: Policy | str,
+          rng: np.random.Generator, workload: TargetWorkload | None = None) -> Decision:
+    """Decide where ``req`` goes in ``snapshot`` under ``policy``. Nothing is changed."""
+    pol = make_policy(policy) if isinstance(policy, str) else policy
+    if pol.needs_workload and workload is None:
+        raise ValidationError(
+            "workload", f"a target workload for policy {pol.name}", None
+        )
+    st = PlacementState.build(snapshot.arrays, workload)
+    ok = feasible(snapshot.arrays, req)
+    found = choose(pol, st, req, ok, rng)
+    n_ok = int(ok.sum())
+    if found is None:
+        return Decision(None, pol.name, 0, reject_reasons(snapshot.arrays, req, ok))
+    pl = Placement(found.node, snapshot.arrays.names[found.node], found.gpus, req.milli,
+                   found.score)
+    return Decision(pl, pol.name, n_ok)

@@ -1,0 +1,1 @@
+"""The trace simulator: replays cluster traces against the core's placement policies."""
