@@ -173,3 +173,34 @@ def node_frag(arrays: ClusterArrays, tw: TargetWorkload, tables: FragTables) -> 
 def cluster_frag(arrays: ClusterArrays, tw: TargetWorkload) -> float:
     """F(M) of the whole cluster, in milli-GPU."""
     return float(node_frag(arrays, tw, FragTables.build(arrays, tw)).sum())
+
+
+def model_pressure(arrays: ClusterArrays, tw: TargetWorkload) -> FloatArray:
+    """How much of each GPU model the *model-constrained* part of the target workload needs,
+    relative to the cluster's average demand per GPU (index ``-1``, no GPU, is 0).
+
+    Each constrained shape's GPU demand is spread over the models it accepts in proportion to
+    their capacity. A model only some tasks may use (for example the only P100s, when 10% of
+    tasks insist on P100) gets a high pressure; with no constrained shapes every model gets 0.
+    """
+    n_models = len(arrays.models)
+    cap = np.zeros(n_models)
+    for i in range(n_models):
+        cap[i] = float(arrays.gpu_count[arrays.model_id == i].sum()) * 1000.0
+    demand = np.zeros(n_models)
+    for shape, p in zip(tw.shapes, tw.popularity.tolist(), strict=True):
+        if shape.gpus == 0 or not shape.models:
+            continue
+        allowed = np.array([m in shape.models for m in arrays.models], dtype=np.bool_)
+        reach = float((cap * allowed).sum())
+        if reach <= 0:
+            continue
+        demand += p * shape.gpus * shape.milli * cap * allowed / reach
+    total_demand = float((tw.popularity * tw.gpus * tw.milli).sum())
+    total_cap = float(cap.sum())
+    out = np.zeros(n_models + 1)
+    if total_demand > 0 and total_cap > 0:
+        out[:n_models] = np.divide(demand, cap, out=np.zeros(n_models), where=cap > 0) / (
+            total_demand / total_cap
+        )
+    return out
