@@ -102,6 +102,7 @@ class Scored:
 class Policy(Protocol):
     name: str
     needs_workload: bool
+    uniform_ties: bool
 
     def score(self, st: PlacementState, req: SliceRequest, nodes: IntArray) -> Scored: ...
 
@@ -143,16 +144,20 @@ def _trunc(x: FloatArray) -> FloatArray:
 
 
 class _BestFitGpuMixin:
+    uniform_ties = False
+
     def choose_gpus(self, st: PlacementState, req: SliceRequest, node: int,
                     rng: np.random.Generator) -> tuple[int, ...]:
         return best_fit_gpu(st.arrays, req, node)
 
 
 class RandomPolicy:
-    """Uniformly random feasible node, random fitting GPU."""
+    """Uniformly random feasible node, random fitting GPU (every node ties, and its ties are
+    always drawn uniformly, never by a fixed node order)."""
 
     name = "random"
     needs_workload = False
+    uniform_ties = True
 
     def score(self, st: PlacementState, req: SliceRequest, nodes: IntArray) -> Scored:
         return Scored(nodes, np.zeros(len(nodes)))
@@ -318,6 +323,7 @@ class FgdPolicy:
 
     name = "fgd"
     needs_workload = True
+    uniform_ties = False
 
     def score(self, st: PlacementState, req: SliceRequest, nodes: IntArray) -> Scored:
         before = st.frag[nodes]
@@ -464,7 +470,7 @@ def choose(policy: Policy, st: PlacementState, req: SliceRequest, ok: BoolArray,
     best = np.flatnonzero(scored.scores == top)
     if len(best) == 1:
         pick = int(best[0])
-    elif rank is not None:
+    elif rank is not None and not policy.uniform_ties:
         pick = int(best[np.argmin(rank[nodes[best]])])
     else:
         pick = int(best[int(rng.integers(len(best)))])

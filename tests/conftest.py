@@ -1,0 +1,22 @@
+"""Shared fixtures: the shared data folder (skipped when absent, a failure under CI=true)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from gpuslice.adapters.traces.data import TRACE_DIR, find_data_dir
+
+
+@pytest.fixture(scope="session")
+def shared_data() -> Path:
+    found = find_data_dir()
+    if found is None or not (found / TRACE_DIR).is_dir():
+        reason = ("shared data folder not found (set GPUSLICE_DATA or put it at ../shared); "
+                  "the trace tests need the Alibaba openb trace")
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(reason + " -- required under CI=true")
+        pytest.skip(reason)
+    return found

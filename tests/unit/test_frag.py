@@ -1,0 +1,80 @@
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from gpuslice.core.errors import ValidationError
+from gpuslice.core.frag import FragTables, Shape, TargetWorkload, node_frag, typical_shapes
+from gpuslice.core.frag import model_pressure
+from gpuslice.core.model import ClusterSnapshot
+from tests.builders import MakeNode
+
+TW = TargetWorkload.of(
+    [Shape(2000, 1, 500), Shape(4000, 0, 0), Shape(20000, 1, 1000)], [0.5, 0.25, 0.25]
+)
+
+
+@pytest.mark.parametrize(
+    ("node", "expected"),
+    [
+        # A fits: only the 300-milli GPU is a fragment; CPU-only and too-big shapes see all 1300.
+        (MakeNode("n").gpus("T4", 2).used(0, 700).cpu(32000, 10000), 0.5 * 300 + 0.5 * 1300),
+        # plenty of CPU: C fits on GPU 0 too, so it sees only the 300 leftover as fragment
+        (MakeNode("n").gpus("T4", 2).used(0, 700).cpu(32000), 0.5 * 300 + 0.25 * 1300 + 0.25 * 300),
+        # no CPU at all: every shape sees all idle GPU as fragment
+        (MakeNode("n").gpus("T4", 2).used(0, 700).cpu(32000, 0), 1300.0),
+        # fully used node: nothing idle, nothing fragmented
+        (MakeNode("n").gpus("T4", 2).used(1000, 1000), 0.0),
+    ],
+)
+def test_node_fragmentation_follows_the_fgd_definition(node: MakeNode, expected: float) -> None:
+    arrays = ClusterSnapshot.of([node.obj()]).arrays
+    got = node_frag(arrays, TW, FragTables.build(arrays, TW))
+    assert got[0] == pytest.approx(expected)
+
+
+def test_model_constrained_shape_sees_other_models_as_fragment() -> None:
+    tw = TargetWorkload.of([Shape(1000, 1, 500, frozenset({"V100M16"}))], [1.0])
+    arrays = ClusterSnapshot.of([MakeNode("t4").gpus("T4", 1).obj(),
+                                 MakeNode("v").gpus("V100M16", 1).obj()]).arrays
+    assert node_frag(arrays, tw, FragTables.build(arrays, tw)).tolist() == [1000.0, 0.0]
+
+
+def test_memory_aware_shapes_count_memory_starved_nodes() -> None:
+    tw = TargetWorkload.of([Shape(1000, 1, 500)], [1.0]).with_memory([4096])
+    arrays = ClusterSnapshot.of([MakeNode("a").gpus("T4", 1).mem(8192, 1024).obj()]).arrays
+    assert node_frag(arrays, tw, FragTables.build(arrays, tw))[0] == 1000.0
+
+
+def test_typical_shapes_cover_the_threshold_and_renormalise() -> None:
+    shapes = [Shape(1000, 1, 500)] * 60 + [Shape(2000, 1, 1000)] * 30 + [Shape(0, 0, 0)] * 6 + \
+        [Shape(1, 8, 1000)] * 4
+    tw = typical_shapes(shapes, coverage_pct=95.0, step=1)
+    assert [s.milli for s in tw.shapes] == [500, 1000, 0]
+    assert tw.popularity.sum() == pytest.approx(1.0)
+    assert tw.popularity[0] == pytest.approx(60 / 96)
+
+
+def test_typical_shapes_ties_prefer_larger_cpu() -> None:
+    tw = typical_shapes([Shape(1000, 1, 500), Shape(3000, 1, 500)], coverage_pct=50, step=1)
+    assert tw.shapes == (Shape(3000, 1, 500),)
+
+
+def test_target_workload_validation() -> None:
+    with pytest.raises(ValidationError, match="popularity"):
+        TargetWorkload.of([Shape(1, 1, 1)], [0.5])
+    with pytest.raises(ValidationError, match="task list"):
+        typical_shapes([])
+
+
+def test_model_pressure_is_zero_without_constraints_and_high_on_scarce_models() -> None:
+    arrays = ClusterSnapshot.of([MakeNode("t4").gpus("T4", 8).obj(),
+                                 MakeNode("p").gpus("P100", 2).obj()]).arrays
+    free = TargetWorkload.of([Shape(1000, 1, 500)], [1.0])
+    assert np.all(model_pressure(arrays, free) == 0)
+    tw = TargetWorkload.of([Shape(1000, 1, 500), Shape(1000, 1, 500, frozenset({"P100"}))],
+                           [0.5, 0.5])
+    p = model_pressure(arrays, tw)
+    t4, p100 = arrays.models.index("T4"), arrays.models.index("P100")
+    assert p[p100] > 1.0 > p[t4] == 0
+    assert p[-1] == 0

@@ -1,0 +1,144 @@
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from gpuslice.core.errors import ValidationError
+from gpuslice.core.fit import feasible
+from gpuslice.core.frag import Shape, TargetWorkload
+from gpuslice.core.model import ClusterSnapshot
+from gpuslice.core.policies import (
+    REGISTRY,
+    PlacementState,
+    best_fit_gpu,
+    choose,
+    exclusive_gpus,
+    make_policy,
+    place,
+    policy_names,
+)
+from tests.builders import MakeNode, MakeReq
+
+TW = TargetWorkload.of(
+    [Shape(4000, 1, 500), Shape(8000, 1, 1000), Shape(4000, 0, 0)], [0.4, 0.4, 0.2]
+)
+
+
+def decide(policy: str, nodes: list[MakeNode], req: MakeReq, seed: int = 0) -> tuple[str, tuple[int, ...]]:
+    snap = ClusterSnapshot.of([n.obj() for n in nodes])
+    d = place(snap, req.obj(), policy, np.random.default_rng(seed), TW)
+    assert d.placement is not None, d.message()
+    return d.placement.node, d.placement.gpu_indices
+
+
+# name, policy, nodes, request, expected node, expected GPUs
+CASES = [
+    ("bestfit picks the node left fullest", "bestfit",
+     [MakeNode("big").gpus("T4", 4), MakeNode("small").gpus("T4", 2)], MakeReq().gpu(1).cpu(1000),
+     "small", (0,)),
+    ("bestfit picks the tightest GPU inside", "bestfit",
+     [MakeNode("n").gpus("T4", 3).used(200, 600, 0)], MakeReq().share(300), "n", (1,)),
+    ("dotprod picks the smallest dot product", "dotprod",
+     [MakeNode("idle").gpus("T4", 4), MakeNode("busy").gpus("T4", 4).used(1000, 1000)],
+     MakeReq().gpu(1).cpu(1000), "busy", (2,)),
+    ("gpu-packing prefers a partly used GPU", "gpu-packing",
+     [MakeNode("empty").gpus("T4", 2), MakeNode("part").gpus("T4", 2).used(1000, 500)],
+     MakeReq().share(400), "part", (1,)),
+    ("gpu-packing puts whole GPUs on used nodes", "gpu-packing",
+     [MakeNode("empty").gpus("T4", 2), MakeNode("used").gpus("T4", 2).used(300)],
+     MakeReq().gpu(1), "used", (1,)),
+    ("fgd fills a leftover that fits exactly", "fgd",
+     [MakeNode("empty").gpus("T4", 2).cpu(64000), MakeNode("part").gpus("T4", 2).used(500).cpu(64000)],
+     MakeReq().share(500).cpu(1000), "part", (0,)),
+    ("ours sends a CPU-heavy task to the CPU-rich node", "ours",
+     [MakeNode("poor").gpus("T4", 4).cpu(40000), MakeNode("rich").gpus("T4", 4).cpu(128000)],
+     MakeReq().gpu(1).cpu(20000), "rich", (0,)),
+    ("ours keeps off a model that constrained tasks need", "ours",
+     [MakeNode("p100").gpus("P100", 4).cpu(64000), MakeNode("t4").gpus("T4", 4).cpu(64000)],
+     MakeReq().gpu(1).cpu(4000), "t4", (0,)),
+]
+
+
+@pytest.mark.parametrize(("name", "policy", "nodes", "req", "node", "gpus"), CASES,
+                         ids=[c[0] for c in CASES])
+def test_policy_choices(name: str, policy: str, nodes: list[MakeNode], req: MakeReq, node: str,
+                        gpus: tuple[int, ...]) -> None:
+    # the expected node must win on score, not by a lucky tie-break: every seed agrees
+    tw = TW
+    if "constrained" in name:
+        tw = TargetWorkload.of([Shape(4000, 1, 1000), Shape(4000, 1, 1000, frozenset({"P100"}))],
+                               [0.5, 0.5])
+    snap = ClusterSnapshot.of([n.obj() for n in nodes])
+    for seed in range(8):
+        d = place(snap, req.obj(), policy, np.random.default_rng(seed), tw)
+        assert d.placement is not None
+        assert (d.placement.node, d.placement.gpu_indices) == (node, gpus)
+
+
+def test_gpu_clustering_keeps_classes_together() -> None:
+    snap = ClusterSnapshot.of([MakeNode("a").gpus("T4", 4).obj(), MakeNode("b").gpus("T4", 4).obj()])
+    st = PlacementState.build(snap.arrays.copy(), None)
+    st.affinity[1, 0] = 2  # node b holds two shared-GPU tasks
+    req = MakeReq().share(300).obj()
+    pol = make_policy("gpu-clustering")
+    got = choose(pol, st, req, feasible(st.arrays, req), np.random.default_rng(0))
+    assert got is not None and got.node == 1
+    whole = MakeReq().gpu(1).obj()
+    got = choose(pol, st, whole, feasible(st.arrays, whole), np.random.default_rng(0))
+    assert got is not None and got.node == 0  # an empty node beats one holding another class
+
+
+def test_random_policy_reaches_every_feasible_node() -> None:
+    nodes = [MakeNode(f"n{i}").gpus("T4", 1) for i in range(4)] + \
+        [MakeNode("full").gpus("T4", 1).used(1000)]
+    seen = {decide("random", nodes, MakeReq().share(500), seed=s)[0] for s in range(60)}
+    assert seen == {"n0", "n1", "n2", "n3"}
+
+
+def test_ties_go_to_the_lowest_rank() -> None:
+    snap = ClusterSnapshot.of([MakeNode(f"n{i}").gpus("T4", 2).obj() for i in range(3)])
+    st = PlacementState.build(snap.arrays.copy(), TW)
+    req = MakeReq().gpu(1).obj()
+    rank = np.array([2, 0, 1])
+    got = choose(make_policy("fgd"), st, req, feasible(st.arrays, req), np.random.default_rng(0),
+                 rank)
+    assert got is not None and got.node == 1
+
+
+def test_no_feasible_node_gives_a_decision_with_reasons() -> None:
+    snap = ClusterSnapshot.of([MakeNode("a").gpus("T4", 1).used(800).obj(),
+                               MakeNode("b").gpus("T4", 1).cpu(1000, 0).obj()])
+    d = place(snap, MakeReq().share(500).cpu(500).obj(), "bestfit", np.random.default_rng(0))
+    assert not d.ok
+    assert d.reasons == {"insufficient cpu": 1, "not enough GPUs with the requested share free": 1}
+    assert "0 feasible nodes" in d.message()
+
+
+def test_gpu_selection_helpers() -> None:
+    arrays = ClusterSnapshot.of([MakeNode("n").gpus("T4", 4).used(0, 1000, 500, 500).obj()]).arrays
+    assert exclusive_gpus(arrays, MakeReq().gpu(1).obj(), 0) == (0,)
+    assert best_fit_gpu(arrays, MakeReq().share(400).obj(), 0) == (2,)
+
+
+def test_registry_and_alias() -> None:
+    assert {"random", "dotprod", "gpu-clustering", "gpu-packing", "bestfit", "fgd"} <= set(REGISTRY)
+    assert "ours" in policy_names()
+    assert make_policy("ours").name == make_policy("frag-strand").name
+    with pytest.raises(ValidationError, match="policy"):
+        make_policy("nope")
+
+
+def test_frag_policies_need_a_workload() -> None:
+    snap = ClusterSnapshot.of([MakeNode("a").gpus("T4", 1).obj()])
+    with pytest.raises(ValidationError, match="workload"):
+        place(snap, MakeReq().share(100).obj(), "fgd", np.random.default_rng(0))
+
+
+def test_random_policy_ignores_the_tie_order() -> None:
+    snap = ClusterSnapshot.of([MakeNode(f"n{i}").gpus("T4", 1).obj() for i in range(4)])
+    st = PlacementState.build(snap.arrays.copy(), None)
+    req = MakeReq().share(100).obj()
+    rank = np.arange(4)
+    picks = {choose(make_policy("random"), st, req, feasible(st.arrays, req),
+                    np.random.default_rng(s), rank).node for s in range(40)}  # type: ignore[union-attr]
+    assert picks == {0, 1, 2, 3}
