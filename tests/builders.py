@@ -48,7 +48,7 @@ class MakeNode:
 
 @dataclass(frozen=True)
 class MakeReq:
-    req: SliceRequest = SliceRequest()
+    req: SliceRequest = field(default_factory=SliceRequest)
 
     def gpu(self, count: int, milli: int = 1000) -> MakeReq:
         return MakeReq(replace(self.req, gpus=count, milli=milli))

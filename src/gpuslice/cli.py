@@ -1,4 +1,8 @@
-"""``gpuslice`` command line. ``main()`` returns an exit code: 0 ok, 2 bad input, 130 interrupted."""
+"""``gpuslice`` command line.
+
+``main()`` returns an exit code: 0 ok, 1 a checked layout is invalid, 2 bad input,
+130 interrupted.
+"""
 
 from __future__ import annotations
 

@@ -48,7 +48,8 @@ def test_tune_rejects_bad_ratio() -> None:
 
 
 def test_replay_never_overcommits_and_counts_failures() -> None:
-    snap = ClusterSnapshot.of([MakeNode("a").gpus("T4", 2).obj(), MakeNode("b").gpus("T4", 1).obj()])
+    snap = ClusterSnapshot.of([MakeNode("a").gpus("T4", 2).obj(),
+                               MakeNode("b").gpus("T4", 1).obj()])
     t = tasks([1, 1, 1, 2, 1], [600, 600, 600, 1000, 400])
     tw = TargetWorkload.of([Shape(1000, 1, 600)], [1.0])
     run = replay(snap.arrays, t, make_policy("bestfit"), tw, np.random.default_rng(0))

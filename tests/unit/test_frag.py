@@ -4,8 +4,14 @@ import numpy as np
 import pytest
 
 from gpuslice.core.errors import ValidationError
-from gpuslice.core.frag import FragTables, Shape, TargetWorkload, node_frag, typical_shapes
-from gpuslice.core.frag import model_pressure
+from gpuslice.core.frag import (
+    FragTables,
+    Shape,
+    TargetWorkload,
+    model_pressure,
+    node_frag,
+    typical_shapes,
+)
 from gpuslice.core.model import ClusterSnapshot
 from tests.builders import MakeNode
 

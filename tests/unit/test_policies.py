@@ -24,7 +24,8 @@ TW = TargetWorkload.of(
 )
 
 
-def decide(policy: str, nodes: list[MakeNode], req: MakeReq, seed: int = 0) -> tuple[str, tuple[int, ...]]:
+def decide(policy: str, nodes: list[MakeNode], req: MakeReq,
+           seed: int = 0) -> tuple[str, tuple[int, ...]]:
     snap = ClusterSnapshot.of([n.obj() for n in nodes])
     d = place(snap, req.obj(), policy, np.random.default_rng(seed), TW)
     assert d.placement is not None, d.message()
@@ -48,7 +49,8 @@ CASES = [
      [MakeNode("empty").gpus("T4", 2), MakeNode("used").gpus("T4", 2).used(300)],
      MakeReq().gpu(1), "used", (1,)),
     ("fgd fills a leftover that fits exactly", "fgd",
-     [MakeNode("empty").gpus("T4", 2).cpu(64000), MakeNode("part").gpus("T4", 2).used(500).cpu(64000)],
+     [MakeNode("empty").gpus("T4", 2).cpu(64000),
+      MakeNode("part").gpus("T4", 2).used(500).cpu(64000)],
      MakeReq().share(500).cpu(1000), "part", (0,)),
     ("ours sends a CPU-heavy task to the CPU-rich node", "ours",
      [MakeNode("poor").gpus("T4", 4).cpu(40000), MakeNode("rich").gpus("T4", 4).cpu(128000)],
@@ -76,7 +78,8 @@ def test_policy_choices(name: str, policy: str, nodes: list[MakeNode], req: Make
 
 
 def test_gpu_clustering_keeps_classes_together() -> None:
-    snap = ClusterSnapshot.of([MakeNode("a").gpus("T4", 4).obj(), MakeNode("b").gpus("T4", 4).obj()])
+    snap = ClusterSnapshot.of([MakeNode("a").gpus("T4", 4).obj(),
+                               MakeNode("b").gpus("T4", 4).obj()])
     st = PlacementState.build(snap.arrays.copy(), None)
     st.affinity[1, 0] = 2  # node b holds two shared-GPU tasks
     req = MakeReq().share(300).obj()

@@ -47,7 +47,7 @@ class MigGeometry:
 
     def profile(self, key: int | str) -> MigProfile:
         for p in self.profiles:
-            if p.profile_id == key or p.name == key:
+            if key in (p.profile_id, p.name):
                 return p
         names = ", ".join(f"{p.name} ({p.profile_id})" for p in self.profiles)
         raise ValidationError("mig profile", f"one of {names}", key)

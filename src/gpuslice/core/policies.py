@@ -84,7 +84,8 @@ class PlacementState:
         row = slice(node, node + 1)
         per = shape_frag(
             self.arrays.gpu_free[row].sum(axis=1), self.arrays.cpu_free[row],
-            self.arrays.mem_free[row], self.tables.access[row], self.tables.count[row], self.tables.big[row], self.workload,
+            self.arrays.mem_free[row], self.tables.access[row], self.tables.count[row],
+            self.tables.big[row], self.workload,
         )
         self.frag[node] = float((per @ self.workload.popularity)[0])
 

@@ -8,11 +8,11 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
 
-from gpuslice.sim.engine import BINS  # noqa: E402
-from gpuslice.sim.runner import JobResult  # noqa: E402
+from gpuslice.sim.engine import BINS
+from gpuslice.sim.runner import JobResult
 
 
 def plot_unallocated(results: Sequence[JobResult], path: Path, title: str,

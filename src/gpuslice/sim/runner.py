@@ -154,7 +154,7 @@ def _fmt(x: float) -> str:
 def write_results(out: Path, workload: str, results: Sequence[JobResult]) -> list[Path]:
     """Write allocation.csv, frag.csv, frag_ratio.csv and summary.json into ``out``."""
     out.mkdir(parents=True, exist_ok=True)
-    files = {
+    files: dict[str, Callable[[BinnedRun], np.ndarray]] = {
         "allocation.csv": lambda b: b.alloc,
         "frag.csv": lambda b: b.frag_amount,
         "frag_ratio.csv": lambda b: b.frag_ratio,
