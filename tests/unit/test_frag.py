@@ -84,3 +84,15 @@ def test_model_pressure_is_zero_without_constraints_and_high_on_scarce_models() 
     t4, p100 = arrays.models.index("T4"), arrays.models.index("P100")
     assert p[p100] > 1.0 > p[t4] == 0
     assert p[-1] == 0
+
+
+def test_cpu_per_milli_counts_cpu_only_tasks_only_when_cpu_runs_out() -> None:
+    from gpuslice.core.frag import cpu_per_milli
+
+    arrays = ClusterSnapshot.of([MakeNode("n").gpus("T4", 4).cpu(64000).obj()]).arrays
+    light = TargetWorkload.of([Shape(8000, 1, 1000), Shape(4000, 0, 0)], [0.5, 0.5])
+    assert cpu_per_milli(arrays, light) == pytest.approx(8.0)  # GPU tasks only
+    heavy = TargetWorkload.of([Shape(8000, 1, 1000), Shape(24000, 0, 0)], [0.5, 0.5])
+    # (8000 + 24000) / 1000 = 32 CPU per milli x 4000 milli >= 64000: CPU runs out first
+    assert cpu_per_milli(arrays, heavy) == pytest.approx(32.0)
+    assert cpu_per_milli(arrays, TargetWorkload.of([Shape(4000, 0, 0)], [1.0])) == 0.0

@@ -204,3 +204,25 @@ def model_pressure(arrays: ClusterArrays, tw: TargetWorkload) -> FloatArray:
             total_demand / total_cap
         )
     return out
+
+
+def cpu_per_milli(arrays: ClusterArrays, tw: TargetWorkload) -> float:
+    """CPU (milli) the target workload needs per milli-GPU, for judging stranded GPUs.
+
+    Normally only the GPU tasks count: CPU-only tasks can run anywhere, including next to GPUs
+    that are already taken. But when the workload needs more CPU than the cluster has by the
+    time its GPUs are full (expected CPU per milli-GPU of all tasks x GPU capacity >= CPU
+    capacity), every core counts, and so does the CPU of CPU-only tasks. Returns 0 when the
+    workload asks for no GPU.
+    """
+    gpu = tw.gpus > 0
+    demand = float((tw.popularity * tw.gpus * tw.milli).sum())
+    if demand <= 0:
+        return 0.0
+    gpu_tasks = float((tw.popularity[gpu] * tw.cpu[gpu]).sum()) / demand
+    all_tasks = float((tw.popularity * tw.cpu).sum()) / demand
+    gpu_capacity = float((arrays.gpu_count * 1000).sum())
+    cpu_capacity = float(arrays.cpu_cap.sum())
+    if cpu_capacity > 0 and all_tasks * gpu_capacity >= cpu_capacity:
+        return all_tasks
+    return gpu_tasks

@@ -19,7 +19,14 @@ import numpy as np
 
 from gpuslice.core.errors import ValidationError
 from gpuslice.core.fit import feasible, gpu_ok, reject_reasons
-from gpuslice.core.frag import FragTables, TargetWorkload, model_pressure, node_frag, shape_frag
+from gpuslice.core.frag import (
+    FragTables,
+    TargetWorkload,
+    cpu_per_milli,
+    model_pressure,
+    node_frag,
+    shape_frag,
+)
 from gpuslice.core.model import (
     MILLI,
     BoolArray,
@@ -59,6 +66,7 @@ class PlacementState:
     frag: FloatArray
     affinity: IntArray  # (N, 1 + max GPUs): [share, 1-gpu, 2-gpu, ...] task counts
     _pressure: FloatArray | None = None
+    _cpu_per_milli: float | None = None
 
     @property
     def pressure(self) -> FloatArray:
@@ -67,6 +75,14 @@ class PlacementState:
         if self._pressure is None:
             self._pressure = model_pressure(self.arrays, _workload(self))
         return self._pressure
+
+    @property
+    def cpu_per_milli(self) -> float:
+        """CPU the target workload needs per milli-GPU (computed once, see
+        :func:`~gpuslice.core.frag.cpu_per_milli`)."""
+        if self._cpu_per_milli is None:
+            self._cpu_per_milli = cpu_per_milli(self.arrays, _workload(self))
+        return self._cpu_per_milli
 
     @classmethod
     def build(cls, arrays: ClusterArrays, workload: TargetWorkload | None) -> PlacementState:
@@ -353,8 +369,9 @@ class FragStrandPolicy(FgdPolicy):
     * **CPU stranding.** FGD notices CPU only when a node can no longer fit a whole typical
       task, so CPU-heavy tasks drain nodes with few cores per GPU (the trace's 8-GPU, 96-core
       nodes) and strand their GPUs. We add the change of the node's stranded-GPU estimate
-      ``max(0, free_gpu_milli - free_cpu / rho)``, ``rho`` being the target workload's CPU per
-      milli-GPU, so CPU-heavy tasks go to CPU-rich nodes.
+      ``max(0, free_gpu_milli - free_cpu / rho)``, ``rho`` being the CPU the target workload
+      needs per milli-GPU (:func:`~gpuslice.core.frag.cpu_per_milli`), so CPU-heavy tasks go to
+      CPU-rich nodes.
     * **Model contention.** When some tasks accept only certain GPU models, tasks that could
       run anywhere should leave those models alone. A placement on model X costs
       ``milli x pressure(X)`` (:func:`~gpuslice.core.frag.model_pressure`), which is 0 on every
@@ -375,19 +392,10 @@ class FragStrandPolicy(FgdPolicy):
         self.weight = weight
         self.contention = contention
 
-    @staticmethod
-    def cpu_per_milli(tw: TargetWorkload) -> float:
-        gpu = tw.gpus > 0
-        demand = float((tw.popularity[gpu] * tw.gpus[gpu] * tw.milli[gpu]).sum())
-        cpu = float((tw.popularity[gpu] * tw.cpu[gpu]).sum())
-        if demand <= 0 or cpu <= 0:
-            return 0.0
-        return cpu / demand
-
     def _stranding_gain(self, st: PlacementState, req: SliceRequest,
                         nodes: IntArray) -> FloatArray:
         gain = np.zeros(len(nodes))
-        rho = self.cpu_per_milli(_workload(st))
+        rho = st.cpu_per_milli
         if rho > 0 and self.weight > 0:
             free = st.arrays.gpu_free[nodes].sum(axis=1).astype(np.float64)
             cpu = st.arrays.cpu_free[nodes].astype(np.float64)

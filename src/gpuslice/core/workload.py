@@ -70,12 +70,16 @@ def tune(tasks: Tasks, capacity_milli: int, ratio: float, rng: np.random.Generat
 
     Short of the target, tasks drawn uniformly with replacement are appended until the first
     draw that would pass it; over the target, random tasks are dropped until the demand fits
-    (FGD's ``-tune``). The order of the result is the arrival order.
+    (FGD's ``-tune``). As in the FGD simulator, the stop test adds the draw's milli *per GPU*
+    (so a multi-GPU draw may overshoot by up to its other GPUs, and CPU-only draws never stop
+    it). The order of the result is the arrival order.
     """
     if ratio <= 0:
         raise ValidationError("tune", "a positive ratio of GPU capacity", ratio)
     if len(tasks) == 0:
         raise ValidationError("tasks", "at least one task", 0)
+    if int(tasks.total_milli.sum()) == 0:
+        raise ValidationError("tasks", "at least one task that asks for a GPU", 0)
     order = rng.permutation(len(tasks))
     demand = tasks.total_milli
     target = ratio * capacity_milli
@@ -84,7 +88,7 @@ def tune(tasks: Tasks, capacity_milli: int, ratio: float, rng: np.random.Generat
         extra: list[int] = []
         while True:
             pick = int(rng.integers(len(tasks)))
-            if total + int(demand[pick]) > target:
+            if total + int(tasks.gpu_milli[pick]) > target:
                 break
             total += int(demand[pick])
             extra.append(pick)
