@@ -96,7 +96,117 @@ def _build_parser() -> argparse.ArgumentParser:
     m.add_argument("model", help="GPU model, e.g. A100-80GB, H100-SXM, A30")
     m.add_argument("--layout", help="check a layout such as '3g.40gb@0,2g.20gb@4,1g.10gb@6'")
     m.add_argument("--used", help="partly used GPU: list what still fits next to this layout")
+    _add_router_parser(sub)
+    _add_plan_parser(sub)
     return ap
+
+
+def _add_plan_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "plan", help="SLA planner: the fewest (or cheapest) GPU slices that meet every SLO",
+        description="Plan MIG slices (with MPS processes inside) for services with request "
+        "rates and latency SLOs, from measured profiles; check the plan by replaying Poisson "
+        "arrivals through it; optionally export mig-parted configs and Kubernetes manifests.",
+    )
+    p.add_argument("--profiles", type=Path, required=True,
+                   help="ParvaGPU folder (with prof_data/) or a gpuslice profile CSV")
+    p.add_argument("--slo-rate", type=Path, help="ParvaGPU SLO_req_rate.csv (default: "
+                   "PROFILES/SLO/SLO_req_rate.csv)")
+    p.add_argument("--slo-latency", type=Path, help="ParvaGPU SLO_latency.csv (default: "
+                   "PROFILES/SLO/SLO_latency.csv)")
+    p.add_argument("--scenario", type=int, help="scenario (row) of the SLO files, from 1")
+    p.add_argument("--services", type=Path,
+                   help="services YAML/JSON: [{name, model, rate, slo_ms}] (instead of SLO files)")
+    p.add_argument("--fleet", type=Path,
+                   help="fleet YAML/JSON: [{gpu, count, cost_per_hour}] (default: unlimited "
+                   "GPUs of every profiled type)")
+    p.add_argument("--objective", choices=("gpus", "cost"), default="gpus")
+    p.add_argument("--solver", choices=("auto", "milp", "greedy"), default="auto")
+    p.add_argument("--latency-factor", type=float, default=0.45,
+                   help="a configuration serves a model only if its batch latency <= this x "
+                   "SLO (default 0.45, ParvaGPU's rule)")
+    p.add_argument("--no-mix", action="store_true",
+                   help="one service per MIG instance (no MPS sharing between services)")
+    p.add_argument("--no-check", action="store_true",
+                   help="skip the replay-driven re-planning (the final replay still runs)")
+    p.add_argument("--time-limit", type=float, default=1.0,
+                   help="solver seconds per planning round (default 1.0)")
+    p.add_argument("--json", type=Path, help="write the plan as JSON here")
+    p.add_argument("--export", type=Path,
+                   help="write plan.json, mig-parted.yaml and manifests.yaml into this folder")
+    p.add_argument("--seed", type=int, default=1, help="seed of the replay")
+
+
+def _add_router_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    r = sub.add_parser(
+        "router", help="HTTP reverse proxy routing inference requests to the replica that will "
+        "answer soonest (or --export mesh weights)",
+        description="Route each inference request to the replica that will answer it soonest. "
+        "Replicas come from --config (JSON or TOML; reloaded when the file changes or on "
+        "SIGHUP), the planner's --plan, or Kubernetes --endpointslices NAMESPACE/SERVICE.",
+    )
+    src = r.add_mutually_exclusive_group()
+    src.add_argument("--config", type=Path, help="router config (JSON or TOML)")
+    src.add_argument("--plan", type=Path, help="the planner's JSON plan (weights from it)")
+    r.add_argument("--endpointslices", metavar="NS/SERVICE",
+                   help="replicas from the EndpointSlices of a Service (weights from "
+                   "--plan/--config when given, matched by pod name)")
+    r.add_argument("--kube-api", help="API server URL (default: in-cluster)")
+    r.add_argument("--port-name", help="EndpointSlice port name (default: the first port)")
+    r.add_argument("--listen", default="0.0.0.0:8080", help="HOST:PORT (default 0.0.0.0:8080)")
+    r.add_argument("--admin", default="0.0.0.0:9901",
+                   help="HOST:PORT for /metrics, /replicas, /reload, /healthz ('off' to disable)")
+    r.add_argument("--policy", help="routing policy for every service (default from the "
+                   "config, else sed): round-robin, weighted-round-robin, least-outstanding, "
+                   "p2c, sed")
+    r.add_argument("--slo-ms", type=float, help="latency SLO for admission control (overrides "
+                   "the services' slo_ms)")
+    r.add_argument("--no-admission", action="store_true",
+                   help="never answer 429: queue every request")
+    r.add_argument("--access-log", default="-", help="'-' stdout (default), a file, or 'off'")
+    r.add_argument("--export", choices=("istio", "envoy"),
+                   help="print Istio DestinationRule/VirtualService or Envoy endpoint weights "
+                   "for the plan or config and exit")
+    r.add_argument("--namespace", default="default", help="namespace of exported Istio objects")
+
+
+def _router(args: argparse.Namespace, console: Console) -> int:
+    import json
+
+    from gpuslice.adapters.http.config import read_config
+    from gpuslice.services import mesh_export
+    from gpuslice.services.router import ServeOptions, parse_hostport, run
+
+    if args.export:
+        path = args.plan or args.config
+        if path is None:
+            raise ValidationError("--plan", "a plan or config to export weights from", None)
+        cfg = read_config(path, need_urls=args.export == "envoy",
+                          field="--plan" if args.plan else "--config")
+        doc = mesh_export.istio(cfg, args.namespace) if args.export == "istio" \
+            else mesh_export.envoy(cfg)
+        sys.stdout.write(json.dumps(doc, indent=2) + "\n")
+        return 0
+    if args.slo_ms is not None and not args.slo_ms > 0:
+        raise ValidationError("--slo-ms", "a positive number of milliseconds", args.slo_ms)
+    if args.policy is not None:
+        from gpuslice.core.routing import make_routing_policy
+
+        make_routing_policy(args.policy)
+    opts = ServeOptions(
+        listen=parse_hostport("--listen", args.listen),
+        admin=None if args.admin == "off" else parse_hostport("--admin", args.admin),
+        policy=args.policy, slo_ms=args.slo_ms, admission=not args.no_admission,
+        access_log=args.access_log, config=args.config, plan=args.plan,
+        endpointslices=args.endpointslices, kube_api=args.kube_api, port_name=args.port_name,
+    )
+    if opts.config is None and opts.plan is None and opts.endpointslices is None:
+        raise ValidationError("--config", "a router config, a --plan or --endpointslices", None)
+    try:
+        run(opts)
+    except OSError as exc:
+        raise ValidationError("--listen", "a free address to listen on", str(exc)) from None
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -110,6 +220,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _gpus(console)
         if args.command == "mig":
             return _mig(args, console)
+        if args.command == "plan":
+            return _plan(args, console)
+        if args.command == "router":
+            return _router(args, console)
     except GpusliceError as exc:
         err.print(f"gpuslice: error: {exc}", markup=False, highlight=False, soft_wrap=True)
         return 2
@@ -201,6 +315,73 @@ def _simulate(args: argparse.Namespace, console: Console) -> int:
     for path in written:
         console.print(f"wrote {path}", highlight=False)
     return 0
+
+
+def _plan(args: argparse.Namespace, console: Console) -> int:
+    import json
+
+    from gpuslice.core.planner import FleetType, PlanOptions
+    from gpuslice.planning.export import write_exports
+    from gpuslice.planning.run import (
+        load_profiles,
+        parva_baseline,
+        read_fleet,
+        read_services,
+        run_plan,
+        scenario_services,
+        to_json,
+    )
+
+    opts = PlanOptions(latency_factor=args.latency_factor, objective=args.objective,
+                       solver=args.solver, time_limit_s=args.time_limit, mix=not args.no_mix)
+    profiles = load_profiles(args.profiles)
+    baselines: dict[str, int | None] = {}
+    if args.services is not None:
+        services = read_services(args.services)
+    elif args.scenario is not None:
+        services = scenario_services(args.profiles, args.slo_rate, args.slo_latency,
+                                     args.scenario)
+        if args.profiles.is_dir():
+            baselines["parvagpu"] = parva_baseline(args.profiles, args.scenario)
+    else:
+        raise ValidationError("--scenario", "a scenario number, or --services FILE", None)
+    fleet = read_fleet(args.fleet) if args.fleet else [
+        FleetType(g) for g in profiles.gpus()]
+    run = run_plan(profiles, services, fleet, opts, seed=args.seed, check=not args.no_check,
+                   baselines=baselines)
+    doc = to_json(run)
+    table = Table(title=f"plan: {doc['gpus']} GPUs ({doc['solver']}, lower bound "
+                  f"{doc['lower_bound']:.2f}, planned in {doc['seconds']['plan']:.2f} s)")
+    for col in ("service", "rate", "SLO ms", "capacity", "slices", "replayed p99 ms", "SLO met"):
+        table.add_column(col, justify="right")
+    for s in doc["services"]:
+        slices = ", ".join(f"{x['profile']}@{x['start']}/g{x['gpu']} b{x['batch']}x{x['procs']}"
+                           for x in s["segments"])
+        table.add_row(s["name"], f"{s['rate_rps']:g}", f"{s['slo_ms']:g}",
+                      f"{s['capacity_rps']:.0f}", slices or "-",
+                      "-" if s["replayed_p99_ms"] is None else f"{s['replayed_p99_ms']:.1f}",
+                      "-" if s["slo_met"] is None else ("yes" if s["slo_met"] else "NO"))
+    console.print(table)
+    base = doc["baselines"]
+    console.print(
+        f"GPUs: gpuslice {doc['gpus']} | ParvaGPU {base.get('parvagpu') or '-'} | exclusive "
+        f"{base.get('exclusive')} | lower bound {doc['lower_bound']:.2f}", highlight=False)
+    if doc["single_type_cost"]:
+        best_single = min(doc["single_type_cost"].values())
+        console.print(f"cost {doc['cost']:.2f} vs best single GPU type {best_single:.2f} "
+                      f"(saving {100 * (1 - doc['cost'] / best_single):.1f}%)", highlight=False)
+    for pr in doc["problems"]:
+        console.print(f"[yellow]not planned[/] {pr['service']}: {pr['reason']}")
+    for e in doc["errors"]:
+        console.print(f"[red]invalid[/] {e}")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(doc, indent=2))
+        console.print(f"wrote {args.json}", highlight=False)
+    if args.export:
+        for path in write_exports(args.export, run.plan, doc):
+            console.print(f"wrote {path}", highlight=False)
+    return 0 if not doc["errors"] else 1
 
 
 def _gpus(console: Console) -> int:

@@ -103,16 +103,19 @@ def fitting_profiles(
 
 
 def maximal_layouts(
-    geometry: MigGeometry, *, include_media: bool = False
+    geometry: MigGeometry, *, include_media: bool = False,
+    profiles: Iterable[MigProfile] | None = None,
 ) -> list[tuple[MigPlacement, ...]]:
     """All layouts to which no further instance can be added, each once, sorted by start.
 
     ``+me`` profiles (one per GPU, with the media engines) are left out unless
-    ``include_media`` is set; they only repeat the geometry of their plain twin.
+    ``include_media`` is set; they only repeat the geometry of their plain twin. ``profiles``
+    restricts the layouts to those profiles (maximal among layouts made of them).
     """
+    allowed = list(geometry.profiles if profiles is None else profiles)
     candidates = _sorted(
         MigPlacement(start, prof)
-        for prof in geometry.profiles
+        for prof in allowed
         if include_media or not prof.name.endswith("+me")
         for start in prof.starts
     )

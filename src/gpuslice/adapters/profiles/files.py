@@ -1,0 +1,197 @@
+"""Readers for inference profiles and SLO scenarios.
+
+Two profile formats:
+
+* ParvaGPU's folder (``prof_data/MODEL.csv`` with ``Mig instance, Batch size, Workload Number,
+  Throughput, Latency``; measured on one GPU type, A100-80GB unless told otherwise).
+* gpuslice's own CSV, one row per measured configuration::
+
+      model,gpu,slice_kind,slice_size,batch,procs,throughput_rps,latency_ms,latency_p99_ms
+      resnet50,A100-80GB,mig,3,64,2,1012.5,61.0,66.2
+
+  ``slice_kind`` is ``mig`` (size = compute slices), ``mps`` (size = thread %) or ``whole``;
+  ``throughput_rps`` is per process; ``latency_p99_ms`` may be empty.
+
+SLO scenarios (ParvaGPU's ``SLO_req_rate.csv`` / ``SLO_latency.csv``): a header of model names and
+one row per scenario; ``N/A`` means the model is not deployed in that scenario.
+"""
+
+from __future__ import annotations
+
+import csv
+from dataclasses import dataclass
+from pathlib import Path
+
+from gpuslice.adapters.traces.alibaba import InputError
+from gpuslice.core.errors import ValidationError
+from gpuslice.core.profiles import ProfilePoint, ProfileSet
+
+PARVA_COLUMNS = ("Mig instance", "Batch size", "Workload Number", "Throughput", "Latency")
+OWN_COLUMNS = ("model", "gpu", "slice_kind", "slice_size", "batch", "procs", "throughput_rps",
+               "latency_ms")
+
+
+def _num(path: Path, row: int, field: str, raw: str | None, kind: type = float) -> float:
+    text = (raw or "").strip()
+    try:
+        value = float(text)
+    except ValueError:
+        raise InputError(path, row, field, f"expected a number, got {text!r}") from None
+    if kind is int and not value.is_integer():
+        raise InputError(path, row, field, f"expected an integer, got {text!r}")
+    return value
+
+
+def _csv(path: Path, required: tuple[str, ...]) -> list[tuple[int, dict[str, str]]]:
+    if not path.is_file():
+        raise InputError(path, None, None, "file not found")
+    with path.open(newline="", encoding="utf-8") as fh:
+        reader = csv.DictReader(fh)
+        cols = [c.strip() for c in (reader.fieldnames or [])]
+        if not cols:
+            raise InputError(path, None, None, "file is empty, expected a CSV header line")
+        missing = [c for c in required if c not in cols]
+        if missing:
+            raise InputError(path, 1, missing[0], f"missing column; the header has "
+                             f"{', '.join(cols)}")
+        reader.fieldnames = cols
+        rows = list(enumerate(reader, start=2))
+    if not rows:
+        raise InputError(path, None, None, "has a header but no rows")
+    return rows
+
+
+def read_parva_profiles(folder: Path | str, gpu: str = "A100-80GB") -> ProfileSet:
+    """Read ParvaGPU's ``prof_data`` folder (or its parent)."""
+    base = Path(folder)
+    if (base / "prof_data").is_dir():
+        base = base / "prof_data"
+    files = sorted(base.glob("*.csv")) if base.is_dir() else []
+    if not files:
+        raise InputError(base, None, None, "no profile CSV files (expected prof_data/MODEL.csv)")
+    points: list[ProfilePoint] = []
+    for f in files:
+        for row, rec in _csv(f, PARVA_COLUMNS):
+            try:
+                points.append(ProfilePoint(
+                    model=f.stem, gpu=gpu, slice_kind="mig",
+                    slice_size=int(_num(f, row, "Mig instance", rec["Mig instance"], int)),
+                    batch=int(_num(f, row, "Batch size", rec["Batch size"], int)),
+                    procs=int(_num(f, row, "Workload Number", rec["Workload Number"], int)),
+                    throughput=_num(f, row, "Throughput", rec["Throughput"]),
+                    latency_s=_num(f, row, "Latency", rec["Latency"]),
+                ))
+            except ValidationError as exc:
+                raise InputError(f, row, exc.field, str(exc)) from None
+    return ProfileSet.of(points)
+
+
+def read_own_profiles(path: Path | str) -> ProfileSet:
+    """Read gpuslice's profile CSV (see the module docstring)."""
+    p = Path(path)
+    points: list[ProfilePoint] = []
+    for row, rec in _csv(p, OWN_COLUMNS):
+        kind = rec["slice_kind"].strip()
+        if kind not in ("mig", "mps", "whole"):
+            raise InputError(p, row, "slice_kind", f"expected mig, mps or whole, got {kind!r}")
+        p99 = (rec.get("latency_p99_ms") or "").strip()
+        try:
+            points.append(ProfilePoint(
+                model=rec["model"].strip(), gpu=rec["gpu"].strip(), slice_kind=kind,
+                slice_size=int(_num(p, row, "slice_size", rec["slice_size"], int)),
+                batch=int(_num(p, row, "batch", rec["batch"], int)),
+                procs=int(_num(p, row, "procs", rec["procs"], int)),
+                throughput=_num(p, row, "throughput_rps", rec["throughput_rps"]),
+                latency_s=_num(p, row, "latency_ms", rec["latency_ms"]) / 1000.0,
+                latency_p99_s=(_num(p, row, "latency_p99_ms", p99) / 1000.0) if p99 else None,
+            ))
+        except ValidationError as exc:
+            raise InputError(p, row, exc.field, str(exc)) from None
+    return ProfileSet.of(points)
+
+
+def read_profiles(path: Path | str) -> ProfileSet:
+    """A ParvaGPU folder, or a gpuslice profile CSV."""
+    p = Path(path)
+    if p.is_dir():
+        return read_parva_profiles(p)
+    return read_own_profiles(p)
+
+
+@dataclass(frozen=True)
+class ServiceSpec:
+    """A service to plan: model, request rate (req/s) and latency SLO (ms)."""
+
+    name: str
+    model: str
+    rate: float
+    slo_ms: float
+
+
+def read_scenario(rate_csv: Path | str, latency_csv: Path | str,
+                  scenario: int) -> list[ServiceSpec]:
+    """Scenario ``scenario`` (1-based row) of ParvaGPU's SLO files. Values are not validated
+    here (a negative rate is reported per service by the planner)."""
+    rates = _scenario_row(Path(rate_csv), scenario)
+    lats = _scenario_row(Path(latency_csv), scenario)
+    out: list[ServiceSpec] = []
+    for model, raw_rate in rates.items():
+        raw_lat = lats.get(model)
+        if raw_rate is None:
+            continue
+        if raw_lat is None:
+            raise InputError(latency_csv, scenario + 1, model,
+                             "no latency SLO for a model that has a rate")
+        out.append(ServiceSpec(model, model, raw_rate, raw_lat))
+    return out
+
+
+def _scenario_row(path: Path, scenario: int) -> dict[str, float | None]:
+    if not path.is_file():
+        raise InputError(path, None, None, "file not found")
+    with path.open(newline="", encoding="utf-8") as fh:
+        rows = list(csv.reader(fh))
+    if not rows:
+        raise InputError(path, None, None, "file is empty")
+    header = [h.strip() for h in rows[0]]
+    body = rows[1:]
+    if header and all(_is_number(h) or h.upper() == "N/A" for h in header):
+        # ParvaGPU's files have no header: the columns are the 11 models in alphabetical order
+        body = rows
+        header = PARVA_MODELS
+    if not 1 <= scenario <= len(body):
+        raise InputError(path, None, "scenario", f"expected 1..{len(body)}, got {scenario}")
+    line = body[scenario - 1]
+    if len(line) != len(header):
+        raise InputError(path, scenario, None, f"has {len(line)} values for {len(header)} models")
+    out: dict[str, float | None] = {}
+    for model, raw in zip(header, line, strict=True):
+        text = raw.strip()
+        if text.upper() in ("N/A", ""):
+            out[model] = None
+            continue
+        try:
+            out[model] = float(text)
+        except ValueError:
+            raise InputError(path, scenario, model, f"expected a number or N/A, got {text!r}") \
+                from None
+    return out
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+PARVA_MODELS = ["bert", "densenet121", "densenet169", "densenet201", "inceptionv3",
+                "mobilenetv2", "resnet101", "resnet152", "resnet50", "vgg16", "vgg19"]
+
+
+def read_parva_deployment(path: Path | str) -> int:
+    """Number of GPUs (distinct node/GPU pairs) a ParvaGPU deployment CSV uses."""
+    p = Path(path)
+    rows = _csv(p, ("Num instance", "Num GPU"))
+    return len({(r["Num instance"].strip(), r["Num GPU"].strip()) for _, r in rows})

@@ -1,0 +1,191 @@
+"""``gpuslice plan``: profiles + services -> a checked plan, as JSON, a report and exports."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+from gpuslice.adapters.profiles.files import (
+    read_parva_deployment,
+    read_profiles,
+    read_scenario,
+)
+from gpuslice.adapters.traces.alibaba import InputError
+from gpuslice.core.errors import GpusliceError
+from gpuslice.core.planner import (
+    FleetType,
+    Plan,
+    PlanOptions,
+    Service,
+    exclusive_gpus,
+    plan,
+    validate,
+)
+from gpuslice.core.profiles import ProfileSet
+from gpuslice.core.replay import ReplayResult, plan_and_check, replay_plan
+
+
+@dataclass(frozen=True)
+class PlanRun:
+    plan: Plan
+    services: list[Service]
+    replay: list[ReplayResult]
+    plan_seconds: float
+    check_seconds: float
+    rounds: int
+    baselines: dict[str, int | None]
+    errors: list[str]
+    single_type_costs: dict[str, float]
+
+
+def read_services(path: Path) -> list[Service]:
+    """A services file (YAML or JSON): a list of ``{name, model, rate, slo_ms}``."""
+    if not path.is_file():
+        raise InputError(path, None, None, "file not found")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise InputError(path, None, None, f"not valid YAML/JSON: {exc}") from None
+    items = data.get("services") if isinstance(data, dict) else data
+    if not isinstance(items, list) or not items:
+        raise InputError(path, None, "services", "expected a non-empty list of services")
+    out: list[Service] = []
+    for i, item in enumerate(items):
+        if not isinstance(item, dict):
+            raise InputError(path, i + 1, None, "expected a mapping with model, rate, slo_ms")
+        for key in ("model", "rate", "slo_ms"):
+            if key not in item:
+                raise InputError(path, i + 1, key, "missing")
+        try:
+            rate, slo = float(item["rate"]), float(item["slo_ms"])
+        except (TypeError, ValueError):
+            raise InputError(path, i + 1, "rate/slo_ms", "expected numbers") from None
+        model = str(item["model"])
+        out.append(Service(str(item.get("name", model)), model, rate, slo))
+    return out
+
+
+def read_fleet(path: Path) -> list[FleetType]:
+    """A fleet file: a list of ``{gpu, count (optional), cost_per_hour}``."""
+    if not path.is_file():
+        raise InputError(path, None, None, "file not found")
+    data = yaml.safe_load(path.read_text())
+    items = data.get("fleet") if isinstance(data, dict) else data
+    if not isinstance(items, list) or not items:
+        raise InputError(path, None, "fleet", "expected a non-empty list of GPU types")
+    out = []
+    for i, item in enumerate(items):
+        if not isinstance(item, dict) or "gpu" not in item:
+            raise InputError(path, i + 1, "gpu", "missing")
+        count = item.get("count")
+        out.append(FleetType(str(item["gpu"]), None if count is None else int(count),
+                             float(item.get("cost_per_hour", 1.0))))
+    return out
+
+
+def run_plan(profiles: ProfileSet, services: Sequence[Service], fleet: Sequence[FleetType],
+             opts: PlanOptions, *, seed: int = 1, check: bool = True,
+             baselines: dict[str, int | None] | None = None) -> PlanRun:
+    svcs = list(services)
+    rng = np.random.default_rng(seed)
+    start = time.perf_counter()
+    if check:
+        checked = plan_and_check(profiles, svcs, fleet, opts, rng=rng)
+        p, rounds = checked.plan, checked.rounds
+    else:
+        p, rounds = plan(profiles, svcs, fleet, opts), 1
+    plan_s = time.perf_counter() - start
+    start = time.perf_counter()
+    # the acceptance replay: real rates, a fresh seed, more requests than the check used
+    replayed = replay_plan(profiles, p, svcs, np.random.default_rng(seed + 1000), 50_000)
+    check_s = time.perf_counter() - start
+    gpu_types = sorted({ft.gpu for ft in fleet} or set(profiles.gpus()))
+    base = dict(baselines or {})
+    base["exclusive"] = exclusive_gpus(profiles, svcs, gpu_types[0], opts.latency_factor)
+    singles: dict[str, float] = {}
+    if len(gpu_types) > 1:
+        for g in gpu_types:
+            only = [ft for ft in fleet if ft.gpu == g] or [FleetType(g)]
+            try:
+                singles[g] = plan(profiles, svcs, only, opts).cost
+            except GpusliceError:
+                continue
+    return PlanRun(p, svcs, replayed, plan_s, check_s, rounds, base,
+                   validate(p, svcs, opts.latency_factor), singles)
+
+
+def parva_baseline(profiles_dir: Path, scenario: int) -> int | None:
+    path = profiles_dir / "deployment" / f"SLO{scenario}_ParvaGPU_deploy.csv"
+    return read_parva_deployment(path) if path.is_file() else None
+
+
+def scenario_services(profiles_dir: Path, rate: Path | None, latency: Path | None,
+                      scenario: int) -> list[Service]:
+    rate = rate or profiles_dir / "SLO" / "SLO_req_rate.csv"
+    latency = latency or profiles_dir / "SLO" / "SLO_latency.csv"
+    return [Service(s.name, s.model, s.rate, s.slo_ms)
+            for s in read_scenario(rate, latency, scenario)]
+
+
+def load_profiles(path: Path) -> ProfileSet:
+    return read_profiles(path)
+
+
+def to_json(run: PlanRun) -> dict[str, Any]:
+    p = run.plan
+    by_service = {r.service: r for r in run.replay}
+    gpu_list = []
+    for g in p.gpus:
+        gpu_list.append({
+            "index": g.index, "gpu": g.gpu,
+            "mig_layout": [{
+                "profile": s.placement.profile.name, "start": s.placement.start,
+                "processes": [_part(c) for c in s.parts],
+            } for s in g.slots],
+        })
+    services = []
+    for svc in run.services:
+        segs = p.segments(svc.name)
+        r = by_service.get(svc.name)
+        services.append({
+            "name": svc.name, "model": svc.model, "rate_rps": svc.rate, "slo_ms": svc.slo_ms,
+            "capacity_rps": round(p.capacity(svc.name), 3),
+            "segments": [{"gpu": g.index, "profile": s.placement.profile.name,
+                          "start": s.placement.start, **_part(c)} for g, s, c in segs],
+            "replayed_p50_ms": None if r is None else round(r.p50_ms, 3),
+            "replayed_p99_ms": None if r is None else round(r.p99_ms, 3),
+            "within_slo_pct": None if r is None else round(r.within_slo_pct, 3),
+            "slo_met": None if r is None else r.ok,
+        })
+    return {
+        "gpus": p.n_gpus,
+        "gpus_by_type": dict(Counter(g.gpu for g in p.gpus)),
+        "objective": p.objective,
+        "cost": p.cost,
+        "lower_bound": p.lower_bound,
+        "solver": p.solver,
+        "seconds": {"plan": round(run.plan_seconds, 3), "replay": round(run.check_seconds, 3)},
+        "replan_rounds": run.rounds,
+        "baselines": run.baselines,
+        "single_type_cost": run.single_type_costs,
+        "valid": not run.errors,
+        "errors": run.errors,
+        "slo_violations": [r.service for r in run.replay if not r.ok],
+        "problems": [{"service": pr.service, "reason": pr.reason} for pr in p.problems],
+        "gpu_list": gpu_list,
+        "services": services,
+    }
+
+
+def _part(c: Any) -> dict[str, Any]:
+    return {"service": c.service, "model": c.model, "batch": c.batch, "procs": c.procs,
+            "thread_pct": c.thread_pct, "colocated_procs": c.colocated,
+            "throughput_rps": round(c.throughput, 3),
+            "batch_latency_ms": round(c.latency_s * 1000, 3)}
