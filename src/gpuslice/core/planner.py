@@ -36,7 +36,7 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 from gpuslice.core import catalog
 from gpuslice.core.catalog import MigGeometry, MigProfile
 from gpuslice.core.errors import ValidationError
-from gpuslice.core.mig import MigPlacement, is_valid_layout, maximal_layouts
+from gpuslice.core.mig import MigPlacement, fitting_placements, is_valid_layout, maximal_layouts
 from gpuslice.core.profiles import ProfilePoint, ProfileSet
 
 
@@ -564,6 +564,43 @@ def plan(profiles: ProfileSet, services: Sequence[Service], fleet: Sequence[Flee
             problems.append(Problem("*", f"the plan needs {counts[ft.gpu]} {ft.gpu} GPUs, the "
                                     f"fleet has {ft.count}"))
     return Plan(tuple(gpus), opts.objective, total, bound, solver, tuple(problems))
+
+
+def add_capacity(plan_: Plan, profiles: ProfileSet, svc: Service, extra: float,
+                 latency_factor: float = 0.45) -> Plan:
+    """``plan_`` with one more slice for ``svc`` giving at least ``extra`` req/s if one size
+    can (else its most efficient slice), placed in a free legal position of a planned GPU of the
+    same type when there is one, else on a new GPU. Used to repair a plan whose replay misses an
+    SLO without solving it again."""
+    gpus = list(plan_.gpus)
+    types = [g.gpu for g in gpus if any(c.service == svc.name for s in g.slots for c in s.parts)]
+    gpu_type = types[0] if types else (gpus[0].gpu if gpus else "")
+    by_size = best_configs(profiles, svc, gpu_type, latency_factor)
+    if not by_size:
+        return plan_
+    enough = [c for c in by_size.values() if c.throughput >= extra]
+    cfg = min(enough, key=lambda c: (c.size, -c.throughput)) if enough else max(
+        by_size.values(), key=lambda c: c.throughput / c.size)
+    geo = _geometry(gpu_type)
+    prof = slice_profiles(geo)[cfg.size]
+    for i, g in enumerate(gpus):
+        if g.gpu != gpu_type:
+            continue
+        used = [s.placement for s in g.slots]
+        fits = [pl for pl in fitting_placements(geo, used) if pl.profile == prof]
+        if fits:
+            best = max(fits, key=lambda pl: len(fitting_placements(geo, [*used, pl])))
+            slots = tuple(sorted([*g.slots, Slot(best, (cfg,))], key=lambda s: s.placement.key))
+            gpus[i] = PlannedGpu(g.index, g.gpu, slots)
+            break
+    else:
+        fresh = [pl for pl in fitting_placements(geo, []) if pl.profile == prof]
+        start = max(fresh, key=lambda pl: len(fitting_placements(geo, [pl])))
+        gpus.append(PlannedGpu(len(gpus), gpu_type, (Slot(start, (cfg,)),)))
+    cost = plan_.cost + (0.0 if len(gpus) == len(plan_.gpus) else
+                         plan_.cost / max(len(plan_.gpus), 1))
+    return Plan(tuple(gpus), plan_.objective, cost, plan_.lower_bound, plan_.solver,
+                plan_.problems)
 
 
 def validate(plan_: Plan, services: Sequence[Service], latency_factor: float = 0.45) -> list[str]:

@@ -19,7 +19,15 @@ from dataclasses import dataclass
 import numpy as np
 
 from gpuslice.core.errors import ValidationError
-from gpuslice.core.planner import Config, FleetType, Plan, PlanOptions, Service, plan
+from gpuslice.core.planner import (
+    Config,
+    FleetType,
+    Plan,
+    PlanOptions,
+    Service,
+    add_capacity,
+    plan,
+)
 from gpuslice.core.profiles import ProfilePoint, ProfileSet, batch_latency
 
 
@@ -127,24 +135,40 @@ def plan_and_check(
     rounds: int = 6, requests: int = 40_000, margin: float = 0.9, repeats: int = 2,
 ) -> CheckedPlan:
     """Plan with capacity >= rate / ``utilisation`` per service, replay the plan at the real
-    rates, and re-plan with more headroom for every service whose replayed p99 is above
+    rates, and add a slice (:func:`~gpuslice.core.planner.add_capacity`) to every service
+    whose replayed p99 is above
     ``margin`` x its SLO in any of ``repeats`` independent replays (margin and repeats absorb
     the sampling noise of a finite replay near saturation), until none is (or ``rounds`` runs
     out; the shortfalls are then in the result)."""
     if not 0 < utilisation <= 1:
         raise ValidationError("utilisation", "a fraction in (0, 1]", utilisation)
+    o = opts or PlanOptions()
     factor = {s.name: 1.0 / utilisation for s in services}
+    by_name = {s.name: s for s in services}
+    scaled = [Service(s.name, s.model, s.rate * factor[s.name], s.slo_ms) for s in services]
+    p = plan(profiles, scaled, fleet, o)
     result: CheckedPlan | None = None
     for n in range(1, rounds + 1):
-        scaled = [Service(s.name, s.model, s.rate * factor[s.name], s.slo_ms) for s in services]
-        p = plan(profiles, scaled, fleet, opts)
         runs = [replay_plan(profiles, p, services, rng, requests) for _ in range(repeats)]
         replayed = tuple(max(rs, key=lambda r: r.p99_ms) for rs in zip(*runs, strict=True))
         result = CheckedPlan(p, replayed, n, dict(factor))
         bad = [r for r in replayed if r.p99_ms > margin * r.slo_ms]
         if not bad:
             return result
+        # repair in place: one more slice for each service that misses, sized by how much it
+        # misses; free MIG positions on planned GPUs first (no new solve). Only when that needs
+        # a new GPU, solve again with the raised headroom and keep whichever plan is smaller.
+        before = p.n_gpus
         for r in bad:
-            factor[r.service] *= 1.0 + min(0.3, max(0.05, r.p99_ms / (margin * r.slo_ms) - 1.0))
+            grow = min(0.3, max(0.05, r.p99_ms / (margin * r.slo_ms) - 1.0))
+            factor[r.service] *= 1.0 + grow
+            svc = by_name[r.service]
+            p = add_capacity(p, profiles, svc, p.capacity(svc.name) * grow, o.latency_factor)
+        if p.n_gpus > before:
+            scaled = [Service(s.name, s.model, s.rate * factor[s.name], s.slo_ms)
+                      for s in services]
+            again = plan(profiles, scaled, fleet, o)
+            if again.n_gpus < p.n_gpus:
+                p = again
     assert result is not None
     return result
