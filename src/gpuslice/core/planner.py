@@ -25,6 +25,7 @@ MIG patterns; its bound is that LP relaxation.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import Counter, defaultdict
 from collections.abc import Mapping, Sequence
@@ -173,6 +174,11 @@ class Pattern:
 
 def patterns(gpu: str, sizes: Sequence[int]) -> list[Pattern]:
     """The distinct maximal MIG layouts of ``gpu`` built from slices of ``sizes``."""
+    return list(_patterns(gpu, tuple(sorted(set(sizes)))))
+
+
+@functools.lru_cache(maxsize=64)
+def _patterns(gpu: str, sizes: tuple[int, ...]) -> tuple[Pattern, ...]:
     geo = _geometry(gpu)
     by_size = slice_profiles(geo)
     allowed = [by_size[s] for s in sorted(set(sizes)) if s in by_size]
@@ -181,7 +187,7 @@ def patterns(gpu: str, sizes: Sequence[int]) -> list[Pattern]:
         counts = Counter(p.profile.compute_slices for p in lay)
         key = tuple(sorted(counts.items()))
         seen.setdefault(key, Pattern(gpu, lay, dict(counts)))
-    return list(seen.values())
+    return tuple(seen.values())
 
 
 # ---- candidate configurations --------------------------------------------------------------
