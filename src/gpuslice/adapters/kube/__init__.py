@@ -1,0 +1,1 @@
+"""Kubernetes: the assignment annotation's wire format (the API-server client comes later)."""

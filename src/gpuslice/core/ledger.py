@@ -1,0 +1,108 @@
+"""The ledger of GPU-level allocations: derived state, rebuilt from the assignments of live pods.
+
+A :class:`Ledger` is an immutable value: the GPU inventory (UUID -> node, memory) and, per GPU,
+the milli and memory that assignments hold. :meth:`Ledger.reserve` returns a new ledger with an
+assignment added, or raises :class:`Conflict` naming the GPU that has no room; :meth:`release`
+returns one without a pod's assignment. A shell that shares a ledger between threads swaps the
+reference after a successful reserve (compare-and-swap), so concurrent binds on different GPUs
+never wait on a node-wide lock and two binds can never both take the last share of a GPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from gpuslice.core.assignment import Assignment
+from gpuslice.core.errors import GpusliceError
+
+PodKey = tuple[str, str]  # (namespace, pod)
+
+
+class Conflict(GpusliceError):
+    """An assignment that does not fit the ledger; ``reason`` says which GPU and why."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+        super().__init__(reason)
+
+
+@dataclass(frozen=True, slots=True)
+class GpuSlot:
+    uuid: str
+    node: str
+    memory_mib: int
+
+
+@dataclass(frozen=True)
+class Ledger:
+    inventory: Mapping[str, GpuSlot]
+    used_milli: Mapping[str, int] = field(default_factory=dict)
+    used_memory: Mapping[str, int] = field(default_factory=dict)
+    owners: Mapping[PodKey, Assignment] = field(default_factory=dict)
+
+    @classmethod
+    def empty(cls, inventory: Iterable[GpuSlot]) -> Ledger:
+        return cls({g.uuid: g for g in inventory})
+
+    @classmethod
+    def rebuild(cls, inventory: Iterable[GpuSlot],
+                assignments: Iterable[Assignment]) -> tuple[Ledger, list[str]]:
+        """The ledger the live assignments imply, oldest bind first. An assignment that no
+        longer fits (its GPU is gone, or the GPU would be over-committed) is left out and
+        reported, so a restart never double-counts and never loses a valid allocation."""
+        ledger = cls.empty(inventory)
+        problems: list[str] = []
+        for a in sorted(assignments, key=lambda a: (a.bind_time, a.namespace, a.pod)):
+            try:
+                ledger = ledger.reserve(a)
+            except Conflict as exc:
+                problems.append(f"{a.namespace}/{a.pod}: {exc.reason}")
+        return ledger, problems
+
+    def free(self, uuid: str) -> tuple[int, int]:
+        """(milli, MiB) still free on GPU ``uuid``."""
+        slot = self.inventory[uuid]
+        return (1000 - self.used_milli.get(uuid, 0),
+                slot.memory_mib - self.used_memory.get(uuid, 0))
+
+    def reserve(self, a: Assignment) -> Ledger:
+        key = (a.namespace, a.pod)
+        if key in self.owners:
+            raise Conflict(f"pod {a.namespace}/{a.pod} already holds an assignment")
+        milli = dict(self.used_milli)
+        memory = dict(self.used_memory)
+        for c in a.containers:
+            for g in c.gpus:
+                slot = self.inventory.get(g.uuid)
+                if slot is None:
+                    raise Conflict(f"GPU {g.uuid} is not in the inventory")
+                if slot.node != a.node:
+                    raise Conflict(f"GPU {g.uuid} is on node {slot.node}, not {a.node}")
+                free_milli = 1000 - milli.get(g.uuid, 0)
+                if g.milli > free_milli:
+                    raise Conflict(f"GPU {g.uuid} has {free_milli} milli free, "
+                                   f"container {c.name} needs {g.milli}")
+                free_mem = slot.memory_mib - memory.get(g.uuid, 0)
+                if slot.memory_mib and g.memory_mib > free_mem:
+                    raise Conflict(f"GPU {g.uuid} has {free_mem} MiB free, "
+                                   f"container {c.name} needs {g.memory_mib}")
+                milli[g.uuid] = milli.get(g.uuid, 0) + g.milli
+                memory[g.uuid] = memory.get(g.uuid, 0) + g.memory_mib
+        owners = dict(self.owners)
+        owners[key] = a
+        return Ledger(self.inventory, milli, memory, owners)
+
+    def release(self, namespace: str, pod: str) -> Ledger:
+        """The ledger without the pod's assignment (unchanged when it holds none)."""
+        a = self.owners.get((namespace, pod))
+        if a is None:
+            return self
+        milli = dict(self.used_milli)
+        memory = dict(self.used_memory)
+        for c in a.containers:
+            for g in c.gpus:
+                milli[g.uuid] -= g.milli
+                memory[g.uuid] -= g.memory_mib
+        owners = {k: v for k, v in self.owners.items() if k != (namespace, pod)}
+        return Ledger(self.inventory, milli, memory, owners)
