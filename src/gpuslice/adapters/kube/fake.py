@@ -1,0 +1,109 @@
+"""An in-memory API server fake behind the same port the extender uses.
+
+Pods and nodes are plain Kubernetes JSON objects. Every write bumps a cluster-wide
+``resourceVersion``; a patch that names a stale ``resourceVersion`` fails with :class:`Conflict`
+(optimistic concurrency, as the API server's 409). A Binding sets ``spec.nodeName`` once; binding
+a bound pod again to another node is a conflict. Thread-safe, so concurrent extender requests
+can share it.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from typing import Any, Protocol
+
+from gpuslice.core.errors import GpusliceError
+
+
+class ApiConflict(GpusliceError):
+    """The object changed since it was read (HTTP 409)."""
+
+
+class ApiNotFound(GpusliceError):
+    """No such object (HTTP 404)."""
+
+
+class KubePort(Protocol):
+    def list_nodes(self) -> list[dict[str, Any]]: ...
+    def list_pods(self) -> list[dict[str, Any]]: ...
+    def get_pod(self, namespace: str, name: str) -> dict[str, Any]: ...
+    def patch_pod_annotations(self, namespace: str, name: str, annotations: dict[str, str],
+                              resource_version: str) -> dict[str, Any]: ...
+    def bind(self, namespace: str, name: str, uid: str, node: str) -> None: ...
+
+
+class FakeApiServer:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._rv = 0
+        self._pods: dict[tuple[str, str], dict[str, Any]] = {}
+        self._nodes: dict[str, dict[str, Any]] = {}
+
+    def _bump(self, obj: dict[str, Any]) -> None:
+        self._rv += 1
+        obj.setdefault("metadata", {})["resourceVersion"] = str(self._rv)
+
+    def add_node(self, node: dict[str, Any]) -> None:
+        with self._lock:
+            n = copy.deepcopy(node)
+            self._bump(n)
+            self._nodes[n["metadata"]["name"]] = n
+
+    def add_pod(self, pod: dict[str, Any]) -> dict[str, Any]:
+        with self._lock:
+            p = copy.deepcopy(pod)
+            meta = p.setdefault("metadata", {})
+            meta.setdefault("namespace", "default")
+            meta.setdefault("uid", f"uid-{meta['namespace']}-{meta['name']}")
+            self._bump(p)
+            self._pods[(meta["namespace"], meta["name"])] = p
+            return copy.deepcopy(p)
+
+    def delete_pod(self, namespace: str, name: str) -> None:
+        with self._lock:
+            self._pods.pop((namespace, name), None)
+
+    def list_nodes(self) -> list[dict[str, Any]]:
+        with self._lock:
+            return copy.deepcopy(list(self._nodes.values()))
+
+    def list_pods(self) -> list[dict[str, Any]]:
+        with self._lock:
+            return copy.deepcopy(list(self._pods.values()))
+
+    def get_pod(self, namespace: str, name: str) -> dict[str, Any]:
+        with self._lock:
+            p = self._pods.get((namespace, name))
+            if p is None:
+                raise ApiNotFound(f"pod {namespace}/{name} not found")
+            return copy.deepcopy(p)
+
+    def patch_pod_annotations(self, namespace: str, name: str, annotations: dict[str, str],
+                              resource_version: str) -> dict[str, Any]:
+        with self._lock:
+            p = self._pods.get((namespace, name))
+            if p is None:
+                raise ApiNotFound(f"pod {namespace}/{name} not found")
+            if p["metadata"]["resourceVersion"] != resource_version:
+                raise ApiConflict(f"pod {namespace}/{name} changed (resourceVersion "
+                                  f"{p['metadata']['resourceVersion']} != {resource_version})")
+            p["metadata"].setdefault("annotations", {}).update(annotations)
+            self._bump(p)
+            return copy.deepcopy(p)
+
+    def bind(self, namespace: str, name: str, uid: str, node: str) -> None:
+        with self._lock:
+            p = self._pods.get((namespace, name))
+            if p is None:
+                raise ApiNotFound(f"pod {namespace}/{name} not found")
+            if p["metadata"].get("uid") != uid:
+                raise ApiConflict(f"pod {namespace}/{name} has another UID")
+            if node not in self._nodes:
+                raise ApiNotFound(f"node {node} not found")
+            spec = p.setdefault("spec", {})
+            if spec.get("nodeName") and spec["nodeName"] != node:
+                raise ApiConflict(f"pod {namespace}/{name} is already bound to "
+                                  f"{spec['nodeName']}")
+            spec["nodeName"] = node
+            self._bump(p)

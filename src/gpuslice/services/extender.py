@@ -1,0 +1,350 @@
+"""The kube-scheduler extender: filter, prioritize and bind over HTTP with GPU-level accounting.
+
+kube-scheduler only counts extended resources per node. The extender decides per GPU: filter
+drops nodes where no GPU (or not enough GPUs) has the share a pod asks for, with a reason per
+node; prioritize scores the rest 0..10 with a core placement policy; bind chooses the GPUs, takes
+them in the ledger (a compare-and-swap of an immutable value, no node-wide lock), writes the
+signed assignment on the pod with the pod's resourceVersion (optimistic concurrency), then
+creates the Binding. Everything is rebuilt from the API server on start: the ledger from the
+assignments of live pods, so a restart loses nothing and doubles nothing.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import orjson
+from aiohttp import web
+
+from gpuslice.adapters.kube.annotation import AnnotationError, decode, encode
+from gpuslice.adapters.kube.fake import ApiConflict, ApiNotFound, KubePort
+from gpuslice.adapters.kube.objects import node_inventory, pod_key, pod_request
+from gpuslice.core.assignment import (
+    ANNOTATION,
+    Assignment,
+    ContainerAssignment,
+    GpuShare,
+    Mode,
+    sign,
+    verify,
+)
+from gpuslice.core.errors import GpusliceError, ValidationError
+from gpuslice.core.fit import explain, feasible
+from gpuslice.core.ledger import Conflict, GpuSlot, Ledger
+from gpuslice.core.model import ClusterArrays, Gpu, Isolation, Node, SliceRequest, build_arrays
+from gpuslice.core.policies import PlacementState, best_fit_gpu, exclusive_gpus, make_policy
+
+MAX_BODY = 8 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class _Inventory:
+    names: list[str]
+    index: dict[str, int]
+    uuids: list[list[str]]  # per node, GPU UUID by slot
+    arrays: ClusterArrays
+
+
+class ExtenderState:
+    """The extender's view of the cluster: node GPU inventory, the ledger, and arrays for the
+    core's fit and policies (GPU free milli and memory per node and slot)."""
+
+    def __init__(self, api: KubePort, key: bytes, *, policy: str = "bestfit",
+                 clock: Callable[[], str]) -> None:
+        self.api = api
+        self.key = key
+        self.policy = make_policy(policy)
+        if self.policy.needs_workload:
+            raise ValidationError("extender policy", "a policy that needs no target workload",
+                                  policy)
+        self.clock = clock
+        self._lock = threading.Lock()  # guards the ledger reference and the arrays' GPU rows
+        self.problems: list[str] = []
+        self.rebuild()
+
+    # -- state --------------------------------------------------------------------------------
+
+    def rebuild(self) -> None:
+        """Read nodes and pods from the API server and derive everything again."""
+        names: list[str] = []
+        uuids: list[list[str]] = []
+        nodes: list[Node] = []
+        slots: list[GpuSlot] = []
+        for n in self.api.list_nodes():
+            name = n["metadata"]["name"]
+            try:
+                inv = sorted(node_inventory(n), key=lambda g: g.index)
+            except ValidationError as exc:
+                self.problems.append(str(exc))
+                inv = []
+            names.append(name)
+            uuids.append([g.uuid for g in inv])
+            nodes.append(Node(name, 0, 0, tuple(Gpu(j, g.model, g.memory_mib)
+                                                for j, g in enumerate(inv))))
+            slots.extend(GpuSlot(g.uuid, name, g.memory_mib) for g in inv)
+        assignments = []
+        for p in self.api.list_pods():
+            a = self._assignment_of(p)
+            phase = (p.get("status") or {}).get("phase")
+            if a is not None and phase not in ("Succeeded", "Failed"):
+                assignments.append(a)
+        ledger, problems = Ledger.rebuild(slots, assignments)
+        self.problems.extend(problems)
+        arrays = build_arrays(nodes)
+        inv_ = _Inventory(names, {n: i for i, n in enumerate(names)}, uuids, arrays)
+        with self._lock:
+            self.inv = inv_
+            self.ledger = ledger
+            for i in range(len(names)):
+                self._refresh_row(i)
+
+    def _assignment_of(self, pod: dict[str, Any]) -> Assignment | None:
+        ann = (pod.get("metadata") or {}).get("annotations") or {}
+        text = ann.get(ANNOTATION)
+        if not text:
+            return None
+        try:
+            a = decode(text)
+        except AnnotationError as exc:
+            self.problems.append(f"pod {pod_key(pod)}: {exc}")
+            return None
+        if not verify(a, self.key):
+            self.problems.append(f"pod {pod_key(pod)}: assignment signature does not verify")
+            return None
+        return a
+
+    def _refresh_row(self, i: int) -> None:
+        a = self.inv.arrays
+        for j, uuid in enumerate(self.inv.uuids[i]):
+            milli, mem = self.ledger.free(uuid)
+            a.gpu_free[i, j] = milli
+            a.gpu_mem_free[i, j] = mem
+
+    def pod_gone(self, namespace: str, name: str) -> None:
+        """A pod was deleted or finished: give its share back."""
+        with self._lock:
+            a = self.ledger.owners.get((namespace, name))
+            self.ledger = self.ledger.release(namespace, name)
+            if a is not None and a.node in self.inv.index:
+                self._refresh_row(self.inv.index[a.node])
+
+    # -- the verbs ----------------------------------------------------------------------------
+
+    @staticmethod
+    def _gpu_only(req: SliceRequest) -> SliceRequest:
+        # CPU and memory are kube-scheduler's own fit; the extender judges GPUs only
+        return SliceRequest(req.gpus, req.milli, 0, 0, req.gpu_memory_mib, req.models,
+                            req.isolation, req.name)
+
+    def filter(self, pod: dict[str, Any], names: list[str]) -> tuple[list[str], dict[str, str]]:
+        req = pod_request(pod)
+        if req is None:
+            return names, {}
+        g = self._gpu_only(req)
+        ok = feasible(self.inv.arrays, g)
+        keep: list[str] = []
+        failed: dict[str, str] = {}
+        for n in names:
+            i = self.inv.index.get(n)
+            if i is None:
+                failed[n] = "node unknown to gpuslice (no GPU inventory yet)"
+            elif ok[i]:
+                keep.append(n)
+            else:
+                failed[n] = "; ".join(explain(self.inv.arrays, g, i)) or "does not fit"
+        return keep, failed
+
+    def prioritize(self, pod: dict[str, Any], names: list[str]) -> list[tuple[str, int]]:
+        req = pod_request(pod)
+        known = [n for n in names if n in self.inv.index]
+        if req is None or not known:
+            return [(n, 0) for n in names]
+        rows = np.array([self.inv.index[n] for n in known], dtype=np.int64)
+        st = PlacementState.build(self.inv.arrays, None)
+        ok = feasible(self.inv.arrays, self._gpu_only(req))[rows]
+        scores = np.zeros(len(known))
+        if ok.any():
+            scored = self.policy.score(st, self._gpu_only(req), rows[ok])
+            lo, hi = float(scored.scores.min()), float(scored.scores.max())
+            scaled = np.round(10 * (scored.scores - lo) / (hi - lo)) if hi > lo else \
+                np.full(len(scored.scores), 10.0)
+            scores[np.flatnonzero(ok)] = scaled
+        by_name = dict(zip(known, scores.astype(int).tolist(), strict=True))
+        return [(n, by_name.get(n, 0)) for n in names]
+
+    def bind(self, namespace: str, name: str, uid: str, node: str) -> str:
+        """Bind the pod; returns an error message, or "" on success."""
+        try:
+            pod = self.api.get_pod(namespace, name)
+        except ApiNotFound as exc:
+            return str(exc)
+        if (pod.get("metadata") or {}).get("uid") != uid:
+            return f"pod {namespace}/{name}: UID {uid} does not match"
+        try:
+            req = pod_request(pod)
+        except ValidationError as exc:
+            return str(exc)
+        if req is None:
+            return f"pod {namespace}/{name} asks for no gpuslice resource"
+        i = self.inv.index.get(node)
+        if i is None:
+            return f"node {node} is unknown to gpuslice"
+        existing = self._assignment_of(pod)
+        if existing is not None and existing.node == node:
+            return self._create_binding(namespace, name, uid, node, None)  # a retried bind
+        g = self._gpu_only(req)
+        with self._lock:
+            if not feasible(self.inv.arrays, g)[i]:
+                return "; ".join(explain(self.inv.arrays, g, i))
+            gpus = (best_fit_gpu(self.inv.arrays, g, i) if g.is_sharing
+                    else exclusive_gpus(self.inv.arrays, g, i))
+            mode = _mode(req)
+            shares = tuple(GpuShare(self.inv.uuids[i][j], req.milli, req.gpu_memory_mib)
+                           for j in gpus)
+            containers = tuple(ContainerAssignment(c, mode, shares) for c in _gpu_containers(pod))
+            a = sign(Assignment(namespace, name, uid, node, containers, self.clock()), self.key)
+            try:
+                self.ledger = self.ledger.reserve(a)
+            except Conflict as exc:
+                return exc.reason
+            self._refresh_row(i)
+        try:
+            self.api.patch_pod_annotations(namespace, name, {ANNOTATION: encode(a)},
+                                           pod["metadata"]["resourceVersion"])
+        except (ApiConflict, ApiNotFound) as exc:
+            self.pod_gone(namespace, name)
+            return f"pod {namespace}/{name}: {exc}"
+        return self._create_binding(namespace, name, uid, node, a)
+
+    def _create_binding(self, namespace: str, name: str, uid: str, node: str,
+                        taken: Assignment | None) -> str:
+        try:
+            self.api.bind(namespace, name, uid, node)
+        except (ApiConflict, ApiNotFound) as exc:
+            if taken is not None:
+                self.pod_gone(namespace, name)
+            return f"pod {namespace}/{name}: {exc}"
+        return ""
+
+
+def _mode(req: SliceRequest) -> Mode:
+    if req.isolation is Isolation.MIG:
+        return Mode.MIG
+    if req.isolation is Isolation.TIMESLICE:
+        return Mode.TIMESLICE
+    if req.milli == 1000 and req.isolation in (Isolation.ANY, Isolation.EXCLUSIVE):
+        return Mode.EXCLUSIVE
+    return Mode.MPS
+
+
+def _gpu_containers(pod: dict[str, Any]) -> list[str]:
+    out = []
+    for c in (pod.get("spec") or {}).get("containers") or []:
+        res = c.get("resources") or {}
+        keys = {**(res.get("requests") or {}), **(res.get("limits") or {})}
+        if any(k.startswith("gpuslice.io/") for k in keys):
+            out.append(str(c.get("name") or "main"))
+    return out or ["main"]
+
+
+# -- HTTP ------------------------------------------------------------------------------------
+
+
+def _bad(message: str, status: int = 400) -> web.Response:
+    return web.Response(status=status, body=orjson.dumps({"Error": message}),
+                        content_type="application/json")
+
+
+async def _json(request: web.Request) -> dict[str, Any]:
+    body = await request.read()
+    try:
+        doc = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise web.HTTPBadRequest(text=f"request body is not JSON: {exc}") from None
+    if not isinstance(doc, dict):
+        raise web.HTTPBadRequest(text="request body: expected a JSON object")
+    return doc
+
+
+def _names(args: dict[str, Any]) -> tuple[list[str], dict[str, dict[str, Any]] | None]:
+    """The candidate node names, and the node objects when the scheduler sent them."""
+    if args.get("NodeNames") is not None:
+        names = args["NodeNames"]
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise ValidationError("NodeNames", "a list of node names", type(names).__name__)
+        return names, None
+    nodes = args.get("Nodes") or {}
+    items = nodes.get("items") if isinstance(nodes, dict) else None
+    if not isinstance(items, list):
+        raise ValidationError("Nodes.items", "a NodeList", type(items).__name__)
+    by_name = {}
+    for n in items:
+        if not isinstance(n, dict) or not isinstance((n.get("metadata") or {}).get("name"), str):
+            raise ValidationError("Nodes.items[].metadata.name", "a node name", n)
+        by_name[n["metadata"]["name"]] = n
+    return list(by_name), by_name
+
+
+def make_app(state: ExtenderState) -> web.Application:
+    async def filter_(request: web.Request) -> web.Response:
+        args = await _json(request)
+        try:
+            names, objects = _names(args)
+            pod = args.get("Pod")
+            if not isinstance(pod, dict):
+                raise ValidationError("Pod", "a Pod object", type(pod).__name__)
+            keep, failed = state.filter(pod, names)
+        except GpusliceError as exc:
+            return web.Response(body=orjson.dumps({
+                "Nodes": None, "NodeNames": None, "FailedNodes": {},
+                "FailedAndUnresolvableNodes": {}, "Error": str(exc)}),
+                content_type="application/json")
+        result: dict[str, Any] = {"FailedNodes": failed, "FailedAndUnresolvableNodes": {},
+                                  "Error": ""}
+        if objects is None:
+            result.update(NodeNames=keep, Nodes=None)
+        else:
+            result.update(NodeNames=None,
+                          Nodes={"apiVersion": "v1", "kind": "NodeList",
+                                 "items": [objects[n] for n in keep]})
+        return web.Response(body=orjson.dumps(result), content_type="application/json")
+
+    async def prioritize(request: web.Request) -> web.Response:
+        args = await _json(request)
+        try:
+            names, _ = _names(args)
+            pod = args.get("Pod")
+            if not isinstance(pod, dict):
+                raise ValidationError("Pod", "a Pod object", type(pod).__name__)
+            scores = state.prioritize(pod, names)
+        except GpusliceError as exc:
+            return _bad(str(exc))
+        return web.Response(body=orjson.dumps([{"Host": h, "Score": s} for h, s in scores]),
+                            content_type="application/json")
+
+    async def bind(request: web.Request) -> web.Response:
+        args = await _json(request)
+        fields = {}
+        for key in ("PodName", "PodNamespace", "PodUID", "Node"):
+            value = args.get(key)
+            if not isinstance(value, str) or not value:
+                return web.Response(body=orjson.dumps({"Error": f"{key}: expected a string"}),
+                                    content_type="application/json")
+            fields[key] = value
+        error = state.bind(fields["PodNamespace"], fields["PodName"], fields["PodUID"],
+                           fields["Node"])
+        return web.Response(body=orjson.dumps({"Error": error}), content_type="application/json")
+
+    async def healthz(_: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    app = web.Application(client_max_size=MAX_BODY)
+    app.router.add_post("/filter", filter_)
+    app.router.add_post("/prioritize", prioritize)
+    app.router.add_post("/bind", bind)
+    app.router.add_get("/healthz", healthz)
+    return app

@@ -1,0 +1,251 @@
+"""The extender over real HTTP on loopback, with scheduler-shaped JSON and the API server fake."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from collections import defaultdict
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from gpuslice.adapters.kube.annotation import decode
+from gpuslice.adapters.kube.fake import FakeApiServer
+from gpuslice.core.assignment import ANNOTATION, verify
+from gpuslice.services.extender import ExtenderState, make_app
+
+KEY = b"test-key-0123456789abcdef"
+MODELS = ["T4", "V100M32", "A100-80GB", "H100-SXM"]
+
+
+def node(name: str, model: str, gpus: int = 8) -> dict[str, Any]:
+    inv = [{"uuid": f"GPU-{name}-{i}", "index": i, "model": model, "memoryMiB": 16384}
+           for i in range(gpus)]
+    return {"apiVersion": "v1", "kind": "Node",
+            "metadata": {"name": name, "annotations": {"gpuslice.io/inventory": json.dumps(inv)}}}
+
+
+def pod(name: str, milli: int = 500, gpus: int = 1, model: str = "",
+        ns: str = "default") -> dict[str, Any]:
+    ann = {"gpuslice.io/gpu-model": model} if model else {}
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": ns, "annotations": ann},
+            "spec": {"containers": [{"name": "main", "resources": {
+                "limits": {"gpuslice.io/gpu": str(gpus), "gpuslice.io/gpu-milli": str(milli)},
+                "requests": {"cpu": "500m", "memory": "1Gi"}}}]}}
+
+
+def clock() -> str:
+    return "2026-11-22T18:00:00Z"
+
+
+async def serving(api: FakeApiServer,
+                  body: Callable[[str, ExtenderState], Awaitable[None]]) -> None:
+    state = ExtenderState(api, KEY, clock=clock)
+    runner = web.AppRunner(make_app(state))
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        await body(f"http://127.0.0.1:{port}", state)
+    finally:
+        await runner.cleanup()
+
+
+async def post(session: aiohttp.ClientSession, url: str, doc: Any) -> tuple[int, Any]:
+    async with session.post(url, data=json.dumps(doc) if not isinstance(doc, bytes) else doc,
+                            headers={"Content-Type": "application/json"}) as r:
+        text = await r.text()
+        try:
+            return r.status, json.loads(text)
+        except ValueError:
+            return r.status, text
+
+
+def small_cluster() -> FakeApiServer:
+    api = FakeApiServer()
+    api.add_node(node("a", "T4", 2))
+    api.add_node(node("b", "A100-80GB", 2))
+    api.add_pod(pod("big", 700))
+    return api
+
+
+def test_filter_prioritize_bind_node_cache_capable() -> None:
+    api = small_cluster()
+
+    async def body(url: str, state: ExtenderState) -> None:
+        async with aiohttp.ClientSession() as s:
+            p = api.get_pod("default", "big")
+            st, res = await post(s, url + "/filter", {"Pod": p, "NodeNames": ["a", "b", "zz"],
+                                                      "Nodes": None})
+            assert st == 200 and res["Error"] == "" and res["NodeNames"] == ["a", "b"]
+            assert "unknown" in res["FailedNodes"]["zz"]
+            st, res = await post(s, url + "/bind", {"PodName": "big", "PodNamespace": "default",
+                                                    "PodUID": p["metadata"]["uid"], "Node": "a"})
+            assert st == 200 and res["Error"] == ""
+            bound = api.get_pod("default", "big")
+            assert bound["spec"]["nodeName"] == "a"
+            a = decode(bound["metadata"]["annotations"][ANNOTATION])
+            assert verify(a, KEY) and a.node == "a"
+            assert [g.milli for c in a.containers for g in c.gpus] == [700]
+            # a second 700 fits only on the other GPU of a, or on b
+            api.add_pod(pod("big2", 700))
+            api.add_pod(pod("big3", 700))
+            p2 = api.get_pod("default", "big2")
+            await post(s, url + "/bind", {"PodName": "big2", "PodNamespace": "default",
+                                          "PodUID": p2["metadata"]["uid"], "Node": "a"})
+            p3 = api.get_pod("default", "big3")
+            st, res = await post(s, url + "/filter", {"Pod": p3, "NodeNames": ["a", "b"]})
+            assert res["NodeNames"] == ["b"]
+            assert "GPU 0 has 300 milli free, pod needs 700" in res["FailedNodes"]["a"]
+            st, res = await post(s, url + "/prioritize", {"Pod": p3, "NodeNames": ["a", "b"]})
+            assert st == 200 and {h["Host"] for h in res} == {"a", "b"}
+            assert all(0 <= h["Score"] <= 10 for h in res)
+            assert dict((h["Host"], h["Score"]) for h in res)["a"] == 0
+
+    asyncio.run(serving(api, body))
+
+
+def test_filter_with_node_objects_returns_node_list() -> None:
+    api = small_cluster()
+
+    async def body(url: str, state: ExtenderState) -> None:
+        async with aiohttp.ClientSession() as s:
+            nodes = {"kind": "NodeList", "items": api.list_nodes()}
+            st, res = await post(s, url + "/filter", {"Pod": pod("x", 300, model="A100-80GB"),
+                                                      "Nodes": nodes})
+            assert st == 200 and res["NodeNames"] is None
+            assert [n["metadata"]["name"] for n in res["Nodes"]["items"]] == ["b"]
+            assert "pod accepts A100-80GB" in res["FailedNodes"]["a"]
+            # a pod that asks for no gpuslice resource is not filtered
+            plain = {"metadata": {"name": "plain"}, "spec": {"containers": [{"name": "c"}]}}
+            st, res = await post(s, url + "/filter", {"Pod": plain, "Nodes": nodes})
+            assert len(res["Nodes"]["items"]) == 2
+
+    asyncio.run(serving(api, body))
+
+
+def test_hostile_requests_get_clear_errors_and_change_nothing() -> None:
+    api = small_cluster()
+
+    async def body(url: str, state: ExtenderState) -> None:
+        before = dict(state.ledger.used_milli)
+        async with aiohttp.ClientSession() as s:
+            st, res = await post(s, url + "/filter", b"{not json")
+            assert st == 400 and "not JSON" in res
+            st, res = await post(s, url + "/filter", {"Pod": "x", "NodeNames": ["a"]})
+            assert res["Error"].startswith("Pod: expected a Pod object")
+            st, res = await post(s, url + "/filter", {"Pod": pod("x"), "NodeNames": [1, 2]})
+            assert "NodeNames" in res["Error"]
+            bad = pod("bad")
+            bad["spec"]["containers"][0]["resources"]["limits"]["gpuslice.io/gpu-milli"] = "9000"
+            st, res = await post(s, url + "/filter", {"Pod": bad, "NodeNames": ["a"]})
+            assert "gpu-milli" in res["Error"]
+            st, res = await post(s, url + "/bind", {"PodName": 3})
+            assert "PodName: expected a string" in res["Error"]
+            st, res = await post(s, url + "/bind", {"PodName": "nope", "PodNamespace": "default",
+                                                    "PodUID": "u", "Node": "a"})
+            assert "not found" in res["Error"]
+            st, _ = await post(s, url + "/filter", b"x" * (9 * 1024 * 1024))
+            assert st == 413
+            # a pod carrying a hand-written assignment: not trusted, not counted
+            p = api.add_pod(pod("forged", 1000))
+            api.patch_pod_annotations("default", "forged", {ANNOTATION: '{"node": "a"}'},
+                                      p["metadata"]["resourceVersion"])
+            state.rebuild()
+            assert any("forged" in pr for pr in state.problems)
+            st, res = await post(s, url + "/filter", {"Pod": pod("y"), "NodeNames": ["a"]})
+            assert res["NodeNames"] == ["a"]
+        assert dict(state.ledger.used_milli) == before
+
+    asyncio.run(serving(api, body))
+
+
+def test_burst_with_restart_never_overallocates() -> None:
+    """1,000 pods against 200 nodes (8 GPUs, mixed models) through filter, prioritize and bind
+    with 16 concurrent clients; the extender is killed and restarted in the middle."""
+    api = FakeApiServer()
+    for i in range(200):
+        api.add_node(node(f"n{i:03d}", MODELS[i % 4]))
+    rnd = random.Random(5)
+    shapes = [100, 250, 300, 470, 500, 810, 1000, 1000]
+    for i in range(1000):
+        milli = rnd.choice(shapes)
+        gpus = rnd.choice([2, 4]) if milli == 1000 and rnd.random() < 0.1 else 1
+        model = rnd.choice(MODELS) if rnd.random() < 0.2 else ""
+        api.add_pod(pod(f"p{i:04d}", milli, gpus, model))
+    names = [f"p{i:04d}" for i in range(1000)]
+    outcome: dict[str, str] = {}
+
+    async def schedule(url: str, queue: asyncio.Queue[str]) -> None:
+        async with aiohttp.ClientSession() as s:
+            all_nodes = [n["metadata"]["name"] for n in api.list_nodes()]
+            while True:
+                try:
+                    name = queue.get_nowait()
+                except asyncio.QueueEmpty:
+                    return
+                p = api.get_pod("default", name)
+                _, f = await post(s, url + "/filter", {"Pod": p, "NodeNames": all_nodes})
+                if not f["NodeNames"]:
+                    outcome[name] = "rejected: " + (next(iter(f["FailedNodes"].values()), "")
+                                                    or "no node")
+                    continue
+                _, scores = await post(s, url + "/prioritize", {"Pod": p,
+                                                                "NodeNames": f["NodeNames"]})
+                best = max(scores, key=lambda h: h["Score"])["Host"]
+                _, b = await post(s, url + "/bind", {"PodName": name, "PodNamespace": "default",
+                                                     "PodUID": p["metadata"]["uid"],
+                                                     "Node": best})
+                outcome[name] = "bound" if b["Error"] == "" else "bind error: " + b["Error"]
+
+    async def run_half(batch: list[str]) -> None:
+        async def body(url: str, state: ExtenderState) -> None:
+            queue: asyncio.Queue[str] = asyncio.Queue()
+            for n in batch:
+                queue.put_nowait(n)
+            await asyncio.gather(*(schedule(url, queue) for _ in range(16)))
+        await serving(api, body)
+
+    asyncio.run(run_half(names[:500]))  # then the extender process is gone ...
+    asyncio.run(run_half(names[500:]))  # ... and a new one rebuilds from the API server
+
+    assert len(outcome) == 1000
+    assert all(v == "bound" or v.startswith(("rejected: ", "bind error: "))
+               for v in outcome.values())
+    used: dict[str, int] = defaultdict(int)
+    bound = 0
+    for p in api.list_pods():
+        ann = p["metadata"].get("annotations", {}).get(ANNOTATION)
+        if not ann:
+            assert not p.get("spec", {}).get("nodeName")
+            continue
+        a = decode(ann)
+        assert verify(a, KEY) and p["spec"]["nodeName"] == a.node
+        bound += 1
+        for c in a.containers:
+            for g in c.gpus:
+                assert g.uuid.startswith(f"GPU-{a.node}-")
+                used[g.uuid] += g.milli
+    assert bound == sum(v == "bound" for v in outcome.values()) > 500
+    assert max(used.values()) <= 1000  # zero over-allocated GPUs
+    restarted = ExtenderState(api, KEY, clock=clock)
+    assert dict(restarted.ledger.used_milli) == {k: v for k, v in used.items()}
+
+
+@pytest.mark.parametrize("verb", ["filter", "prioritize"])
+def test_missing_pod_field(verb: str) -> None:
+    api = small_cluster()
+
+    async def body(url: str, state: ExtenderState) -> None:
+        async with aiohttp.ClientSession() as s:
+            _, res = await post(s, f"{url}/{verb}", {"NodeNames": ["a"]})
+            text = res["Error"] if isinstance(res, dict) else res
+            assert "Pod" in text
+
+    asyncio.run(serving(api, body))
