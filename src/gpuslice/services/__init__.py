@@ -1,0 +1,1 @@
+"""Composition roots: wire adapters to the pure core (the router, ...)."""
