@@ -1,0 +1,3 @@
+"""HTTP adapters: the router's reverse proxy, inference-protocol parsing, config and plan files,
+Prometheus metrics, the Kubernetes EndpointSlice reader, and a fake model replica for tests and
+benchmarks."""

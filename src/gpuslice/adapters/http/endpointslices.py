@@ -1,0 +1,109 @@
+"""Replicas from Kubernetes EndpointSlices (``discovery.k8s.io/v1``), read over the API server's
+HTTP API: in cluster with the pod's service-account token, or against any URL (tests, a
+``kubectl proxy``). Ready endpoints become replicas; a replica's weight comes from the plan
+(matched by pod name) when one is given, else 1 (SED learns the rest online)."""
+
+from __future__ import annotations
+
+import os
+import ssl
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+
+from gpuslice.core.errors import ValidationError
+from gpuslice.core.routing_config import ReplicaSpec
+
+SA_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
+
+
+@dataclass(frozen=True, slots=True)
+class SliceSource:
+    namespace: str
+    service: str
+    port_name: str | None = None
+    api: str | None = None  # None: in cluster
+
+    @classmethod
+    def parse(cls, text: str, api: str | None = None, port_name: str | None = None
+              ) -> SliceSource:
+        ns, sep, svc = text.partition("/")
+        if not sep or not ns or not svc:
+            raise ValidationError("--endpointslices", "NAMESPACE/SERVICE", text)
+        return cls(ns, svc, port_name, api)
+
+
+def replicas_from_slices(doc: object, port_name: str | None = None,
+                         weights: Mapping[str, ReplicaSpec] | None = None
+                         ) -> tuple[ReplicaSpec, ...]:
+    """An EndpointSliceList -> replicas (ready endpoints, one per address)."""
+    if not isinstance(doc, dict) or not isinstance(doc.get("items"), list):
+        raise ValidationError("EndpointSliceList", "an object with an items list", type(doc))
+    out: dict[str, ReplicaSpec] = {}
+    for item in doc["items"]:
+        if not isinstance(item, dict):
+            continue
+        ports = [p for p in item.get("ports") or [] if isinstance(p, dict)]
+        if port_name is not None:
+            ports = [p for p in ports if p.get("name") == port_name]
+        if not ports or not isinstance(ports[0].get("port"), int):
+            continue
+        port = ports[0]["port"]
+        for ep in item.get("endpoints") or []:
+            if not isinstance(ep, dict):
+                continue
+            cond = ep.get("conditions") or {}
+            if cond.get("ready") is False or cond.get("terminating") is True:
+                continue
+            ref = ep.get("targetRef") or {}
+            for addr in ep.get("addresses") or []:
+                host = f"[{addr}]" if ":" in str(addr) else str(addr)
+                pod = str(ref.get("name") or addr)
+                name = pod if pod not in out else f"{pod}-{addr}"
+                known = _match(pod, weights or {})
+                labels = {"node": str(ep["nodeName"])} if ep.get("nodeName") else {}
+                if known is not None:
+                    out[name] = ReplicaSpec(name, f"http://{host}:{port}", known.weight,
+                                            known.concurrency, known.service_time_s,
+                                            {**known.labels, **labels})
+                else:
+                    out[name] = ReplicaSpec(name, f"http://{host}:{port}", labels=labels)
+    return tuple(out.values())
+
+
+def _match(pod: str, weights: Mapping[str, ReplicaSpec]) -> ReplicaSpec | None:
+    """The plan's replica for a pod: its exact name, or the Deployment name it starts with."""
+    if pod in weights:
+        return weights[pod]
+    best = None
+    for name, spec in weights.items():
+        if pod.startswith(name + "-") and (best is None or len(name) > len(best[0])):
+            best = (name, spec)
+    return None if best is None else best[1]
+
+
+async def fetch_slices(session: aiohttp.ClientSession, src: SliceSource) -> object:
+    path = (f"/apis/discovery.k8s.io/v1/namespaces/{src.namespace}/endpointslices"
+            f"?labelSelector=kubernetes.io/service-name%3D{src.service}")
+    headers = {"Accept": "application/json"}
+    ssl_ctx: ssl.SSLContext | bool = True
+    if src.api is None:
+        host = os.environ.get("KUBERNETES_SERVICE_HOST")
+        port = os.environ.get("KUBERNETES_SERVICE_PORT", "443")
+        if not host:
+            raise ValidationError("--endpointslices", "running in a cluster "
+                                  "(KUBERNETES_SERVICE_HOST) or --kube-api URL", None)
+        base = f"https://{host}:{port}"
+        headers["Authorization"] = "Bearer " + (SA_DIR / "token").read_text().strip()
+        ssl_ctx = ssl.create_default_context(cafile=str(SA_DIR / "ca.crt"))
+    else:
+        base = src.api.rstrip("/")
+    async with session.get(base + path, headers=headers, ssl=ssl_ctx,
+                           timeout=aiohttp.ClientTimeout(total=10)) as resp:
+        if resp.status != 200:
+            text = (await resp.text())[:200]
+            raise ValidationError("EndpointSlice list", "HTTP 200 from the API server",
+                                  f"{resp.status}: {text}")
+        return await resp.json(content_type=None)

@@ -1,0 +1,122 @@
+"""Prometheus metrics and the structured access log of the router.
+
+Counters and the latency histogram are updated per request; per-replica gauges (outstanding,
+health, learned service time, weight) are read from the replica table at scrape time, so the
+hot path pays nothing for them.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import IO
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from gpuslice.adapters.http.proxy import RequestRecord
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                   10.0, 30.0)
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaGauge:
+    service: str
+    replica: str
+    outstanding: int
+    healthy: bool
+    weight: float
+    service_time_s: float
+    samples: int
+
+
+class _TableCollector(Collector):
+    def __init__(self, snapshot: Callable[[], Iterable[ReplicaGauge]]) -> None:
+        self.snapshot = snapshot
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        labels = ["service", "replica"]
+        out = GaugeMetricFamily("gpuslice_router_outstanding_requests",
+                                "Requests in flight to the replica through this router",
+                                labels=labels)
+        up = GaugeMetricFamily("gpuslice_router_replica_healthy",
+                               "1 when the replica takes traffic, 0 when taken out", labels=labels)
+        wt = GaugeMetricFamily("gpuslice_router_replica_weight",
+                               "Capability weight of the replica", labels=labels)
+        st = GaugeMetricFamily("gpuslice_router_service_time_seconds",
+                               "Learned service time of a size-1 request (EWMA)", labels=labels)
+        n = GaugeMetricFamily("gpuslice_router_service_time_samples",
+                              "Observations behind the learned service time", labels=labels)
+        for g in self.snapshot():
+            key = [g.service, g.replica]
+            out.add_metric(key, g.outstanding)
+            up.add_metric(key, 1.0 if g.healthy else 0.0)
+            wt.add_metric(key, g.weight)
+            st.add_metric(key, g.service_time_s)
+            n.add_metric(key, g.samples)
+        yield from (out, up, wt, st, n)
+
+
+class RouterMetrics:
+    def __init__(self, snapshot: Callable[[], Iterable[ReplicaGauge]]) -> None:
+        self.registry = CollectorRegistry()
+        self.latency = Histogram("gpuslice_router_request_duration_seconds",
+                                 "Latency seen by clients, by replica that answered",
+                                 ["service", "replica"], buckets=LATENCY_BUCKETS,
+                                 registry=self.registry)
+        self.requests = Counter("gpuslice_router_requests", "Requests answered, by status code",
+                                ["service", "replica", "code"], registry=self.registry)
+        self.rejects = Counter("gpuslice_router_rejects",
+                               "Requests refused by the router (429 admission, 503, 4xx)",
+                               ["service", "reason"], registry=self.registry)
+        self.retries = Counter("gpuslice_router_retries",
+                               "Requests retried on another replica", ["service"],
+                               registry=self.registry)
+        self.registry.register(_TableCollector(snapshot))
+        self._children: dict[tuple[str, str, int], tuple[Histogram, Counter]] = {}
+
+    def observe(self, rec: RequestRecord) -> None:
+        if rec.replica:
+            key = (rec.service, rec.replica, rec.status)
+            children = self._children.get(key)
+            if children is None:
+                children = self._children[key] = (
+                    self.latency.labels(rec.service, rec.replica),
+                    self.requests.labels(rec.service, rec.replica, str(rec.status)))
+            children[0].observe(rec.latency_s)
+            children[1].inc()
+            if rec.attempts > 1:
+                self.retries.labels(rec.service).inc()
+        else:
+            reason = "slo" if rec.status == 429 else str(rec.status)
+            self.rejects.labels(rec.service or "-", reason).inc()
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class AccessLog:
+    """One JSON object per request and line; the caller flushes now and then."""
+
+    def __init__(self, stream: IO[str]) -> None:
+        self.stream = stream
+
+    def write(self, rec: RequestRecord) -> None:
+        line = {
+            "ts": round(rec.ts, 6), "method": rec.method, "path": rec.path,
+            "status": rec.status, "service": rec.service, "replica": rec.replica,
+            "latency_ms": round(rec.latency_s * 1e3, 3),
+            "upstream_ms": round(rec.upstream_s * 1e3, 3),
+            "predicted_ms": round(rec.predicted_s * 1e3, 3), "size": rec.size,
+            "attempts": rec.attempts, "request_id": rec.request_id, "client": rec.client,
+        }
+        if rec.error:
+            line["error"] = rec.error
+        self.stream.write(json.dumps(line, separators=(",", ":")) + "\n")
+
+    def flush(self) -> None:
+        self.stream.flush()

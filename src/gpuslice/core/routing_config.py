@@ -1,0 +1,265 @@
+"""Router configuration as pure data, validated from plain mappings (JSON, TOML or the planner's
+plan, read by ``adapters/http/config.py``). Every error names the field and what was expected.
+
+Shape (the planner's JSON plan has the same ``services`` list; extra keys are ignored)::
+
+    {"policy": "sed",
+     "services": [{"name": "resnet50", "slo_ms": 100, "models": ["resnet50"],
+                   "replicas": [{"name": "a100-0", "url": "http://10.0.0.7:8000",
+                                 "gpu": "A100-80GB", "slice": "3g.40gb",
+                                 "throughput_rps": 300, "concurrency": 2,
+                                 "service_time_ms": 6.5}]}]}
+
+A replica's weight is ``weight``, else ``throughput_rps`` / ``capacity_rps`` (capability from
+the plan or profiles), else 1. The planner's own ``plan.json`` (``gpuslice plan``) is read too:
+a service without ``replicas`` takes one replica per plan ``segment`` (a MIG slice), named as the
+planner's Deployments (``SERVICE-gGPU-PROFILE-START``), weighted by the segment's
+``throughput_rps``, with the GPU model from ``gpu_list``; such replicas have no URL, so they serve
+mesh exports and EndpointSlice weights (pods are matched to them by name prefix).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from gpuslice.core.errors import ValidationError
+from gpuslice.core.routing import make_routing_policy
+
+IDEMPOTENT_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "PUT", "DELETE", "TRACE"})
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaSpec:
+    name: str
+    url: str | None = None
+    weight: float = 1.0
+    concurrency: int = 1
+    service_time_s: float | None = None
+    labels: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceSpec:
+    name: str
+    replicas: tuple[ReplicaSpec, ...]
+    slo_s: float | None = None
+    admission: bool = True
+    policy: str | None = None
+    models: tuple[str, ...] = ()
+    host: str | None = None
+    port: int = 80
+
+
+@dataclass(frozen=True, slots=True)
+class HealthSpec:
+    path: str = "/v2/health/ready"
+    interval_s: float = 2.0
+    timeout_s: float = 1.0
+    unhealthy_after: int = 2
+    healthy_after: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    services: tuple[ServiceSpec, ...]
+    policy: str = "sed"
+    batch_header: str = "X-Batch-Size"
+    health: HealthSpec = field(default_factory=HealthSpec)
+    retry_post: bool = False
+    request_timeout_s: float = 60.0
+    min_samples: int = 20
+    max_body_bytes: int = 64 * 1024 * 1024
+
+    def service(self, name: str) -> ServiceSpec:
+        for s in self.services:
+            if s.name == name:
+                return s
+        raise ValidationError("service", f"one of {[s.name for s in self.services]}", name)
+
+
+def _num(where: str, value: object, *, positive: bool = True, allow_zero: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValidationError(where, "a number", value)
+    x = float(value)
+    if not math.isfinite(x) or (positive and (x < 0 or (x == 0 and not allow_zero))):
+        raise ValidationError(where, "a positive number" + (" or 0" if allow_zero else ""),
+                              value)
+    return x
+
+
+def _int(where: str, value: object, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValidationError(where, f"an integer >= {minimum}", value)
+    return value
+
+
+def _str(where: str, value: object) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise ValidationError(where, "a non-empty string", value)
+    return value.strip()
+
+
+def _bool(where: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise ValidationError(where, "true or false", value)
+    return value
+
+
+def _mapping(where: str, value: object) -> Mapping[str, object]:
+    if not isinstance(value, Mapping):
+        raise ValidationError(where, "an object (mapping)", value)
+    return value
+
+
+def _list(where: str, value: object) -> Sequence[object]:
+    if isinstance(value, str) or not isinstance(value, Sequence):
+        raise ValidationError(where, "a list", value)
+    return value
+
+
+def check_url(where: str, value: object) -> str:
+    url = _str(where, value)
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme not in ("http", "https") or not rest or rest.startswith("/"):
+        raise ValidationError(where, "an http:// or https:// URL with a host", value)
+    return url.rstrip("/")
+
+
+def parse_replica(where: str, raw: object, index: int) -> ReplicaSpec:
+    m = _mapping(where, raw)
+    name_raw = m.get("name", m.get("pod", m.get("id")))
+    url_raw = m.get("url", m.get("endpoint", m.get("address")))
+    url = None if url_raw is None else check_url(f"{where}.url", url_raw)
+    name = _str(f"{where}.name", name_raw) if name_raw is not None else (
+        url.partition("://")[2] if url else f"replica-{index}")
+    weight = 1.0
+    for key in ("weight", "throughput_rps", "capacity_rps"):
+        if key in m:
+            weight = _num(f"{where}.{key}", m[key])
+            break
+    conc = _int(f"{where}.concurrency", m.get("concurrency", 1), 1)
+    st = m.get("service_time_ms", m.get("latency_ms"))
+    service_s = None if st is None else _num(f"{where}.service_time_ms", st) / 1e3
+    labels: dict[str, str] = {}
+    for key in ("gpu", "slice", "node", "mode"):
+        if key in m and m[key] is not None:
+            labels[key] = str(m[key])
+    extra = m.get("labels")
+    if extra is not None:
+        for k, v in _mapping(f"{where}.labels", extra).items():
+            labels[str(k)] = str(v)
+    return ReplicaSpec(name, url, weight, conc, service_s, labels)
+
+
+def segment_replica_name(service: str, gpu: object, profile: object, start: object) -> str:
+    """The replica (Deployment) name the planner's manifests give a plan segment."""
+    return f"{service}-g{gpu}-{str(profile).replace('.', '-')}-{start}"
+
+
+def _segments_as_replicas(where: str, name: str, segs: object,
+                          gpu_models: Mapping[int, str]) -> list[object]:
+    """The planner's ``segments`` (one MIG slice each) -> replica mappings."""
+    out: list[object] = []
+    for i, raw in enumerate(_list(f"{where}.segments", segs)):
+        seg = _mapping(f"{where}.segments[{i}]", raw)
+        gpu = seg.get("gpu")
+        rep: dict[str, object] = {
+            "name": segment_replica_name(name, gpu, seg.get("profile"), seg.get("start")),
+            "slice": seg.get("profile"),
+        }
+        if "throughput_rps" in seg:
+            rep["throughput_rps"] = seg["throughput_rps"]
+        if isinstance(gpu, int) and gpu in gpu_models:
+            rep["gpu"] = gpu_models[gpu]
+        if "url" in seg:
+            rep["url"] = seg["url"]
+        out.append(rep)
+    return out
+
+
+def parse_service(where: str, raw: object, *, need_urls: bool,
+                  gpu_models: Mapping[int, str] | None = None) -> ServiceSpec:
+    m = _mapping(where, raw)
+    name = _str(f"{where}.name", m.get("name"))
+    where = f"services[{name}]"
+    if "replicas" not in m and "segments" in m:
+        reps_in: object = _segments_as_replicas(where, name, m["segments"], gpu_models or {})
+    else:
+        reps_in = m.get("replicas")
+    reps_raw = _list(f"{where}.replicas", reps_in)
+    if not reps_raw and need_urls:
+        raise ValidationError(f"{where}.replicas", "at least one replica", [])
+    reps = tuple(parse_replica(f"{where}.replicas[{i}]", r, i) for i, r in enumerate(reps_raw))
+    names = [r.name for r in reps]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise ValidationError(f"{where}.replicas", "distinct replica names", dup)
+    if need_urls:
+        for r in reps:
+            if r.url is None:
+                raise ValidationError(f"{where}.replicas[{r.name}].url",
+                                      "an http:// URL to send requests to", None)
+    slo_raw = m.get("slo_ms", m.get("slo_p99_ms"))
+    slo = None if slo_raw is None else _num(f"{where}.slo_ms", slo_raw) / 1e3
+    admission = _bool(f"{where}.admission", m.get("admission", True))
+    policy = m.get("policy")
+    if policy is not None:
+        make_routing_policy(_str(f"{where}.policy", policy))
+    models_raw = m.get("models", [name])
+    models = tuple(_str(f"{where}.models[{i}]", x)
+                   for i, x in enumerate(_list(f"{where}.models", models_raw)))
+    host = m.get("host")
+    port = _int(f"{where}.port", m.get("port", 80), 1)
+    return ServiceSpec(name, reps, slo, admission, None if policy is None else str(policy),
+                       models, None if host is None else _str(f"{where}.host", host), port)
+
+
+def parse_router_config(raw: object, *, need_urls: bool = True) -> RouterConfig:
+    """Validate a router config or plan read from a file."""
+    m = _mapping("config", raw)
+    svcs_raw = _list("services", m.get("services"))
+    if not svcs_raw:
+        raise ValidationError("services", "at least one service", [])
+    gpu_models: dict[int, str] = {}
+    gpu_list = m.get("gpu_list")
+    for g in gpu_list if isinstance(gpu_list, list) else []:  # the planner's plan
+        if isinstance(g, Mapping) and isinstance(g.get("index"), int) and g.get("gpu"):
+            gpu_models[g["index"]] = str(g["gpu"])
+    services = tuple(parse_service(f"services[{i}]", s, need_urls=need_urls,
+                                   gpu_models=gpu_models)
+                     for i, s in enumerate(svcs_raw))
+    names = [s.name for s in services]
+    if len(set(names)) != len(names):
+        raise ValidationError("services", "distinct service names", names)
+    policy = _str("policy", m.get("policy", "sed"))
+    make_routing_policy(policy)
+    h = _mapping("health", m.get("health", {}))
+    health = HealthSpec(
+        path=_str("health.path", h.get("path", "/v2/health/ready")),
+        interval_s=_num("health.interval_s", h.get("interval_s", 2.0)),
+        timeout_s=_num("health.timeout_s", h.get("timeout_s", 1.0)),
+        unhealthy_after=_int("health.unhealthy_after", h.get("unhealthy_after", 2), 1),
+        healthy_after=_int("health.healthy_after", h.get("healthy_after", 1), 1),
+    )
+    if not health.path.startswith("/"):
+        raise ValidationError("health.path", "a path starting with /", health.path)
+    return RouterConfig(
+        services=services,
+        policy=policy,
+        batch_header=_str("batch_header", m.get("batch_header", "X-Batch-Size")),
+        health=health,
+        retry_post=_bool("retry_post", m.get("retry_post", False)),
+        request_timeout_s=_num("request_timeout_s", m.get("request_timeout_s", 60.0)),
+        min_samples=_int("min_samples", m.get("min_samples", 20), 0),
+        max_body_bytes=_int("max_body_bytes", m.get("max_body_bytes", 64 * 1024 * 1024), 1),
+    )
+
+
+def is_idempotent(method: str, has_idempotency_key: bool, retry_post: bool) -> bool:
+    """May a failed request be sent again? Idempotent methods always; POST (inference) when the
+    client sent an ``Idempotency-Key`` or the config says inference POSTs are safe to repeat."""
+    if method in IDEMPOTENT_METHODS:
+        return True
+    return method == "POST" and (has_idempotency_key or retry_post)

@@ -1,0 +1,528 @@
+"""The router service (``gpuslice router``): wires the pure routing core to the HTTP proxy.
+
+:class:`Router` holds, per service, an immutable tuple of :class:`ReplicaView` and the policy's
+state; for each request it asks the policy and admission control (``core/routing.py``) and
+applies the answer. Around it: active health checks, passive ejection of replicas that refuse
+connections, hot reload of the replica set (config file change, SIGHUP, ``POST /reload`` on the
+admin port, or a new EndpointSlice list) that keeps what was learned and never drops a
+connection, Prometheus metrics and the JSON access log.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import random
+import signal
+import sys
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import IO, Any
+
+import aiohttp
+from aiohttp import web
+
+from gpuslice.adapters.http.metrics import CONTENT_TYPE, AccessLog, ReplicaGauge, RouterMetrics
+from gpuslice.adapters.http.proxy import (
+    Pick,
+    ProxySettings,
+    Reject,
+    RequestRecord,
+    ReverseProxy,
+)
+from gpuslice.core.errors import ValidationError
+from gpuslice.core.routing import (
+    DEFAULT_PRIOR_S,
+    ReplicaView,
+    RoutingPolicy,
+    ServiceModel,
+    Ticket,
+    admit,
+    completed,
+    dispatched,
+    make_routing_policy,
+    with_health,
+)
+from gpuslice.core.routing_config import RouterConfig, ServiceSpec
+
+ConfigLoader = Callable[[], Awaitable[RouterConfig]]
+
+
+@dataclass
+class _Service:
+    spec: ServiceSpec
+    policy: RoutingPolicy
+    views: list[ReplicaView]
+    urls: dict[str, str]
+    fails: dict[str, int] = field(default_factory=dict)
+    oks: dict[str, int] = field(default_factory=dict)
+
+    def index(self, name: str) -> int | None:
+        for i, v in enumerate(self.views):
+            if v.name == name:
+                return i
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class _Ticket:
+    name: str
+    ticket: Ticket
+    generation: int
+
+
+def _prior(spec: ServiceSpec, weight: float, given: float | None) -> float:
+    if given is not None:
+        return given
+    top = max((r.weight for r in spec.replicas), default=1.0)
+    return DEFAULT_PRIOR_S * top / weight
+
+
+class Router:
+    """Balancer of the proxy: per-service replica views, policy state and admission control."""
+
+    def __init__(self, config: RouterConfig, *, policy: str | None = None,
+                 slo_ms: float | None = None, admission: bool = True, seed: int = 0) -> None:
+        self.policy_override = policy
+        if policy is not None:
+            make_routing_policy(policy)
+        self.slo_override = None if slo_ms is None else slo_ms / 1e3
+        self.admission = admission
+        self.rng = random.Random(seed)
+        self.services: dict[str, _Service] = {}
+        self.models: dict[str, str] = {}
+        self.config = config
+        self.generation = 0
+        self.apply(config)
+
+    # -- configuration -------------------------------------------------------------------------
+    def apply(self, config: RouterConfig) -> None:
+        """Install a new replica set; replicas that stay keep their load and learned model."""
+        services: dict[str, _Service] = {}
+        for spec in config.services:
+            old = self.services.get(spec.name)
+            name = self.policy_override or spec.policy or config.policy
+            policy = make_routing_policy(name)
+            if old is not None and old.policy.name == policy.name:
+                policy = old.policy
+            views: list[ReplicaView] = []
+            urls: dict[str, str] = {}
+            for r in spec.replicas:
+                if r.url is None:
+                    raise ValidationError(f"services[{spec.name}].replicas[{r.name}].url",
+                                          "an http:// URL", None)
+                urls[r.name] = r.url
+                prev = None
+                if old is not None:
+                    i = old.index(r.name)
+                    prev = None if i is None else old.views[i]
+                if prev is not None and old is not None and old.urls.get(r.name) == r.url:
+                    views.append(replace(prev, weight=r.weight, concurrency=r.concurrency))
+                else:
+                    views.append(ReplicaView(
+                        r.name, r.weight, r.concurrency,
+                        model=ServiceModel(prior_s=_prior(spec, r.weight, r.service_time_s))))
+            services[spec.name] = _Service(spec, policy, views, urls)
+        models: dict[str, str] = {}
+        for spec in config.services:
+            for m in spec.models:
+                models.setdefault(m, spec.name)
+        self.services, self.models, self.config = services, models, config
+        self.generation += 1
+
+    def slo_s(self, spec: ServiceSpec) -> float | None:
+        if not self.admission or not spec.admission:
+            return None
+        return self.slo_override if self.slo_override is not None else spec.slo_s
+
+    # -- Balancer ------------------------------------------------------------------------------
+    def service_for(self, model: str | None) -> str | Reject:
+        if len(self.services) == 1:
+            return next(iter(self.services))
+        if model is not None:
+            svc = self.models.get(model)
+            if svc is None:
+                return Reject(404, f"no service serves model {model!r}; known models: "
+                              f"{sorted(self.models)}", reason="unknown-model")
+            return svc
+        return next(iter(self.services))
+
+    def wants_body_size(self, service: str) -> bool:
+        return self.services[service].policy.name == "sed"
+
+    def pick(self, service: str, size: int, exclude: frozenset[str],
+             first: bool) -> Pick | Reject:
+        svc = self.services.get(service)
+        if svc is None:
+            return Reject(503, f"service {service!r} was removed", 1, "removed")
+        views = svc.views
+        if exclude:
+            views = [with_health(v, False) if v.name in exclude else v for v in views]
+        if first:
+            adm = admit(views, size, self.slo_s(svc.spec), self.config.min_samples)
+            if not adm.admitted:
+                if adm.predicted_s is None:
+                    return Reject(503, f"service {service!r}: {adm.reason}", adm.retry_after_s,
+                                  "no-replica")
+                return Reject(429, f"service {service!r}: {adm.reason}", adm.retry_after_s,
+                              "slo")
+        choice = svc.policy.choose(views, size, self.rng.random())
+        svc.policy = choice.policy
+        if choice.index is None:
+            return Reject(503, f"service {service!r}: {choice.reason}", 1, "no-replica")
+        i = choice.index
+        view, ticket = dispatched(svc.views[i], size)
+        svc.views[i] = view
+        return Pick(service, view.name, svc.urls[view.name],
+                    _Ticket(view.name, ticket, self.generation), ticket.delay_s)
+
+    def done(self, pick: Pick, latency_s: float | None, *, failed: bool = False,
+             eject: bool = False) -> None:
+        svc = self.services.get(pick.service)
+        t = pick.ticket
+        if svc is None or not isinstance(t, _Ticket):
+            return
+        i = svc.index(t.name)
+        if i is None:
+            return
+        view = completed(svc.views[i], t.ticket, None if failed else latency_s)
+        if failed:
+            n = svc.fails.get(t.name, 0) + 1
+            svc.fails[t.name] = n
+            svc.oks[t.name] = 0
+            if eject or n >= self.config.health.unhealthy_after:
+                view = with_health(view, False)
+        else:
+            svc.fails[t.name] = 0
+        svc.views[i] = view
+
+    # -- health --------------------------------------------------------------------------------
+    def health_result(self, service: str, name: str, ok: bool) -> None:
+        svc = self.services.get(service)
+        if svc is None:
+            return
+        i = svc.index(name)
+        if i is None:
+            return
+        h = self.config.health
+        if ok:
+            svc.fails[name] = 0
+            svc.oks[name] = svc.oks.get(name, 0) + 1
+            if svc.oks[name] >= h.healthy_after:
+                svc.views[i] = with_health(svc.views[i], True)
+        else:
+            svc.oks[name] = 0
+            svc.fails[name] = svc.fails.get(name, 0) + 1
+            if svc.fails[name] >= h.unhealthy_after:
+                svc.views[i] = with_health(svc.views[i], False)
+
+    def targets(self) -> list[tuple[str, str, str]]:
+        return [(s, name, url) for s, svc in self.services.items() for name, url in
+                svc.urls.items()]
+
+    # -- introspection -------------------------------------------------------------------------
+    def gauges(self) -> Iterator[ReplicaGauge]:
+        for s, svc in self.services.items():
+            for v in svc.views:
+                yield ReplicaGauge(s, v.name, v.outstanding, v.healthy, v.weight,
+                                   v.model.predict(1), v.model.samples)
+
+    def describe(self) -> dict[str, object]:
+        out: dict[str, object] = {}
+        for s, svc in self.services.items():
+            out[s] = {
+                "policy": svc.policy.name,
+                "slo_ms": None if (slo := self.slo_s(svc.spec)) is None else slo * 1e3,
+                "replicas": [{
+                    "name": v.name, "url": svc.urls[v.name], "healthy": v.healthy,
+                    "weight": v.weight, "concurrency": v.concurrency,
+                    "outstanding": v.outstanding,
+                    "service_time_ms": round(v.model.predict(1) * 1e3, 3),
+                    "samples": v.model.samples,
+                } for v in svc.views],
+            }
+        return out
+
+
+async def health_loop(router: Router, session: aiohttp.ClientSession) -> None:
+    """Probe every replica every ``health.interval_s``; see :meth:`Router.health_result`."""
+
+    async def probe(service: str, name: str, url: str) -> None:
+        h = router.config.health
+        try:
+            async with session.get(url + h.path,
+                                   timeout=aiohttp.ClientTimeout(total=h.timeout_s)) as resp:
+                await resp.read()
+                ok = 200 <= resp.status < 300
+        except (aiohttp.ClientError, TimeoutError, ConnectionError):
+            ok = False
+        router.health_result(service, name, ok)
+
+    while True:
+        await asyncio.gather(*(probe(*t) for t in router.targets()))
+        await asyncio.sleep(router.config.health.interval_s)
+
+
+@dataclass
+class RouterApp:
+    """A running router: the proxy site, the admin site and background tasks."""
+
+    router: Router
+    proxy: ReverseProxy
+    metrics: RouterMetrics
+    loader: ConfigLoader | None
+    runners: list[web.BaseRunner] = field(default_factory=list)
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    port: int = 0
+    admin_port: int = 0
+    log: AccessLog | None = None
+    watch: Path | None = None
+    reload_errors: list[str] = field(default_factory=list)
+
+    async def reload(self) -> dict[str, object]:
+        if self.loader is None:
+            return {"reloaded": False, "error": "no config source to reload from"}
+        try:
+            config = await self.loader()
+            self.router.apply(config)
+        except (ValidationError, OSError, aiohttp.ClientError) as exc:
+            self.reload_errors.append(str(exc))
+            print(f"gpuslice router: reload failed, keeping the old replica set: {exc}",
+                  file=sys.stderr, flush=True)
+            return {"reloaded": False, "error": str(exc)}
+        return {"reloaded": True, "generation": self.router.generation}
+
+    async def close(self) -> None:
+        for t in self.tasks:
+            t.cancel()
+        for t in self.tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        for r in self.runners:
+            await r.cleanup()
+        await self.proxy.close()
+        if self.log is not None:
+            self.log.flush()
+
+
+async def start_router(config: RouterConfig, *, host: str = "127.0.0.1", port: int = 0,
+                       admin_host: str | None = None, admin_port: int | None = 0,
+                       policy: str | None = None, slo_ms: float | None = None,
+                       admission: bool = True, access_log: IO[str] | None = None,
+                       loader: ConfigLoader | None = None, watch: Path | None = None,
+                       reload_every_s: float | None = None, health: bool = True,
+                       seed: int = 0) -> RouterApp:
+    """Start the proxy (and the admin port unless ``admin_port`` is None) in the running loop."""
+    router = Router(config, policy=policy, slo_ms=slo_ms, admission=admission, seed=seed)
+    log = AccessLog(access_log) if access_log is not None else None
+    metrics = RouterMetrics(router.gauges)
+
+    def observe(rec: RequestRecord) -> None:
+        metrics.observe(rec)
+        if log is not None:
+            log.write(rec)
+
+    settings = ProxySettings(batch_header=config.batch_header,
+                             request_timeout_s=config.request_timeout_s,
+                             retry_post=config.retry_post, max_body_bytes=config.max_body_bytes)
+    proxy = ReverseProxy(router, settings, observe)
+    await proxy.start()
+    app = RouterApp(router, proxy, metrics, loader, log=log, watch=watch)
+    max_body = config.max_body_bytes
+
+    def request_factory(message: Any, payload: Any, protocol: Any, writer: Any,
+                        task: Any) -> web.BaseRequest:
+        return web.BaseRequest(message, payload, protocol, writer, task,
+                               asyncio.get_running_loop(), client_max_size=max_body)
+
+    server = web.Server(proxy.handle, access_log=None, request_factory=request_factory)
+    runner = web.ServerRunner(server, handle_signals=False)
+    await runner.setup()
+    await web.TCPSite(runner, host, port, backlog=4096).start()
+    app.runners.append(runner)
+    app.port = runner.addresses[0][1]
+    if admin_port is not None:
+        admin = web.Application()
+        admin.router.add_get("/metrics", _metrics_handler(metrics))
+        admin.router.add_get("/healthz", _healthz)
+        admin.router.add_get("/replicas", _replicas_handler(router))
+        admin.router.add_post("/reload", _reload_handler(app))
+        arunner = web.AppRunner(admin, access_log=None, handle_signals=False)
+        await arunner.setup()
+        await web.TCPSite(arunner, admin_host or host, admin_port).start()
+        app.runners.append(arunner)
+        app.admin_port = arunner.addresses[0][1]
+    assert proxy.session is not None
+    if health:
+        app.tasks.append(asyncio.create_task(health_loop(router, proxy.session)))
+    if log is not None:
+        app.tasks.append(asyncio.create_task(_flush_loop(log)))
+    if watch is not None or reload_every_s is not None:
+        app.tasks.append(asyncio.create_task(_watch_loop(app, reload_every_s or 1.0)))
+    return app
+
+
+async def _flush_loop(log: AccessLog) -> None:
+    while True:
+        await asyncio.sleep(0.5)
+        log.flush()
+
+
+async def _watch_loop(app: RouterApp, every_s: float) -> None:
+    """Reload when the watched file changes (or every ``every_s`` without one: EndpointSlices)."""
+    last = app.watch.stat().st_mtime_ns if app.watch is not None else 0
+    while True:
+        await asyncio.sleep(every_s)
+        if app.watch is None:
+            await app.reload()
+            continue
+        try:
+            now = app.watch.stat().st_mtime_ns
+        except OSError:
+            continue
+        if now != last:
+            last = now
+            await app.reload()
+
+
+def _metrics_handler(metrics: RouterMetrics) -> Callable[[web.Request], Awaitable[web.Response]]:
+    async def handler(request: web.Request) -> web.Response:
+        return web.Response(body=metrics.exposition(), headers={"Content-Type": CONTENT_TYPE})
+    return handler
+
+
+async def _healthz(request: web.Request) -> web.Response:
+    return web.Response(text="ok")
+
+
+def _replicas_handler(router: Router) -> Callable[[web.Request], Awaitable[web.Response]]:
+    async def handler(request: web.Request) -> web.Response:
+        return web.json_response(router.describe())
+    return handler
+
+
+def _reload_handler(app: RouterApp) -> Callable[[web.Request], Awaitable[web.Response]]:
+    async def handler(request: web.Request) -> web.Response:
+        result = await app.reload()
+        return web.json_response(result, status=200 if result.get("reloaded") else 500)
+    return handler
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """What ``gpuslice router`` was asked to do."""
+
+    listen: tuple[str, int] = ("0.0.0.0", 8080)
+    admin: tuple[str, int] | None = ("0.0.0.0", 9901)
+    policy: str | None = None
+    slo_ms: float | None = None
+    admission: bool = True
+    access_log: str = "-"
+    config: Path | None = None
+    plan: Path | None = None
+    endpointslices: str | None = None
+    kube_api: str | None = None
+    port_name: str | None = None
+    poll_s: float = 5.0
+
+
+def parse_hostport(field_name: str, text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep:
+        host, port = "0.0.0.0", text
+    try:
+        p = int(port)
+    except ValueError:
+        raise ValidationError(field_name, "HOST:PORT or PORT", text) from None
+    if not 0 <= p <= 65535:
+        raise ValidationError(field_name, "a port from 0 to 65535", text)
+    return host.strip("[]") or "0.0.0.0", p
+
+
+def make_loader(opts: ServeOptions) -> tuple[ConfigLoader, Path | None]:
+    """The config source: a config file, a plan, or EndpointSlices (weights from a plan)."""
+    from gpuslice.adapters.http.config import read_config
+
+    if opts.endpointslices is not None:
+        from gpuslice.adapters.http.endpointslices import (
+            SliceSource,
+            fetch_slices,
+            replicas_from_slices,
+        )
+        from gpuslice.core.routing_config import parse_router_config
+
+        src = SliceSource.parse(opts.endpointslices, opts.kube_api, opts.port_name)
+        base = opts.config or opts.plan
+        template = read_config(base, need_urls=False) if base is not None else None
+        spec0 = template.services[0] if template is not None else None
+        by_name = {r.name: r for r in spec0.replicas} if spec0 is not None else {}
+
+        async def load_slices() -> RouterConfig:
+            async with aiohttp.ClientSession() as session:
+                doc = await fetch_slices(session, src)
+            reps = replicas_from_slices(doc, src.port_name, by_name)
+            if not reps:
+                raise ValidationError(f"EndpointSlices of {src.namespace}/{src.service}",
+                                      "at least one ready endpoint", 0)
+            svc = (replace(spec0, replicas=reps) if spec0 is not None
+                   else ServiceSpec(src.service, reps, models=(src.service,)))
+            cfg = template or parse_router_config(
+                {"services": [{"name": src.service, "replicas": []}]}, need_urls=False)
+            return replace(cfg, services=(svc,))
+
+        return load_slices, None
+    path = opts.config or opts.plan
+    if path is None:
+        raise ValidationError("--config", "a router config, a --plan or --endpointslices", None)
+    field_name = "--config" if opts.config is not None else "--plan"
+
+    async def load_file() -> RouterConfig:
+        return read_config(path, field=field_name)
+
+    return load_file, path
+
+
+async def serve(opts: ServeOptions, ready: Callable[[RouterApp], None] | None = None) -> None:
+    loader, watch = make_loader(opts)
+    config = await loader()
+    log_stream: IO[str] | None
+    if opts.access_log == "off":
+        log_stream = None
+    elif opts.access_log == "-":
+        log_stream = sys.stdout
+    else:
+        log_stream = open(opts.access_log, "a", encoding="utf-8", buffering=1 << 16)  # noqa: SIM115
+    app = await start_router(
+        config, host=opts.listen[0], port=opts.listen[1],
+        admin_host=opts.admin[0] if opts.admin else None,
+        admin_port=opts.admin[1] if opts.admin else None,
+        policy=opts.policy, slo_ms=opts.slo_ms, admission=opts.admission,
+        access_log=log_stream, loader=loader, watch=watch,
+        reload_every_s=opts.poll_s if opts.endpointslices else None)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    loop.add_signal_handler(signal.SIGINT, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, lambda: asyncio.ensure_future(app.reload()))
+    print(json.dumps({"router": "listening", "port": app.port, "admin_port": app.admin_port,
+                      "services": list(app.router.services)}), file=sys.stderr, flush=True)
+    if ready is not None:
+        ready(app)
+    try:
+        await stop.wait()
+    finally:
+        await app.close()
+        if log_stream is not None and log_stream is not sys.stdout:
+            log_stream.close()
+
+
+def run(opts: ServeOptions) -> None:
+    """Run until SIGTERM/SIGINT, on uvloop where it is installed."""
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is optional
+        asyncio.run(serve(opts))
+    else:
+        uvloop.run(serve(opts))

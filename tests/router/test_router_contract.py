@@ -1,0 +1,455 @@
+"""Contract tier: the real router over real HTTP on 127.0.0.1, against fake replica processes
+and in-process servers (fakes only behind ports). No timing assertions."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+from pathlib import Path
+
+import aiohttp
+from aiohttp import web
+
+from gpuslice.adapters.http.config import read_config
+from gpuslice.core.routing_config import RouterConfig
+from gpuslice.services.router import RouterApp
+from tests.router.harness import backend, config, eventually, router, run, url
+
+INFER = "/v2/models/m/infer"
+V2_BODY = {"inputs": [{"name": "x", "shape": [3, 4], "datatype": "FP32", "data": [0] * 12}]}
+
+
+def test_proxies_inference_streams_and_reports_the_replica() -> None:
+    with backend("one", service_ms=1) as (port, _):
+        async def go() -> None:
+            async with router(config([{"name": "one", "url": url(port)}])) as (app, s):
+                base = url(app.port)
+                async with s.post(base + INFER, json=V2_BODY) as r:
+                    assert r.status == 200
+                    assert r.headers["X-Gpuslice-Replica"] == "one"
+                    out = await r.json()
+                    assert out["model_name"] == "one"
+                async with s.get(base + "/stream?n=4") as r:
+                    assert r.status == 200
+                    text = await r.text()
+                    assert text.count("data:") == 4
+                async with s.get(base + "/status?code=503") as r:
+                    assert r.status == 503  # a replica's own error passes through
+                replicas = app.router.describe()["m"]["replicas"]  # type: ignore[index]
+                assert replicas[0]["outstanding"] == 0
+                assert replicas[0]["samples"] >= 1
+        run(go())
+
+
+def test_batch_size_from_header_and_body_reaches_the_policy() -> None:
+    with backend("one") as (port, _):
+        async def go() -> None:
+            async with router(config([{"name": "one", "url": url(port)}])) as (app, s):
+                seen: list[int] = []
+                orig = app.router.pick
+
+                def spy(service, size, exclude, first):  # type: ignore[no-untyped-def]
+                    seen.append(size)
+                    return orig(service, size, exclude, first)
+
+                app.router.pick = spy  # type: ignore[method-assign]
+                base = url(app.port)
+                async with s.post(base + INFER, json=V2_BODY) as r:
+                    assert r.status == 200
+                async with s.post(base + INFER, json={"instances": [1, 2, 3, 4, 5]}) as r:
+                    assert r.status == 200
+                async with s.post(base + INFER, data=b"{not json",
+                                  headers={"X-Batch-Size": "7"}) as r:
+                    assert r.status == 200
+                assert seen == [3, 5, 7]
+        run(go())
+
+
+def test_malformed_requests_get_clear_4xx_and_the_router_keeps_serving() -> None:
+    with backend("one") as (port, _):
+        async def go() -> None:
+            cfg = config([{"name": "one", "url": url(port)}], max_body_bytes=1000)
+            async with router(cfg) as (app, s):
+                base = url(app.port)
+                async with s.post(base + INFER, data=b"{}", headers={"X-Batch-Size": "-2"}) as r:
+                    assert r.status == 400
+                    err = await r.json()
+                    assert err["field"] == "header X-Batch-Size"
+                    assert "batch size" in err["error"]
+                async with s.post(base + INFER, data=b"x" * 5000) as r:
+                    assert r.status == 413
+                    assert "exceeds the limit" in (await r.json())["error"]
+                # bytes that are not HTTP at all
+                reader, writer = await asyncio.open_connection("127.0.0.1", app.port)
+                writer.write(b"\x16\x03\x01 NOT HTTP\r\n\r\n")
+                await writer.drain()
+                status_line = await reader.readline()
+                assert status_line.startswith(b"HTTP/1.") and b" 400 " in status_line
+                writer.close()
+                async with s.post(base + INFER, json=V2_BODY) as r:
+                    assert r.status == 200
+        run(go())
+
+
+def test_backend_garbage_gives_502_and_idempotent_requests_retry_elsewhere() -> None:
+    with backend("bad", garbage=True) as (bad, _), backend("good") as (good, _):
+        async def go() -> None:
+            # weighted round-robin with all weight on the garbage replica: it is tried first
+            cfg = config([{"name": "bad", "url": url(bad), "weight": 1000},
+                          {"name": "good", "url": url(good), "weight": 1}],
+                         policy="weighted-round-robin")
+            async with router(cfg, health=False) as (app, s):
+                base = url(app.port)
+                async with s.post(base + INFER, json=V2_BODY) as r:
+                    assert r.status == 502  # POST without Idempotency-Key: not repeated
+                    err = await r.json()
+                    assert "invalid HTTP response" in err["error"]
+                    assert err["replica"] == "bad"
+                async with s.get(base + "/v2/models/m") as r:
+                    assert r.status == 200  # GET: retried once on the good replica
+                    assert r.headers["X-Gpuslice-Replica"] == "good"
+                async with s.post(base + INFER, json=V2_BODY,
+                                  headers={"Idempotency-Key": "k1"}) as r:
+                    assert r.status == 200
+                # after repeated failures the garbage replica is taken out
+                await eventually(lambda: not app.router.services["m"].views[0].healthy)
+                async with s.post(base + INFER, json=V2_BODY) as r:
+                    assert r.status == 200
+        run(go())
+
+
+def test_replica_killed_mid_load_loses_no_idempotent_request() -> None:
+    with backend("a", service_ms=20, concurrency=8) as (pa, proc_a), \
+            backend("b", service_ms=20, concurrency=8) as (pb, _):
+        async def go() -> None:
+            cfg = config([{"name": "a", "url": url(pa)}, {"name": "b", "url": url(pb)}],
+                         policy="round-robin")
+            async with router(cfg) as (app, s):
+                base = url(app.port)
+                statuses: list[int] = []
+                started = asyncio.Event()
+
+                async def one(i: int) -> None:
+                    if i % 2:
+                        req = s.get(base + "/v2/models/m/ready")
+                    else:
+                        req = s.post(base + INFER, json=V2_BODY,
+                                     headers={"Idempotency-Key": f"k{i}"})
+                    async with req as r:
+                        await r.read()
+                        statuses.append(r.status)
+                    if len(statuses) >= 20:
+                        started.set()
+
+                async def load() -> None:
+                    tasks = []
+                    for i in range(240):
+                        tasks.append(asyncio.ensure_future(one(i)))
+                        await asyncio.sleep(0.002)
+                    await asyncio.gather(*tasks)
+
+                loader = asyncio.ensure_future(load())
+                await started.wait()
+                proc_a.send_signal(signal.SIGKILL)  # in-flight requests on a are cut
+                await loader
+                assert len(statuses) == 240
+                assert set(statuses) == {200}, sorted(statuses)
+                assert not app.router.services["m"].views[0].healthy
+        run(go())
+
+
+def test_admission_control_answers_429_with_retry_after() -> None:
+    with backend("slow", service_ms=60, concurrency=1) as (port, _):
+        async def go() -> None:
+            cfg = config([{"name": "slow", "url": url(port)}], slo_ms=20, min_samples=3)
+            async with router(cfg) as (app, s):
+                base = url(app.port)
+                codes = []
+                for _ in range(6):
+                    async with s.post(base + INFER, json=V2_BODY) as r:
+                        codes.append(r.status)
+                        if r.status == 429:
+                            assert int(r.headers["Retry-After"]) >= 1
+                            assert "exceeds the SLO" in (await r.json())["error"]
+                assert codes[:3] == [200, 200, 200]  # cold: learning
+                assert codes[3:] == [429, 429, 429]
+                async with s.get(url(app.admin_port) + "/metrics") as r:
+                    text = await r.text()
+                assert 'gpuslice_router_rejects_total{reason="slo",service="m"} 3.0' in text
+                assert 'gpuslice_router_outstanding_requests{replica="slow",service="m"}' in text
+                assert "gpuslice_router_request_duration_seconds_bucket" in text
+            # the same service with admission off queues instead
+            async with router(cfg, admission=False) as (app, s):
+                for _ in range(5):
+                    async with s.post(url(app.port) + INFER, json=V2_BODY) as r:
+                        assert r.status == 200
+        run(go())
+
+
+def test_no_healthy_replica_gives_502_then_503() -> None:
+    async def go() -> None:
+        # a port nobody listens on: bind and close to get one
+        srv = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+        dead = srv.sockets[0].getsockname()[1]
+        srv.close()
+        await srv.wait_closed()
+        cfg = config([{"name": "gone", "url": url(dead)}])
+        async with router(cfg, health=False) as (app, s):
+            async with s.get(url(app.port) + "/v2/models/m/ready") as r:
+                assert r.status == 502
+                assert "refused the connection" in (await r.json())["error"]
+            async with s.get(url(app.port) + "/v2/models/m/ready") as r:
+                assert r.status == 503
+                assert r.headers["Retry-After"] == "1"
+                assert "no healthy replica" in (await r.json())["error"]
+    run(go())
+
+
+def test_health_checks_take_a_replica_out_and_back() -> None:
+    async def go() -> None:
+        state = {"ready": True}
+
+        async def handler(request: web.BaseRequest) -> web.Response:
+            if request.path == "/v2/health/ready":
+                return web.Response(status=200 if state["ready"] else 503)
+            return web.Response(text="ok")
+
+        runner = web.ServerRunner(web.Server(handler))
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = runner.addresses[0][1]
+        try:
+            cfg = config([{"name": "x", "url": url(port)}],
+                         health={"interval_s": 0.05, "unhealthy_after": 2})
+            async with router(cfg) as (app, s):
+                views = app.router.services["m"].views
+                state["ready"] = False
+                await eventually(lambda: not views[0].healthy)
+                async with s.get(url(app.port) + "/") as r:
+                    assert r.status == 503
+                state["ready"] = True
+                await eventually(lambda: views[0].healthy)
+                async with s.get(url(app.port) + "/") as r:
+                    assert r.status == 200
+        finally:
+            await runner.cleanup()
+    run(go())
+
+
+def test_hot_reload_swaps_replicas_without_dropping_in_flight_requests(tmp_path: Path) -> None:
+    with backend("a", service_ms=400) as (pa, _), backend("b") as (pb, _):
+        path = tmp_path / "router.json"
+
+        def write(names: list[tuple[str, int]]) -> None:
+            path.write_text(json.dumps({"services": [{"name": "m", "replicas": [
+                {"name": n, "url": url(p)} for n, p in names]}]}))
+
+        write([("a", pa)])
+
+        async def go() -> None:
+            async def loader() -> RouterConfig:
+                return read_config(path)
+
+            async with router(read_config(path), loader=loader) as (app, s):
+                base = url(app.port)
+                slow = asyncio.ensure_future(s.post(base + INFER, json=V2_BODY))
+                await eventually(lambda: app.router.services["m"].views[0].outstanding == 1)
+                write([("b", pb)])
+                async with s.post(url(app.admin_port) + "/reload") as r:
+                    assert (await r.json())["reloaded"] is True
+                async with s.post(base + INFER, json=V2_BODY) as r:
+                    assert r.headers["X-Gpuslice-Replica"] == "b"
+                resp = await slow  # started on a before the reload, still answered by a
+                assert resp.status == 200
+                assert resp.headers["X-Gpuslice-Replica"] == "a"
+                resp.release()
+                path.write_text("{ broken")
+                async with s.post(url(app.admin_port) + "/reload") as r:
+                    assert r.status == 500
+                    assert "valid JSON" in (await r.json())["error"]
+                async with s.post(base + INFER, json=V2_BODY) as r:
+                    assert r.status == 200  # the old replica set stays
+                async with s.get(url(app.admin_port) + "/replicas") as r:
+                    assert [x["name"] for x in (await r.json())["m"]["replicas"]] == ["b"]
+        run(go())
+
+
+def test_access_log_is_one_json_object_per_request(tmp_path: Path) -> None:
+    log = tmp_path / "access.log"
+    with backend("one") as (port, _):
+        async def go() -> RouterApp:
+            with log.open("w") as f:
+                async with router(config([{"name": "one", "url": url(port)}]),
+                                  access_log=f) as (app, s):
+                    async with s.post(url(app.port) + INFER, json=V2_BODY,
+                                      headers={"X-Request-Id": "req-1"}) as r:
+                        assert r.status == 200
+                    async with s.post(url(app.port) + INFER,
+                                      headers={"X-Batch-Size": "zero"}) as r:
+                        assert r.status == 400
+            return app
+        run(go())
+    lines = [json.loads(x) for x in log.read_text().splitlines()]
+    assert [x["status"] for x in lines] == [200, 400]
+    assert lines[0]["request_id"] == "req-1"
+    assert lines[0]["replica"] == "one"
+    assert lines[0]["size"] == 3
+    assert "X-Batch-Size" in lines[1]["error"]
+
+
+def test_two_services_are_chosen_by_model_name() -> None:
+    with backend("ra") as (pa, _), backend("rb") as (pb, _):
+        async def go() -> None:
+            from gpuslice.core.routing_config import parse_router_config
+
+            cfg = parse_router_config({"services": [
+                {"name": "resnet", "replicas": [{"name": "ra", "url": url(pa)}]},
+                {"name": "bert", "models": ["bert", "bert-large"],
+                 "replicas": [{"name": "rb", "url": url(pb)}]}]})
+            async with router(cfg) as (app, s):
+                base = url(app.port)
+                for model, replica in (("resnet", "ra"), ("bert-large", "rb")):
+                    async with s.post(f"{base}/v2/models/{model}/infer", json=V2_BODY) as r:
+                        assert r.headers["X-Gpuslice-Replica"] == replica
+                async with s.post(f"{base}/v1/models/bert:predict", json={}) as r:
+                    assert r.headers["X-Gpuslice-Replica"] == "rb"
+                async with s.post(f"{base}/v2/models/gpt/infer", json=V2_BODY) as r:
+                    assert r.status == 404
+                    assert "no service serves model 'gpt'" in (await r.json())["error"]
+        run(go())
+
+
+def test_endpointslices_from_a_fake_api_server() -> None:
+    from gpuslice.services.router import ServeOptions, make_loader
+
+    with backend("pod-a") as (pa, _):
+        async def go() -> None:
+            doc = {"kind": "EndpointSliceList", "items": [{
+                "ports": [{"name": "http", "port": pa}],
+                "endpoints": [
+                    {"addresses": ["127.0.0.1"], "conditions": {"ready": True},
+                     "targetRef": {"kind": "Pod", "name": "pod-a"}, "nodeName": "n1"},
+                    {"addresses": ["10.9.9.9"], "conditions": {"ready": False},
+                     "targetRef": {"kind": "Pod", "name": "pod-b"}}]}]}
+            seen: list[str] = []
+
+            async def handler(request: web.BaseRequest) -> web.Response:
+                seen.append(request.path_qs)
+                return web.json_response(doc)
+
+            runner = web.ServerRunner(web.Server(handler))
+            await runner.setup()
+            await web.TCPSite(runner, "127.0.0.1", 0).start()
+            api = url(runner.addresses[0][1])
+            try:
+                loader, _ = make_loader(ServeOptions(endpointslices="ml/resnet", kube_api=api))
+                cfg = await loader()
+                assert [r.name for r in cfg.services[0].replicas] == ["pod-a"]
+                assert seen[0].startswith("/apis/discovery.k8s.io/v1/namespaces/ml/")
+                assert "kubernetes.io/service-name%3Dresnet" in seen[0]
+                async with router(cfg) as (app, s):
+                    r = await s.post(url(app.port) + "/v2/models/resnet/infer", json=V2_BODY)
+                    assert r.status == 200
+                    r.release()
+            finally:
+                await runner.cleanup()
+        run(go())
+
+
+def test_cli_router_exports_and_errors(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    from gpuslice.cli import main
+
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"services": [{"name": "resnet50", "slo_p99_ms": 100, "replicas": [
+        {"name": "r0", "gpu": "H100-SXM", "throughput_rps": 300, "url": "http://10.0.0.1:8000"},
+        {"name": "r1", "gpu": "T4", "throughput_rps": 100, "url": "http://10.0.0.2:8000"},
+        {"name": "r2", "gpu": "T4", "throughput_rps": 100, "url": "http://10.0.0.3:8000"}]}]}))
+    assert main(["router", "--plan", str(plan), "--export", "istio", "--namespace", "ml"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    kinds = [x["kind"] for x in doc["items"]]
+    assert kinds == ["DestinationRule", "VirtualService"]
+    route = doc["items"][1]["spec"]["http"][0]["route"]
+    assert {d["destination"]["subset"]: d["weight"] for d in route} == {"h100-sxm": 60, "t4": 40}
+    assert doc["items"][0]["spec"]["subsets"][0]["labels"] == {"gpuslice.io/gpu-model":
+                                                               "H100-SXM"}
+    assert main(["router", "--plan", str(plan), "--export", "envoy"]) == 0
+    eds = json.loads(capsys.readouterr().out)
+    eps = eds["resources"][0]["endpoints"][0]["lb_endpoints"]
+    assert [e["load_balancing_weight"] for e in eps] == [128, 43, 43]
+    assert eps[0]["endpoint"]["address"]["socket_address"] == {"address": "10.0.0.1",
+                                                               "port_value": 8000}
+    assert main(["router"]) == 2
+    assert "--config: expected a router config" in capsys.readouterr().err
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"services": [{"name": "m", "replicas": [{"url": "nope"}]}]}))
+    assert main(["router", "--config", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "bad.json: services[m].replicas[0].url: expected an http:// or https:// URL" in err
+    assert main(["router", "--config", str(bad), "--policy", "fastest"]) == 2
+    assert "policy: expected a routing policy" in capsys.readouterr().err
+
+
+def test_body_size_parsing() -> None:
+    from gpuslice.adapters.http.inference import body_size, model_from_path
+
+    cases = [
+        (b'{"inputs":[{"name":"x","shape":[8,3],"datatype":"FP32","data":[]}]}', 8),
+        (b'{"instances":[[1],[2]]}', 2),
+        (b'{"inputs":[[1],[2],[3]]}', 3),
+        (b'{"batch_size": 16}', 16),
+        (b'{"batch_size": true}', 1),
+        (b"[1, 2]", 1),
+        (b"garbage", 1),
+        (b"", 1),
+    ]
+    for raw, size in cases:
+        assert body_size(raw, "application/json") == size, raw
+    assert body_size(b'{"batch_size": 4}', "text/plain") == 1
+    assert model_from_path("/v2/models/resnet/versions/2/infer") == "resnet"
+    assert model_from_path("/v1/models/bert:predict") == "bert"
+    assert model_from_path("/v2/health/ready") is None
+
+
+def test_session_is_reused_for_concurrent_requests() -> None:
+    with backend("one", service_ms=5, concurrency=16) as (port, _):
+        async def go() -> None:
+            async with router(config([{"name": "one", "url": url(port)}])) as (app, s):
+                async def one() -> int:
+                    async with s.post(url(app.port) + INFER, json=V2_BODY) as r:
+                        await r.read()
+                        return r.status
+                codes = await asyncio.gather(*(one() for _ in range(50)))
+                assert set(codes) == {200}
+                assert app.router.services["m"].views[0].outstanding == 0
+        run(go())
+
+
+_ = aiohttp
+
+
+def test_planner_plan_segments_become_weighted_replicas(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    from gpuslice.adapters.http.endpointslices import replicas_from_slices
+    from gpuslice.cli import main
+
+    plan = {"gpus": 2, "gpu_list": [{"index": 0, "gpu": "A100-80GB"}, {"index": 1, "gpu": "A30"}],
+            "services": [{"name": "resnet50", "slo_ms": 50, "capacity_rps": 400, "segments": [
+                {"gpu": 0, "profile": "3g.40gb", "start": 0, "throughput_rps": 300.0},
+                {"gpu": 1, "profile": "1g.6gb", "start": 3, "throughput_rps": 100.0}]}]}
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(plan))
+    cfg = read_config(path, need_urls=False)
+    reps = cfg.services[0].replicas
+    assert [(r.name, r.weight, r.labels["gpu"]) for r in reps] == [
+        ("resnet50-g0-3g-40gb-0", 300.0, "A100-80GB"), ("resnet50-g1-1g-6gb-3", 100.0, "A30")]
+    assert main(["router", "--plan", str(path), "--export", "istio"]) == 0
+    route = json.loads(capsys.readouterr().out)["items"][1]["spec"]["http"][0]["route"]
+    assert [d["weight"] for d in route] == [75, 25]
+    # pods of the planner's Deployments pick up the weights by name prefix
+    doc = {"items": [{"ports": [{"port": 8000}], "endpoints": [
+        {"addresses": ["10.0.0.9"], "targetRef": {"name": "resnet50-g0-3g-40gb-0-7d9f-abcde"}},
+        {"addresses": ["10.0.0.8"], "targetRef": {"name": "other-pod"}}]}]}
+    got = replicas_from_slices(doc, None, {r.name: r for r in reps})
+    assert [(r.url, r.weight) for r in got] == [("http://10.0.0.9:8000", 300.0),
+                                                ("http://10.0.0.8:8000", 1.0)]
