@@ -33,7 +33,7 @@ from gpuslice.core.assignment import (
     verify,
 )
 from gpuslice.core.errors import GpusliceError, ValidationError
-from gpuslice.core.fit import explain, feasible
+from gpuslice.core.fit import explain, feasible, gpu_ok
 from gpuslice.core.ledger import Conflict, GpuSlot, Ledger
 from gpuslice.core.model import ClusterArrays, Gpu, Isolation, Node, SliceRequest, build_arrays
 from gpuslice.core.policies import PlacementState, best_fit_gpu, exclusive_gpus, make_policy
@@ -145,7 +145,13 @@ class ExtenderState:
         if req is None:
             return names, {}
         g = self._gpu_only(req)
-        ok = feasible(self.inv.arrays, g)
+        a = self.inv.arrays
+        ok = feasible(a, g)
+        # one vectorised pass for the reasons: the best GPU of each node and why it falls short
+        fits = gpu_ok(a, g)
+        n_fit = fits.sum(axis=1)
+        best = np.argmax(np.where(a.gpu_present, a.gpu_free, -1), axis=1)
+        allowed = a.model_mask(g.models)
         keep: list[str] = []
         failed: dict[str, str] = {}
         for n in names:
@@ -154,8 +160,21 @@ class ExtenderState:
                 failed[n] = "node unknown to gpuslice (no GPU inventory yet)"
             elif ok[i]:
                 keep.append(n)
+            elif a.gpu_count[i] == 0:
+                failed[n] = "node has no GPU"
+            elif not allowed[i]:
+                failed[n] = (f"node has {a.models[a.model_id[i]]} GPUs, pod accepts "
+                             f"{'|'.join(sorted(g.models))}")
+            elif g.gpus > 1:
+                failed[n] = f"{n_fit[i]} of {a.gpu_count[i]} GPUs free enough, pod needs {g.gpus}"
             else:
-                failed[n] = "; ".join(explain(self.inv.arrays, g, i)) or "does not fit"
+                j = int(best[i])
+                if a.gpu_free[i, j] >= g.milli:
+                    failed[n] = (f"GPU {j} has {a.gpu_mem_free[i, j]} MiB free, pod needs "
+                                 f"{g.gpu_memory_mib}")
+                else:
+                    failed[n] = (f"GPU {j} has {a.gpu_free[i, j]} milli free, pod needs "
+                                 f"{g.milli} (the most free GPU of the node)")
         return keep, failed
 
     def prioritize(self, pod: dict[str, Any], names: list[str]) -> list[tuple[str, int]]:
