@@ -98,6 +98,27 @@ def _build_parser() -> argparse.ArgumentParser:
     m.add_argument("--used", help="partly used GPU: list what still fits next to this layout")
     _add_router_parser(sub)
     _add_plan_parser(sub)
+    e = sub.add_parser(
+        "extender", help="kube-scheduler extender: filter, prioritize and bind over HTTP(S)",
+        description="Serve kube-scheduler's extender verbs (POST /filter, /prioritize, /bind) "
+        "with GPU-level accounting and signed assignments. Talks to the API server from "
+        "--kubeconfig (else in-cluster), or runs on a local --fake-cluster file to try it out.",
+    )
+    e.add_argument("--listen", default="0.0.0.0:8443", help="HOST:PORT (default 0.0.0.0:8443)")
+    e.add_argument("--key-file", type=Path, required=True,
+                   help="file holding the HMAC key shared with the node agents (>= 16 bytes)")
+    e.add_argument("--tls-cert", help="serve HTTPS with this certificate (PEM)")
+    e.add_argument("--tls-key", help="the certificate's private key (PEM)")
+    e.add_argument("--client-ca", help="require client certificates signed by this CA")
+    e.add_argument("--policy", default="bestfit", help="core policy for prioritize (default "
+                   "bestfit; one that needs no target workload)")
+    src = e.add_mutually_exclusive_group()
+    src.add_argument("--kubeconfig", help="kubeconfig file (default: in-cluster config)")
+    src.add_argument("--fake-cluster", type=Path,
+                     help="YAML with 'nodes' and 'pods' lists: an in-memory API server")
+    e.add_argument("--context", help="kubeconfig context")
+    e.add_argument("--resync", type=float, default=30.0,
+                   help="seconds between re-reads of nodes and pods (default 30)")
     return ap
 
 
@@ -222,6 +243,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _mig(args, console)
         if args.command == "plan":
             return _plan(args, console)
+        if args.command == "extender":
+            return _extender(args, console)
         if args.command == "router":
             return _router(args, console)
     except GpusliceError as exc:
@@ -382,6 +405,61 @@ def _plan(args: argparse.Namespace, console: Console) -> int:
         for path in write_exports(args.export, run.plan, doc):
             console.print(f"wrote {path}", highlight=False)
     return 0 if not doc["errors"] else 1
+
+
+def _extender(args: argparse.Namespace, console: Console) -> int:
+    import asyncio
+    from datetime import UTC, datetime
+
+    import yaml
+
+    from gpuslice.adapters.kube.client import KubeClient
+    from gpuslice.adapters.kube.fake import FakeApiServer, KubePort
+    from gpuslice.services.extender import ExtenderState, serve, tls_context
+
+    host, _, port_text = args.listen.rpartition(":")
+    if not host or not port_text.isdigit():
+        raise ValidationError("--listen", "HOST:PORT", args.listen)
+    try:
+        key = args.key_file.read_bytes().strip()
+    except OSError as exc:
+        raise ValidationError("--key-file", "a readable file", str(exc)) from None
+    if len(key) < 16:
+        raise ValidationError("--key-file", "a key of at least 16 bytes", len(key))
+    api: KubePort
+    if args.fake_cluster is not None:
+        try:
+            doc = yaml.safe_load(args.fake_cluster.read_text()) or {}
+        except (OSError, yaml.YAMLError) as exc:
+            raise ValidationError("--fake-cluster", "a readable YAML file", str(exc)) from None
+        fake = FakeApiServer()
+        for n in doc.get("nodes") or []:
+            fake.add_node(n)
+        for p in doc.get("pods") or []:
+            fake.add_pod(p)
+        api = fake
+    else:
+        api = KubeClient(args.kubeconfig, args.context)
+    ctx = tls_context(args.tls_cert, args.tls_key, args.client_ca)
+
+    def now() -> str:
+        return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+    state = ExtenderState(api, key, policy=args.policy, clock=now)
+    for problem in state.problems:
+        console.print(f"[yellow]ignored[/] {problem}", highlight=False)
+    scheme = "https" if ctx else "http"
+
+    def ready(port: int) -> None:
+        console.print(f"extender serving on {scheme}://{host}:{port} "
+                      f"({len(state.inv.names)} nodes, {len(state.ledger.owners)} assignments)",
+                      highlight=False)
+
+    try:
+        asyncio.run(serve(state, host, int(port_text), ctx, args.resync, ready))
+    except OSError as exc:
+        raise ValidationError("--listen", "a free address to listen on", str(exc)) from None
+    return 0
 
 
 def _gpus(console: Console) -> int:

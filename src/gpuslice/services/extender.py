@@ -367,3 +367,48 @@ def make_app(state: ExtenderState) -> web.Application:
     app.router.add_post("/bind", bind)
     app.router.add_get("/healthz", healthz)
     return app
+
+
+def tls_context(cert: str | None, key: str | None, client_ca: str | None) -> Any:
+    """The server's TLS context (None for plain HTTP); with ``client_ca``, clients must present
+    a certificate signed by it (kube-scheduler's ``tlsConfig.certFile``)."""
+    import ssl
+
+    if cert is None and key is None:
+        if client_ca is not None:
+            raise ValidationError("--client-ca", "--tls-cert and --tls-key as well", client_ca)
+        return None
+    if cert is None or key is None:
+        raise ValidationError("--tls-cert/--tls-key", "both a certificate and its key",
+                              (cert, key))
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    try:
+        ctx.load_cert_chain(cert, key)
+        if client_ca is not None:
+            ctx.load_verify_locations(client_ca)
+            ctx.verify_mode = ssl.CERT_REQUIRED
+    except (OSError, ssl.SSLError) as exc:
+        raise ValidationError("--tls-cert/--tls-key/--client-ca", "readable PEM files",
+                              str(exc)) from None
+    return ctx
+
+
+async def serve(state: ExtenderState, host: str, port: int, ssl_context: Any = None,
+                resync_s: float = 30.0, ready: Callable[[int], None] | None = None) -> None:
+    """Serve until cancelled; re-read nodes and pods from the API server every ``resync_s``
+    (a deleted pod's share comes back then; watches are the next step)."""
+    import asyncio
+
+    runner = web.AppRunner(make_app(state), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, ssl_context=ssl_context)
+    await site.start()
+    if ready is not None:
+        addresses = runner.addresses
+        ready(int(addresses[0][1]) if addresses else port)
+    try:
+        while True:
+            await asyncio.sleep(resync_s)
+            await asyncio.get_running_loop().run_in_executor(None, state.rebuild)
+    finally:
+        await runner.cleanup()
