@@ -1,0 +1,44 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from gpuslice.adapters.kube.annotation import encode
+from gpuslice.core.assignment import Assignment, ContainerAssignment, GpuShare, Mode, sign
+from gpuslice.kubectl_plugin import main
+
+KEY = b"plugin-key-0123456789abcdef"
+
+
+def test_status_shows_allocations_per_gpu(tmp_path: Path,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    a = sign(Assignment("ml", "resnet-0", "u0", "t4-a", (ContainerAssignment(
+        "c", Mode.MPS, (GpuShare("GPU-1", 250, 4096),)),), "2026-11-22T18:00:00Z"), KEY)
+    forged = Assignment("ml", "sneaky", "u1", "t4-a", (ContainerAssignment(
+        "c", Mode.MPS, (GpuShare("GPU-1", 750, 0),)),), "2026-11-22T18:00:00Z")
+    cluster = {
+        "nodes": [{"metadata": {"name": "t4-a", "annotations": {"gpuslice.io/inventory":
+            '[{"uuid": "GPU-1", "index": 0, "model": "T4", "memoryMiB": 15360}]'}}}],
+        "pods": [
+            {"metadata": {"name": "resnet-0", "namespace": "ml",
+                          "annotations": {"gpuslice.io/assignment": encode(a)}}},
+            {"metadata": {"name": "sneaky", "namespace": "ml",
+                          "annotations": {"gpuslice.io/assignment": encode(forged)}}},
+        ],
+    }
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cluster))
+    (tmp_path / "key").write_bytes(KEY)
+    assert main(["status", "--fake-cluster", str(tmp_path / "c.yaml"), "--key-file",
+                 str(tmp_path / "key")]) == 0
+    out = capsys.readouterr().out
+    assert "ml/resnet-0 (250 mps)" in out and "750" in out  # 250 used, 750 free
+    assert "sneaky" not in out.split("gpuslice: GPU allocation")[1].split("pod(s)")[0] \
+        .replace("1 pod(s)", "")
+    assert "1 pod(s) carry an assignment that does not verify" in out
+
+
+def test_status_bad_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["status", "--fake-cluster", str(tmp_path / "missing.yaml")]) == 2
+    assert "--fake-cluster" in capsys.readouterr().err
