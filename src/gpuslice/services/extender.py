@@ -64,6 +64,8 @@ class ExtenderState:
         self.clock = clock
         self._lock = threading.Lock()  # guards the ledger reference and the arrays' GPU rows
         self.problems: list[str] = []
+        # binds reserved in the ledger whose annotation may not be visible in a re-list yet
+        self._in_flight: dict[tuple[str, str], Assignment] = {}
         self.rebuild()
 
     # -- state --------------------------------------------------------------------------------
@@ -97,6 +99,12 @@ class ExtenderState:
         arrays = build_arrays(nodes)
         inv_ = _Inventory(names, {n: i for i, n in enumerate(names)}, uuids, arrays)
         with self._lock:
+            for key, a in list(getattr(self, "_in_flight", {}).items()):
+                if key not in ledger.owners:
+                    try:
+                        ledger = ledger.reserve(a)
+                    except Conflict as exc:
+                        self.problems.append(f"in-flight bind {key}: {exc.reason}")
             self.inv = inv_
             self.ledger = ledger
             for i in range(len(names)):
@@ -231,12 +239,15 @@ class ExtenderState:
             except Conflict as exc:
                 return exc.reason
             self._refresh_row(i)
+            self._in_flight[(namespace, name)] = a
         try:
             self.api.patch_pod_annotations(namespace, name, {ANNOTATION: encode(a)},
                                            pod["metadata"]["resourceVersion"])
         except (ApiConflict, ApiNotFound) as exc:
+            self._in_flight.pop((namespace, name), None)
             self.pod_gone(namespace, name)
             return f"pod {namespace}/{name}: {exc}"
+        self._in_flight.pop((namespace, name), None)
         return self._create_binding(namespace, name, uid, node, a)
 
     def _create_binding(self, namespace: str, name: str, uid: str, node: str,
