@@ -249,3 +249,20 @@ def test_missing_pod_field(verb: str) -> None:
             assert "Pod" in text
 
     asyncio.run(serving(api, body))
+
+
+def test_deleted_or_finished_pods_give_their_share_back_on_resync() -> None:
+    api = small_cluster()
+    api.add_pod(pod("done", 700))
+    state = ExtenderState(api, KEY, clock=clock)
+    for name in ("big", "done"):
+        p = api.get_pod("default", name)
+        assert state.bind("default", name, p["metadata"]["uid"], "a") == ""
+    assert sum(state.ledger.used_milli.values()) == 1400
+    api.delete_pod("default", "big")
+    finished = api.get_pod("default", "done")
+    finished["status"] = {"phase": "Succeeded"}
+    api.delete_pod("default", "done")
+    api.add_pod(finished)
+    state.rebuild()
+    assert sum(state.ledger.used_milli.values()) == 0
