@@ -117,8 +117,9 @@ def _build_parser() -> argparse.ArgumentParser:
     src.add_argument("--fake-cluster", type=Path,
                      help="YAML with 'nodes' and 'pods' lists: an in-memory API server")
     e.add_argument("--context", help="kubeconfig context")
-    e.add_argument("--resync", type=float, default=30.0,
-                   help="seconds between re-reads of nodes and pods (default 30)")
+    e.add_argument("--resync", type=float, default=300.0,
+                   help="seconds between full re-reads of nodes and pods, besides the watch "
+                   "(default 300)")
     return ap
 
 

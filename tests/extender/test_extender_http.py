@@ -266,3 +266,26 @@ def test_deleted_or_finished_pods_give_their_share_back_on_resync() -> None:
     api.add_pod(finished)
     state.rebuild()
     assert sum(state.ledger.used_milli.values()) == 0
+
+
+def test_watch_events_keep_the_ledger_current() -> None:
+    api = small_cluster()
+    state = ExtenderState(api, KEY, clock=clock)
+    _, since = api.watch("", 0.0)
+    p = api.get_pod("default", "big")
+    assert state.bind("default", "big", p["metadata"]["uid"], "a") == ""
+    # a second extender (restarted from the same API server) learns the bind from the watch
+    other = ExtenderState(FakeApiServer(), KEY, clock=clock)
+    other.api = api
+    other.rebuild()
+    assert sum(other.ledger.used_milli.values()) == 700
+    api.delete_pod("default", "big")
+    events, since = api.watch(since, 1.0)
+    assert [e.type for e in events][-1] == "DELETED"
+    for ev in events:
+        state.apply(ev)
+        other.apply(ev)
+    assert sum(state.ledger.used_milli.values()) == 0
+    assert sum(other.ledger.used_milli.values()) == 0
+    none, same = api.watch(since, 0.05)  # nothing new: waits, then returns empty
+    assert none == [] and same == since

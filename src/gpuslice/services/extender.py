@@ -21,7 +21,7 @@ import orjson
 from aiohttp import web
 
 from gpuslice.adapters.kube.annotation import AnnotationError, decode, encode
-from gpuslice.adapters.kube.fake import ApiConflict, ApiNotFound, KubePort
+from gpuslice.adapters.kube.fake import ApiConflict, ApiNotFound, KubePort, WatchEvent
 from gpuslice.adapters.kube.objects import node_inventory, pod_key, pod_request
 from gpuslice.core.assignment import (
     ANNOTATION,
@@ -131,6 +131,30 @@ class ExtenderState:
             milli, mem = self.ledger.free(uuid)
             a.gpu_free[i, j] = milli
             a.gpu_mem_free[i, j] = mem
+
+    def apply(self, event: WatchEvent) -> None:
+        """Follow a watch event: a node change re-reads the inventory; a pod that is deleted or
+        finished gives its share back; a verified assignment seen on a pod (written by another
+        extender replica, or before a restart) is taken if the ledger does not hold it yet."""
+        if event.kind == "Node":
+            self.rebuild()
+            return
+        ns, name = pod_key(event.obj)
+        phase = (event.obj.get("status") or {}).get("phase")
+        if event.type == "DELETED" or phase in ("Succeeded", "Failed"):
+            self.pod_gone(ns, name)
+            return
+        a = self._assignment_of(event.obj)
+        if a is None or (ns, name) in self.ledger.owners or (ns, name) in self._in_flight:
+            return
+        with self._lock:
+            try:
+                self.ledger = self.ledger.reserve(a)
+            except Conflict as exc:
+                self.problems.append(f"pod {ns}/{name}: {exc.reason}")
+                return
+            if a.node in self.inv.index:
+                self._refresh_row(self.inv.index[a.node])
 
     def pod_gone(self, namespace: str, name: str) -> None:
         """A pod was deleted or finished: give its share back."""
@@ -405,10 +429,11 @@ def tls_context(cert: str | None, key: str | None, client_ca: str | None) -> Any
 
 
 async def serve(state: ExtenderState, host: str, port: int, ssl_context: Any = None,
-                resync_s: float = 30.0, ready: Callable[[int], None] | None = None) -> None:
-    """Serve until cancelled; re-read nodes and pods from the API server every ``resync_s``
-    (a deleted pod's share comes back then; watches are the next step)."""
+                resync_s: float = 300.0, ready: Callable[[int], None] | None = None) -> None:
+    """Serve until cancelled, following the API server's watch of pods and nodes, with a full
+    re-read every ``resync_s`` as a safety net."""
     import asyncio
+    import time
 
     runner = web.AppRunner(make_app(state), access_log=None)
     await runner.setup()
@@ -417,9 +442,22 @@ async def serve(state: ExtenderState, host: str, port: int, ssl_context: Any = N
     if ready is not None:
         addresses = runner.addresses
         ready(int(addresses[0][1]) if addresses else port)
+    loop = asyncio.get_running_loop()
+    since = ""
+    last = time.monotonic()
     try:
         while True:
-            await asyncio.sleep(resync_s)
-            await asyncio.get_running_loop().run_in_executor(None, state.rebuild)
+            try:
+                events, since = await loop.run_in_executor(None, state.api.watch, since, 5.0)
+            except GpusliceError as exc:  # a broken watch: start again from a full re-read
+                state.problems.append(f"watch: {exc}")
+                events, since = [], ""
+                await asyncio.sleep(1.0)
+                await loop.run_in_executor(None, state.rebuild)
+            for ev in events:
+                state.apply(ev)
+            if time.monotonic() - last >= resync_s:
+                await loop.run_in_executor(None, state.rebuild)
+                last = time.monotonic()
     finally:
         await runner.cleanup()

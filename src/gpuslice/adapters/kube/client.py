@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gpuslice.adapters.kube.fake import ApiConflict, ApiNotFound
+from gpuslice.adapters.kube.fake import ApiConflict, ApiNotFound, WatchEvent
 from gpuslice.core.errors import GpusliceError
 
 
@@ -50,6 +50,28 @@ class KubeClient:
     def _plain(self, obj: Any) -> dict[str, Any]:
         out: dict[str, Any] = self._api.api_client.sanitize_for_serialization(obj)
         return out
+
+    def watch(self, since: str, timeout_s: float) -> tuple[list[WatchEvent], str]:
+        """Pod events for up to ``timeout_s`` (nodes change rarely: the periodic re-read covers
+        them). An expired resourceVersion (410) raises, and the caller re-reads everything."""
+        from kubernetes import watch
+
+        if not since:
+            since = self._call(self._api.list_pod_for_all_namespaces,
+                               limit=1).metadata.resource_version
+        events: list[WatchEvent] = []
+        w = watch.Watch()
+        start = since
+        raws = self._call(lambda: list(w.stream(
+            self._api.list_pod_for_all_namespaces, resource_version=start,
+            timeout_seconds=max(1, int(timeout_s)), _request_timeout=timeout_s + 5)))
+        for raw in raws:
+            if raw["type"] == "ERROR":
+                raise GpusliceError(f"watch error: {raw['object']}")
+            obj = self._plain(raw["object"])
+            since = obj["metadata"]["resourceVersion"]
+            events.append(WatchEvent(raw["type"], "Pod", obj))
+        return events, since
 
     def list_nodes(self) -> list[dict[str, Any]]:
         return [self._plain(n) for n in self._call(self._api.list_node).items]

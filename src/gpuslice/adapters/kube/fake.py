@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import threading
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from gpuslice.core.errors import GpusliceError
@@ -24,7 +25,21 @@ class ApiNotFound(GpusliceError):
     """No such object (HTTP 404)."""
 
 
+@dataclass(frozen=True)
+class WatchEvent:
+    """A change to a pod or node: ``ADDED``, ``MODIFIED`` or ``DELETED``, with the object."""
+
+    type: str
+    kind: str  # "Pod" or "Node"
+    obj: dict[str, Any]
+
+
 class KubePort(Protocol):
+    def watch(self, since: str, timeout_s: float) -> tuple[list[WatchEvent], str]:
+        """Events after resourceVersion ``since`` (waiting up to ``timeout_s`` for the first),
+        and the resourceVersion to continue from. ``since=""`` starts from now."""
+        ...
+
     def list_nodes(self) -> list[dict[str, Any]]: ...
     def list_pods(self) -> list[dict[str, Any]]: ...
     def get_pod(self, namespace: str, name: str) -> dict[str, Any]: ...
@@ -36,18 +51,32 @@ class KubePort(Protocol):
 class FakeApiServer:
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self._events: list[tuple[int, WatchEvent]] = []
         self._rv = 0
         self._pods: dict[tuple[str, str], dict[str, Any]] = {}
         self._nodes: dict[str, dict[str, Any]] = {}
 
-    def _bump(self, obj: dict[str, Any]) -> None:
+    def _bump(self, obj: dict[str, Any], event: str = "MODIFIED") -> None:
         self._rv += 1
         obj.setdefault("metadata", {})["resourceVersion"] = str(self._rv)
+        kind = str(obj.get("kind", "Pod"))
+        self._events.append((self._rv, WatchEvent(event, kind, copy.deepcopy(obj))))
+        self._changed.notify_all()
+
+    def watch(self, since: str, timeout_s: float) -> tuple[list[WatchEvent], str]:
+        with self._changed:
+            start = int(since) if since else self._rv
+            if not any(rv > start for rv, _ in self._events[-1:]):
+                self._changed.wait(timeout_s)
+            out = [ev for rv, ev in self._events if rv > start]
+            return out, str(self._rv)
 
     def add_node(self, node: dict[str, Any]) -> None:
         with self._lock:
             n = copy.deepcopy(node)
-            self._bump(n)
+            n.setdefault("kind", "Node")
+            self._bump(n, "ADDED")
             self._nodes[n["metadata"]["name"]] = n
 
     def add_pod(self, pod: dict[str, Any]) -> dict[str, Any]:
@@ -56,13 +85,16 @@ class FakeApiServer:
             meta = p.setdefault("metadata", {})
             meta.setdefault("namespace", "default")
             meta.setdefault("uid", f"uid-{meta['namespace']}-{meta['name']}")
-            self._bump(p)
+            p.setdefault("kind", "Pod")
+            self._bump(p, "ADDED")
             self._pods[(meta["namespace"], meta["name"])] = p
             return copy.deepcopy(p)
 
     def delete_pod(self, namespace: str, name: str) -> None:
         with self._lock:
-            self._pods.pop((namespace, name), None)
+            p = self._pods.pop((namespace, name), None)
+            if p is not None:
+                self._bump(p, "DELETED")
 
     def list_nodes(self) -> list[dict[str, Any]]:
         with self._lock:
