@@ -117,6 +117,10 @@ def _build_parser() -> argparse.ArgumentParser:
     src.add_argument("--fake-cluster", type=Path,
                      help="YAML with 'nodes' and 'pods' lists: an in-memory API server")
     e.add_argument("--context", help="kubeconfig context")
+    e.add_argument("--leader-elect", action="store_true",
+                   help="several replicas: only the holder of the Lease binds")
+    e.add_argument("--lease", default="gpuslice-system/gpuslice-extender",
+                   help="NAMESPACE/NAME of the Lease (default gpuslice-system/gpuslice-extender)")
     e.add_argument("--resync", type=float, default=300.0,
                    help="seconds between full re-reads of nodes and pods, besides the watch "
                    "(default 300)")
@@ -447,6 +451,18 @@ def _extender(args: argparse.Namespace, console: Console) -> int:
         return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
     state = ExtenderState(api, key, policy=args.policy, clock=now)
+    if args.leader_elect:
+        import os
+        import socket
+        import time
+
+        from gpuslice.services.extender import LeaderElector
+
+        ns, sep, lease_name = args.lease.partition("/")
+        if not sep or not ns or not lease_name:
+            raise ValidationError("--lease", "NAMESPACE/NAME", args.lease)
+        identity = os.environ.get("POD_NAME") or socket.gethostname()
+        state.elector = LeaderElector(api, ns, lease_name, identity, time.time)
     for problem in state.problems:
         console.print(f"[yellow]ignored[/] {problem}", highlight=False)
     scheme = "https" if ctx else "http"

@@ -289,3 +289,31 @@ def test_watch_events_keep_the_ledger_current() -> None:
     assert sum(other.ledger.used_milli.values()) == 0
     none, same = api.watch(since, 0.05)  # nothing new: waits, then returns empty
     assert none == [] and same == since
+
+
+def test_only_the_lease_holder_binds_and_a_standby_takes_over() -> None:
+    from gpuslice.services.extender import LeaderElector
+
+    api = small_cluster()
+    api.add_pod(pod("second", 300))
+    now = [1000.0]
+    a = ExtenderState(api, KEY, clock=clock)
+    b = ExtenderState(api, KEY, clock=clock)
+    a.elector = LeaderElector(api, "gpuslice-system", "ext", "a", lambda: now[0], 15)
+    b.elector = LeaderElector(api, "gpuslice-system", "ext", "b", lambda: now[0], 15)
+    assert a.elector.step() is True
+    assert b.elector.step() is False
+    p = api.get_pod("default", "big")
+    assert "not the leader" in b.bind("default", "big", p["metadata"]["uid"], "a")
+    assert a.bind("default", "big", p["metadata"]["uid"], "a") == ""
+    now[0] += 10
+    assert a.elector.step() is True and b.elector.step() is False  # renewed in time
+    now[0] += 20  # a stops renewing (it died)
+    assert b.elector.step() is True
+    lease = api.get_lease("gpuslice-system", "ext")
+    assert lease is not None and lease["spec"]["holderIdentity"] == "b"
+    assert lease["spec"]["leaseTransitions"] == 1
+    b.rebuild()
+    p2 = api.get_pod("default", "second")
+    assert b.bind("default", "second", p2["metadata"]["uid"], "a") == ""
+    assert b.ledger.free("GPU-a-0")[0] + b.ledger.free("GPU-a-1")[0] == 1000  # 700 + 300 taken

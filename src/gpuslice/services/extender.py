@@ -34,11 +34,59 @@ from gpuslice.core.assignment import (
 )
 from gpuslice.core.errors import GpusliceError, ValidationError
 from gpuslice.core.fit import explain, feasible, gpu_ok
+from gpuslice.core.lease import LeaseAction, LeaseState, decide
 from gpuslice.core.ledger import Conflict, GpuSlot, Ledger
 from gpuslice.core.model import ClusterArrays, Gpu, Isolation, Node, SliceRequest, build_arrays
 from gpuslice.core.policies import PlacementState, best_fit_gpu, exclusive_gpus, make_policy
 
 MAX_BODY = 8 * 1024 * 1024
+
+
+class LeaderElector:
+    """Holds (or waits for) the extender's Lease; only the leader binds. Filter and prioritize
+    are read-only and every replica follows the same watch, so any replica may answer them."""
+
+    def __init__(self, api: KubePort, namespace: str, name: str, identity: str,
+                 clock: Callable[[], float], duration_s: float = 15.0) -> None:
+        self.api, self.namespace, self.name, self.identity = api, namespace, name, identity
+        self.clock, self.duration_s = clock, duration_s
+        self.leader = False
+
+    def step(self) -> bool:
+        """One round: create, renew or take the lease, or wait. Returns whether we lead."""
+        from datetime import UTC, datetime
+
+        lease = self.api.get_lease(self.namespace, self.name)
+        state = None
+        rv = None
+        if lease is not None:
+            spec = lease.get("spec") or {}
+            renewed = spec.get("renewTime")
+            try:
+                at = datetime.fromisoformat(str(renewed).replace("Z", "+00:00")).timestamp()
+            except ValueError:
+                at = 0.0
+            state = LeaseState(str(spec.get("holderIdentity") or ""), at,
+                               float(spec.get("leaseDurationSeconds") or self.duration_s),
+                               int(spec.get("leaseTransitions") or 0))
+            rv = lease["metadata"]["resourceVersion"]
+        now = self.clock()
+        action = decide(state, self.identity, now)
+        if action is LeaseAction.WAIT:
+            self.leader = False
+            return False
+        transitions = (state.transitions if state else 0) + (action is LeaseAction.TAKE)
+        stamp = datetime.fromtimestamp(now, UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+        spec = {"holderIdentity": self.identity, "leaseDurationSeconds": int(self.duration_s),
+                "renewTime": stamp, "leaseTransitions": transitions}
+        if action is not LeaseAction.RENEW:
+            spec["acquireTime"] = stamp
+        try:
+            self.api.put_lease(self.namespace, self.name, spec, rv)
+            self.leader = True
+        except (ApiConflict, ApiNotFound):
+            self.leader = False  # someone else wrote it first
+        return self.leader
 
 
 @dataclass(frozen=True)
@@ -66,6 +114,7 @@ class ExtenderState:
         self.problems: list[str] = []
         # binds reserved in the ledger whose annotation may not be visible in a re-list yet
         self._in_flight: dict[tuple[str, str], Assignment] = {}
+        self.elector: LeaderElector | None = None  # set when replicas elect a binder
         self.rebuild()
 
     # -- state --------------------------------------------------------------------------------
@@ -229,6 +278,8 @@ class ExtenderState:
 
     def bind(self, namespace: str, name: str, uid: str, node: str) -> str:
         """Bind the pod; returns an error message, or "" on success."""
+        if self.elector is not None and not self.elector.leader:
+            return f"this extender ({self.elector.identity}) is not the leader; retry"
         try:
             pod = self.api.get_pod(namespace, name)
         except ApiNotFound as exc:
@@ -443,6 +494,18 @@ async def serve(state: ExtenderState, host: str, port: int, ssl_context: Any = N
         addresses = runner.addresses
         ready(int(addresses[0][1]) if addresses else port)
     loop = asyncio.get_running_loop()
+
+    async def elect() -> None:
+        assert state.elector is not None
+        while True:
+            try:
+                await loop.run_in_executor(None, state.elector.step)
+            except GpusliceError as exc:
+                state.elector.leader = False
+                state.problems.append(f"leader election: {exc}")
+            await asyncio.sleep(state.elector.duration_s / 3)
+
+    electing = asyncio.create_task(elect()) if state.elector is not None else None
     since = ""
     last = time.monotonic()
     try:
@@ -460,4 +523,6 @@ async def serve(state: ExtenderState, host: str, port: int, ssl_context: Any = N
                 await loop.run_in_executor(None, state.rebuild)
                 last = time.monotonic()
     finally:
+        if electing is not None:
+            electing.cancel()
         await runner.cleanup()

@@ -73,6 +73,25 @@ class KubeClient:
             events.append(WatchEvent(raw["type"], "Pod", obj))
         return events, since
 
+    def get_lease(self, namespace: str, name: str) -> dict[str, Any] | None:
+        api = self._client.CoordinationV1Api()
+        try:
+            return self._plain(self._call(api.read_namespaced_lease, name, namespace))
+        except ApiNotFound:
+            return None
+
+    def put_lease(self, namespace: str, name: str, spec: dict[str, Any],
+                  resource_version: str | None) -> dict[str, Any]:
+        api = self._client.CoordinationV1Api()
+        body = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+                "metadata": {"name": name, "namespace": namespace,
+                             **({"resourceVersion": resource_version}
+                                if resource_version else {})},
+                "spec": spec}
+        if resource_version is None:
+            return self._plain(self._call(api.create_namespaced_lease, namespace, body))
+        return self._plain(self._call(api.replace_namespaced_lease, name, namespace, body))
+
     def list_nodes(self) -> list[dict[str, Any]]:
         return [self._plain(n) for n in self._call(self._api.list_node).items]
 

@@ -41,6 +41,9 @@ class KubePort(Protocol):
         ...
 
     def list_nodes(self) -> list[dict[str, Any]]: ...
+    def get_lease(self, namespace: str, name: str) -> dict[str, Any] | None: ...
+    def put_lease(self, namespace: str, name: str, spec: dict[str, Any],
+                  resource_version: str | None) -> dict[str, Any]: ...
     def list_pods(self) -> list[dict[str, Any]]: ...
     def get_pod(self, namespace: str, name: str) -> dict[str, Any]: ...
     def patch_pod_annotations(self, namespace: str, name: str, annotations: dict[str, str],
@@ -56,6 +59,28 @@ class FakeApiServer:
         self._rv = 0
         self._pods: dict[tuple[str, str], dict[str, Any]] = {}
         self._nodes: dict[str, dict[str, Any]] = {}
+        self._leases: dict[tuple[str, str], dict[str, Any]] = {}
+
+    def get_lease(self, namespace: str, name: str) -> dict[str, Any] | None:
+        with self._lock:
+            lease = self._leases.get((namespace, name))
+            return copy.deepcopy(lease) if lease else None
+
+    def put_lease(self, namespace: str, name: str, spec: dict[str, Any],
+                  resource_version: str | None) -> dict[str, Any]:
+        """Create the lease (``resource_version`` None) or replace its spec, optimistically."""
+        with self._lock:
+            cur = self._leases.get((namespace, name))
+            if resource_version is None:
+                if cur is not None:
+                    raise ApiConflict(f"lease {namespace}/{name} already exists")
+            elif cur is None or cur["metadata"]["resourceVersion"] != resource_version:
+                raise ApiConflict(f"lease {namespace}/{name} changed")
+            self._rv += 1
+            lease = {"metadata": {"name": name, "namespace": namespace,
+                                  "resourceVersion": str(self._rv)}, "spec": dict(spec)}
+            self._leases[(namespace, name)] = lease
+            return copy.deepcopy(lease)
 
     def _bump(self, obj: dict[str, Any], event: str = "MODIFIED") -> None:
         self._rv += 1
