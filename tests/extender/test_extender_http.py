@@ -317,3 +317,24 @@ def test_only_the_lease_holder_binds_and_a_standby_takes_over() -> None:
     p2 = api.get_pod("default", "second")
     assert b.bind("default", "second", p2["metadata"]["uid"], "a") == ""
     assert b.ledger.free("GPU-a-0")[0] + b.ledger.free("GPU-a-1")[0] == 1000  # 700 + 300 taken
+
+
+def test_a_bind_interrupted_after_the_annotation_can_be_retried_elsewhere() -> None:
+    api = small_cluster()
+    state = ExtenderState(api, KEY, clock=clock)
+    p = api.get_pod("default", "big")
+    real_bind = api.bind
+
+    def dies(*_: object) -> None:
+        raise SystemExit("extender killed between the annotation and the Binding")
+
+    api.bind = dies  # type: ignore[method-assign]
+    with pytest.raises(SystemExit):
+        state.bind("default", "big", p["metadata"]["uid"], "a")
+    api.bind = real_bind  # type: ignore[method-assign]
+    restarted = ExtenderState(api, KEY, clock=clock)
+    assert sum(restarted.ledger.used_milli.values()) == 700  # the annotation is counted ...
+    assert restarted.bind("default", "big", p["metadata"]["uid"], "b") == ""  # ... and moved
+    assert sum(restarted.ledger.used_milli.values()) == 700
+    assert all(u.startswith("GPU-b-") for u, m in restarted.ledger.used_milli.items() if m)
+    assert api.get_pod("default", "big")["spec"]["nodeName"] == "b"

@@ -298,6 +298,12 @@ class ExtenderState:
         existing = self._assignment_of(pod)
         if existing is not None and existing.node == node:
             return self._create_binding(namespace, name, uid, node, None)  # a retried bind
+        if existing is not None:
+            if (pod.get("spec") or {}).get("nodeName"):
+                return f"pod {namespace}/{name} is already bound to {existing.node}"
+            # an earlier bind wrote its assignment but never created the Binding (the
+            # extender died in between); the scheduler chose again: free the old share
+            self.pod_gone(namespace, name)
         g = self._gpu_only(req)
         with self._lock:
             if not feasible(self.inv.arrays, g)[i]:
