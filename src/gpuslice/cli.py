@@ -416,10 +416,8 @@ def _extender(args: argparse.Namespace, console: Console) -> int:
     import asyncio
     from datetime import UTC, datetime
 
-    import yaml
-
     from gpuslice.adapters.kube.client import KubeClient
-    from gpuslice.adapters.kube.fake import FakeApiServer, KubePort
+    from gpuslice.adapters.kube.fake import KubePort, load_fake_cluster
     from gpuslice.services.extender import ExtenderState, serve, tls_context
 
     host, _, port_text = args.listen.rpartition(":")
@@ -433,16 +431,7 @@ def _extender(args: argparse.Namespace, console: Console) -> int:
         raise ValidationError("--key-file", "a key of at least 16 bytes", len(key))
     api: KubePort
     if args.fake_cluster is not None:
-        try:
-            doc = yaml.safe_load(args.fake_cluster.read_text()) or {}
-        except (OSError, yaml.YAMLError) as exc:
-            raise ValidationError("--fake-cluster", "a readable YAML file", str(exc)) from None
-        fake = FakeApiServer()
-        for n in doc.get("nodes") or []:
-            fake.add_node(n)
-        for p in doc.get("pods") or []:
-            fake.add_pod(p)
-        api = fake
+        api = load_fake_cluster(args.fake_cluster)
     else:
         api = KubeClient(args.kubeconfig, args.context)
     ctx = tls_context(args.tls_cert, args.tls_key, args.client_ca)

@@ -18,26 +18,15 @@ from rich.console import Console
 from rich.table import Table
 
 from gpuslice.adapters.kube.annotation import AnnotationError, decode
-from gpuslice.adapters.kube.fake import FakeApiServer, KubePort
+from gpuslice.adapters.kube.fake import KubePort, load_fake_cluster
 from gpuslice.adapters.kube.objects import node_inventory
 from gpuslice.core.assignment import ANNOTATION, verify
-from gpuslice.core.errors import GpusliceError, ValidationError
+from gpuslice.core.errors import GpusliceError
 
 
 def _api(args: argparse.Namespace) -> KubePort:
     if args.fake_cluster is not None:
-        import yaml
-
-        try:
-            doc = yaml.safe_load(Path(args.fake_cluster).read_text()) or {}
-        except (OSError, yaml.YAMLError) as exc:
-            raise ValidationError("--fake-cluster", "a readable YAML file", str(exc)) from None
-        fake = FakeApiServer()
-        for n in doc.get("nodes") or []:
-            fake.add_node(n)
-        for p in doc.get("pods") or []:
-            fake.add_pod(p)
-        return fake
+        return load_fake_cluster(Path(args.fake_cluster))
     from gpuslice.adapters.kube.client import KubeClient
 
     return KubeClient(args.kubeconfig or str(Path.home() / ".kube" / "config"), args.context)

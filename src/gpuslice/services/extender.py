@@ -400,15 +400,19 @@ def _names(args: dict[str, Any]) -> tuple[list[str], dict[str, dict[str, Any]] |
     return list(by_name), by_name
 
 
+def _pod(args: dict[str, Any]) -> dict[str, Any]:
+    pod = args.get("Pod")
+    if not isinstance(pod, dict):
+        raise ValidationError("Pod", "a Pod object", type(pod).__name__)
+    return pod
+
+
 def make_app(state: ExtenderState) -> web.Application:
     async def filter_(request: web.Request) -> web.Response:
         args = await _json(request)
         try:
             names, objects = _names(args)
-            pod = args.get("Pod")
-            if not isinstance(pod, dict):
-                raise ValidationError("Pod", "a Pod object", type(pod).__name__)
-            keep, failed = state.filter(pod, names)
+            keep, failed = state.filter(_pod(args), names)
         except GpusliceError as exc:
             return web.Response(body=orjson.dumps({
                 "Nodes": None, "NodeNames": None, "FailedNodes": {},
@@ -428,10 +432,7 @@ def make_app(state: ExtenderState) -> web.Application:
         args = await _json(request)
         try:
             names, _ = _names(args)
-            pod = args.get("Pod")
-            if not isinstance(pod, dict):
-                raise ValidationError("Pod", "a Pod object", type(pod).__name__)
-            scores = state.prioritize(pod, names)
+            scores = state.prioritize(_pod(args), names)
         except GpusliceError as exc:
             return _bad(str(exc))
         return web.Response(body=orjson.dumps([{"Host": h, "Score": s} for h, s in scores]),

@@ -12,9 +12,10 @@ from __future__ import annotations
 import copy
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
-from gpuslice.core.errors import GpusliceError
+from gpuslice.core.errors import GpusliceError, ValidationError
 
 
 class ApiConflict(GpusliceError):
@@ -164,3 +165,22 @@ class FakeApiServer:
                                   f"{spec['nodeName']}")
             spec["nodeName"] = node
             self._bump(p)
+
+
+def load_fake_cluster(path: Path) -> FakeApiServer:
+    """A fake API server holding the ``nodes`` and ``pods`` lists of a YAML file (the
+    ``--fake-cluster`` option of ``gpuslice extender`` and ``kubectl gpuslice``)."""
+    import yaml
+
+    try:
+        doc = yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise ValidationError("--fake-cluster", "a readable YAML file", str(exc)) from None
+    if not isinstance(doc, dict):
+        raise ValidationError("--fake-cluster", "a mapping with 'nodes' and 'pods'", type(doc))
+    fake = FakeApiServer()
+    for n in doc.get("nodes") or []:
+        fake.add_node(n)
+    for p in doc.get("pods") or []:
+        fake.add_pod(p)
+    return fake
