@@ -1,0 +1,130 @@
+"""The NVML port and its fake and null implementations."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Protocol
+
+from gpuslice.core import catalog
+from gpuslice.core.devices import GpuDevice, MigInstance
+from gpuslice.core.errors import GpusliceError, ValidationError
+from gpuslice.core.mig import parse_layout
+
+
+class NvmlError(GpusliceError):
+    """An NVML failure, explained: what happened, the usual cause, how to fix it."""
+
+
+@dataclass(frozen=True, slots=True)
+class HealthEvent:
+    uuid: str
+    xid: int
+    description: str
+
+
+class NvmlPort(Protocol):
+    def driver_version(self) -> str: ...
+    def devices(self) -> list[GpuDevice]: ...
+    def events(self, timeout_s: float) -> list[HealthEvent]: ...
+    def why_empty(self) -> str:
+        """Why there are no devices ("" when there are)."""
+        ...
+
+
+class NullNvml:
+    """No driver on this node: no devices, and the reason, instead of a crash loop."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+    def driver_version(self) -> str:
+        return ""
+
+    def devices(self) -> list[GpuDevice]:
+        return []
+
+    def events(self, timeout_s: float) -> list[HealthEvent]:
+        return []
+
+    def why_empty(self) -> str:
+        return self.reason
+
+
+class FakeNvml:
+    """GPUs from a YAML inventory, with faults injected by tests or listed in the file::
+
+        driver: "580.95.05"
+        gpus:
+          - model: A100-80GB            # catalogue name; memory and SMs come from it
+            mig: "3g.40gb@0,2g.20gb@4"  # optional: MIG enabled with these instances
+          - model: G2                   # not in the catalogue: give memory_mib
+            memory_mib: 32768
+            faults: [79]                # XID errors reported at start
+    """
+
+    def __init__(self, gpus: list[GpuDevice], driver: str = "580.95.05",
+                 faults: list[HealthEvent] | None = None) -> None:
+        self._gpus = {g.uuid: g for g in gpus}
+        self._order = [g.uuid for g in gpus]
+        self._driver = driver
+        self._pending = list(faults or [])
+        self._cond = threading.Condition()
+
+    @classmethod
+    def from_yaml(cls, path: Path | str, node: str = "node") -> FakeNvml:
+        import yaml
+
+        p = Path(path)
+        try:
+            doc = yaml.safe_load(p.read_text()) or {}
+        except (OSError, yaml.YAMLError) as exc:
+            raise ValidationError(f"{p}", "a readable YAML inventory", str(exc)) from None
+        items = doc.get("gpus") if isinstance(doc, dict) else None
+        if not isinstance(items, list):
+            raise ValidationError(f"{p}: gpus", "a list of GPUs", type(items).__name__)
+        gpus: list[GpuDevice] = []
+        faults: list[HealthEvent] = []
+        for i, item in enumerate(items):
+            where = f"{p}: gpus[{i}]"
+            if not isinstance(item, dict) or "model" not in item:
+                raise ValidationError(f"{where}.model", "a GPU model", item)
+            model = catalog.resolve(str(item["model"]), item.get("memory_mib"))
+            uuid = str(item.get("uuid") or f"GPU-{node}-{i:02d}")
+            mig: tuple[MigInstance, ...] = ()
+            if item.get("mig"):
+                if model.mig is None:
+                    raise ValidationError(f"{where}.mig", "a MIG-capable model", model.name)
+                layout = parse_layout(model.mig, str(item["mig"]))
+                mig = tuple(MigInstance(f"MIG-{uuid}-{pl.start}", pl.profile.name, pl.start,
+                                        pl.profile.memory_mib) for pl in layout)
+            gpus.append(GpuDevice(i, uuid, f"NVIDIA {model.name}", model.name, model.memory_mib,
+                                  model.sms, model.compute_capability, bool(mig), mig))
+            faults.extend(HealthEvent(uuid, int(x), f"injected XID {x}")
+                          for x in item.get("faults") or [])
+        return cls(gpus, str(doc.get("driver", "580.95.05")), faults)
+
+    def driver_version(self) -> str:
+        return self._driver
+
+    def devices(self) -> list[GpuDevice]:
+        return [self._gpus[u] for u in self._order]
+
+    def why_empty(self) -> str:
+        return "" if self._order else "the fake inventory lists no GPU"
+
+    def inject(self, uuid: str, xid: int, description: str = "injected") -> None:
+        with self._cond:
+            self._pending.append(HealthEvent(uuid, xid, description))
+            self._cond.notify_all()
+
+    def set_healthy(self, uuid: str, healthy: bool) -> None:
+        self._gpus[uuid] = replace(self._gpus[uuid], healthy=healthy)
+
+    def events(self, timeout_s: float) -> list[HealthEvent]:
+        with self._cond:
+            if not self._pending:
+                self._cond.wait(timeout_s)
+            out, self._pending = self._pending, []
+            return out
