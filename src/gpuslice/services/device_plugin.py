@@ -1,0 +1,283 @@
+"""The kubelet device plugin of the node agent (API v1beta1, gRPC over unix sockets).
+
+It serves ``gpuslice.io/gpu`` as ``replicas`` virtual devices per healthy GPU (IDs
+``<GPU UUID>::<k>``). The scheduler extender has already decided which GPU a pod gets and
+written it as a signed assignment on the pod; the plugin steers the kubelet to that GPU in
+GetPreferredAllocation and, in Allocate, finds the assignment it is executing: a verified
+assignment for this node, on the GPUs of the devices the kubelet chose, not yet executed (the
+oldest first). Claiming it is one set insertion under a small lock, never a node-wide lock, and
+every failure is a gRPC error with a reason that changes no state.
+
+Start order follows the kubelet: serve the plugin socket first, then Register with
+``kubelet.sock``; when ``kubelet.sock`` is recreated (a kubelet restart) register again.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent import futures
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from gpuslice.adapters.kube.annotation import AnnotationError, decode
+from gpuslice.adapters.kube.fake import KubePort
+from gpuslice.adapters.kubelet import deviceplugin_pb2 as pb
+from gpuslice.adapters.kubelet import deviceplugin_pb2_grpc as pbg
+from gpuslice.adapters.nvml.port import NvmlPort
+from gpuslice.core.assignment import ANNOTATION, Assignment, Mode, verify
+
+RESOURCE = "gpuslice.io/gpu"
+HEALTHY, UNHEALTHY = "Healthy", "Unhealthy"
+MPS_PIPE_IN_CONTAINER = "/run/gpuslice/mps"
+
+
+@dataclass
+class PluginConfig:
+    node: str
+    socket_dir: Path
+    key: bytes
+    replicas: int = 10  # virtual devices per GPU
+    endpoint: str = "gpuslice-gpu.sock"
+    mps_pipe_dir: str = "/run/gpuslice/mps"
+
+
+class DevicePlugin(pbg.DevicePluginServicer):
+    def __init__(self, cfg: PluginConfig, nvml: NvmlPort, api: KubePort) -> None:
+        self.cfg = cfg
+        self.nvml = nvml
+        self.api = api
+        self._cond = threading.Condition()
+        self._version = 0
+        self._unhealthy: set[str] = set()
+        self._claimed: set[tuple[str, str]] = set()  # (namespace, pod) already executed
+        self._claim_lock = threading.Lock()
+
+    # -- devices ---------------------------------------------------------------------------
+
+    def devices(self) -> list[pb.Device]:
+        out: list[pb.Device] = []
+        for g in self.nvml.devices():
+            health = HEALTHY if g.healthy and g.uuid not in self._unhealthy else UNHEALTHY
+            out.extend(pb.Device(ID=f"{g.uuid}::{k}", health=health)
+                       for k in range(self.cfg.replicas))
+        return out
+
+    def set_health(self, uuid: str, healthy: bool) -> None:
+        """Mark a GPU (un)healthy; ListAndWatch streams the new list at once."""
+        with self._cond:
+            if healthy:
+                self._unhealthy.discard(uuid)
+            else:
+                self._unhealthy.add(uuid)
+            self._version += 1
+            self._cond.notify_all()
+
+    def changed(self) -> None:
+        with self._cond:
+            self._version += 1
+            self._cond.notify_all()
+
+    # -- the gRPC API ----------------------------------------------------------------------
+
+    def GetDevicePluginOptions(self, request: pb.Empty, context: Any) -> pb.DevicePluginOptions:
+        return pb.DevicePluginOptions(pre_start_required=False,
+                                      get_preferred_allocation_available=True)
+
+    def ListAndWatch(self, request: pb.Empty, context: Any) -> Iterator[pb.ListAndWatchResponse]:
+        seen = -1
+        while context.is_active():
+            with self._cond:
+                if seen == self._version:
+                    self._cond.wait(0.5)
+                    if seen == self._version:
+                        continue
+                seen = self._version
+            yield pb.ListAndWatchResponse(devices=self.devices())
+
+    def _pending(self) -> list[Assignment]:
+        """Verified assignments for this node not executed yet, oldest first."""
+        out = []
+        for p in self.api.list_pods():
+            meta = p.get("metadata") or {}
+            text = (meta.get("annotations") or {}).get(ANNOTATION)
+            if not text:
+                continue
+            try:
+                a = decode(text)
+            except AnnotationError:
+                continue
+            if a.node != self.cfg.node or not verify(a, self.cfg.key):
+                continue
+            if (a.namespace, a.pod) in self._claimed:
+                continue
+            out.append(a)
+        return sorted(out, key=lambda a: (a.bind_time, a.namespace, a.pod))
+
+    def GetPreferredAllocation(self, request: pb.PreferredAllocationRequest,
+                               context: Any) -> pb.PreferredAllocationResponse:
+        pending = self._pending()
+        out = []
+        for creq in request.container_requests:
+            available = list(creq.available_deviceIDs)
+            chosen = list(creq.must_include_deviceIDs)
+            for a in pending:
+                uuids = sorted(a.gpu_uuids())
+                if len(uuids) != creq.allocation_size:
+                    continue
+                pick = [next((d for d in available if d.split("::")[0] == u), "") for u in uuids]
+                if all(pick):
+                    chosen = pick
+                    break
+            if len(chosen) < creq.allocation_size:
+                chosen += [d for d in available if d not in chosen][
+                    : creq.allocation_size - len(chosen)]
+            out.append(pb.ContainerPreferredAllocationResponse(deviceIDs=chosen))
+        return pb.PreferredAllocationResponse(container_responses=out)
+
+    def Allocate(self, request: pb.AllocateRequest, context: Any) -> pb.AllocateResponse:
+        known = {d.ID for d in self.devices()}
+        responses = []
+        for creq in request.container_requests:
+            ids = list(creq.devices_ids)
+            unknown = [d for d in ids if d not in known]
+            if unknown:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"unknown device IDs {unknown}; this plugin serves {RESOURCE} "
+                              f"devices named <GPU UUID>::<n>")
+            uuids = sorted({d.split("::")[0] for d in ids})
+            a = self._claim(uuids)
+            if a is None:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"no verified gpuslice assignment for node {self.cfg.node} on "
+                              f"GPUs {uuids} is waiting: was the pod scheduled by the gpuslice "
+                              f"scheduler (schedulerName: gpuslice-scheduler)?")
+                raise AssertionError("abort raises")  # grpc's abort never returns
+            responses.append(self._response(a))
+        return pb.AllocateResponse(container_responses=responses)
+
+    def _claim(self, uuids: list[str]) -> Assignment | None:
+        for a in self._pending():
+            if sorted(a.gpu_uuids()) != uuids:
+                continue
+            with self._claim_lock:
+                key = (a.namespace, a.pod)
+                if key in self._claimed:
+                    continue
+                self._claimed.add(key)
+            return a
+        return None
+
+    def _response(self, a: Assignment) -> pb.ContainerAllocateResponse:
+        c = a.containers[0]
+        gpus = [g.uuid for g in c.gpus]
+        envs = {"NVIDIA_VISIBLE_DEVICES": ",".join(gpus),
+                "GPUSLICE_ASSIGNMENT": f"{a.namespace}/{a.pod}"}
+        mounts = []
+        if c.mode is Mode.MPS:
+            share = c.gpus[0]
+            envs["CUDA_MPS_PIPE_DIRECTORY"] = MPS_PIPE_IN_CONTAINER
+            envs["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(max(1, share.milli // 10))
+            if share.memory_mib:
+                envs["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = ",".join(
+                    f"{i}={g.memory_mib}M" for i, g in enumerate(c.gpus))
+            mounts.append(pb.Mount(container_path=MPS_PIPE_IN_CONTAINER,
+                                   host_path=os.path.join(self.cfg.mps_pipe_dir, gpus[0]),
+                                   read_only=False))
+        return pb.ContainerAllocateResponse(
+            envs=envs, mounts=mounts,
+            annotations={"gpuslice.io/pod": f"{a.namespace}/{a.pod}",
+                         "gpuslice.io/mode": c.mode.value})
+
+    def PreStartContainer(self, request: pb.PreStartContainerRequest,
+                          context: Any) -> pb.PreStartContainerResponse:
+        return pb.PreStartContainerResponse()
+
+
+class PluginServer:
+    """Serves the plugin on its socket and keeps it registered with the kubelet."""
+
+    def __init__(self, plugin: DevicePlugin, register_timeout_s: float = 5.0) -> None:
+        self.plugin = plugin
+        self.timeout = register_timeout_s
+        self._server: grpc.Server | None = None
+        self._stop = threading.Event()
+        self._watcher: threading.Thread | None = None
+        self.registrations = 0
+        self.errors: list[str] = []
+
+    @property
+    def socket(self) -> Path:
+        return self.plugin.cfg.socket_dir / self.plugin.cfg.endpoint
+
+    @property
+    def kubelet_socket(self) -> Path:
+        return self.plugin.cfg.socket_dir / "kubelet.sock"
+
+    def _serve(self) -> None:
+        if self._server is not None:
+            self._server.stop(grace=None)
+        self.socket.unlink(missing_ok=True)
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=16))
+        pbg.add_DevicePluginServicer_to_server(self.plugin, server)  # type: ignore[no-untyped-call]
+        server.add_insecure_port(f"unix://{self.socket}")
+        server.start()
+        self._server = server
+
+    def _register(self) -> None:
+        with grpc.insecure_channel(f"unix://{self.kubelet_socket}") as ch:
+            grpc.channel_ready_future(ch).result(timeout=self.timeout)
+            stub = pbg.RegistrationStub(ch)  # type: ignore[no-untyped-call]
+            stub.Register(pb.RegisterRequest(
+                version="v1beta1", endpoint=self.plugin.cfg.endpoint, resource_name=RESOURCE,
+                options=pb.DevicePluginOptions(get_preferred_allocation_available=True)),
+                timeout=self.timeout)
+        self.registrations += 1
+
+    def start(self) -> None:
+        """Serve, register, and watch kubelet.sock to register again after a kubelet restart."""
+        self._serve()
+        self._register()
+        self._watcher = threading.Thread(target=self._watch, daemon=True)
+        self._watcher.start()
+
+    def _identity(self) -> tuple[int, int] | None:
+        """kubelet.sock's identity (inode and change time: inodes are reused at once)."""
+        try:
+            st = self.kubelet_socket.stat()
+        except FileNotFoundError:
+            return None
+        return (st.st_ino, st.st_ctime_ns)
+
+    def _watch(self, poll_s: float = 0.2) -> None:
+        seen = self._identity()
+        while not self._stop.wait(poll_s):
+            now = self._identity()
+            if now is not None and (now != seen or not self.socket.exists()):
+                try:
+                    self._serve()  # the kubelet wiped the directory, our socket too
+                    self._register()
+                    seen = now
+                except (grpc.RpcError, grpc.FutureTimeoutError, OSError, RuntimeError) as exc:
+                    self.errors.append(f"re-register: {exc!r}")  # not answering yet: retry
+            elif now is None:
+                seen = None
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._server is not None:
+            self._server.stop(grace=None)
+
+
+def wait_for(predicate: Callable[[], bool], timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return predicate()

@@ -1,0 +1,188 @@
+"""The device plugin over real gRPC on unix sockets, against a kubelet-side driver written here."""
+
+from __future__ import annotations
+
+import tempfile
+import threading
+from collections.abc import Iterator
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+import pytest
+
+from gpuslice.adapters.kube.annotation import encode
+from gpuslice.adapters.kube.fake import FakeApiServer
+from gpuslice.adapters.kubelet import deviceplugin_pb2 as pb
+from gpuslice.adapters.kubelet import deviceplugin_pb2_grpc as pbg
+from gpuslice.adapters.nvml.port import FakeNvml
+from gpuslice.core.assignment import Assignment, ContainerAssignment, GpuShare, Mode, sign
+from gpuslice.core.devices import GpuDevice
+from gpuslice.services.device_plugin import DevicePlugin, PluginConfig, PluginServer, wait_for
+
+KEY = b"node-agent-key-0123456789"
+GPUS = [GpuDevice(0, "GPU-aaa", "NVIDIA A100-80GB", "A100-80GB", 81920),
+        GpuDevice(1, "GPU-bbb", "NVIDIA A100-80GB", "A100-80GB", 81920)]
+
+
+class Kubelet(pbg.RegistrationServicer):
+    """The kubelet side: a Registration server on kubelet.sock that, like the kubelet, dials
+    the plugin back, asks its options and follows ListAndWatch."""
+
+    def __init__(self, sock_dir: Path) -> None:
+        self.dir = sock_dir
+        self.lists: list[list[pb.Device]] = []
+        self.registered = threading.Event()
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+        pbg.add_RegistrationServicer_to_server(self, self.server)
+        self.server.add_insecure_port(f"unix://{sock_dir / 'kubelet.sock'}")
+        self.channel: grpc.Channel | None = None
+
+    def start(self) -> Kubelet:
+        self.server.start()
+        return self
+
+    def Register(self, request: pb.RegisterRequest, context: object) -> pb.Empty:
+        assert request.version == "v1beta1" and request.resource_name == "gpuslice.io/gpu"
+        self.channel = grpc.insecure_channel(f"unix://{self.dir / request.endpoint}")
+        stub = pbg.DevicePluginStub(self.channel)
+        opts = stub.GetDevicePluginOptions(pb.Empty(), timeout=5)
+        assert opts.get_preferred_allocation_available
+
+        def follow() -> None:
+            try:
+                for resp in stub.ListAndWatch(pb.Empty()):
+                    self.lists.append(list(resp.devices))
+            except grpc.RpcError:
+                pass
+
+        threading.Thread(target=follow, daemon=True).start()
+        self.registered.set()
+        return pb.Empty()
+
+    def stub(self) -> pbg.DevicePluginStub:
+        assert self.channel is not None
+        return pbg.DevicePluginStub(self.channel)
+
+    def stop(self) -> None:
+        self.server.stop(grace=None)
+        if self.channel is not None:
+            self.channel.close()
+
+
+@pytest.fixture
+def env() -> Iterator[tuple[Kubelet, DevicePlugin, PluginServer, FakeApiServer, Path]]:
+    with tempfile.TemporaryDirectory(prefix="dp-") as d:
+        sock_dir = Path(d)
+        api = FakeApiServer()
+        kubelet = Kubelet(sock_dir).start()
+        plugin = DevicePlugin(PluginConfig("node-1", sock_dir, KEY, replicas=4),
+                              FakeNvml(list(GPUS)), api)
+        server = PluginServer(plugin)
+        server.start()
+        assert kubelet.registered.wait(5)
+        assert wait_for(lambda: bool(kubelet.lists), 5)
+        yield kubelet, plugin, server, api, sock_dir
+        server.stop()
+        kubelet.stop()
+
+
+def assign(api: FakeApiServer, pod: str, uuids: list[str], milli: int = 300,
+           mem: int = 8192, node: str = "node-1", key: bytes = KEY, t: str = "t1") -> None:
+    p = api.add_pod({"metadata": {"name": pod, "namespace": "ml"}})
+    mode = Mode.MPS if milli < 1000 else Mode.EXCLUSIVE
+    a = Assignment("ml", pod, p["metadata"]["uid"], node, (ContainerAssignment(
+        "main", mode, tuple(GpuShare(u, milli, mem) for u in uuids)),), t)
+    api.patch_pod_annotations("ml", pod, {"gpuslice.io/assignment": encode(sign(a, key))},
+                              p["metadata"]["resourceVersion"])
+
+
+def allocate(stub: pbg.DevicePluginStub, *ids: str) -> pb.ContainerAllocateResponse:
+    resp = stub.Allocate(pb.AllocateRequest(container_requests=[
+        pb.ContainerAllocateRequest(devices_ids=list(ids))]), timeout=5)
+    return resp.container_responses[0]
+
+
+def test_register_and_list(env) -> None:  # type: ignore[no-untyped-def]
+    kubelet, *_ = env
+    first = kubelet.lists[0]
+    assert len(first) == 8 and {d.health for d in first} == {"Healthy"}
+    assert {d.ID.split("::")[0] for d in first} == {"GPU-aaa", "GPU-bbb"}
+
+
+def test_preferred_allocation_steers_to_the_assigned_gpu_and_allocate_executes_it(env) -> None:  # type: ignore[no-untyped-def]
+    kubelet, _, _, api, _ = env
+    assign(api, "p1", ["GPU-bbb"], milli=300, mem=8192)
+    stub = kubelet.stub()
+    pref = stub.GetPreferredAllocation(pb.PreferredAllocationRequest(container_requests=[
+        pb.ContainerPreferredAllocationRequest(
+            available_deviceIDs=[f"GPU-aaa::{k}" for k in range(4)] +
+            [f"GPU-bbb::{k}" for k in range(4)], allocation_size=1)]), timeout=5)
+    chosen = list(pref.container_responses[0].deviceIDs)
+    assert [c.split("::")[0] for c in chosen] == ["GPU-bbb"]
+    r = allocate(stub, *chosen)
+    assert r.envs["NVIDIA_VISIBLE_DEVICES"] == "GPU-bbb"
+    assert r.envs["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "30"
+    assert r.envs["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=8192M"
+    assert r.envs["CUDA_MPS_PIPE_DIRECTORY"] == "/run/gpuslice/mps"
+    assert r.mounts[0].host_path.endswith("GPU-bbb")
+    assert r.annotations["gpuslice.io/pod"] == "ml/p1"
+
+
+@pytest.mark.parametrize(
+    ("setup", "ids", "code", "text"),
+    [
+        (lambda api: None, ["GPU-zzz::0"], grpc.StatusCode.INVALID_ARGUMENT, "unknown device"),
+        (lambda api: None, ["GPU-aaa::0"], grpc.StatusCode.FAILED_PRECONDITION,
+         "no verified gpuslice assignment"),
+        (lambda api: assign(api, "forged", ["GPU-aaa"], key=b"some-other-key-0123456"),
+         ["GPU-aaa::0"], grpc.StatusCode.FAILED_PRECONDITION, "no verified"),
+        (lambda api: assign(api, "elsewhere", ["GPU-aaa"], node="node-2"),
+         ["GPU-aaa::0"], grpc.StatusCode.FAILED_PRECONDITION, "no verified"),
+    ],
+)
+def test_bad_allocations_are_refused_with_a_reason(env, setup, ids, code, text) -> None:  # type: ignore[no-untyped-def]
+    kubelet, plugin, _, api, _ = env
+    setup(api)
+    with pytest.raises(grpc.RpcError) as exc:
+        allocate(kubelet.stub(), *ids)
+    assert exc.value.code() == code and text in (exc.value.details() or "")
+    assert plugin._claimed == set()  # no state changed
+
+
+def test_gpu_fault_and_recovery_are_streamed(env) -> None:  # type: ignore[no-untyped-def]
+    kubelet, plugin, *_ = env
+    plugin.set_health("GPU-aaa", False)
+    assert wait_for(lambda: any(d.health == "Unhealthy" for d in kubelet.lists[-1]), 3)
+    bad = {d.ID.split("::")[0] for d in kubelet.lists[-1] if d.health == "Unhealthy"}
+    assert bad == {"GPU-aaa"}
+    plugin.set_health("GPU-aaa", True)
+    assert wait_for(lambda: all(d.health == "Healthy" for d in kubelet.lists[-1]), 3)
+
+
+def test_kubelet_restart_re_registers_within_two_seconds(env) -> None:  # type: ignore[no-untyped-def]
+    kubelet, _, server, _, sock_dir = env
+    kubelet.stop()
+    for f in sock_dir.iterdir():  # the kubelet wipes the directory on start
+        f.unlink()
+    again = Kubelet(sock_dir).start()
+    try:
+        ok = again.registered.wait(2.0)
+        assert ok, server.errors
+        assert wait_for(lambda: bool(again.lists), 2.0)
+        assert wait_for(lambda: server.registrations == 2, 2.0)
+    finally:
+        again.stop()
+
+
+def test_fifty_pods_admitted_back_to_back_each_get_their_own_assignment(env) -> None:  # type: ignore[no-untyped-def]
+    kubelet, _, _, api, _ = env
+    for i in range(50):
+        assign(api, f"burst-{i:02d}", ["GPU-aaa"], milli=20, mem=1024, t=f"t{i:02d}")
+    stub = kubelet.stub()
+    with futures.ThreadPoolExecutor(max_workers=8) as pool:
+        got = list(pool.map(lambda k: allocate(stub, f"GPU-aaa::{k % 4}"), range(50)))
+    pods = [r.envs["GPUSLICE_ASSIGNMENT"] for r in got]
+    assert len(set(pods)) == 50 and all(p.startswith("ml/burst-") for p in pods)
+    with pytest.raises(grpc.RpcError):
+        allocate(stub, "GPU-aaa::0")  # nothing left to execute
