@@ -117,6 +117,26 @@ def _build_parser() -> argparse.ArgumentParser:
     src.add_argument("--fake-cluster", type=Path,
                      help="YAML with 'nodes' and 'pods' lists: an in-memory API server")
     e.add_argument("--context", help="kubeconfig context")
+    na = sub.add_parser(
+        "node-agent", help="node agent: NVML discovery, kubelet device plugin, health, labels",
+        description="Serve gpuslice.io/gpu to the kubelet (device plugin API v1beta1), execute "
+        "the extender's signed assignments, publish the GPU inventory and GFD labels on the "
+        "node, and follow GPU health. --fake runs it on a YAML inventory instead of NVML.",
+    )
+    na.add_argument("--node", help="this node's name (default $NODE_NAME)")
+    na.add_argument("--key-file", type=Path, required=True,
+                    help="file holding the HMAC key shared with the extender")
+    na.add_argument("--fake", type=Path, help="fake NVML: a YAML GPU inventory")
+    na.add_argument("--socket-dir", type=Path, default=Path("/var/lib/kubelet/device-plugins"),
+                    help="the kubelet's device plugin directory")
+    na.add_argument("--replicas", type=int, default=10, help="virtual devices per GPU")
+    na.add_argument("--quiet", type=float, default=60.0,
+                    help="seconds without errors before a faulty GPU is healthy again")
+    na.add_argument("--mps-pipe-dir", default="/run/gpuslice/mps",
+                    help="host directory of the MPS pipe directories")
+    nsrc = na.add_mutually_exclusive_group()
+    nsrc.add_argument("--kubeconfig", help="kubeconfig file (default: in-cluster config)")
+    nsrc.add_argument("--fake-cluster", type=Path, help="YAML with 'nodes' and 'pods'")
     e.add_argument("--leader-elect", action="store_true",
                    help="several replicas: only the holder of the Lease binds")
     e.add_argument("--lease", default="gpuslice-system/gpuslice-extender",
@@ -250,6 +270,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _plan(args, console)
         if args.command == "extender":
             return _extender(args, console)
+        if args.command == "node-agent":
+            return _node_agent(args, console)
         if args.command == "router":
             return _router(args, console)
     except GpusliceError as exc:
@@ -465,6 +487,49 @@ def _extender(args: argparse.Namespace, console: Console) -> int:
         asyncio.run(serve(state, host, int(port_text), ctx, args.resync, ready))
     except OSError as exc:
         raise ValidationError("--listen", "a free address to listen on", str(exc)) from None
+    return 0
+
+
+def _node_agent(args: argparse.Namespace, console: Console) -> int:
+    import os
+    import signal
+
+    from gpuslice.adapters.kube.client import KubeClient
+    from gpuslice.adapters.kube.fake import KubePort, load_fake_cluster
+    from gpuslice.adapters.nvml.port import FakeNvml, NvmlPort
+    from gpuslice.adapters.nvml.real import load
+    from gpuslice.services.device_plugin import PluginConfig
+    from gpuslice.services.node_agent import NodeAgent
+
+    node = args.node or os.environ.get("NODE_NAME")
+    if not node:
+        raise ValidationError("--node", "the node's name (or $NODE_NAME)", node)
+    if args.replicas < 1:
+        raise ValidationError("--replicas", "at least 1 virtual device per GPU", args.replicas)
+    try:
+        key = args.key_file.read_bytes().strip()
+    except OSError as exc:
+        raise ValidationError("--key-file", "a readable file", str(exc)) from None
+    if len(key) < 16:
+        raise ValidationError("--key-file", "a key of at least 16 bytes", len(key))
+    if not args.socket_dir.is_dir():
+        raise ValidationError("--socket-dir", "the kubelet's device plugin directory",
+                              str(args.socket_dir))
+    nvml: NvmlPort = FakeNvml.from_yaml(args.fake, node) if args.fake else load()
+    api: KubePort = (load_fake_cluster(args.fake_cluster) if args.fake_cluster
+                     else KubeClient(args.kubeconfig))
+    cfg = PluginConfig(node, args.socket_dir, key, args.replicas,
+                       mps_pipe_dir=args.mps_pipe_dir)
+    agent = NodeAgent(cfg, nvml, api, quiet_s=args.quiet)
+    signal.signal(signal.SIGTERM, lambda *_: agent.stop())
+    console.print(f"node agent for {node}: {len(nvml.devices())} GPU(s), "
+                  f"{args.replicas} virtual devices each; socket dir {args.socket_dir}",
+                  highlight=False)
+    if not nvml.devices():
+        console.print(f"[yellow]serving no device[/]: {nvml.why_empty()}", highlight=False)
+    agent.run()
+    for problem in agent.problems:
+        console.print(f"[yellow]{problem}[/]", highlight=False)
     return 0
 
 

@@ -186,3 +186,65 @@ def test_fifty_pods_admitted_back_to_back_each_get_their_own_assignment(env) -> 
     assert len(set(pods)) == 50 and all(p.startswith("ml/burst-") for p in pods)
     with pytest.raises(grpc.RpcError):
         allocate(stub, "GPU-aaa::0")  # nothing left to execute
+
+
+def test_node_agent_publishes_inventory_and_recovers_a_faulty_gpu() -> None:
+    import json
+
+    from gpuslice.services.node_agent import NodeAgent
+
+    with tempfile.TemporaryDirectory(prefix="na-") as d:
+        sock_dir = Path(d)
+        api = FakeApiServer()
+        api.add_node({"metadata": {"name": "node-1"}})
+        kubelet = Kubelet(sock_dir).start()
+        nvml = FakeNvml(list(GPUS))
+        now = [0.0]
+        agent = NodeAgent(PluginConfig("node-1", sock_dir, KEY, replicas=2), nvml, api,
+                          quiet_s=30, clock=lambda: now[0])
+        t = threading.Thread(target=agent.run, daemon=True)
+        t.start()
+        try:
+            assert kubelet.registered.wait(5)
+            assert wait_for(lambda: "gpuslice.io/inventory" in api.list_nodes()[0]["metadata"]
+                            .get("annotations", {}), 3)
+            node = api.list_nodes()[0]["metadata"]
+            assert node["labels"]["nvidia.com/gpu.count"] == "2"
+            assert len(json.loads(node["annotations"]["gpuslice.io/inventory"])) == 2
+            nvml.inject("GPU-bbb", 43)  # an application error: the GPU stays healthy
+            nvml.inject("GPU-aaa", 79)  # fell off the bus
+            assert wait_for(lambda: any(dv.health == "Unhealthy" for dv in kubelet.lists[-1]), 3)
+            assert wait_for(lambda: len(json.loads(api.list_nodes()[0]["metadata"][
+                "annotations"]["gpuslice.io/inventory"])) == 1, 3)
+            assert {dv.ID.split("::")[0] for dv in kubelet.lists[-1]
+                    if dv.health == "Unhealthy"} == {"GPU-aaa"}
+            now[0] = 31.0  # quiet long enough
+            assert wait_for(lambda: all(dv.health == "Healthy" for dv in kubelet.lists[-1]), 3)
+        finally:
+            agent.stop()
+            kubelet.stop()
+
+
+def test_node_agent_command_on_a_fake_inventory(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    with tempfile.TemporaryDirectory(prefix="nc-") as d:
+        sock_dir = Path(d)
+        kubelet = Kubelet(sock_dir).start()
+        (tmp_path / "inv.yaml").write_text("gpus:\n  - model: T4\n  - model: T4\n")
+        (tmp_path / "cluster.yaml").write_text("nodes:\n  - metadata: {name: n1}\n")
+        (tmp_path / "key").write_bytes(KEY)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "gpuslice.cli", "node-agent", "--node", "n1", "--key-file",
+             str(tmp_path / "key"), "--fake", str(tmp_path / "inv.yaml"), "--socket-dir",
+             str(sock_dir), "--replicas", "3", "--fake-cluster", str(tmp_path / "cluster.yaml")],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        try:
+            assert kubelet.registered.wait(15)
+            assert wait_for(lambda: bool(kubelet.lists), 5)
+            assert len(kubelet.lists[0]) == 6
+        finally:
+            proc.terminate()
+            proc.wait(timeout=10)
+            kubelet.stop()

@@ -240,9 +240,15 @@ class PluginServer:
         self.registrations += 1
 
     def start(self) -> None:
-        """Serve, register, and watch kubelet.sock to register again after a kubelet restart."""
+        """Serve, register, and watch kubelet.sock to register again after a kubelet restart.
+        A kubelet that does not answer yet is not fatal: registration happens when its socket
+        (re)appears."""
         self._serve()
-        self._register()
+        try:
+            self._register()
+        except (grpc.RpcError, grpc.FutureTimeoutError) as exc:
+            self.errors.append(f"the kubelet is not answering on {self.kubelet_socket} "
+                               f"({type(exc).__name__}); registering when it does")
         self._watcher = threading.Thread(target=self._watch, daemon=True)
         self._watcher.start()
 
@@ -255,7 +261,7 @@ class PluginServer:
         return (st.st_ino, st.st_ctime_ns)
 
     def _watch(self, poll_s: float = 0.2) -> None:
-        seen = self._identity()
+        seen = self._identity() if self.registrations else None
         while not self._stop.wait(poll_s):
             now = self._identity()
             if now is not None and (now != seen or not self.socket.exists()):

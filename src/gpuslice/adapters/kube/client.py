@@ -92,6 +92,11 @@ class KubeClient:
             return self._plain(self._call(api.create_namespaced_lease, namespace, body))
         return self._plain(self._call(api.replace_namespaced_lease, name, namespace, body))
 
+    def patch_node(self, name: str, labels: dict[str, str],
+                   annotations: dict[str, str]) -> None:
+        body = {"metadata": {"labels": labels, "annotations": annotations}}
+        self._call(self._api.patch_node, name, body)
+
     def list_nodes(self) -> list[dict[str, Any]]:
         return [self._plain(n) for n in self._call(self._api.list_node).items]
 

@@ -42,6 +42,8 @@ class KubePort(Protocol):
         ...
 
     def list_nodes(self) -> list[dict[str, Any]]: ...
+    def patch_node(self, name: str, labels: dict[str, str],
+                   annotations: dict[str, str]) -> None: ...
     def get_lease(self, namespace: str, name: str) -> dict[str, Any] | None: ...
     def put_lease(self, namespace: str, name: str, spec: dict[str, Any],
                   resource_version: str | None) -> dict[str, Any]: ...
@@ -125,6 +127,17 @@ class FakeApiServer:
     def list_nodes(self) -> list[dict[str, Any]]:
         with self._lock:
             return copy.deepcopy(list(self._nodes.values()))
+
+    def patch_node(self, name: str, labels: dict[str, str],
+                   annotations: dict[str, str]) -> None:
+        with self._lock:
+            n = self._nodes.get(name)
+            if n is None:
+                raise ApiNotFound(f"node {name} not found")
+            meta = n.setdefault("metadata", {})
+            meta.setdefault("labels", {}).update(labels)
+            meta.setdefault("annotations", {}).update(annotations)
+            self._bump(n)
 
     def list_pods(self) -> list[dict[str, Any]]:
         with self._lock:
