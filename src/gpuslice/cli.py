@@ -132,6 +132,8 @@ def _build_parser() -> argparse.ArgumentParser:
     na.add_argument("--replicas", type=int, default=10, help="virtual devices per GPU")
     na.add_argument("--quiet", type=float, default=60.0,
                     help="seconds without errors before a faulty GPU is healthy again")
+    na.add_argument("--metrics", default="0.0.0.0:9402",
+                    help="HOST:PORT of the Prometheus endpoint ('off' to disable)")
     na.add_argument("--mps-pipe-dir", default="/run/gpuslice/mps",
                     help="host directory of the MPS pipe directories")
     nsrc = na.add_mutually_exclusive_group()
@@ -522,6 +524,13 @@ def _node_agent(args: argparse.Namespace, console: Console) -> int:
                        mps_pipe_dir=args.mps_pipe_dir)
     agent = NodeAgent(cfg, nvml, api, quiet_s=args.quiet)
     signal.signal(signal.SIGTERM, lambda *_: agent.stop())
+    if args.metrics != "off":
+        from prometheus_client import start_http_server
+
+        mhost, _, mport = args.metrics.rpartition(":")
+        if not mport.isdigit():
+            raise ValidationError("--metrics", "HOST:PORT or off", args.metrics)
+        start_http_server(int(mport), mhost or "0.0.0.0", registry=agent.metrics.registry)
     console.print(f"node agent for {node}: {len(nvml.devices())} GPU(s), "
                   f"{args.replicas} virtual devices each; socket dir {args.socket_dir}",
                   highlight=False)

@@ -238,7 +238,8 @@ def test_node_agent_command_on_a_fake_inventory(tmp_path: Path) -> None:
         proc = subprocess.Popen(
             [sys.executable, "-m", "gpuslice.cli", "node-agent", "--node", "n1", "--key-file",
              str(tmp_path / "key"), "--fake", str(tmp_path / "inv.yaml"), "--socket-dir",
-             str(sock_dir), "--replicas", "3", "--fake-cluster", str(tmp_path / "cluster.yaml")],
+             str(sock_dir), "--replicas", "3", "--fake-cluster", str(tmp_path / "cluster.yaml"),
+             "--metrics", "off"],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         try:
             assert kubelet.registered.wait(15)
@@ -248,3 +249,19 @@ def test_node_agent_command_on_a_fake_inventory(tmp_path: Path) -> None:
             proc.terminate()
             proc.wait(timeout=10)
             kubelet.stop()
+
+
+def test_metrics_show_allocation_per_gpu(env) -> None:  # type: ignore[no-untyped-def]
+    from gpuslice.services.node_agent import NodeAgent
+
+    kubelet, plugin, _, api, _ = env
+    assign(api, "m1", ["GPU-aaa"], milli=250)
+    allocate(kubelet.stub(), "GPU-aaa::0")
+    agent = NodeAgent(plugin.cfg, plugin.nvml, api)
+    agent.plugin = plugin
+    agent.update_metrics()
+    text = agent.metrics.render().decode()
+    assert 'gpuslice_gpu_allocated_milli{gpu="GPU-aaa",model="A100-80GB",node="node-1"} 250.0' \
+        in text
+    assert 'gpuslice_gpu_slices{gpu="GPU-bbb",model="A100-80GB",node="node-1"} 0.0' in text
+    assert 'gpuslice_virtual_devices{node="node-1"} 8.0' in text

@@ -56,7 +56,13 @@ class DevicePlugin(pbg.DevicePluginServicer):
         self._version = 0
         self._unhealthy: set[str] = set()
         self._claimed: set[tuple[str, str]] = set()  # (namespace, pod) already executed
+        self._executed: list[Assignment] = []
         self._claim_lock = threading.Lock()
+
+    def executed(self) -> list[Assignment]:
+        """The assignments Allocate has executed so far."""
+        with self._claim_lock:
+            return list(self._executed)
 
     # -- devices ---------------------------------------------------------------------------
 
@@ -170,6 +176,7 @@ class DevicePlugin(pbg.DevicePluginServicer):
                 if key in self._claimed:
                     continue
                 self._claimed.add(key)
+                self._executed.append(a)
             return a
         return None
 

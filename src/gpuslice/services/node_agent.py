@@ -25,6 +25,33 @@ INVENTORY = "gpuslice.io/inventory"
 APPLICATION_XIDS = frozenset({13, 31, 43, 45, 68, 109})
 
 
+class AgentMetrics:
+    """Prometheus metrics of the node agent, on its own registry."""
+
+    def __init__(self) -> None:
+        from prometheus_client import CollectorRegistry, Gauge
+
+        self.registry = CollectorRegistry()
+        labels = ["node", "gpu", "model"]
+        self.healthy = Gauge("gpuslice_gpu_healthy", "1 when the GPU is healthy", labels,
+                             registry=self.registry)
+        self.allocated = Gauge("gpuslice_gpu_allocated_milli",
+                               "milli-GPU held by executed assignments", labels,
+                               registry=self.registry)
+        self.memory = Gauge("gpuslice_gpu_memory_mib", "GPU memory, MiB", labels,
+                            registry=self.registry)
+        self.slices = Gauge("gpuslice_gpu_slices", "assignments executed on the GPU", labels,
+                            registry=self.registry)
+        self.devices = Gauge("gpuslice_virtual_devices", "virtual devices served", ["node"],
+                             registry=self.registry)
+
+    def render(self) -> bytes:
+        from prometheus_client import generate_latest
+
+        out: bytes = generate_latest(self.registry)
+        return out
+
+
 class NodeAgent:
     def __init__(self, cfg: PluginConfig, nvml: NvmlPort, api: KubePort, *,
                  quiet_s: float = 60.0, clock: Callable[[], float] = time.monotonic) -> None:
@@ -35,6 +62,23 @@ class NodeAgent:
         self._last_error: dict[str, float] = {}
         self._stop = threading.Event()
         self.problems: list[str] = []
+        self.metrics = AgentMetrics()
+
+    def update_metrics(self) -> None:
+        held: dict[str, tuple[int, int]] = {}
+        for a in self.plugin.executed():
+            for c in a.containers:
+                for share in c.gpus:
+                    milli, n = held.get(share.uuid, (0, 0))
+                    held[share.uuid] = (milli + share.milli, n + 1)
+        m = self.metrics
+        for g in self.nvml.devices():
+            labels = (self.cfg.node, g.uuid, g.model)
+            m.healthy.labels(*labels).set(0 if g.uuid in self._last_error else 1)
+            m.allocated.labels(*labels).set(held.get(g.uuid, (0, 0))[0])
+            m.slices.labels(*labels).set(held.get(g.uuid, (0, 0))[1])
+            m.memory.labels(*labels).set(g.memory_mib)
+        m.devices.labels(self.cfg.node).set(len(self.plugin.devices()))
 
     def publish(self) -> None:
         """Inventory annotation (healthy GPUs) and GFD labels on this node."""
@@ -79,6 +123,7 @@ class NodeAgent:
             self.problems.append(f"publishing node labels: {exc}")
         while not self._stop.is_set():
             self.health_step(1.0)
+            self.update_metrics()
 
     def stop(self) -> None:
         self._stop.set()
