@@ -71,3 +71,19 @@ def test_production_carries_no_key_and_pins_the_image() -> None:
     images = {c["image"] for d in docs if d["kind"] in ("Deployment", "DaemonSet")
               for c in d["spec"]["template"]["spec"]["containers"]}
     assert "registry.example.com/gpuslice:0.1.0" in images
+
+
+def test_grafana_dashboard_queries_metrics_the_code_exports() -> None:
+    import json
+    import re
+
+    from gpuslice.services.node_agent import AgentMetrics
+
+    dash = json.loads((ROOT / "deploy" / "grafana" / "gpuslice.json").read_text())
+    exported = AgentMetrics().render().decode()
+    router = (ROOT / "src" / "gpuslice" / "adapters" / "http" / "metrics.py").read_text()
+    for panel in dash["panels"]:
+        for target in panel["targets"]:
+            for name in re.findall(r"gpuslice_[a-z_]+", target["expr"]):
+                base = re.sub(r"_(bucket|total|sum|count)$", "", name)
+                assert base in exported or f'"{base}"' in router, name
