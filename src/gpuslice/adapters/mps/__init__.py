@@ -1,0 +1,104 @@
+"""NVIDIA MPS: control daemons, one per GPU (or MIG instance), each with its own pipe and log
+directories. The only package that runs ``nvidia-cuda-mps-control``.
+
+The control tool's exit status does not report errors (an unknown command prints
+``Unknown command "..."`` and exits 0), so every command's output is parsed.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from gpuslice.core.errors import GpusliceError
+
+CONTROL = "nvidia-cuda-mps-control"
+
+
+class MpsError(GpusliceError):
+    """An MPS control command failed; the message quotes the tool's output."""
+
+
+@dataclass(frozen=True)
+class MpsDaemon:
+    """One control daemon: the GPU (or MIG instance) UUID it serves and its directories."""
+
+    uuid: str
+    pipe_dir: Path
+    log_dir: Path
+    binary: str = CONTROL
+
+    def _env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(CUDA_VISIBLE_DEVICES=self.uuid, CUDA_MPS_PIPE_DIRECTORY=str(self.pipe_dir),
+                   CUDA_MPS_LOG_DIRECTORY=str(self.log_dir))
+        return env
+
+    def start(self, timeout_s: float = 10.0) -> None:
+        """Start the daemon in the background and wait until it answers."""
+        self.pipe_dir.mkdir(parents=True, exist_ok=True)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            subprocess.run([self.binary, "-d"], env=self._env(), check=False,
+                           capture_output=True, timeout=timeout_s)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise MpsError(f"MPS daemon for {self.uuid} did not start: {exc} (is the NVIDIA "
+                           f"driver with MPS installed and {self.binary} on PATH?)") from None
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.healthy():
+                return
+            time.sleep(0.05)
+        raise MpsError(f"MPS daemon for {self.uuid} does not answer on {self.pipe_dir} "
+                       f"(see {self.log_dir / 'control.log'})")
+
+    def command(self, text: str, timeout_s: float = 10.0) -> str:
+        """Send one command; its output, or MpsError when the output says it failed."""
+        try:
+            out = subprocess.run([self.binary], input=text + "\n", env=self._env(),
+                                 capture_output=True, text=True, timeout=timeout_s, check=False)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise MpsError(f"MPS command {text!r} for {self.uuid}: {exc}") from None
+        reply = (out.stdout + out.stderr).strip()
+        lowered = reply.lower()
+        if lowered.startswith("unknown command") or "cannot find mps control daemon" in lowered \
+                or "error" in lowered.split("\n")[0]:
+            raise MpsError(f"MPS command {text!r} for {self.uuid} failed: {reply}")
+        return reply
+
+    def healthy(self) -> bool:
+        try:
+            self.command("get_default_active_thread_percentage", timeout_s=2.0)
+        except MpsError:
+            return False
+        return True
+
+    def servers(self) -> list[int]:
+        """PIDs of the running MPS servers (``get_server_list`` prints nothing when none)."""
+        reply = self.command("get_server_list")
+        return [int(x) for x in reply.split() if x.isdigit()]
+
+    def set_default_limits(self, thread_pct: int | None = None,
+                           memory_mib: int | None = None) -> None:
+        """Defaults for the next server: thread percentage and pinned memory limit."""
+        if thread_pct is not None:
+            if not 1 <= thread_pct <= 100:
+                raise MpsError(f"thread percentage must be 1..100, got {thread_pct}")
+            reply = self.command(f"set_default_active_thread_percentage {thread_pct}")
+            if not reply or float(reply.split()[0]) != float(thread_pct):
+                raise MpsError(f"MPS did not take thread percentage {thread_pct}: {reply!r}")
+        if memory_mib is not None:
+            self.command(f"set_default_device_pinned_mem_limit 0 {memory_mib}M")
+
+    def quit(self, timeout_s: float = 10.0) -> None:
+        """Stop the daemon (and its server) and wait until it is gone."""
+        self.command("quit", timeout_s=timeout_s)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not self.healthy():
+                return
+            time.sleep(0.05)
+        raise MpsError(f"MPS daemon for {self.uuid} did not quit")

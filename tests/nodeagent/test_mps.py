@@ -1,0 +1,92 @@
+"""The MPS manager against a stand-in for nvidia-cuda-mps-control that behaves as the real one
+was measured to (shared/reference/protocols.md 3.1: exit status 0 even on errors), and against
+the real one on a GPU machine."""
+
+from __future__ import annotations
+
+import shutil
+import stat
+import sys
+from pathlib import Path
+
+import pytest
+
+from gpuslice.adapters.mps import MpsDaemon, MpsError
+
+FAKE = r'''#!PYTHON
+import json, os, sys
+pipe = os.environ["CUDA_MPS_PIPE_DIRECTORY"]
+state = os.path.join(pipe, "fake-state.json")
+if sys.argv[1:] == ["-d"]:
+    os.makedirs(pipe, exist_ok=True)
+    json.dump({"pct": 100.0, "mem": None}, open(state, "w"))
+    open(os.path.join(pipe, "control"), "w").close()
+    sys.exit(0)
+cmd = sys.stdin.read().split()
+if not os.path.exists(os.path.join(pipe, "control")):
+    print("Cannot find MPS control daemon process"); sys.exit(0)
+s = json.load(open(state))
+if cmd[:1] == ["get_default_active_thread_percentage"]: print(s["pct"])
+elif cmd[:1] == ["set_default_active_thread_percentage"]:
+    s["pct"] = float(cmd[1]); json.dump(s, open(state, "w")); print(s["pct"])
+elif cmd[:1] == ["set_default_device_pinned_mem_limit"]:
+    s["mem"] = cmd[2]; json.dump(s, open(state, "w"))
+elif cmd[:1] == ["get_server_list"]: pass
+elif cmd[:1] == ["quit"]: os.remove(os.path.join(pipe, "control"))
+else: print('Unknown command "%s"' % " ".join(cmd))
+sys.exit(0)
+'''
+
+
+@pytest.fixture
+def daemon(tmp_path: Path) -> MpsDaemon:
+    tool = tmp_path / "mps-control"
+    tool.write_text(FAKE.replace("PYTHON", sys.executable))
+    tool.chmod(tool.stat().st_mode | stat.S_IEXEC)
+    return MpsDaemon("GPU-aaa", tmp_path / "pipe", tmp_path / "log", binary=str(tool))
+
+
+def test_lifecycle_limits_and_quit(daemon: MpsDaemon) -> None:
+    assert not daemon.healthy()
+    daemon.start(timeout_s=5)
+    assert daemon.healthy() and daemon.servers() == []
+    daemon.set_default_limits(thread_pct=25, memory_mib=2048)
+    assert daemon.command("get_default_active_thread_percentage") == "25.0"
+    daemon.quit(timeout_s=5)
+    assert not daemon.healthy()
+
+
+def test_errors_are_read_from_the_output_not_the_exit_status(daemon: MpsDaemon) -> None:
+    daemon.start(timeout_s=5)
+    with pytest.raises(MpsError, match='Unknown command "bogus_cmd"'):
+        daemon.command("bogus_cmd")
+    with pytest.raises(MpsError, match=r"1\.\.100"):
+        daemon.set_default_limits(thread_pct=0)
+    daemon.quit()
+    with pytest.raises(MpsError, match="Cannot find MPS control daemon"):
+        daemon.command("get_server_list")
+
+
+def test_missing_binary_is_explained(tmp_path: Path) -> None:
+    d = MpsDaemon("GPU-x", tmp_path / "p", tmp_path / "l", binary=str(tmp_path / "nope"))
+    with pytest.raises(MpsError, match="on PATH"):
+        d.start(timeout_s=1)
+
+
+@pytest.mark.gpu
+def test_real_mps_daemon_with_private_directories(tmp_path: Path) -> None:
+    if shutil.which("nvidia-cuda-mps-control") is None or shutil.which("nvidia-smi") is None:
+        pytest.skip("no NVIDIA driver with MPS on this machine")
+    pytest.importorskip("pynvml")
+    from gpuslice.adapters.nvml.real import load
+
+    gpus = load().devices()
+    if not gpus:
+        pytest.skip("no GPU")
+    d = MpsDaemon(gpus[0].uuid, tmp_path / "pipe", tmp_path / "log")
+    d.start()
+    try:
+        d.set_default_limits(thread_pct=25, memory_mib=2048)
+        assert d.command("get_default_active_thread_percentage") == "25.0"
+    finally:
+        d.quit()
