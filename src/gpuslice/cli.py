@@ -134,6 +134,9 @@ def _build_parser() -> argparse.ArgumentParser:
                     help="seconds without errors before a faulty GPU is healthy again")
     na.add_argument("--metrics", default="0.0.0.0:9402",
                     help="HOST:PORT of the Prometheus endpoint ('off' to disable)")
+    na.add_argument("--no-mps", action="store_true",
+                    help="do not start MPS control daemons (MPS slices then share the GPU "
+                    "without caps)")
     na.add_argument("--mps-pipe-dir", default="/run/gpuslice/mps",
                     help="host directory of the MPS pipe directories")
     nsrc = na.add_mutually_exclusive_group()
@@ -522,7 +525,9 @@ def _node_agent(args: argparse.Namespace, console: Console) -> int:
                      else KubeClient(args.kubeconfig))
     cfg = PluginConfig(node, args.socket_dir, key, args.replicas,
                        mps_pipe_dir=args.mps_pipe_dir)
-    agent = NodeAgent(cfg, nvml, api, quiet_s=args.quiet)
+    # a fake inventory has no real GPU behind it: no MPS daemons to start
+    agent = NodeAgent(cfg, nvml, api, quiet_s=args.quiet,
+                      mps=not args.no_mps and args.fake is None)
     signal.signal(signal.SIGTERM, lambda *_: agent.stop())
     if args.metrics != "off":
         from prometheus_client import start_http_server

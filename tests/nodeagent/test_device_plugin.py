@@ -265,3 +265,27 @@ def test_metrics_show_allocation_per_gpu(env) -> None:  # type: ignore[no-untype
         in text
     assert 'gpuslice_gpu_slices{gpu="GPU-bbb",model="A100-80GB",node="node-1"} 0.0' in text
     assert 'gpuslice_virtual_devices{node="node-1"} 8.0' in text
+
+
+def test_an_mps_slice_starts_its_gpus_daemon_once_and_stop_quits_it(env, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    import stat
+    import sys
+
+    from gpuslice.services.node_agent import NodeAgent
+    from tests.nodeagent.test_mps import FAKE
+
+    kubelet, plugin, _, api, _ = env
+    tool = tmp_path / "mps-control"
+    tool.write_text(FAKE.replace("PYTHON", sys.executable))
+    tool.chmod(tool.stat().st_mode | stat.S_IEXEC)
+    plugin.cfg.mps_pipe_dir = str(tmp_path / "mps")
+    agent = NodeAgent(plugin.cfg, plugin.nvml, api, mps=True, mps_binary=str(tool))
+    plugin.ensure_mps = agent.ensure_mps
+    assign(api, "s1", ["GPU-aaa"], milli=250)
+    assign(api, "s2", ["GPU-aaa"], milli=250, t="t2")
+    allocate(kubelet.stub(), "GPU-aaa::0")
+    allocate(kubelet.stub(), "GPU-aaa::1")
+    assert (tmp_path / "mps" / "GPU-aaa" / "control").exists()
+    assert list(agent._mps) == ["GPU-aaa"]
+    agent.quit_mps()
+    assert not (tmp_path / "mps" / "GPU-aaa" / "control").exists()

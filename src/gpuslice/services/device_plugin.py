@@ -31,6 +31,7 @@ from gpuslice.adapters.kubelet import deviceplugin_pb2 as pb
 from gpuslice.adapters.kubelet import deviceplugin_pb2_grpc as pbg
 from gpuslice.adapters.nvml.port import NvmlPort
 from gpuslice.core.assignment import ANNOTATION, Assignment, Mode, verify
+from gpuslice.core.errors import GpusliceError
 
 RESOURCE = "gpuslice.io/gpu"
 HEALTHY, UNHEALTHY = "Healthy", "Unhealthy"
@@ -48,10 +49,13 @@ class PluginConfig:
 
 
 class DevicePlugin(pbg.DevicePluginServicer):
-    def __init__(self, cfg: PluginConfig, nvml: NvmlPort, api: KubePort) -> None:
+    def __init__(self, cfg: PluginConfig, nvml: NvmlPort, api: KubePort,
+                 ensure_mps: Callable[[str], None] | None = None) -> None:
         self.cfg = cfg
         self.nvml = nvml
         self.api = api
+        # called with a GPU UUID before an MPS slice on it is handed out (starts its daemon)
+        self.ensure_mps = ensure_mps
         self._cond = threading.Condition()
         self._version = 0
         self._unhealthy: set[str] = set()
@@ -158,6 +162,13 @@ class DevicePlugin(pbg.DevicePluginServicer):
                               f"devices named <GPU UUID>::<n>")
             uuids = sorted({d.split("::")[0] for d in ids})
             a = self._claim(uuids)
+            if a is not None and a.containers[0].mode is Mode.MPS and self.ensure_mps:
+                try:
+                    self.ensure_mps(a.containers[0].gpus[0].uuid)
+                except GpusliceError as exc:
+                    self._unclaim(a)
+                    context.abort(grpc.StatusCode.UNAVAILABLE,
+                                  f"MPS for {a.namespace}/{a.pod}: {exc}")
             if a is None:
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                               f"no verified gpuslice assignment for node {self.cfg.node} on "
@@ -179,6 +190,12 @@ class DevicePlugin(pbg.DevicePluginServicer):
                 self._executed.append(a)
             return a
         return None
+
+    def _unclaim(self, a: Assignment) -> None:
+        with self._claim_lock:
+            self._claimed.discard((a.namespace, a.pod))
+            self._executed = [x for x in self._executed if (x.namespace, x.pod) !=
+                              (a.namespace, a.pod)]
 
     def _response(self, a: Assignment) -> pb.ContainerAllocateResponse:
         c = a.containers[0]

@@ -13,8 +13,10 @@ import json
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from gpuslice.adapters.kube.fake import KubePort
+from gpuslice.adapters.mps import MpsDaemon
 from gpuslice.adapters.nvml.port import NvmlError, NvmlPort
 from gpuslice.core.devices import inventory, node_labels
 from gpuslice.core.errors import GpusliceError
@@ -54,10 +56,14 @@ class AgentMetrics:
 
 class NodeAgent:
     def __init__(self, cfg: PluginConfig, nvml: NvmlPort, api: KubePort, *,
-                 quiet_s: float = 60.0, clock: Callable[[], float] = time.monotonic) -> None:
+                 quiet_s: float = 60.0, clock: Callable[[], float] = time.monotonic,
+                 mps: bool = False, mps_binary: str = "nvidia-cuda-mps-control") -> None:
+        self.mps_binary = mps_binary
         self.cfg, self.nvml, self.api = cfg, nvml, api
         self.quiet_s, self.clock = quiet_s, clock
-        self.plugin = DevicePlugin(cfg, nvml, api)
+        self._mps: dict[str, MpsDaemon] = {}
+        self._mps_lock = threading.Lock()
+        self.plugin = DevicePlugin(cfg, nvml, api, ensure_mps=self.ensure_mps if mps else None)
         self.server = PluginServer(self.plugin)
         self._last_error: dict[str, float] = {}
         self._stop = threading.Event()
@@ -79,6 +85,26 @@ class NodeAgent:
             m.slices.labels(*labels).set(held.get(g.uuid, (0, 0))[1])
             m.memory.labels(*labels).set(g.memory_mib)
         m.devices.labels(self.cfg.node).set(len(self.plugin.devices()))
+
+    def ensure_mps(self, uuid: str) -> None:
+        """The MPS control daemon of GPU ``uuid`` is running (started on first use, with its
+        own pipe directory ``<mps_pipe_dir>/<uuid>`` that Allocate mounts into the pod)."""
+        with self._mps_lock:
+            d = self._mps.get(uuid)
+            if d is None:
+                root = Path(self.cfg.mps_pipe_dir)
+                d = MpsDaemon(uuid, root / uuid, root / f"{uuid}.log", binary=self.mps_binary)
+                self._mps[uuid] = d
+            if not d.healthy():
+                d.start()
+
+    def quit_mps(self) -> None:
+        with self._mps_lock:
+            for d in self._mps.values():
+                try:
+                    d.quit()
+                except GpusliceError as exc:
+                    self.problems.append(str(exc))
 
     def publish(self) -> None:
         """Inventory annotation (healthy GPUs) and GFD labels on this node."""
@@ -128,3 +154,4 @@ class NodeAgent:
     def stop(self) -> None:
         self._stop.set()
         self.server.stop()
+        self.quit_mps()
