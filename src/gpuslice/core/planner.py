@@ -29,7 +29,7 @@ import functools
 import math
 from collections import Counter, defaultdict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
@@ -133,6 +133,7 @@ class PlanOptions:
     exact_limit: int = 60  # services above which "auto" uses the heuristic
     time_limit_s: float = 1.0  # for the exact solver, shared by its stages
     mix: bool = True  # allow two services in one slice (MPS, equal thread caps)
+    full_stage: bool = True  # also try mixing with every measured process count
 
     def __post_init__(self) -> None:
         if not 0 < self.latency_factor <= 1:
@@ -351,8 +352,7 @@ class _Model:
 
 def _build(profiles: ProfileSet, services: list[Service], fleet: Sequence[FleetType],
            opts: PlanOptions, mix_procs: int | None) -> _Model:
-    o = PlanOptions(opts.latency_factor, opts.objective, opts.solver, opts.exact_limit,
-                    opts.time_limit_s, opts.mix and mix_procs != 1)
+    o = replace(opts, mix=opts.mix and mix_procs != 1)
     options: list[SlotOption] = []
     pats: list[Pattern] = []
     for ft in fleet:
@@ -530,7 +530,8 @@ def plan(profiles: ProfileSet, services: Sequence[Service], fleet: Sequence[Flee
     solver = "greedy"
     bound = 0.0
     if use_exact:
-        full = _build(profiles, svcs, fl, opts, None)
+        # the model whose LP relaxation (and, when solved, dual bound) is the reported bound
+        full = _build(profiles, svcs, fl, opts, None if opts.full_stage else 2)
         _, lp, _ = _solve(full, opts.objective, False, opts.time_limit_s)
         bound = lp if math.isfinite(lp) else 0.0
         # Two stages: mixing limited to two processes per slice (a small model that solves in
@@ -538,10 +539,15 @@ def plan(profiles: ProfileSet, services: Sequence[Service], fleet: Sequence[Flee
         # count, which may improve it and proves the bound. Each stage gets a share of the time
         # limit and returns its best plan so far; the cheapest plan wins.
         best: tuple[float, list[PlannedGpu]] | None = None
-        stages: list[int | None] = [2, None] if opts.mix else [None]
-        shares = [0.3, 0.7] if opts.mix else [1.0]
+        stages: list[int | None] = [None]
+        shares = [1.0]
+        if opts.mix and opts.full_stage:
+            stages, shares = [2, None], [0.3, 0.7]
+        elif opts.mix:
+            stages, shares = [2], [1.0]
         for k, share in zip(stages, shares, strict=True):
-            model = full if k is None else _build(profiles, svcs, fl, opts, k)
+            model = full if k is None or not opts.full_stage else _build(profiles, svcs, fl,
+                                                                         opts, k)
             x, value, dual = _solve(model, opts.objective, True, opts.time_limit_s * share)
             if x is None:
                 continue

@@ -14,7 +14,7 @@ from __future__ import annotations
 import heapq
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -174,9 +174,9 @@ def plan_and_check(
         if p.n_gpus > before:
             scaled = [Service(s.name, s.model, s.rate * factor[s.name], s.slo_ms)
                       for s in services]
-            quick = PlanOptions(o.latency_factor, o.objective, o.solver, o.exact_limit,
-                                o.time_limit_s / 2, o.mix)
-            again = plan(profiles, scaled, fleet, quick)
+            # the two-process mixing model solves to optimality in well under a second:
+            # give it the whole time limit, so the result does not hang on the machine's speed
+            again = plan(profiles, scaled, fleet, replace(o, full_stage=False))
             if again.n_gpus < p.n_gpus:
                 p = again
                 stale = {s.name for s in services}
