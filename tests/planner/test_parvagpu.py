@@ -17,8 +17,10 @@ def test_plan_beats_or_matches_parvagpu_with_zero_violations(
         shared_data: Path, tmp_path: Path, scenario: int) -> None:
     out = tmp_path / "plan.json"
     folder = shared_data / "profiles" / "parvagpu-a100-80gb"
+    # a generous solver time limit: this test checks the plan, not the speed (a loaded CI
+    # machine must not turn a time-out into a worse plan); benchmarks/planner.py times it
     assert main(["plan", "--profiles", str(folder), "--scenario", str(scenario), "--json",
-                 str(out)]) == 0
+                 str(out), "--time-limit", "4"]) == 0
     doc = json.loads(out.read_text())
     assert doc["valid"] and not doc["errors"]
     assert doc["gpus"] <= doc["baselines"]["parvagpu"]
