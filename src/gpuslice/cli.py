@@ -123,6 +123,19 @@ def _build_parser() -> argparse.ArgumentParser:
         "the extender's signed assignments, publish the GPU inventory and GFD labels on the "
         "node, and follow GPU health. --fake runs it on a YAML inventory instead of NVML.",
     )
+    ma = sub.add_parser(
+        "mig-apply", help="apply a MIG layout from a mig-parted config (only on idle GPUs)",
+        description="Apply one config of an NVIDIA mig-parted file (mig-devices counts, or "
+        "gpuslice's mig-placements) to this node's MIG-enabled GPUs; never changes MIG mode; "
+        "--dry-run prints what would change.",
+    )
+    ma.add_argument("file", type=Path, help="mig-parted YAML (version v1, mig-configs)")
+    ma.add_argument("--config", required=True, help="the config name inside the file")
+    ma.add_argument("--dry-run", action="store_true", help="show the changes, change nothing")
+    ma.add_argument("--fake", type=Path, help="fake NVML: a YAML GPU inventory")
+    ma.add_argument("--node", help="label this node with the progress (needs --fake-cluster "
+                    "or in-cluster access)")
+    ma.add_argument("--fake-cluster", type=Path, help="YAML with 'nodes' (for trying it out)")
     na.add_argument("--node", help="this node's name (default $NODE_NAME)")
     na.add_argument("--key-file", type=Path, required=True,
                     help="file holding the HMAC key shared with the extender")
@@ -277,6 +290,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _extender(args, console)
         if args.command == "node-agent":
             return _node_agent(args, console)
+        if args.command == "mig-apply":
+            return _mig_apply(args, console)
         if args.command == "router":
             return _router(args, console)
     except GpusliceError as exc:
@@ -545,6 +560,31 @@ def _node_agent(args: argparse.Namespace, console: Console) -> int:
     for problem in agent.problems:
         console.print(f"[yellow]{problem}[/]", highlight=False)
     return 0
+
+
+def _mig_apply(args: argparse.Namespace, console: Console) -> int:
+    from gpuslice.adapters.kube.client import KubeClient
+    from gpuslice.adapters.kube.fake import KubePort, load_fake_cluster
+    from gpuslice.adapters.nvml.port import FakeNvml, NvmlPort
+    from gpuslice.adapters.nvml.real import load
+    from gpuslice.services.mig_executor import MigExecutor, read_config
+
+    nvml: NvmlPort = FakeNvml.from_yaml(args.fake, args.node or "node") if args.fake else load()
+    api: KubePort | None = None
+    if args.node:
+        api = load_fake_cluster(args.fake_cluster) if args.fake_cluster else KubeClient()
+    report = MigExecutor(nvml, api, args.node or "").apply(read_config(args.file), args.config,
+                                                          dry_run=args.dry_run)
+    for uuid, changes in report.changes.items():
+        note = f" (skipped: {report.skipped[uuid]})" if uuid in report.skipped else ""
+        console.print(f"{uuid}: {', '.join(str(c) for c in changes)}{note}", highlight=False)
+    for uuid, why in report.skipped.items():
+        if uuid not in report.changes:
+            console.print(f"{uuid}: skipped: {why}", highlight=False)
+    if not report.changes:
+        console.print("nothing to change", highlight=False)
+    console.print(f"state: {report.state}", highlight=False)
+    return 0 if report.state in ("success", "dry-run") else 1
 
 
 def _gpus(console: Console) -> int:

@@ -149,3 +149,51 @@ def parse_layout(geometry: MigGeometry, text: str) -> list[MigPlacement]:
         key: int | str = int(name) if name.strip().isdigit() else name.strip()
         out.append(MigPlacement(int(start), geometry.profile(key)))
     return out
+
+
+def layout_for_counts(geometry: MigGeometry, counts: dict[str, int]) -> list[MigPlacement]:
+    """A valid layout with exactly ``counts`` instances per profile name (mig-parted's
+    ``mig-devices``), largest profiles placed first; raises when none exists."""
+    wanted: list[MigProfile] = []
+    for name, n in counts.items():
+        if n < 0:
+            raise ValidationError(f"mig-devices {name}", "a count >= 0", n)
+        wanted.extend([geometry.profile(name)] * n)
+    wanted.sort(key=lambda p: (-p.memory_slices, -p.compute_slices, p.profile_id))
+
+    def place(i: int, layout: list[MigPlacement]) -> list[MigPlacement] | None:
+        if i == len(wanted):
+            return layout
+        for start in wanted[i].starts:
+            cand = [*layout, MigPlacement(start, wanted[i])]
+            if is_valid_layout(geometry, cand):
+                found = place(i + 1, cand)
+                if found is not None:
+                    return found
+        return None
+
+    found = place(0, [])
+    if found is None:
+        shown = ", ".join(f"{n} x {k}" for k, n in counts.items())
+        raise ValidationError("mig-devices", "a combination that fits one GPU", shown)
+    return _sorted(found)
+
+
+@dataclass(frozen=True, slots=True)
+class MigChange:
+    action: str  # "destroy" or "create"
+    placement: MigPlacement
+
+    def __str__(self) -> str:
+        return f"{self.action} {self.placement}"
+
+
+def layout_changes(current: Iterable[MigPlacement],
+                   desired: Iterable[MigPlacement]) -> list[MigChange]:
+    """What turns ``current`` into ``desired``: instances to destroy (first), then to create;
+    instances already where they should be are kept."""
+    cur = {(p.start, p.profile.profile_id): p for p in current}
+    want = {(p.start, p.profile.profile_id): p for p in desired}
+    out = [MigChange("destroy", p) for k, p in sorted(cur.items()) if k not in want]
+    out += [MigChange("create", p) for k, p in sorted(want.items()) if k not in cur]
+    return out

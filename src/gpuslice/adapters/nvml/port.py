@@ -32,6 +32,18 @@ class NvmlPort(Protocol):
         """Why there are no devices ("" when there are)."""
         ...
 
+    def clients(self, uuid: str) -> int:
+        """Processes using the GPU now."""
+        ...
+
+    def mig_layout(self, uuid: str) -> list[tuple[str, int]]:
+        """(profile name, start) of the GPU instances on a MIG-enabled GPU."""
+        ...
+
+    def destroy_instance(self, uuid: str, profile: str, start: int) -> None: ...
+
+    def create_instance(self, uuid: str, profile: str, start: int) -> None: ...
+
 
 class NullNvml:
     """No driver on this node: no devices, and the reason, instead of a crash loop."""
@@ -50,6 +62,18 @@ class NullNvml:
 
     def why_empty(self) -> str:
         return self.reason
+
+    def clients(self, uuid: str) -> int:
+        return 0
+
+    def mig_layout(self, uuid: str) -> list[tuple[str, int]]:
+        raise NvmlError(f"no GPU {uuid}: {self.reason}")
+
+    def destroy_instance(self, uuid: str, profile: str, start: int) -> None:
+        raise NvmlError(f"no GPU {uuid}: {self.reason}")
+
+    def create_instance(self, uuid: str, profile: str, start: int) -> None:
+        raise NvmlError(f"no GPU {uuid}: {self.reason}")
 
 
 class FakeNvml:
@@ -71,6 +95,7 @@ class FakeNvml:
         self._driver = driver
         self._pending = list(faults or [])
         self._cond = threading.Condition()
+        self._clients: dict[str, int] = {}
 
     @classmethod
     def from_yaml(cls, path: Path | str, node: str = "node") -> FakeNvml:
@@ -113,6 +138,46 @@ class FakeNvml:
 
     def why_empty(self) -> str:
         return "" if self._order else "the fake inventory lists no GPU"
+
+    def _gpu(self, uuid: str) -> GpuDevice:
+        g = self._gpus.get(uuid)
+        if g is None:
+            raise NvmlError(f"no GPU {uuid} on this node")
+        return g
+
+    def clients(self, uuid: str) -> int:
+        return self._clients.get(uuid, 0)
+
+    def set_clients(self, uuid: str, n: int) -> None:
+        self._clients[uuid] = n
+
+    def mig_layout(self, uuid: str) -> list[tuple[str, int]]:
+        g = self._gpu(uuid)
+        if not g.mig_enabled:
+            raise NvmlError(f"MIG mode is disabled on GPU {uuid}")
+        return [(m.profile, m.start) for m in g.mig]
+
+    def destroy_instance(self, uuid: str, profile: str, start: int) -> None:
+        g = self._gpu(uuid)
+        left = tuple(m for m in g.mig if (m.profile, m.start) != (profile, start))
+        if len(left) == len(g.mig):
+            raise NvmlError(f"GPU {uuid} has no {profile} instance at {start}")
+        self._gpus[uuid] = replace(g, mig=left)
+
+    def create_instance(self, uuid: str, profile: str, start: int) -> None:
+        g = self._gpu(uuid)
+        model = catalog.lookup(g.model)
+        if model is None or model.mig is None or not g.mig_enabled:
+            raise NvmlError(f"MIG mode is disabled on GPU {uuid}")
+        prof = model.mig.profile(profile)
+        from gpuslice.core.mig import MigPlacement, layout_problems
+
+        used = [MigPlacement(m.start, model.mig.profile(m.profile)) for m in g.mig]
+        problems = layout_problems(model.mig, [*used, MigPlacement(start, prof)])
+        if problems:  # NVML_ERROR_INSUFFICIENT_RESOURCES
+            raise NvmlError(f"cannot create {profile}@{start} on {uuid}: {problems[0]}")
+        inst = MigInstance(f"MIG-{uuid}-{start}", profile, start, prof.memory_mib)
+        self._gpus[uuid] = replace(g, mig=(*g.mig, inst))
 
     def inject(self, uuid: str, xid: int, description: str = "injected") -> None:
         with self._cond:

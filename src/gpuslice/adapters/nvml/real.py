@@ -115,6 +115,90 @@ class RealNvml:
                                    text.split()[-1], -1, int(mem.total // (1024 * 1024))))
         return tuple(out)
 
+    def _handle(self, uuid: str) -> Any:
+        lib = self._lib()
+        return self._call("nvmlDeviceGetHandleByUUID", lib.nvmlDeviceGetHandleByUUID,
+                          uuid.encode())
+
+    def clients(self, uuid: str) -> int:
+        lib = self._lib()
+        procs = self._call("nvmlDeviceGetComputeRunningProcesses",
+                           lib.nvmlDeviceGetComputeRunningProcesses, self._handle(uuid))
+        return len(procs)
+
+    def _profile_id(self, uuid: str, profile: str) -> int:
+        name = self._call("nvmlDeviceGetName", self._lib().nvmlDeviceGetName, self._handle(uuid))
+        model = catalog.lookup(name.decode() if isinstance(name, bytes) else str(name))
+        if model is None or model.mig is None:
+            raise NvmlError(f"GPU {uuid} ({name!r}) is not a MIG-capable model of the catalogue")
+        return model.mig.profile(profile).profile_id
+
+    def _instances(self, uuid: str) -> list[tuple[str, int, Any]]:
+        lib = self._lib()
+        h = self._handle(uuid)
+        name = self._call("nvmlDeviceGetName", lib.nvmlDeviceGetName, h)
+        model = catalog.lookup(name.decode() if isinstance(name, bytes) else str(name))
+        if model is None or model.mig is None:
+            return []
+        out = []
+        for prof in model.mig.profiles:
+            try:
+                gis = lib.nvmlDeviceGetGpuInstances(h, prof.profile_id)
+            except Exception:  # profile not supported on this SKU
+                continue
+            for gi in gis:
+                info = self._call("nvmlGpuInstanceGetInfo", lib.nvmlGpuInstanceGetInfo, gi)
+                out.append((prof.name, int(info.placement.start), gi))
+        return out
+
+    def mig_layout(self, uuid: str) -> list[tuple[str, int]]:
+        lib = self._lib()
+        current, _pending = self._call("nvmlDeviceGetMigMode", lib.nvmlDeviceGetMigMode,
+                                       self._handle(uuid))
+        if current != 1:
+            raise NvmlError(f"MIG mode is disabled on GPU {uuid}")
+        return [(p, s) for p, s, _ in self._instances(uuid)]
+
+    def destroy_instance(self, uuid: str, profile: str, start: int) -> None:
+        lib = self._lib()
+        for p, s, gi in self._instances(uuid):
+            if (p, s) != (profile, start):
+                continue
+            cis = []
+            for idx in range(8):  # compute instance profile indices
+                try:
+                    ci_info = lib.nvmlGpuInstanceGetComputeInstanceProfileInfo(gi, idx, 0)
+                    cis.extend(lib.nvmlGpuInstanceGetComputeInstances(gi, ci_info.id))
+                except Exception:  # no such compute profile on this instance
+                    continue
+            for ci in cis:
+                self._call("nvmlComputeInstanceDestroy", lib.nvmlComputeInstanceDestroy, ci)
+            self._call("nvmlGpuInstanceDestroy", lib.nvmlGpuInstanceDestroy, gi)
+            return
+        raise NvmlError(f"GPU {uuid} has no {profile} instance at {start}")
+
+    def create_instance(self, uuid: str, profile: str, start: int) -> None:
+        lib = self._lib()
+        h = self._handle(uuid)
+        pid = self._profile_id(uuid, profile)
+        raw = self._call("nvmlDeviceGetName", lib.nvmlDeviceGetName, h)
+        model = catalog.lookup(raw.decode() if isinstance(raw, bytes) else str(raw))
+        size = model.mig.profile(profile).memory_slices if model and model.mig else 1
+        placement = lib.c_nvmlGpuInstancePlacement_t()
+        placement.start, placement.size = start, size
+        gi = self._call("nvmlDeviceCreateGpuInstanceWithPlacement",
+                        lib.nvmlDeviceCreateGpuInstanceWithPlacement, h, pid, placement)
+        # one compute instance spanning the GPU instance (what nvidia-smi -cgi ... -C makes)
+        for idx in (4, 3, 2, 1, 0, 6, 5):  # the largest compute profile that the GI accepts
+            try:
+                ci_info = lib.nvmlGpuInstanceGetComputeInstanceProfileInfo(gi, idx, 0)
+                self._call("nvmlGpuInstanceCreateComputeInstance",
+                           lib.nvmlGpuInstanceCreateComputeInstance, gi, ci_info.id)
+                return
+            except Exception:  # profile larger than this GPU instance
+                continue
+        raise NvmlError(f"created {profile}@{start} on {uuid} but no compute instance fits it")
+
     def events(self, timeout_s: float) -> list[HealthEvent]:
         lib = self._lib()
         if self._events is None:
