@@ -143,6 +143,9 @@ def _build_parser() -> argparse.ArgumentParser:
     na.add_argument("--socket-dir", type=Path, default=Path("/var/lib/kubelet/device-plugins"),
                     help="the kubelet's device plugin directory")
     na.add_argument("--replicas", type=int, default=10, help="virtual devices per GPU")
+    na.add_argument("--mig-strategy", choices=("none", "single", "mixed"), default="none",
+                    help="none: the extender names GPUs and MIG instances (default); single: "
+                    "every MIG instance is one gpuslice.io/gpu; mixed: gpuslice.io/mig-<profile>")
     na.add_argument("--quiet", type=float, default=60.0,
                     help="seconds without errors before a faulty GPU is healthy again")
     na.add_argument("--metrics", default="0.0.0.0:9402",
@@ -539,7 +542,7 @@ def _node_agent(args: argparse.Namespace, console: Console) -> int:
     api: KubePort = (load_fake_cluster(args.fake_cluster) if args.fake_cluster
                      else KubeClient(args.kubeconfig))
     cfg = PluginConfig(node, args.socket_dir, key, args.replicas,
-                       mps_pipe_dir=args.mps_pipe_dir)
+                       mps_pipe_dir=args.mps_pipe_dir, mig_strategy=args.mig_strategy)
     # a fake inventory has no real GPU behind it: no MPS daemons to start
     agent = NodeAgent(cfg, nvml, api, quiet_s=args.quiet,
                       mps=not args.no_mps and args.fake is None)

@@ -32,6 +32,7 @@ class Kubelet(pbg.RegistrationServicer):
     def __init__(self, sock_dir: Path) -> None:
         self.dir = sock_dir
         self.lists: list[list[pb.Device]] = []
+        self.resources: list[str] = []
         self.registered = threading.Event()
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
         pbg.add_RegistrationServicer_to_server(self, self.server)
@@ -43,7 +44,8 @@ class Kubelet(pbg.RegistrationServicer):
         return self
 
     def Register(self, request: pb.RegisterRequest, context: object) -> pb.Empty:
-        assert request.version == "v1beta1" and request.resource_name == "gpuslice.io/gpu"
+        assert request.version == "v1beta1" and request.resource_name.startswith("gpuslice.io/")
+        self.resources.append(request.resource_name)
         self.channel = grpc.insecure_channel(f"unix://{self.dir / request.endpoint}")
         stub = pbg.DevicePluginStub(self.channel)
         opts = stub.GetDevicePluginOptions(pb.Empty(), timeout=5)
@@ -289,3 +291,39 @@ def test_an_mps_slice_starts_its_gpus_daemon_once_and_stop_quits_it(env, tmp_pat
     assert list(agent._mps) == ["GPU-aaa"]
     agent.quit_mps()
     assert not (tmp_path / "mps" / "GPU-aaa" / "control").exists()
+
+
+def test_mixed_mig_strategy_serves_one_resource_per_profile(tmp_path: Path) -> None:
+    from gpuslice.services.device_plugin import plugin_configs
+
+    (tmp_path / "inv.yaml").write_text(
+        'gpus:\n  - model: A100-80GB\n    mig: "3g.40gb@0,2g.20gb@4,1g.10gb@6"\n'
+        '  - model: A100-80GB\n    mig: "3g.40gb@0,3g.40gb@4"\n')
+    nvml = FakeNvml.from_yaml(tmp_path / "inv.yaml", node="n1")
+    with tempfile.TemporaryDirectory(prefix="mx-") as d:
+        sock_dir = Path(d)
+        kubelet = Kubelet(sock_dir).start()
+        base = PluginConfig("n1", sock_dir, KEY, mig_strategy="mixed")
+        cfgs = plugin_configs(base, nvml)
+        assert [c.resource for c in cfgs] == ["gpuslice.io/mig-1g.10gb",
+                                             "gpuslice.io/mig-2g.20gb", "gpuslice.io/mig-3g.40gb"]
+        servers = [PluginServer(DevicePlugin(c, nvml, FakeApiServer())) for c in cfgs]
+        try:
+            for s in servers:
+                s.start()
+            assert wait_for(lambda: len(kubelet.resources) == 3, 5)
+            three = servers[2].plugin.devices()
+            assert len(three) == 3 and all(dv.ID.startswith("MIG-") for dv in three)
+            stub = pbg.DevicePluginStub(grpc.insecure_channel(
+                f"unix://{sock_dir / cfgs[2].endpoint}"))
+            r = allocate(stub, three[0].ID)
+            assert r.envs["NVIDIA_VISIBLE_DEVICES"] == three[0].ID  # no assignment needed
+            with pytest.raises(grpc.RpcError) as exc:
+                allocate(stub, "GPU-whatever::0")
+            assert "MIG instance UUIDs" in (exc.value.details() or "")
+        finally:
+            for s in servers:
+                s.stop()
+            kubelet.stop()
+    single = PluginConfig("n1", Path("/tmp"), KEY, mig_strategy="single")
+    assert len(DevicePlugin(single, nvml, FakeApiServer()).devices()) == 5

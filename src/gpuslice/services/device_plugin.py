@@ -46,6 +46,11 @@ class PluginConfig:
     replicas: int = 10  # virtual devices per GPU
     endpoint: str = "gpuslice-gpu.sock"
     mps_pipe_dir: str = "/run/gpuslice/mps"
+    # "none": the extender names the GPU (or instance); "single": every MIG instance is one
+    # gpuslice.io/gpu; "mixed": one resource per MIG profile (gpuslice.io/mig-1g.10gb, ...)
+    mig_strategy: str = "none"
+    mig_profile: str = ""  # with "mixed": the profile this plugin serves
+    resource: str = RESOURCE
 
 
 class DevicePlugin(pbg.DevicePluginServicer):
@@ -72,6 +77,13 @@ class DevicePlugin(pbg.DevicePluginServicer):
 
     def devices(self) -> list[pb.Device]:
         out: list[pb.Device] = []
+        if self.cfg.mig_strategy != "none":
+            for g in self.nvml.devices():
+                health = HEALTHY if g.healthy and g.uuid not in self._unhealthy else UNHEALTHY
+                out.extend(pb.Device(ID=m.uuid, health=health) for m in g.mig
+                           if self.cfg.mig_strategy == "single"
+                           or m.profile == self.cfg.mig_profile)
+            return out
         for g in self.nvml.devices():
             health = HEALTHY if g.healthy and g.uuid not in self._unhealthy else UNHEALTHY
             out.extend(pb.Device(ID=f"{g.uuid}::{k}", health=health)
@@ -157,9 +169,17 @@ class DevicePlugin(pbg.DevicePluginServicer):
             ids = list(creq.devices_ids)
             unknown = [d for d in ids if d not in known]
             if unknown:
+                named = ("MIG instance UUIDs" if self.cfg.mig_strategy != "none"
+                         else "<GPU UUID>::<n>")
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                              f"unknown device IDs {unknown}; this plugin serves {RESOURCE} "
-                              f"devices named <GPU UUID>::<n>")
+                              f"unknown device IDs {unknown}; this plugin serves "
+                              f"{self.cfg.resource} devices named {named}")
+            if self.cfg.mig_strategy != "none":
+                # NVIDIA's single/mixed strategies: the kubelet's choice is the instance
+                responses.append(pb.ContainerAllocateResponse(
+                    envs={"NVIDIA_VISIBLE_DEVICES": ",".join(ids)},
+                    annotations={"gpuslice.io/mode": "mig"}))
+                continue
             uuids = sorted({d.split("::")[0] for d in ids})
             a = self._claim(uuids)
             if a is not None and a.containers[0].mode is Mode.MPS and self.ensure_mps:
@@ -258,7 +278,8 @@ class PluginServer:
             grpc.channel_ready_future(ch).result(timeout=self.timeout)
             stub = pbg.RegistrationStub(ch)  # type: ignore[no-untyped-call]
             stub.Register(pb.RegisterRequest(
-                version="v1beta1", endpoint=self.plugin.cfg.endpoint, resource_name=RESOURCE,
+                version="v1beta1", endpoint=self.plugin.cfg.endpoint,
+                resource_name=self.plugin.cfg.resource,
                 options=pb.DevicePluginOptions(get_preferred_allocation_available=True)),
                 timeout=self.timeout)
         self.registrations += 1
@@ -311,3 +332,19 @@ def wait_for(predicate: Callable[[], bool], timeout_s: float) -> bool:
             return True
         time.sleep(0.02)
     return predicate()
+
+
+def plugin_configs(base: PluginConfig, nvml: NvmlPort) -> list[PluginConfig]:
+    """The plugins a node runs: one for ``none`` and ``single``; for ``mixed`` one per MIG
+    profile present, serving ``gpuslice.io/mig-<profile>`` on its own socket."""
+    from dataclasses import replace
+
+    if base.mig_strategy not in ("none", "single", "mixed"):
+        from gpuslice.core.errors import ValidationError
+
+        raise ValidationError("mig strategy", "none, single or mixed", base.mig_strategy)
+    if base.mig_strategy != "mixed":
+        return [base]
+    profiles = sorted({m.profile for g in nvml.devices() for m in g.mig})
+    return [replace(base, mig_profile=p, resource=f"gpuslice.io/mig-{p}",
+                    endpoint=f"gpuslice-mig-{p}.sock") for p in profiles]

@@ -20,7 +20,12 @@ from gpuslice.adapters.mps import MpsDaemon
 from gpuslice.adapters.nvml.port import NvmlError, NvmlPort
 from gpuslice.core.devices import inventory, node_labels
 from gpuslice.core.errors import GpusliceError
-from gpuslice.services.device_plugin import DevicePlugin, PluginConfig, PluginServer
+from gpuslice.services.device_plugin import (
+    DevicePlugin,
+    PluginConfig,
+    PluginServer,
+    plugin_configs,
+)
 
 INVENTORY = "gpuslice.io/inventory"
 # XIDs that are the application's fault, not the GPU's (NVIDIA's device plugin skips them too)
@@ -63,8 +68,13 @@ class NodeAgent:
         self.quiet_s, self.clock = quiet_s, clock
         self._mps: dict[str, MpsDaemon] = {}
         self._mps_lock = threading.Lock()
-        self.plugin = DevicePlugin(cfg, nvml, api, ensure_mps=self.ensure_mps if mps else None)
-        self.server = PluginServer(self.plugin)
+        ensure = self.ensure_mps if mps else None
+        # one plugin (or, with the "mixed" MIG strategy, one per MIG profile)
+        self.plugins = [DevicePlugin(c, nvml, api, ensure_mps=ensure)
+                        for c in plugin_configs(cfg, nvml)]
+        self.servers = [PluginServer(p) for p in self.plugins]
+        self.plugin = self.plugins[0] if self.plugins else DevicePlugin(cfg, nvml, api)
+        self.server = self.servers[0] if self.servers else PluginServer(self.plugin)
         self._last_error: dict[str, float] = {}
         self._stop = threading.Event()
         self.problems: list[str] = []
@@ -126,13 +136,15 @@ class NodeAgent:
             first = ev.uuid not in self._last_error
             self._last_error[ev.uuid] = self.clock()
             if first:
-                self.plugin.set_health(ev.uuid, False)
+                for plugin in self.plugins:
+                    plugin.set_health(ev.uuid, False)
                 changed = True
         now = self.clock()
         for uuid, at in list(self._last_error.items()):
             if now - at >= self.quiet_s:
                 del self._last_error[uuid]
-                self.plugin.set_health(uuid, True)
+                for plugin in self.plugins:
+                    plugin.set_health(uuid, True)
                 changed = True
         if changed:
             self.publish()
@@ -141,8 +153,9 @@ class NodeAgent:
         """Serve until :meth:`stop`: the device plugin, the node's labels, health."""
         if not self.nvml.devices():
             self.problems.append(f"no GPU served: {self.nvml.why_empty()}")
-        self.server.start()
-        self.problems.extend(self.server.errors)
+        for server in self.servers:
+            server.start()
+            self.problems.extend(server.errors)
         try:
             self.publish()
         except GpusliceError as exc:
@@ -153,5 +166,6 @@ class NodeAgent:
 
     def stop(self) -> None:
         self._stop.set()
-        self.server.stop()
+        for server in self.servers:
+            server.stop()
         self.quit_mps()
