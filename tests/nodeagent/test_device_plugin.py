@@ -129,6 +129,8 @@ def test_preferred_allocation_steers_to_the_assigned_gpu_and_allocate_executes_i
     assert r.envs["CUDA_MPS_PIPE_DIRECTORY"] == "/run/gpuslice/mps"
     assert r.mounts[0].host_path.endswith("GPU-bbb")
     assert r.annotations["gpuslice.io/pod"] == "ml/p1"
+    # advertised as not required, but answered when the kubelet calls it
+    stub.PreStartContainer(pb.PreStartContainerRequest(devices_ids=chosen), timeout=5)
 
 
 @pytest.mark.parametrize(
