@@ -457,6 +457,17 @@ def _plan(args: argparse.Namespace, console: Console) -> int:
     return 0 if not doc["errors"] else 1
 
 
+def _read_key(path: Path) -> bytes:
+    """The HMAC key shared by the extender and the node agents, from its file."""
+    try:
+        key = path.read_bytes().strip()
+    except OSError as exc:
+        raise ValidationError("--key-file", "a readable file", str(exc)) from None
+    if len(key) < 16:
+        raise ValidationError("--key-file", "a key of at least 16 bytes", len(key))
+    return key
+
+
 def _extender(args: argparse.Namespace, console: Console) -> int:
     import asyncio
     from datetime import UTC, datetime
@@ -468,12 +479,7 @@ def _extender(args: argparse.Namespace, console: Console) -> int:
     host, _, port_text = args.listen.rpartition(":")
     if not host or not port_text.isdigit():
         raise ValidationError("--listen", "HOST:PORT", args.listen)
-    try:
-        key = args.key_file.read_bytes().strip()
-    except OSError as exc:
-        raise ValidationError("--key-file", "a readable file", str(exc)) from None
-    if len(key) < 16:
-        raise ValidationError("--key-file", "a key of at least 16 bytes", len(key))
+    key = _read_key(args.key_file)
     api: KubePort
     if args.fake_cluster is not None:
         api = load_fake_cluster(args.fake_cluster)
@@ -529,12 +535,7 @@ def _node_agent(args: argparse.Namespace, console: Console) -> int:
         raise ValidationError("--node", "the node's name (or $NODE_NAME)", node)
     if args.replicas < 1:
         raise ValidationError("--replicas", "at least 1 virtual device per GPU", args.replicas)
-    try:
-        key = args.key_file.read_bytes().strip()
-    except OSError as exc:
-        raise ValidationError("--key-file", "a readable file", str(exc)) from None
-    if len(key) < 16:
-        raise ValidationError("--key-file", "a key of at least 16 bytes", len(key))
+    key = _read_key(args.key_file)
     if not args.socket_dir.is_dir():
         raise ValidationError("--socket-dir", "the kubelet's device plugin directory",
                               str(args.socket_dir))
