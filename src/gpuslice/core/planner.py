@@ -254,11 +254,11 @@ def slot_options(profiles: ProfileSet, services: Sequence[Service], gpu: str,
            for c in best_configs(profiles, s, gpu, opts.latency_factor).values()]
     if not opts.mix:
         return out
-    out.extend(_pareto(_mixed(profiles, services, gpu, names, pts, mix_procs)))
+    out.extend(_pareto(_mixed(services, gpu, names, pts, mix_procs)))
     return out
 
 
-def _mixed(profiles: ProfileSet, services: Sequence[Service], gpu: str,
+def _mixed(services: Sequence[Service], gpu: str,
            names: Mapping[int, MigProfile],
            pts: Mapping[str, Mapping[tuple[int, int], ProfilePoint]],
            mix_procs: int | None) -> list[SlotOption]:

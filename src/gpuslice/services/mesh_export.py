@@ -15,6 +15,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from gpuslice.adapters.http.upstream import host_port
 from gpuslice.core.errors import ValidationError
 from gpuslice.core.routing import integer_weights, scaled_weights
 from gpuslice.core.routing_config import RouterConfig, ServiceSpec
@@ -99,16 +100,5 @@ def envoy(config: RouterConfig) -> dict[str, Any]:
 
 
 def _host_port(url: str) -> tuple[str, int]:
-    scheme, _, rest = url.partition("://")
-    hostport = rest.split("/", 1)[0]
-    if hostport.startswith("["):
-        host, _, tail = hostport[1:].partition("]")
-        port_s = tail.lstrip(":")
-    else:
-        host, _, port_s = hostport.partition(":")
-    if not port_s:
-        return host, 443 if scheme == "https" else 80
-    try:
-        return host, int(port_s)
-    except ValueError:
-        raise ValidationError("url", "http://HOST:PORT", url) from None
+    _, host, port, _ = host_port(url)
+    return host, port

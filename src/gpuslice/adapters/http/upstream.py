@@ -14,6 +14,8 @@ import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from gpuslice.core.errors import ValidationError
+
 MAX_HEAD = 64 * 1024
 
 
@@ -326,18 +328,30 @@ class Pool:
         self.idle.clear()
 
 
-def split_url(url: str) -> tuple[str, int, str]:
-    """``http://host:port`` -> (host, port, Host header). Only plain http upstreams."""
+def host_port(url: str) -> tuple[str, str, int, str]:
+    """``scheme://host:port/...`` -> (scheme, host, port, ``host:port`` as written); the port
+    defaults to 443 for https and 80 otherwise; IPv6 hosts in brackets."""
     scheme, _, rest = url.partition("://")
-    if scheme != "http":
-        raise UpstreamError("connect", f"only http:// replicas are supported, got {url!r}")
     hostport = rest.split("/", 1)[0]
     if hostport.startswith("["):
         host, _, tail = hostport[1:].partition("]")
         port_s = tail.lstrip(":")
     else:
         host, _, port_s = hostport.partition(":")
-    return host, int(port_s) if port_s else 80, hostport
+    if not port_s:
+        return scheme, host, 443 if scheme == "https" else 80, hostport
+    try:
+        return scheme, host, int(port_s), hostport
+    except ValueError:
+        raise ValidationError("url", "http://HOST:PORT", url) from None
+
+
+def split_url(url: str) -> tuple[str, int, str]:
+    """``http://host:port`` -> (host, port, Host header). Only plain http upstreams."""
+    scheme, host, port, hostport = host_port(url)
+    if scheme != "http":
+        raise UpstreamError("connect", f"only http:// replicas are supported, got {url!r}")
+    return host, port, hostport
 
 
 async def request(pool: Pool, host: str, port: int, head: bytes, body: bytes, *,
