@@ -131,6 +131,16 @@ class LoadResult:
         return self.throughput() < 0.95 * self.offered_rps
 
 
+def _schedule(rate: float, duration_s: float,
+              seed: int) -> tuple[int, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Open-loop Poisson send offsets for ``rate`` over ``duration_s``, and the empty per-request
+    latency, status and send-time columns."""
+    rng = np.random.default_rng(seed)
+    n = max(1, int(rate * duration_s))
+    offsets = np.cumsum(rng.exponential(1.0 / rate, n))
+    return n, offsets, np.full(n, np.nan), np.zeros(n, dtype=np.int64), np.zeros(n)
+
+
 async def drive(url: str, rate: float, duration_s: float, seed: int, *,
                 body: bytes = b'{"inputs":[{"name":"x","shape":[1],"datatype":"FP32",'
                 b'"data":[1.0]}]}', method: str = "POST", from_send: bool = False,
@@ -139,12 +149,7 @@ async def drive(url: str, rate: float, duration_s: float, seed: int, *,
                 progress: object = None) -> LoadResult:
     """Open-loop Poisson arrivals at ``rate`` for ``duration_s``; returns per-request latencies
     measured from the scheduled send time (or the actual send time with ``from_send``)."""
-    rng = np.random.default_rng(seed)
-    n = max(1, int(rate * duration_s))
-    offsets = np.cumsum(rng.exponential(1.0 / rate, n))
-    lat = np.full(n, np.nan)
-    status = np.zeros(n, dtype=np.int64)
-    sent = np.zeros(n)
+    n, offsets, lat, status, sent = _schedule(rate, duration_s, seed)
     clock = time.perf_counter
     own = session is None
     if session is None:
@@ -230,12 +235,7 @@ async def drive_raw(host: str, port: int, path: str, rate: float, duration_s: fl
                     ) -> LoadResult:
     """Like :func:`drive` with a minimal client (so the load generator leaves the CPU to the
     router): keep-alive connections, a new one whenever all are busy; latency from send."""
-    rng = np.random.default_rng(seed)
-    n = max(1, int(rate * duration_s))
-    offsets = np.cumsum(rng.exponential(1.0 / rate, n))
-    lat = np.full(n, np.nan)
-    status = np.zeros(n, dtype=np.int64)
-    sent = np.zeros(n)
+    n, offsets, lat, status, sent = _schedule(rate, duration_s, seed)
     loop = asyncio.get_running_loop()
     request = (f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json"
                f"\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body
