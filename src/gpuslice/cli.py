@@ -97,6 +97,7 @@ def _build_parser() -> argparse.ArgumentParser:
     m.add_argument("--layout", help="check a layout such as '3g.40gb@0,2g.20gb@4,1g.10gb@6'")
     m.add_argument("--used", help="partly used GPU: list what still fits next to this layout")
     _add_router_parser(sub)
+    _add_demo_parser(sub)
     _add_plan_parser(sub)
     e = sub.add_parser(
         "extender", help="kube-scheduler extender: filter, prioritize and bind over HTTP(S)",
@@ -276,6 +277,43 @@ def _router(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _add_demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    d = sub.add_parser(
+        "demo", help="every gpuslice component on this machine, on a simulated cluster",
+        description="Bring up the real node agents (device plugin over gRPC), extender, "
+        "planner and router on this machine, with the API server, kubelet, scheduler and GPUs "
+        "simulated; run a scripted scenario (plan, deploy, serve load, crash a replica, add a "
+        "node) and write a one-page HTML report.")
+    d.add_argument("--out", type=Path, default=Path("demo-report"),
+                   help="folder for index.html, summary.json and the plots (default "
+                   "demo-report)")
+    d.add_argument("--short", action="store_true", help="a shortened scenario (about 40 s)")
+    d.add_argument("--seed", type=int, default=1)
+    d.add_argument("--no-live", action="store_true",
+                   help="print events line by line instead of a live display")
+
+
+def _demo(args: argparse.Namespace, console: Console) -> int:
+    import signal
+
+    from gpuslice.demo.scenario import DemoOptions, run_demo
+
+    def on_term(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_term)  # stop everything the demo started, as on Ctrl-C
+    result = run_demo(DemoOptions(out=args.out, short=args.short, seed=args.seed,
+                                  live=False if args.no_live else None))
+    console.print(f"GPUs in use: {result['gpus_used']} (exclusive allocation: "
+                  f"{result['gpus_exclusive']})")
+    for name, s in result["latency_total"].items():
+        console.print(f"{name}: p50 {s['p50_ms']} ms, p99 {s['p99_ms']} ms (SLO {s['slo_ms']:g}"
+                      f" ms), {s['ok']}/{s['sent']} answered, {s['rejected']} rejected, "
+                      f"{s['failed']} failed")
+    console.print(f"report: {result['files'][0]}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     console = Console(stderr=False)
     err = Console(stderr=True)
@@ -297,6 +335,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _mig_apply(args, console)
         if args.command == "router":
             return _router(args, console)
+        if args.command == "demo":
+            return _demo(args, console)
     except GpusliceError as exc:
         err.print(f"gpuslice: error: {exc}", markup=False, highlight=False, soft_wrap=True)
         return 2

@@ -1,0 +1,512 @@
+"""The demo cluster: real gpuslice services, with the kubelet, the scheduler and the GPUs simulated.
+
+- The API server is :class:`~gpuslice.adapters.kube.fake.FakeApiServer` (in memory).
+- Each node runs the real :class:`~gpuslice.services.node_agent.NodeAgent` on fake NVML; it
+  serves the kubelet device-plugin API over gRPC on a unix socket in the node's own directory.
+- :class:`KubeletSim` is the kubelet side of a node: a Registration server on ``kubelet.sock``
+  that dials the plugin back, follows ListAndWatch, and admits each pod bound to its node as the
+  kubelet does (GetPreferredAllocation, then Allocate with device IDs it tracks as free), then
+  starts the container: a simulated replica process whose speed follows the slice in the
+  Allocate response. Crashed containers are restarted after a back-off, with the same devices.
+- The real extender serves HTTP on loopback; :class:`SchedulerSim` sends it the scheduler's
+  filter / prioritize / bind calls for every pending gpuslice pod.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+import zlib
+from concurrent import futures
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from gpuslice.adapters.kube.annotation import decode
+from gpuslice.adapters.kube.fake import FakeApiServer
+from gpuslice.adapters.kube.objects import GPU, pod_request
+from gpuslice.adapters.kubelet import deviceplugin_pb2 as pb
+from gpuslice.adapters.kubelet import deviceplugin_pb2_grpc as pbg
+from gpuslice.adapters.nvml.port import FakeNvml
+from gpuslice.core import catalog
+from gpuslice.core.assignment import ANNOTATION
+from gpuslice.core.devices import GpuDevice
+from gpuslice.core.errors import GpusliceError, ValidationError
+from gpuslice.demo.gpumodel import service_time_s
+from gpuslice.services.device_plugin import PluginConfig
+from gpuslice.services.node_agent import NodeAgent
+
+ENDPOINT = "demo.gpuslice.io/endpoint"
+STATE = "demo.gpuslice.io/state"
+MODEL = "demo.gpuslice.io/model"
+BATCH = "demo.gpuslice.io/batch"
+RUN_ENV = "GPUSLICE_DEMO_RUN"
+
+
+@dataclass
+class Event:
+    t: float  # seconds since the demo started
+    kind: str
+    text: str
+
+
+class EventLog:
+    def __init__(self) -> None:
+        self.t0 = time.monotonic()
+        self._lock = threading.Lock()
+        self.events: list[Event] = []
+
+    def now(self) -> float:
+        return time.monotonic() - self.t0
+
+    def add(self, kind: str, text: str) -> None:
+        with self._lock:
+            self.events.append(Event(round(self.now(), 2), kind, text))
+
+    def tail(self, n: int) -> list[Event]:
+        with self._lock:
+            return self.events[-n:]
+
+
+def spawn(args: list[str], run_id: str, **kw: Any) -> subprocess.Popen[str]:
+    """A child process of the demo, marked with the run's id in its environment, that dies
+    with the demo (see :mod:`gpuslice.demo.child`)."""
+    env = {**os.environ, RUN_ENV: run_id, **kw.pop("env", {})}
+    wrapped = [sys.executable, "-m", "gpuslice.demo.child", str(os.getpid()), *args]
+    return subprocess.Popen(wrapped, env=env, text=True, **kw)
+
+
+def read_ready(p: subprocess.Popen[str], timeout_s: float = 20.0) -> int:
+    """The port a fake replica prints as ``ready PORT``."""
+    import selectors
+
+    assert p.stdout is not None
+    sel = selectors.DefaultSelector()
+    sel.register(p.stdout, selectors.EVENT_READ)
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if not sel.select(timeout=0.2):
+            if p.poll() is not None:
+                break
+            continue
+        line = p.stdout.readline()
+        if line.startswith("ready "):
+            return int(line.split()[1])
+        if not line:
+            break
+    raise GpusliceError(f"replica {p.args!r} did not start (exit status {p.poll()})")
+
+
+@dataclass
+class Container:
+    pod: str  # namespace/name
+    service: str
+    model: str
+    gpu_model: str
+    milli: int
+    batch: int
+    service_ms: float
+    envs: dict[str, str]
+    proc: subprocess.Popen[str] | None = None
+    port: int = 0
+    restarts: int = 0
+    started_at: float = 0.0
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    name: str
+    gpus: tuple[str, ...]  # catalogue model per GPU
+
+
+class KubeletSim(pbg.RegistrationServicer):
+    """The kubelet side of one node (see the module docstring)."""
+
+    def __init__(self, node: str, sock_dir: Path, api: FakeApiServer, log: EventLog,
+                 run_id: str, gpu_models: dict[str, str]) -> None:
+        self.node, self.dir, self.api, self.log = node, sock_dir, api, log
+        self.run_id = run_id
+        self.gpu_models = gpu_models  # GPU UUID -> catalogue model
+        self.devices: list[pb.Device] = []
+        self.allocated: dict[str, list[str]] = {}  # pod -> device IDs
+        self.containers: dict[str, Container] = {}
+        self.failed: dict[str, str] = {}  # pod -> why admission failed
+        self._stub: pbg.DevicePluginStub | None = None
+        self._channel: grpc.Channel | None = None
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self.registered = threading.Event()
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+        pbg.add_RegistrationServicer_to_server(self, self.server)  # type: ignore[no-untyped-call]
+        self.server.add_insecure_port(f"unix://{sock_dir / 'kubelet.sock'}")
+        self._thread = threading.Thread(target=self._loop, daemon=True, name=f"kubelet-{node}")
+
+    # -- Registration, as the kubelet's plugin manager does it ---------------------------------
+
+    def Register(self, request: pb.RegisterRequest, context: Any) -> pb.Empty:
+        if request.version != "v1beta1":
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"version: expected v1beta1, got {request.version}")
+        self._channel = grpc.insecure_channel(f"unix://{self.dir / request.endpoint}")
+        stub = pbg.DevicePluginStub(self._channel)  # type: ignore[no-untyped-call]
+        stub.GetDevicePluginOptions(pb.Empty(), timeout=5)
+        self._stub = stub
+
+        def follow() -> None:
+            with contextlib.suppress(grpc.RpcError):
+                for resp in stub.ListAndWatch(pb.Empty()):
+                    with self._lock:
+                        self.devices = list(resp.devices)
+
+        threading.Thread(target=follow, daemon=True).start()
+        self.log.add("kubelet", f"{self.node}: device plugin registered {request.resource_name}")
+        self.registered.set()
+        return pb.Empty()
+
+    def start(self) -> KubeletSim:
+        self.server.start()
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        for c in self.containers.values():
+            _terminate(c.proc)
+        self.server.stop(grace=None)
+        if self._channel is not None:
+            self._channel.close()
+
+    # -- pods ------------------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while not self._stop.wait(0.1):
+            try:
+                self._sync()
+            except (GpusliceError, grpc.RpcError) as exc:
+                self.log.add("error", f"kubelet {self.node}: {exc}")
+
+    def _sync(self) -> None:
+        pods = {f"{p['metadata']['namespace']}/{p['metadata']['name']}": p
+                for p in self.api.list_pods()
+                if (p.get("spec") or {}).get("nodeName") == self.node}
+        # the kubelet sees pods in the order they were bound, and the device plugin executes
+        # the oldest waiting assignment first: admit in that order
+        for key, p in sorted(pods.items(), key=lambda kv: _bind_order(kv[1])):
+            if key not in self.containers and key not in self.failed and self._stub is not None:
+                self._admit(key, p)
+        for key in list(self.containers):
+            if key not in pods:  # deleted: stop the container, free its devices
+                _terminate(self.containers.pop(key).proc)
+                self.allocated.pop(key, None)
+        now = time.monotonic()
+        for c in self.containers.values():
+            if c.proc is not None and c.proc.poll() is not None and now - c.started_at > 1.0:
+                self.log.add("kubelet", f"{self.node}: container of {c.pod} exited "
+                             f"({c.proc.returncode}); restarting it on the same slice")
+                c.restarts += 1
+                self._run(c)
+
+    def _admit(self, key: str, pod: dict[str, Any]) -> None:
+        assert self._stub is not None
+        try:
+            req = pod_request(pod)
+        except ValidationError as exc:
+            self.failed[key] = str(exc)
+            return
+        if req is None:
+            return
+        n = req.gpus
+        with self._lock:
+            taken = {d for ids in self.allocated.values() for d in ids}
+            free = [d.ID for d in self.devices if d.health == "Healthy" and d.ID not in taken]
+        # like the kubelet: a container needs n devices of the resource, on distinct GPUs here
+        if len({d.split("::")[0] for d in free}) < n:
+            return  # not enough devices advertised yet; the next sync tries again
+        pref = self._stub.GetPreferredAllocation(pb.PreferredAllocationRequest(
+            container_requests=[pb.ContainerPreferredAllocationRequest(
+                available_deviceIDs=free, allocation_size=n)]), timeout=5)
+        chosen = list(pref.container_responses[0].deviceIDs)
+        try:
+            resp = self._stub.Allocate(pb.AllocateRequest(container_requests=[
+                pb.ContainerAllocateRequest(devices_ids=chosen)]), timeout=5)
+        except grpc.RpcError as exc:
+            self.failed[key] = f"Allocate: {exc.details()}"
+            self.log.add("error", f"{self.node}: Allocate for {key} refused: {exc.details()}")
+            return
+        envs = dict(resp.container_responses[0].envs)
+        self.allocated[key] = chosen
+        if envs.get("GPUSLICE_ASSIGNMENT", key) != key:
+            self.log.add("error", f"{self.node}: Allocate for {key} executed the assignment of "
+                         f"{envs['GPUSLICE_ASSIGNMENT']}")
+        ann = pod["metadata"].get("annotations") or {}
+        uuids = envs.get("NVIDIA_VISIBLE_DEVICES", "").split(",")
+        gpu_model = self.gpu_models.get(uuids[0], "?")
+        pct = int(envs.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "100"))
+        model = str(ann.get(MODEL, "embedder"))
+        batch = int(ann.get(BATCH, "1"))
+        ms = 1000 * service_time_s(model, gpu_model, pct / 100, batch)
+        c = Container(key, str((pod["metadata"].get("labels") or {}).get(
+            "gpuslice.io/service", key)), model, gpu_model, 10 * pct, batch, ms, envs)
+        self.containers[key] = c
+        self._run(c)
+        self.log.add("kubelet", f"{self.node}: started {key} on {','.join(uuids)} "
+                     f"({gpu_model}, {pct}% of the SMs, batch {batch}: {ms:.1f} ms/batch)")
+
+    def _run(self, c: Container) -> None:
+        ns, name = c.pod.split("/", 1)
+        c.started_at = time.monotonic()
+        c.proc = spawn([sys.executable, "-m", "gpuslice.adapters.http.fake_replica", "--port",
+                        "0", "--name", name, "--service-ms", f"{c.service_ms:.3f}",
+                        "--dist", "det", "--concurrency", str(c.batch),
+                        "--seed", str(zlib.crc32(c.pod.encode()) % 1000 + c.restarts)],
+                       self.run_id, env=c.envs, stdout=subprocess.PIPE,
+                       stderr=subprocess.DEVNULL)
+        try:
+            c.port = read_ready(c.proc)
+        except GpusliceError as exc:
+            self.log.add("error", f"{self.node}: {exc}")
+            return
+        url = f"http://127.0.0.1:{c.port}"
+        for _ in range(5):
+            try:
+                p = self.api.get_pod(ns, name)
+                self.api.patch_pod_annotations(ns, name, {ENDPOINT: url, STATE: "Running"},
+                                               p["metadata"]["resourceVersion"])
+                break
+            except GpusliceError:
+                continue
+
+    def kill(self, pod: str) -> int | None:
+        """Crash a container (SIGKILL), as a faulty replica would."""
+        c = self.containers.get(pod)
+        if c is None or c.proc is None:
+            return None
+        c.proc.kill()
+        return c.proc.pid
+
+
+def _bind_order(pod: dict[str, Any]) -> tuple[str, str]:
+    text = (pod["metadata"].get("annotations") or {}).get(ANNOTATION)
+    if not text:
+        return ("~", pod["metadata"]["name"])
+    try:
+        return (decode(text).bind_time, pod["metadata"]["name"])
+    except GpusliceError:
+        return ("~", pod["metadata"]["name"])
+
+
+def _terminate(p: subprocess.Popen[str] | None) -> None:
+    if p is None or p.poll() is not None:
+        return
+    p.terminate()
+    try:
+        p.wait(3)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait(3)
+
+
+class SchedulerSim:
+    """kube-scheduler's side of the extender protocol: for each pending gpuslice pod, POST
+    /filter with every node, /prioritize with the survivors, and /bind to the best."""
+
+    def __init__(self, api: FakeApiServer, url: str, log: EventLog) -> None:
+        self.api, self.url, self.log = api, url, log
+        self.pending: dict[str, dict[str, str]] = {}  # pod -> node -> why not
+        self.placed: dict[str, tuple[str, int]] = {}  # pod -> (node, score)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True, name="scheduler")
+
+    def _post(self, path: str, doc: dict[str, Any]) -> Any:
+        req = urllib.request.Request(self.url + path, data=json.dumps(doc).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return json.loads(r.read())
+
+    def start(self) -> SchedulerSim:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(0.2):
+            try:
+                self.schedule_once()
+            except (OSError, ValueError, urllib.error.URLError) as exc:
+                self.log.add("error", f"scheduler: {exc}")
+
+    def schedule_once(self) -> None:
+        nodes = [n["metadata"]["name"] for n in self.api.list_nodes()]
+        pods = [p for p in self.api.list_pods() if not (p.get("spec") or {}).get("nodeName")]
+        pods.sort(key=lambda p: -_milli(p))  # big slices first, as a bin packer would
+        for p in pods:
+            meta = p["metadata"]
+            key = f"{meta['namespace']}/{meta['name']}"
+            res = self._post("/filter", {"Pod": p, "NodeNames": nodes, "Nodes": None})
+            fits = res.get("NodeNames") or []
+            if not fits:
+                why = dict(res.get("FailedNodes") or {})
+                if self.pending.get(key) != why:
+                    self.log.add("pending", f"{key} fits no node: " + "; ".join(
+                        f"{n}: {r}" for n, r in sorted(why.items())))
+                self.pending[key] = why
+                continue
+            scores = self._post("/prioritize", {"Pod": p, "NodeNames": fits})
+            best = max(scores, key=lambda h: (h["Score"], -fits.index(h["Host"])))
+            out = self._post("/bind", {"PodName": meta["name"], "PodNamespace": meta["namespace"],
+                                       "PodUID": meta["uid"], "Node": best["Host"]})
+            if out.get("Error"):
+                self.log.add("error", f"bind {key}: {out['Error']}")
+                continue
+            self.pending.pop(key, None)
+            self.placed[key] = (best["Host"], int(best["Score"]))
+            self.log.add("bind", f"{key} -> {best['Host']} (score {best['Score']} of "
+                         f"{len(fits)} feasible node(s))")
+
+
+def _milli(pod: dict[str, Any]) -> int:
+    try:
+        req = pod_request(pod)
+    except ValidationError:
+        return 0
+    return 0 if req is None else req.gpus * req.milli
+
+
+def _bind_clock() -> str:
+    """Bind times with microseconds: they order the assignments a node executes."""
+    import datetime
+
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+@dataclass
+class DemoNode:
+    spec: NodeSpec
+    nvml: FakeNvml
+    agent: NodeAgent
+    kubelet: KubeletSim
+    thread: threading.Thread
+
+
+@dataclass
+class Cluster:
+    """Everything the demo runs, and how to stop it."""
+
+    root: Path
+    run_id: str
+    key: bytes
+    log: EventLog
+    api: FakeApiServer = field(default_factory=FakeApiServer)
+    nodes: dict[str, DemoNode] = field(default_factory=dict)
+    extender_url: str = ""
+    scheduler: SchedulerSim | None = None
+    _ext_loop: asyncio.AbstractEventLoop | None = None
+    _ext_thread: threading.Thread | None = None
+
+    def start_extender(self, policy: str = "bestfit") -> None:
+        from gpuslice.services.extender import ExtenderState, serve
+
+        state = ExtenderState(self.api, self.key, policy=policy,
+                              clock=_bind_clock)
+        loop = asyncio.new_event_loop()
+        ready = threading.Event()
+        port: list[int] = []
+
+        def on_ready(p: int) -> None:
+            port.append(p)
+            ready.set()
+
+        def run() -> None:
+            asyncio.set_event_loop(loop)
+            task = loop.create_task(serve(state, "127.0.0.1", 0, ready=on_ready))
+            with contextlib.suppress(asyncio.CancelledError):
+                loop.run_until_complete(task)
+
+        self._ext_loop = loop
+        self._ext_thread = threading.Thread(target=run, daemon=True, name="extender")
+        self._ext_thread.start()
+        if not ready.wait(10):
+            raise GpusliceError("the extender did not start")
+        self.extender_url = f"http://127.0.0.1:{port[0]}"
+        self.log.add("extender", f"serving filter/prioritize/bind on {self.extender_url}")
+        self.scheduler = SchedulerSim(self.api, self.extender_url, self.log).start()
+
+    def add_node(self, spec: NodeSpec) -> DemoNode:
+        node_dir = self.root / spec.name
+        node_dir.mkdir(parents=True)
+        gpus = []
+        for i, m in enumerate(spec.gpus):
+            model = catalog.lookup(m)
+            if model is None:
+                raise ValidationError("node gpus", "catalogue GPU models", m)
+            gpus.append(GpuDevice(i, f"GPU-{spec.name}-{i}", f"NVIDIA {model.name}", model.name,
+                                  model.memory_mib, model.sms, model.compute_capability))
+        nvml = FakeNvml(gpus)
+        self.api.add_node({"apiVersion": "v1", "kind": "Node",
+                           "metadata": {"name": spec.name, "labels": {}, "annotations": {}}})
+        kubelet = KubeletSim(spec.name, node_dir, self.api, self.log, self.run_id,
+                             {g.uuid: g.model for g in gpus}).start()
+        cfg = PluginConfig(spec.name, node_dir, self.key, replicas=10,
+                           mps_pipe_dir=str(node_dir / "mps"))
+        agent = NodeAgent(cfg, nvml, self.api, quiet_s=30.0)
+        thread = threading.Thread(target=agent.run, daemon=True, name=f"agent-{spec.name}")
+        thread.start()
+        if not kubelet.registered.wait(10):
+            raise GpusliceError(f"the node agent of {spec.name} did not register: "
+                                f"{agent.problems}")
+        node = DemoNode(spec, nvml, agent, kubelet, thread)
+        self.nodes[spec.name] = node
+        self.log.add("node", f"{spec.name} joined: {len(gpus)} x {spec.gpus[0]}")
+        return node
+
+    def container_of(self, pod: str) -> tuple[DemoNode, Container] | None:
+        for n in self.nodes.values():
+            c = n.kubelet.containers.get(pod)
+            if c is not None:
+                return n, c
+        return None
+
+    def stop(self) -> None:
+        if self.scheduler is not None:
+            self.scheduler.stop()
+        for n in self.nodes.values():
+            n.kubelet.stop()
+            n.agent.stop()
+        if self._ext_loop is not None:
+            loop = self._ext_loop
+            for task in asyncio.all_tasks(loop):
+                loop.call_soon_threadsafe(task.cancel)
+            if self._ext_thread is not None:
+                self._ext_thread.join(5)
+
+
+def gpu_pod(name: str, *, service: str, model: str, gpus: int = 1, milli: int = 1000,
+            memory_mib: int = 0, gpu_models: str = "", batch: int = 1,
+            namespace: str = "demo", extra: dict[str, str] | None = None) -> dict[str, Any]:
+    """A pod as a Deployment of the planner's manifests would create it."""
+    limits = {GPU: str(gpus), "gpuslice.io/gpu-milli": str(milli)}
+    if memory_mib:
+        limits["gpuslice.io/gpu-memory"] = str(memory_mib)
+    ann = {MODEL: model, BATCH: str(batch), "gpuslice.io/isolation": "any", **(extra or {})}
+    if gpu_models:
+        ann["gpuslice.io/gpu-model"] = gpu_models
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": namespace, "annotations": ann,
+                         "labels": {"gpuslice.io/service": service}},
+            "spec": {"schedulerName": "gpuslice-scheduler", "containers": [{
+                "name": "server", "image": "demo/fake-replica",
+                "resources": {"limits": limits, "requests": {"cpu": "500m", "memory": "2Gi"}}}]}}

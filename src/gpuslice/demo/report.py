@@ -1,0 +1,160 @@
+"""The demo's one-page HTML report (plots embedded) and its JSON summary."""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from gpuslice.core.planner import Service
+
+
+def _png(fig: Any) -> str:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def _latency_plot(result: dict[str, Any], samples: Sequence[Any],
+                  services: Sequence[Service]) -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, ax2) = plt.subplots(2, 1, figsize=(10, 6.5), sharex=True)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, svc in enumerate(services):
+        mine = [s for s in samples if s.service == svc.name]
+        if not mine:
+            continue
+        t = np.array([s.t for s in mine])
+        lat = np.array([s.latency_s * 1000 for s in mine])
+        ok = np.array([s.status == 200 for s in mine])
+        bins = np.arange(np.floor(t.min()), np.ceil(t.max()) + 1, 1.0)
+        p99, rate, xs = [], [], []
+        for lo in bins[:-1]:
+            sel = (t >= lo) & (t < lo + 1)
+            good = lat[sel & ok]
+            xs.append(lo + 0.5)
+            p99.append(np.percentile(good, 99) if len(good) else np.nan)
+            rate.append(float(np.sum(sel & ok)))
+        c = colors[i % len(colors)]
+        ax.plot(xs, p99, color=c, label=f"{svc.name} p99 (1 s windows)")
+        ax.axhline(svc.slo_ms, color=c, linestyle="--", linewidth=0.8)
+        ax2.plot(xs, rate, color=c, label=f"{svc.name} answered/s (offered {svc.rate:g}/s)")
+    for ph in result["phases"]:
+        for a in (ax, ax2):
+            a.axvline(ph["start"], color="grey", linewidth=0.6)
+        ax.annotate(ph["name"].split(":")[0], (ph["start"], 1), xycoords=("data", "axes fraction"),
+                    rotation=90, va="top", ha="right", fontsize=7, color="grey")
+    ax.set_ylabel("p99 latency, ms (dashed: SLO)")
+    ax.set_yscale("log")
+    ax.legend(fontsize=8, loc="upper left")
+    ax2.set_ylabel("answered requests/s")
+    ax2.set_xlabel("seconds since the demo started")
+    ax2.legend(fontsize=8, loc="upper left")
+    fig.suptitle("Latency and throughput per service, through the gpuslice router")
+    return fig
+
+
+def _gpu_plot(result: dict[str, Any]) -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows: dict[str, list[tuple[str, int]]] = {}
+    models: dict[str, str] = {}
+    for p in result["placements"]:
+        if not p.get("node"):
+            continue
+        for u in p["gpus"]:
+            rows.setdefault(u, []).append((p["pod"].split("/")[-1], p["milli"]))
+            models[u] = p.get("gpu_model") or ""
+    names = sorted(rows)
+    fig, ax = plt.subplots(figsize=(10, 0.5 * max(3, len(names)) + 1))
+    for y, u in enumerate(names):
+        left = 0
+        for pod, milli in rows[u]:
+            ax.barh(y, milli, left=left, edgecolor="black")
+            if milli >= 100:
+                ax.text(left + milli / 2, y, pod, ha="center", va="center", fontsize=7)
+            left += milli
+    ax.set_yticks(range(len(names)), [f"{u} ({models[u]})" for u in names], fontsize=8)
+    ax.set_xlim(0, 1000)
+    ax.set_xlabel("milli-GPU held (1000 = the whole GPU)")
+    ax.set_title(f"{result['gpus_used']} GPUs in use for pods that would take "
+                 f"{result['gpus_exclusive']} whole GPUs")
+    return fig
+
+
+def _table(rows: list[dict[str, Any]], cols: list[str]) -> str:
+    head = "".join(f"<th>{html.escape(c)}</th>" for c in cols)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(_fmt(r.get(c)))}</td>" for c in cols)
+                   + "</tr>" for r in rows)
+    return f"<table><tr>{head}</tr>{body}</table>"
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, list):
+        return ", ".join(map(str, v))
+    if isinstance(v, dict):
+        return "; ".join(f"{k}: {x}" for k, x in v.items())
+    return str(v)
+
+
+def write_report(out: Path, result: dict[str, Any], samples: Sequence[Any],
+                 services: Sequence[Service]) -> list[Path]:
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    figs = [_latency_plot(result, samples, services), _gpu_plot(result)]
+    images = [_png(f) for f in figs]
+    for f, name in zip(figs, ("latency.png", "gpus.png"), strict=True):
+        f.savefig(out / name, dpi=110, bbox_inches="tight")
+        plt.close(f)
+    lat_rows = []
+    for ph in result["latency_by_phase"]:
+        for svc, s in ph["services"].items():
+            lat_rows.append({"phase": ph["phase"].split(":")[0], "service": svc, **s})
+    plan = result.get("plan") or {}
+    parts = [
+        "<!doctype html><meta charset='utf-8'><title>gpuslice demo report</title>",
+        "<style>body{font-family:sans-serif;max-width:1100px;margin:auto}"
+        "table{border-collapse:collapse;font-size:12px;margin:8px 0}"
+        "td,th{border:1px solid #ccc;padding:2px 6px}</style>",
+        "<h1>gpuslice demo</h1>",
+        f"<p><b>{result['gpus_used']}</b> GPUs in use for pods that would take "
+        f"<b>{result['gpus_exclusive']}</b> whole GPUs with exclusive allocation. "
+        f"Plan: {plan.get('gpus')} GPU(s) at cost {plan.get('cost_per_hour')}/h, "
+        f"solved and replay-checked in {plan.get('seconds')} s. Replica killed: "
+        f"{html.escape(result.get('killed') or '-')}.</p>",
+        f"<img src='data:image/png;base64,{images[0]}' width='100%'>",
+        "<h2>Latency per service and phase</h2>",
+        _table(lat_rows, ["phase", "service", "sent", "ok", "rejected", "failed", "p50_ms",
+                          "p99_ms", "slo_ms", "slo_met"]),
+        "<h2>Where every pod went</h2>",
+        f"<img src='data:image/png;base64,{images[1]}' width='100%'>",
+        _table(result["placements"], ["pod", "node", "gpu_model", "gpus", "milli", "memory_mib",
+                                      "mode", "score", "batch", "service_ms", "restarts",
+                                      "why_pending"]),
+        "<h2>The plan</h2>",
+        _table(plan.get("slices", []), ["gpu", "model", "profile", "service", "batch",
+                                        "throughput_rps"]),
+        "<h2>Events</h2>",
+        _table(result["events"], ["t", "kind", "text"]),
+    ]
+    index = out / "index.html"
+    index.write_text("\n".join(parts))
+    js = out / "summary.json"
+    js.write_text(json.dumps(result, indent=1))
+    return [index, js, out / "latency.png", out / "gpus.png"]

@@ -1,0 +1,553 @@
+"""The demo's scripted scenario: plan, deploy, serve, crash a replica, add a node, report."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import numpy as np
+
+from gpuslice.adapters.kube.annotation import decode
+from gpuslice.core.assignment import ANNOTATION
+from gpuslice.core.errors import GpusliceError
+from gpuslice.core.planner import FleetType, Plan, PlanOptions, Service
+from gpuslice.core.replay import plan_and_check
+from gpuslice.demo.cluster import (
+    ENDPOINT,
+    Cluster,
+    EventLog,
+    NodeSpec,
+    gpu_pod,
+    spawn,
+)
+from gpuslice.demo.gpumodel import MODELS, profiles
+
+SERVICES = (
+    Service("resnet50", "resnet50", 200.0, 100.0),
+    Service("bert", "bert-base", 60.0, 200.0),
+    Service("mobilenet", "mobilenet-v3", 150.0, 40.0),
+)
+NODES = (
+    NodeSpec("t4-0", ("T4",) * 4),
+    NodeSpec("v100-0", ("V100M16",) * 4),
+    NodeSpec("a100-0", ("A100-80GB",) * 2),
+    NodeSpec("h100-0", ("H100-SXM",) * 2),
+)
+LATE_NODE = NodeSpec("h100-1", ("H100-SXM",) * 2)
+COST_PER_HOUR = {"A100-80GB": 1.0, "H100-SXM": 2.0}
+
+
+@dataclass(frozen=True)
+class DemoOptions:
+    out: Path = Path("demo-report")
+    short: bool = False
+    seed: int = 1
+    live: bool | None = None  # None: a live display when the output is a terminal
+    workdir: Path | None = None
+
+    def seconds(self, full: float) -> float:
+        return max(3.0, full / 5) if self.short else full
+
+
+@dataclass
+class Sample:
+    service: str
+    t: float  # send time, seconds since the demo started
+    latency_s: float
+    status: int  # 0: connection error
+
+
+@dataclass
+class Phase:
+    name: str
+    start: float
+    end: float = math.nan
+
+
+@dataclass
+class DemoState:
+    opts: DemoOptions
+    cluster: Cluster
+    samples: list[Sample] = field(default_factory=list)
+    phases: list[Phase] = field(default_factory=list)
+    plan: Plan | None = None
+    plan_seconds: float = 0.0
+    router: subprocess.Popen[str] | None = None
+    router_port: int = 0
+    router_admin: int = 0
+    router_config: str = ""
+    killed: str = ""
+
+    @property
+    def log(self) -> EventLog:
+        return self.cluster.log
+
+    def phase(self, name: str) -> None:
+        now = self.log.now()
+        if self.phases:
+            self.phases[-1].end = now
+        self.phases.append(Phase(name, now))
+        self.log.add("phase", name)
+
+
+# ---- planning and deploying -------------------------------------------------------------------
+
+
+def plan_services(state: DemoState) -> Plan:
+    counts = Counter(m for n in NODES for m in n.gpus if m in COST_PER_HOUR)
+    fleet = [FleetType(g, c, COST_PER_HOUR[g]) for g, c in sorted(counts.items())]
+    ps = profiles(sorted(counts), sorted({s.model for s in SERVICES}))
+    start = time.perf_counter()
+    checked = plan_and_check(ps, list(SERVICES), fleet, PlanOptions(objective="cost"),
+                             rng=np.random.default_rng(state.opts.seed))
+    state.plan_seconds = time.perf_counter() - start
+    p = checked.plan
+    for g in p.gpus:
+        parts = ", ".join(f"{c.service} {s.placement.profile.name} batch {c.batch} "
+                          f"({c.throughput:.0f} req/s)" for s in g.slots for c in s.parts)
+        state.log.add("plan", f"GPU {g.index} {g.gpu}: {parts}")
+    state.log.add("plan", f"{p.n_gpus} GPU(s), cost {p.cost:.1f}/h, planned in "
+                  f"{state.plan_seconds:.2f} s (replay-checked against the SLOs)")
+    return p
+
+
+def plan_pods(p: Plan) -> list[dict[str, Any]]:
+    """The planner's slices as pods: MPS slices with the compute share of their MIG slice."""
+    pods = []
+    n: Counter[str] = Counter()
+    svc = {s.name: s for s in SERVICES}
+    for g in p.gpus:
+        for s in g.slots:
+            for c in s.parts:
+                share = c.procs / max(c.colocated, c.procs)
+                milli = max(1, math.floor(1000 * s.placement.profile.compute_slices / 7 * share))
+                mem = int(s.placement.profile.memory_mib * share)
+                name = f"{c.service}-{n[c.service]}"
+                n[c.service] += 1
+                pods.append(gpu_pod(
+                    name, service=c.service, model=svc[c.service].model, milli=milli,
+                    memory_mib=mem, gpu_models=g.gpu, batch=c.batch,
+                    extra={"demo.gpuslice.io/planned-rps": f"{c.throughput:.1f}",
+                           "gpuslice.io/slo-p99-ms": f"{svc[c.service].slo_ms:g}"}))
+    return pods
+
+
+def batch_pods(count: int, prefix: str = "embed") -> list[dict[str, Any]]:
+    """Best-effort batch pods: half a T4 or V100 each, no SLO."""
+    return [gpu_pod(f"{prefix}-{i}", service="embed-batch", model="embedder", milli=500,
+                    memory_mib=4096, gpu_models="T4|V100M16", batch=4) for i in range(count)]
+
+
+async def wait_running(state: DemoState, names: list[str], timeout_s: float) -> list[str]:
+    """Wait until every pod in ``names`` has a running container; returns those that do not."""
+    end = time.monotonic() + timeout_s
+    missing = list(names)
+    while time.monotonic() < end:
+        missing = [k for k in names if state.cluster.container_of(k) is None
+                   or not _has_endpoint(state, k)]
+        if not missing:
+            return []
+        await asyncio.sleep(0.2)
+    return missing
+
+
+def _has_endpoint(state: DemoState, key: str) -> bool:
+    ns, name = key.split("/", 1)
+    try:
+        p = state.cluster.api.get_pod(ns, name)
+    except GpusliceError:
+        return False
+    return ENDPOINT in (p["metadata"].get("annotations") or {})
+
+
+# ---- the router ---------------------------------------------------------------------------
+
+
+def router_config(state: DemoState) -> dict[str, Any]:
+    services: dict[str, list[dict[str, Any]]] = {s.name: [] for s in SERVICES}
+    for p in state.cluster.api.list_pods():
+        meta = p["metadata"]
+        svc = (meta.get("labels") or {}).get("gpuslice.io/service")
+        url = (meta.get("annotations") or {}).get(ENDPOINT)
+        if svc not in services or not url:
+            continue
+        found = state.cluster.container_of(f"{meta['namespace']}/{meta['name']}")
+        rep: dict[str, Any] = {"name": meta["name"], "url": url}
+        if found is not None:
+            node, c = found
+            rep.update({"gpu": c.gpu_model, "slice": f"{c.milli}m", "node": node.spec.name,
+                        "concurrency": c.batch, "service_time_ms": round(c.service_ms, 3),
+                        "throughput_rps": round(1000 * c.batch / c.service_ms, 3)})
+        services[svc].append(rep)
+    return {"policy": "sed", "retry_post": False,
+            "health": {"path": "/v2/health/ready", "interval_s": 0.5, "timeout_s": 0.5,
+                       "unhealthy_after": 1, "healthy_after": 1},
+            "services": [{"name": s.name, "slo_ms": s.slo_ms, "models": [s.name, s.model],
+                          "replicas": services[s.name]} for s in SERVICES]}
+
+
+def write_router_config(state: DemoState, path: Path) -> bool:
+    """Write the config when it changed; True when it did."""
+    doc = router_config(state)
+    text = json.dumps(doc, sort_keys=True, indent=1)
+    if text == state.router_config or any(not s["replicas"] for s in doc["services"]):
+        return False
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+    state.router_config = text
+    return True
+
+
+async def start_router(state: DemoState) -> None:
+    path = state.cluster.root / "router.json"
+    if not write_router_config(state, path):
+        raise GpusliceError("no replica of some service is running; cannot start the router")
+    p = spawn([sys.executable, "-m", "gpuslice.cli", "router", "--config", str(path),
+               "--listen", "127.0.0.1:0", "--admin", "127.0.0.1:0", "--access-log", "off"],
+              state.cluster.run_id, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    state.router = p
+    assert p.stderr is not None
+    loop = asyncio.get_running_loop()
+    line = await asyncio.wait_for(loop.run_in_executor(None, p.stderr.readline), 30)
+    try:
+        info = json.loads(line)
+    except ValueError:
+        raise GpusliceError(f"the router did not start: {line.strip()}") from None
+    state.router_port, state.router_admin = int(info["port"]), int(info["admin_port"])
+    state.log.add("router", f"listening on 127.0.0.1:{state.router_port} "
+                  f"(shortest expected delay, SLO admission)")
+
+
+async def follow_replicas(state: DemoState) -> None:
+    """Keep the router's replica set equal to the running pods (hot reload on SIGHUP)."""
+    path = state.cluster.root / "router.json"
+    while True:
+        await asyncio.sleep(0.3)
+        if state.router is not None and write_router_config(state, path):
+            state.router.send_signal(signal.SIGHUP)
+            state.log.add("router", "replica set changed: reloaded without dropping "
+                          "connections")
+
+
+# ---- load -------------------------------------------------------------------------------------
+
+
+async def load(state: DemoState, session: aiohttp.ClientSession, svc: Service,
+               stop: asyncio.Event, rng: np.random.Generator) -> None:
+    url = f"http://127.0.0.1:{state.router_port}/v2/models/{svc.name}/infer"
+    body = json.dumps({"inputs": [{"name": "x", "shape": [1], "datatype": "FP32",
+                                   "data": [0.5]}]}).encode()
+    loop = asyncio.get_running_loop()
+    tasks: set[asyncio.Task[None]] = set()
+    next_at = loop.time()
+
+    async def one(t_send: float, n: int) -> None:
+        status = 0
+        try:
+            async with session.post(url, data=body, headers={
+                    "Content-Type": "application/json",
+                    "Idempotency-Key": f"{svc.name}-{n}"}) as r:
+                await r.read()
+                status = r.status
+        except (TimeoutError, aiohttp.ClientError):
+            status = 0
+        state.samples.append(Sample(svc.name, t_send - state.log.t0,
+                                    time.monotonic() - t_send, status))
+
+    n = 0
+    while not stop.is_set():
+        next_at += float(rng.exponential(1.0 / svc.rate))
+        delay = next_at - loop.time()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        n += 1
+        t = asyncio.create_task(one(time.monotonic(), n))
+        tasks.add(t)
+        t.add_done_callback(tasks.discard)
+    if tasks:
+        await asyncio.wait(tasks, timeout=10)
+
+
+def stats(samples: list[Sample], slo_ms: float) -> dict[str, Any]:
+    lat = np.array([s.latency_s for s in samples if s.status == 200]) * 1000
+    out: dict[str, Any] = {
+        "sent": len(samples),
+        "ok": len(lat),
+        "rejected": sum(1 for s in samples if s.status == 429),
+        "failed": sum(1 for s in samples if s.status not in (200, 429)),
+        "p50_ms": round(float(np.percentile(lat, 50)), 2) if len(lat) else None,
+        "p99_ms": round(float(np.percentile(lat, 99)), 2) if len(lat) else None,
+        "slo_ms": slo_ms,
+    }
+    out["slo_met"] = out["p99_ms"] is not None and out["p99_ms"] <= slo_ms and not out["failed"]
+    return out
+
+
+# ---- the display ------------------------------------------------------------------------------
+
+
+class Display:
+    """A rich live view on a terminal; plain lines of events otherwise."""
+
+    def __init__(self, state: DemoState, live: bool) -> None:
+        from rich.console import Console
+
+        self.state = state
+        self.console = Console()
+        self.live_on = live
+        self._printed = 0
+        self._live: Any = None
+
+    def render(self) -> Any:
+        from rich.console import Group
+        from rich.table import Table
+
+        st = self.state
+        now = st.log.now()
+        phase = st.phases[-1].name if st.phases else "starting"
+        t = Table(title=f"gpuslice demo: {phase}  ({now:5.1f} s)", expand=True)
+        for col in ("service", "rate", "SLO p99", "sent", "ok", "429", "failed",
+                    "p99 last 5 s"):
+            t.add_column(col, justify="right" if col != "service" else "left")
+        for svc in SERVICES:
+            mine = [s for s in st.samples if s.service == svc.name]
+            recent = [s.latency_s * 1000 for s in mine if s.status == 200 and s.t > now - 5]
+            p99 = f"{np.percentile(recent, 99):.1f} ms" if recent else "-"
+            t.add_row(svc.name, f"{svc.rate:g}/s", f"{svc.slo_ms:g} ms", str(len(mine)),
+                      str(sum(s.status == 200 for s in mine)),
+                      str(sum(s.status == 429 for s in mine)),
+                      str(sum(s.status not in (200, 429) for s in mine)), p99)
+        ev = Table.grid(padding=(0, 1))
+        for e in st.log.tail(10):
+            ev.add_row(f"{e.t:6.1f}", f"[bold]{e.kind}[/]", e.text)
+        return Group(t, ev)
+
+    def __enter__(self) -> Display:
+        if self.live_on:
+            from rich.live import Live
+
+            self._live = Live(self.render(), console=self.console, refresh_per_second=4,
+                              transient=False)
+            self._live.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._live is not None:
+            self._live.update(self.render())
+            self._live.__exit__(None, None, None)
+        else:
+            self.tick()
+
+    def tick(self) -> None:
+        if self._live is not None:
+            self._live.update(self.render())
+            return
+        events = self.state.log.events
+        for e in events[self._printed:]:
+            self.console.print(f"{e.t:6.1f}s  {e.kind:9s} {e.text}", highlight=False,
+                               soft_wrap=True)
+        self._printed = len(events)
+
+
+async def refresh(display: Display) -> None:
+    while True:
+        display.tick()
+        await asyncio.sleep(0.25)
+
+
+# ---- the scenario -----------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def workdir(opts: DemoOptions) -> Iterator[Path]:
+    if opts.workdir is not None:
+        opts.workdir.mkdir(parents=True, exist_ok=True)
+        yield opts.workdir
+        return
+    # unix socket paths must stay short: a directory right under the temp root
+    d = Path(tempfile.mkdtemp(prefix="gsd-"))
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+async def scenario(state: DemoState, display: Display) -> None:
+    o = state.opts
+    c = state.cluster
+    state.phase("bring-up: node agents, device plugins, extender")
+    c.log.add("run", f"run {c.run_id} in {c.root}")
+    for spec in NODES:
+        await asyncio.get_running_loop().run_in_executor(None, c.add_node, spec)
+    c.start_extender()
+    state.phase("plan: services and SLOs -> slices")
+    state.plan = plan_services(state)
+    state.phase("deploy: scheduler -> extender -> device plugin -> replicas")
+    pods = plan_pods(state.plan) + batch_pods(4)
+    for p in pods:
+        c.api.add_pod(p)
+    keys = [f"demo/{p['metadata']['name']}" for p in pods]
+    missing = await wait_running(state, keys, 90)
+    if missing:
+        raise GpusliceError(f"pods not running after 90 s: {missing}; see the events above")
+    await start_router(state)
+    follow = asyncio.create_task(follow_replicas(state))
+    stop = asyncio.Event()
+    rng = np.random.default_rng(o.seed)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                     timeout=aiohttp.ClientTimeout(total=30)) as session:
+        loads = [asyncio.create_task(load(state, session, s, stop, rng)) for s in SERVICES]
+        try:
+            state.phase("serve: open-loop Poisson load at the planned rates")
+            await asyncio.sleep(o.seconds(25))
+            state.phase("crash: a replica is killed (SIGKILL) under load")
+            victim = max((k for k in keys if k.startswith("demo/resnet50")),
+                         key=lambda k: _container_rps(state, k))
+            found = c.container_of(victim)
+            if found is not None:
+                pid = found[0].kubelet.kill(victim)
+                state.killed = victim
+                c.log.add("crash", f"killed {victim} (pid {pid}); the router's health check "
+                          "takes it out, idempotent requests are retried elsewhere, the "
+                          "kubelet restarts it")
+            await asyncio.sleep(o.seconds(20))
+            state.phase("scale-out: a 2-GPU job arrives, then a node is added")
+            trainer = gpu_pod("trainer", service="train", model="embedder", gpus=2,
+                              milli=1000, gpu_models="H100-SXM", batch=8)
+            c.api.add_pod(trainer)
+            await asyncio.sleep(min(4.0, o.seconds(6)))
+            await asyncio.get_running_loop().run_in_executor(None, c.add_node, LATE_NODE)
+            if await wait_running(state, ["demo/trainer"], 30):
+                c.log.add("error", "the 2-GPU job did not start on the new node")
+            await asyncio.sleep(o.seconds(10))
+        finally:
+            stop.set()
+            await asyncio.gather(*loads, return_exceptions=True)
+            follow.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await follow
+    state.phase("done")
+
+
+def _container_rps(state: DemoState, key: str) -> float:
+    found = state.cluster.container_of(key)
+    return 0.0 if found is None else found[1].batch / found[1].service_ms
+
+
+def summary(state: DemoState) -> dict[str, Any]:
+    c = state.cluster
+    placements: list[dict[str, Any]] = []
+    gpus_used: set[str] = set()
+    exclusive = 0
+    for p in c.api.list_pods():
+        meta = p["metadata"]
+        key = f"{meta['namespace']}/{meta['name']}"
+        text = (meta.get("annotations") or {}).get(ANNOTATION)
+        if not text:
+            placements.append({"pod": key, "node": None,
+                               "why_pending": c.scheduler.pending.get(key) if c.scheduler
+                               else None})
+            continue
+        a = decode(text)
+        shares = a.containers[0].gpus
+        gpus_used.update(s.uuid for s in shares)
+        exclusive += len(shares)
+        found = c.container_of(key)
+        placements.append({
+            "pod": key, "node": a.node, "gpus": [s.uuid for s in shares],
+            "gpu_model": found[1].gpu_model if found else None,
+            "milli": shares[0].milli, "memory_mib": shares[0].memory_mib,
+            "mode": a.containers[0].mode.value,
+            "score": c.scheduler.placed.get(key, (None, None))[1] if c.scheduler else None,
+            "service_ms": round(found[1].service_ms, 2) if found else None,
+            "batch": found[1].batch if found else None,
+            "restarts": found[1].restarts if found else None,
+        })
+    by_phase = []
+    for ph in state.phases:
+        if ph.name == "done" or math.isnan(ph.end):
+            continue
+        mine = [s for s in state.samples if ph.start <= s.t < ph.end]
+        if not mine:
+            continue
+        by_phase.append({"phase": ph.name, "services": {
+            svc.name: stats([s for s in mine if s.service == svc.name], svc.slo_ms)
+            for svc in SERVICES}})
+    total = {svc.name: stats([s for s in state.samples if s.service == svc.name], svc.slo_ms)
+             for svc in SERVICES}
+    pl = state.plan
+    return {
+        "plan": None if pl is None else {
+            "gpus": pl.n_gpus, "cost_per_hour": pl.cost,
+            "seconds": round(state.plan_seconds, 3),
+            "slices": [{"gpu": g.index, "model": g.gpu, "profile": s.placement.profile.name,
+                        "service": cc.service, "batch": cc.batch,
+                        "throughput_rps": round(cc.throughput, 1)}
+                       for g in pl.gpus for s in g.slots for cc in s.parts]},
+        "placements": sorted(placements, key=lambda x: x["pod"]),
+        "gpus_used": len(gpus_used),
+        "gpus_exclusive": exclusive,
+        "latency_by_phase": by_phase,
+        "latency_total": total,
+        "killed": state.killed,
+        "events": [e.__dict__ for e in c.log.events],
+        "phases": [{"name": ph.name, "start": round(ph.start, 2),
+                    "end": None if math.isnan(ph.end) else round(ph.end, 2)}
+                   for ph in state.phases],
+    }
+
+
+def run_demo(opts: DemoOptions) -> dict[str, Any]:
+    """Run the scenario; returns the summary (also written, with the HTML report, to
+    ``opts.out``). Everything started is stopped on return, error or Ctrl-C."""
+    from gpuslice.demo.report import write_report
+
+    with workdir(opts) as root:
+        cluster = Cluster(root, uuid.uuid4().hex[:12], uuid.uuid4().bytes + b"demo-key", EventLog())
+        state = DemoState(opts, cluster)
+        live = sys.stdout.isatty() if opts.live is None else opts.live
+        display = Display(state, live)
+        try:
+            with display:
+                asyncio.run(_main(state, display))
+        finally:
+            if state.router is not None and state.router.poll() is None:
+                state.router.terminate()
+                try:
+                    state.router.wait(5)
+                except subprocess.TimeoutExpired:
+                    state.router.kill()
+            cluster.stop()
+        result = summary(state)
+    files = write_report(opts.out, result, state.samples, SERVICES)
+    result["files"] = [str(f) for f in files]
+    return result
+
+
+async def _main(state: DemoState, display: Display) -> None:
+    ticker = asyncio.create_task(refresh(display))
+    try:
+        await scenario(state, display)
+    finally:
+        ticker.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await ticker
+
+
+__all__ = ["MODELS", "DemoOptions", "run_demo"]
