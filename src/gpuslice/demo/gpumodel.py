@@ -62,7 +62,7 @@ def service_time_s(model: str, gpu: str, fraction: float, batch: int = 1) -> flo
     if batch < 1:
         raise ValidationError("batch", "a batch size >= 1", batch)
     work = shape.base_ms * (1 + shape.growth * (batch - 1)) / 1000.0
-    return work / (gpu_speed(gpu) * fraction ** 0.8)
+    return work / (gpu_speed(gpu) * math.pow(fraction, 0.8))
 
 
 def profiles(gpus: list[str], models: list[str] | None = None) -> ProfileSet:
