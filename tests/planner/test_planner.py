@@ -210,3 +210,20 @@ def test_cli_plan_needs_a_scenario_or_services(tmp_path: Path,
     prof.write_text(HEADER + "m,A100-80GB,mig,1,8,1,400,20,\n")
     assert main(["plan", "--profiles", str(prof)]) == 2
     assert "--scenario" in capsys.readouterr().err
+
+
+def test_exported_slices_of_one_gpu_never_ask_for_more_than_the_gpu() -> None:
+    from gpuslice.core import catalog
+    from gpuslice.core.mig import parse_layout
+    from gpuslice.core.planner import Config, Plan, PlannedGpu, Slot
+    from gpuslice.planning.export import manifests
+
+    geo = catalog.lookup("A100-80GB").mig  # type: ignore[union-attr]
+    layout = parse_layout(geo, ",".join(f"1g.10gb@{i}" for i in range(7)))
+    slots = tuple(Slot(pl, (Config("s", "m", "A100-80GB", 1, "1g.10gb", 1, 1, 10.0, 0.01, 1),))
+                  for pl in layout)
+    plan_ = Plan((PlannedGpu(0, "A100-80GB", slots),), "gpus", 1.0, 1.0, "test")
+    docs = [d for d in manifests(plan_) if d["kind"] == "Deployment"]
+    milli = [int(d["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]
+                 ["gpuslice.io/gpu-milli"]) for d in docs]
+    assert len(milli) == 7 and sum(milli) <= 1000
