@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from gpuslice.demo.cluster import RUN_ENV
+from gpuslice.adapters.proc import processes_of as _processes_of
 
 pytestmark = pytest.mark.slow
 
@@ -23,20 +23,6 @@ def _demo(out: Path) -> subprocess.Popen[str]:
     return subprocess.Popen([sys.executable, "-m", "gpuslice.cli", "demo", "--short",
                              "--no-live", "--out", str(out)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
-def _processes_of(run_id: str) -> list[int]:
-    found = []
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            env = (d / "environ").read_bytes()
-        except OSError:
-            continue
-        if f"{RUN_ENV}={run_id}".encode() in env.split(b"\0"):
-            found.append(int(d.name))
-    return found
 
 
 def _read_until(p: subprocess.Popen[str], pattern: str, timeout_s: float) -> list[str]:

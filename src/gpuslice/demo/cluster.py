@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import subprocess
 import sys
 import threading
@@ -38,6 +37,7 @@ from gpuslice.adapters.kube.objects import GPU, pod_request
 from gpuslice.adapters.kubelet import deviceplugin_pb2 as pb
 from gpuslice.adapters.kubelet import deviceplugin_pb2_grpc as pbg
 from gpuslice.adapters.nvml.port import FakeNvml
+from gpuslice.adapters.proc import read_ready, spawn, terminate
 from gpuslice.core import catalog
 from gpuslice.core.assignment import ANNOTATION
 from gpuslice.core.devices import GpuDevice
@@ -50,7 +50,6 @@ ENDPOINT = "demo.gpuslice.io/endpoint"
 STATE = "demo.gpuslice.io/state"
 MODEL = "demo.gpuslice.io/model"
 BATCH = "demo.gpuslice.io/batch"
-RUN_ENV = "GPUSLICE_DEMO_RUN"
 
 
 @dataclass
@@ -76,35 +75,6 @@ class EventLog:
     def tail(self, n: int) -> list[Event]:
         with self._lock:
             return self.events[-n:]
-
-
-def spawn(args: list[str], run_id: str, **kw: Any) -> subprocess.Popen[str]:
-    """A child process of the demo, marked with the run's id in its environment, that dies
-    with the demo (see :mod:`gpuslice.demo.child`)."""
-    env = {**os.environ, RUN_ENV: run_id, **kw.pop("env", {})}
-    wrapped = [sys.executable, "-m", "gpuslice.demo.child", str(os.getpid()), *args]
-    return subprocess.Popen(wrapped, env=env, text=True, **kw)
-
-
-def read_ready(p: subprocess.Popen[str], timeout_s: float = 20.0) -> int:
-    """The port a fake replica prints as ``ready PORT``."""
-    import selectors
-
-    assert p.stdout is not None
-    sel = selectors.DefaultSelector()
-    sel.register(p.stdout, selectors.EVENT_READ)
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        if not sel.select(timeout=0.2):
-            if p.poll() is not None:
-                break
-            continue
-        line = p.stdout.readline()
-        if line.startswith("ready "):
-            return int(line.split()[1])
-        if not line:
-            break
-    raise GpusliceError(f"replica {p.args!r} did not start (exit status {p.poll()})")
 
 
 @dataclass
@@ -182,7 +152,7 @@ class KubeletSim(pbg.RegistrationServicer):
         self._stop.set()
         self._thread.join(5)
         for c in self.containers.values():
-            _terminate(c.proc)
+            terminate(c.proc)
         self.server.stop(grace=None)
         if self._channel is not None:
             self._channel.close()
@@ -207,7 +177,7 @@ class KubeletSim(pbg.RegistrationServicer):
                 self._admit(key, p)
         for key in list(self.containers):
             if key not in pods:  # deleted: stop the container, free its devices
-                _terminate(self.containers.pop(key).proc)
+                terminate(self.containers.pop(key).proc)
                 self.allocated.pop(key, None)
         now = time.monotonic()
         for c in self.containers.values():
@@ -304,17 +274,6 @@ def _bind_order(pod: dict[str, Any]) -> tuple[str, str]:
         return (decode(text).bind_time, pod["metadata"]["name"])
     except GpusliceError:
         return ("~", pod["metadata"]["name"])
-
-
-def _terminate(p: subprocess.Popen[str] | None) -> None:
-    if p is None or p.poll() is not None:
-        return
-    p.terminate()
-    try:
-        p.wait(3)
-    except subprocess.TimeoutExpired:
-        p.kill()
-        p.wait(3)
 
 
 class SchedulerSim:

@@ -23,6 +23,7 @@ import aiohttp
 import numpy as np
 
 from gpuslice.adapters.kube.annotation import decode
+from gpuslice.adapters.proc import spawn
 from gpuslice.core.assignment import ANNOTATION
 from gpuslice.core.errors import GpusliceError
 from gpuslice.core.planner import FleetType, Plan, PlanOptions, Service
@@ -33,7 +34,6 @@ from gpuslice.demo.cluster import (
     EventLog,
     NodeSpec,
     gpu_pod,
-    spawn,
 )
 from gpuslice.demo.gpumodel import MODELS, profiles
 

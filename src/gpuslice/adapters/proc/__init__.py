@@ -1,0 +1,77 @@
+"""Child processes that never outlive their parent: replicas, routers, started by the demo and
+by local mode. Each child carries a run id in its environment (``GPUSLICE_RUN``) so a later
+command (``gpuslice down``, a test) can find exactly the processes of one run.
+"""
+
+from __future__ import annotations
+
+import os
+import selectors
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from gpuslice.core.errors import GpusliceError
+
+RUN_ENV = "GPUSLICE_RUN"
+
+
+def spawn(args: list[str], run_id: str, **kw: Any) -> subprocess.Popen[str]:
+    """A child process marked with the run's id in its environment, that dies with this
+    process (see :mod:`gpuslice.adapters.proc.child`)."""
+    env = {**os.environ, RUN_ENV: run_id, **kw.pop("env", {})}
+    wrapped = [sys.executable, "-m", "gpuslice.adapters.proc.child", str(os.getpid()), *args]
+    return subprocess.Popen(wrapped, env=env, text=True, **kw)
+
+
+def read_ready(p: subprocess.Popen[str], timeout_s: float = 20.0) -> int:
+    """The port a fake replica prints as ``ready PORT``."""
+
+    assert p.stdout is not None
+    sel = selectors.DefaultSelector()
+    sel.register(p.stdout, selectors.EVENT_READ)
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if not sel.select(timeout=0.2):
+            if p.poll() is not None:
+                break
+            continue
+        line = p.stdout.readline()
+        if line.startswith("ready "):
+            return int(line.split()[1])
+        if not line:
+            break
+    raise GpusliceError(f"replica {p.args!r} did not start (exit status {p.poll()})")
+
+
+def terminate(p: subprocess.Popen[str] | None, timeout_s: float = 3.0) -> None:
+    """SIGTERM, then SIGKILL after ``timeout_s``; waits for the exit either way."""
+    if p is None or p.poll() is not None:
+        return
+    p.terminate()
+    try:
+        p.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait(timeout_s)
+
+
+def processes_of(run_id: str) -> list[int]:
+    """PIDs of the live processes started for run ``run_id`` (Linux /proc; empty elsewhere)."""
+    found = []
+    marker = f"{RUN_ENV}={run_id}".encode()
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return []
+    for d in proc.iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            env = (d / "environ").read_bytes()
+        except OSError:
+            continue
+        if marker in env.split(b"\0"):
+            found.append(int(d.name))
+    return found
