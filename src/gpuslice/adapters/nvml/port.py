@@ -36,6 +36,10 @@ class NvmlPort(Protocol):
         """Processes using the GPU now."""
         ...
 
+    def usage(self, uuid: str) -> tuple[int, int]:
+        """(memory used in MiB, utilisation in % over the last sample period) of the GPU."""
+        ...
+
     def mig_layout(self, uuid: str) -> list[tuple[str, int]]:
         """(profile name, start) of the GPU instances on a MIG-enabled GPU."""
         ...
@@ -66,6 +70,9 @@ class NullNvml:
     def clients(self, uuid: str) -> int:
         return 0
 
+    def usage(self, uuid: str) -> tuple[int, int]:
+        raise NvmlError(f"no GPU {uuid}: {self.reason}")
+
     def mig_layout(self, uuid: str) -> list[tuple[str, int]]:
         raise NvmlError(f"no GPU {uuid}: {self.reason}")
 
@@ -86,16 +93,20 @@ class FakeNvml:
           - model: G2                   # not in the catalogue: give memory_mib
             memory_mib: 32768
             faults: [79]                # XID errors reported at start
+            used_mib: 4096              # optional: memory in use and utilisation % (select)
+            utilization: 35
     """
 
     def __init__(self, gpus: list[GpuDevice], driver: str = "580.95.05",
-                 faults: list[HealthEvent] | None = None) -> None:
+                 faults: list[HealthEvent] | None = None,
+                 usage: dict[str, tuple[int, int]] | None = None) -> None:
         self._gpus = {g.uuid: g for g in gpus}
         self._order = [g.uuid for g in gpus]
         self._driver = driver
         self._pending = list(faults or [])
         self._cond = threading.Condition()
         self._clients: dict[str, int] = {}
+        self._usage: dict[str, tuple[int, int]] = dict(usage or {})
 
     @classmethod
     def from_yaml(cls, path: Path | str, node: str = "node") -> FakeNvml:
@@ -111,6 +122,7 @@ class FakeNvml:
             raise ValidationError(f"{p}: gpus", "a list of GPUs", type(items).__name__)
         gpus: list[GpuDevice] = []
         faults: list[HealthEvent] = []
+        usage: dict[str, tuple[int, int]] = {}
         for i, item in enumerate(items):
             where = f"{p}: gpus[{i}]"
             if not isinstance(item, dict) or "model" not in item:
@@ -128,7 +140,13 @@ class FakeNvml:
                                   model.sms, model.compute_capability, bool(mig), mig))
             faults.extend(HealthEvent(uuid, int(x), f"injected XID {x}")
                           for x in item.get("faults") or [])
-        return cls(gpus, str(doc.get("driver", "580.95.05")), faults)
+            if "used_mib" in item or "utilization" in item:
+                try:
+                    usage[uuid] = (int(item.get("used_mib", 0)), int(item.get("utilization", 0)))
+                except (TypeError, ValueError):
+                    raise ValidationError(f"{where}.used_mib/utilization", "integers",
+                                          item) from None
+        return cls(gpus, str(doc.get("driver", "580.95.05")), faults, usage)
 
     def driver_version(self) -> str:
         return self._driver
@@ -150,6 +168,13 @@ class FakeNvml:
 
     def set_clients(self, uuid: str, n: int) -> None:
         self._clients[uuid] = n
+
+    def usage(self, uuid: str) -> tuple[int, int]:
+        self._gpu(uuid)
+        return self._usage.get(uuid, (0, 0))
+
+    def set_usage(self, uuid: str, used_mib: int, utilization_pct: int) -> None:
+        self._usage[uuid] = (used_mib, utilization_pct)
 
     def mig_layout(self, uuid: str) -> list[tuple[str, int]]:
         g = self._gpu(uuid)

@@ -126,6 +126,16 @@ class RealNvml:
                            lib.nvmlDeviceGetComputeRunningProcesses, self._handle(uuid))
         return len(procs)
 
+    def usage(self, uuid: str) -> tuple[int, int]:
+        lib = self._lib()
+        h = self._handle(uuid)
+        mem = self._call("nvmlDeviceGetMemoryInfo", lib.nvmlDeviceGetMemoryInfo, h)
+        try:
+            util = int(lib.nvmlDeviceGetUtilizationRates(h).gpu)
+        except Exception:  # not supported on MIG-enabled GPUs: report 0, memory still counts
+            util = 0
+        return int(mem.used) // (1024 * 1024), util
+
     def _profile_id(self, uuid: str, profile: str) -> int:
         name = self._call("nvmlDeviceGetName", self._lib().nvmlDeviceGetName, self._handle(uuid))
         model = catalog.lookup(name.decode() if isinstance(name, bytes) else str(name))
