@@ -10,6 +10,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -19,6 +20,9 @@ from gpuslice import __version__
 from gpuslice.core import catalog, mig
 from gpuslice.core.errors import GpusliceError, ValidationError
 from gpuslice.core.policies import make_policy, policy_names
+
+if TYPE_CHECKING:
+    from gpuslice.adapters.nvml.port import NvmlPort
 
 DEFAULT_POLICIES = ("random", "dotprod", "gpu-clustering", "gpu-packing", "bestfit", "fgd",
                     "ours")
@@ -98,6 +102,7 @@ def _build_parser() -> argparse.ArgumentParser:
     m.add_argument("--used", help="partly used GPU: list what still fits next to this layout")
     _add_router_parser(sub)
     _add_demo_parser(sub)
+    _add_local_parsers(sub)
     _add_plan_parser(sub)
     e = sub.add_parser(
         "extender", help="kube-scheduler extender: filter, prioritize and bind over HTTP(S)",
@@ -314,6 +319,181 @@ def _demo(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _add_local_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    def common(p: argparse.ArgumentParser, gpus: bool = True) -> None:
+        p.add_argument("--state-dir", type=Path,
+                       help="local mode's state (default $GPUSLICE_STATE_DIR, else "
+                       "$XDG_STATE_HOME/gpuslice or ~/.local/state/gpuslice)")
+        if gpus:
+            p.add_argument("--fake-gpus", type=Path,
+                           help="GPUs from a fake NVML inventory (YAML) instead of NVML")
+
+    up = sub.add_parser(
+        "up", help="local mode: run inference services as GPU slices on this machine",
+        description="Place a slice per replica on the local GPUs, start MPS daemons, launch "
+        "each replica's command with its slice's environment, and serve them all through the "
+        "router on one port, restarting replicas that crash. Ctrl-C (or gpuslice down) stops "
+        "everything.")
+    up.add_argument("services", type=Path, help="services file (the planner's format plus "
+                    "command, replicas, compute, memory)")
+    up.add_argument("--port", type=int, default=8080, help="router port (default 8080)")
+    up.add_argument("--admin-port", type=int, default=0,
+                    help="router admin port for /metrics (default: any free port)")
+    up.add_argument("--no-mps", action="store_true",
+                    help="no MPS daemons: replicas time-slice the GPU (no caps enforced)")
+    up.add_argument("--mps-binary", default="nvidia-cuda-mps-control", help=argparse.SUPPRESS)
+    up.add_argument("--detach", action="store_true",
+                    help="run in the background; return once every replica answers")
+    common(up)
+    st = sub.add_parser("status", help="local mode: slices, caps and measured throughput")
+    st.add_argument("--window", type=float, default=2.0,
+                    help="seconds over which throughput is measured (default 2)")
+    st.add_argument("--json", action="store_true", help="print JSON")
+    common(st, gpus=False)
+    dn = sub.add_parser("down", help="local mode: stop replicas, router and MPS daemons")
+    dn.add_argument("--timeout", type=float, default=20.0)
+    common(dn, gpus=False)
+    se = sub.add_parser(
+        "select", help="print the local GPU (or MIG instance) that best fits a workload",
+        description="Print the UUID of the local GPU or MIG instance with room for --memory "
+        "and --compute, by free memory and utilisation measured through NVML less the slices "
+        "local mode has handed out; a value for CUDA_VISIBLE_DEVICES.")
+    se.add_argument("--memory", default="0", help="GPU memory needed, e.g. 8G (default 0)")
+    se.add_argument("--compute", default="0", help="percent of a GPU needed (default 0)")
+    se.add_argument("--index", action="store_true", help="print the GPU index, not the UUID")
+    common(se)
+
+
+def _local_nvml(args: argparse.Namespace) -> NvmlPort:
+    from gpuslice.adapters.nvml.port import FakeNvml
+    from gpuslice.adapters.nvml.real import load
+
+    return FakeNvml.from_yaml(args.fake_gpus, "local") if args.fake_gpus else load()
+
+
+def _up(args: argparse.Namespace, console: Console) -> int:
+    import asyncio
+
+    from gpuslice.services.local import (
+        LocalRuntime,
+        alive,
+        default_state_dir,
+        read_local_services,
+        read_state,
+        run_local,
+    )
+
+    state_dir = args.state_dir or default_state_dir()
+    cfg = read_local_services(args.services)
+    old = read_state(state_dir)
+    if old is not None and alive(int(old.get("pid", 0))):
+        raise ValidationError("--state-dir", "no local mode already running there (gpuslice "
+                              "down first)", f"{state_dir}: pid {old.get('pid')}")
+    if not 0 <= args.port <= 65535:
+        raise ValidationError("--port", "a port from 0 to 65535", args.port)
+    if args.detach:
+        return _up_detached(args, state_dir, console)
+    rt = LocalRuntime(cfg, _local_nvml(args), state_dir, port=args.port,
+                      admin_port=args.admin_port, mps=not args.no_mps,
+                      mps_binary=args.mps_binary)
+    asyncio.run(run_local(rt))
+    return 0
+
+
+def _up_detached(args: argparse.Namespace, state_dir: Path, console: Console) -> int:
+    import subprocess
+    import time
+
+    from gpuslice.services.local import alive, read_state
+
+    argv = [a for a in sys.argv[1:] if a != "--detach"] if sys.argv[1:2] == ["up"] else None
+    if argv is None:
+        argv = ["up", str(args.services), "--port", str(args.port), "--admin-port",
+                str(args.admin_port), "--state-dir", str(state_dir)]
+        argv += ["--no-mps"] if args.no_mps else []
+        argv += ["--fake-gpus", str(args.fake_gpus)] if args.fake_gpus else []
+    if "--state-dir" not in argv:
+        argv += ["--state-dir", str(state_dir)]
+    state_dir.mkdir(parents=True, exist_ok=True)
+    log = state_dir / "up.log"
+    with open(log, "w") as out:
+        p = subprocess.Popen([sys.executable, "-m", "gpuslice.cli", *argv], stdout=out,
+                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                             start_new_session=True)
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        st = read_state(state_dir)
+        if st and st.get("pid") == p.pid and st.get("status") == "running":
+            console.print(f"gpuslice up: serving on {st['router']['url']} (pid {p.pid}); "
+                          f"gpuslice status, gpuslice down")
+            return 0
+        if p.poll() is not None or not alive(p.pid):
+            tail = log.read_text()[-2000:]
+            raise GpusliceError(f"gpuslice up exited with status {p.returncode}:\n{tail}")
+        time.sleep(0.2)
+    raise GpusliceError(f"gpuslice up did not come up in 600 s; see {log}")
+
+
+def _status(args: argparse.Namespace, console: Console) -> int:
+    import asyncio
+    import json
+
+    from rich.table import Table
+
+    from gpuslice.services.local import alive, default_state_dir, read_state, replica_throughput
+
+    state_dir = args.state_dir or default_state_dir()
+    st = read_state(state_dir)
+    if st is None or not alive(int(st.get("pid", 0))):
+        console.print(f"local mode is not running (state: {state_dir})")
+        return 3
+    rates: dict[str, float] = {}
+    if st.get("router"):
+        admin = f"http://127.0.0.1:{st['router']['admin_port']}"
+        rates = asyncio.run(replica_throughput(admin, args.window))
+    for r in st["replicas"]:
+        r["throughput_rps"] = round(rates.get(r["name"], 0.0), 2)
+    if args.json:
+        sys.stdout.write(json.dumps(st, indent=1) + "\n")
+        return 0
+    t = Table(title=f"gpuslice local mode: {st['status']}, router "
+              f"{(st.get('router') or {}).get('url', '-')}, pid {st['pid']}")
+    for col in ("replica", "GPU", "compute", "memory cap", "pid", "status", "restarts",
+                f"req/s ({args.window:g} s)"):
+        t.add_column(col)
+    for r in st["replicas"]:
+        t.add_row(r["name"], f"{r['gpu_index']} {r['gpu_uuid']}", f"{r['compute_pct']}%",
+                  f"{r['memory_mib']} MiB", str(r["pid"]), r["status"], str(r["restarts"]),
+                  f"{r['throughput_rps']:.1f}")
+    console.print(t)
+    for m in st.get("mps", []):
+        console.print(f"MPS daemon for {m['uuid']}: pipe {m['pipe_dir']}")
+    return 0
+
+
+def _down(args: argparse.Namespace, console: Console) -> int:
+    from gpuslice.services.local import default_state_dir, stop_local
+
+    for line in stop_local(args.state_dir or default_state_dir(), args.timeout):
+        console.print(line)
+    return 0
+
+
+def _select(args: argparse.Namespace, console: Console) -> int:
+    from gpuslice.core.local import parse_memory, parse_percent, select_gpu
+    from gpuslice.services.local import default_state_dir, held_slices, local_gpus, read_state
+
+    memory = 0 if str(args.memory) == "0" else parse_memory("--memory", args.memory)
+    compute = 0 if str(args.compute) in ("0", "0%") else parse_percent("--compute",
+                                                                       args.compute)
+    nvml = _local_nvml(args)
+    gpus = local_gpus(nvml)
+    held = held_slices(read_state(args.state_dir or default_state_dir()))
+    g = select_gpu(gpus, held, memory, compute)
+    console.print(str(g.index) if args.index else g.uuid, highlight=False)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     console = Console(stderr=False)
     err = Console(stderr=True)
@@ -337,6 +517,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _router(args, console)
         if args.command == "demo":
             return _demo(args, console)
+        if args.command == "up":
+            return _up(args, console)
+        if args.command == "status":
+            return _status(args, console)
+        if args.command == "down":
+            return _down(args, console)
+        if args.command == "select":
+            return _select(args, console)
     except GpusliceError as exc:
         err.print(f"gpuslice: error: {exc}", markup=False, highlight=False, soft_wrap=True)
         return 2
@@ -565,7 +753,7 @@ def _node_agent(args: argparse.Namespace, console: Console) -> int:
 
     from gpuslice.adapters.kube.client import KubeClient
     from gpuslice.adapters.kube.fake import KubePort, load_fake_cluster
-    from gpuslice.adapters.nvml.port import FakeNvml, NvmlPort
+    from gpuslice.adapters.nvml.port import FakeNvml
     from gpuslice.adapters.nvml.real import load
     from gpuslice.services.device_plugin import PluginConfig
     from gpuslice.services.node_agent import NodeAgent
@@ -609,7 +797,7 @@ def _node_agent(args: argparse.Namespace, console: Console) -> int:
 def _mig_apply(args: argparse.Namespace, console: Console) -> int:
     from gpuslice.adapters.kube.client import KubeClient
     from gpuslice.adapters.kube.fake import KubePort, load_fake_cluster
-    from gpuslice.adapters.nvml.port import FakeNvml, NvmlPort
+    from gpuslice.adapters.nvml.port import FakeNvml
     from gpuslice.adapters.nvml.real import load
     from gpuslice.services.mig_executor import MigExecutor, read_config
 

@@ -5,44 +5,17 @@ the real one on a GPU machine."""
 from __future__ import annotations
 
 import shutil
-import stat
-import sys
 from pathlib import Path
 
 import pytest
 
 from gpuslice.adapters.mps import MpsDaemon, MpsError
-
-FAKE = r'''#!PYTHON
-import json, os, sys
-pipe = os.environ["CUDA_MPS_PIPE_DIRECTORY"]
-state = os.path.join(pipe, "fake-state.json")
-if sys.argv[1:] == ["-d"]:
-    os.makedirs(pipe, exist_ok=True)
-    json.dump({"pct": 100.0, "mem": None}, open(state, "w"))
-    open(os.path.join(pipe, "control"), "w").close()
-    sys.exit(0)
-cmd = sys.stdin.read().split()
-if not os.path.exists(os.path.join(pipe, "control")):
-    print("Cannot find MPS control daemon process"); sys.exit(0)
-s = json.load(open(state))
-if cmd[:1] == ["get_default_active_thread_percentage"]: print(s["pct"])
-elif cmd[:1] == ["set_default_active_thread_percentage"]:
-    s["pct"] = float(cmd[1]); json.dump(s, open(state, "w")); print(s["pct"])
-elif cmd[:1] == ["set_default_device_pinned_mem_limit"]:
-    s["mem"] = cmd[2]; json.dump(s, open(state, "w"))
-elif cmd[:1] == ["get_server_list"]: pass
-elif cmd[:1] == ["quit"]: os.remove(os.path.join(pipe, "control"))
-else: print('Unknown command "%s"' % " ".join(cmd))
-sys.exit(0)
-'''
+from tests.fake_mps import write_fake_mps
 
 
 @pytest.fixture
 def daemon(tmp_path: Path) -> MpsDaemon:
-    tool = tmp_path / "mps-control"
-    tool.write_text(FAKE.replace("PYTHON", sys.executable))
-    tool.chmod(tool.stat().st_mode | stat.S_IEXEC)
+    tool = write_fake_mps(tmp_path / "mps-control")
     return MpsDaemon("GPU-aaa", tmp_path / "pipe", tmp_path / "log", binary=str(tool))
 
 

@@ -51,3 +51,19 @@ def test_select_counts_measured_use_and_slices_already_handed_out() -> None:
     assert select_gpu(busy, held, 8192, 20).uuid == "GPU-b"  # more headroom than GPU-a
     with pytest.raises(ValidationError, match="--compute"):
         select_gpu(busy, [], 1, 101)
+
+
+@pytest.mark.parametrize(("text", "mib"), [(8192, 8192), ("8192M", 8192), ("8G", 8192),
+                                           ("8Gi", 8192), ("1.5GiB", 1536), ("1T", 1048576)])
+def test_memory_amounts(text: object, mib: int) -> None:
+    from gpuslice.core.local import parse_memory
+
+    assert parse_memory("memory", text) == mib
+
+
+@pytest.mark.parametrize("bad", ["8X", "-1G", "lots", True, "0"])
+def test_bad_memory_amounts_name_the_field(bad: object) -> None:
+    from gpuslice.core.local import parse_memory
+
+    with pytest.raises(ValidationError, match=r"services\.a\.memory"):
+        parse_memory("services.a.memory", bad)

@@ -154,3 +154,42 @@ def select_gpu(gpus: Sequence[LocalGpu], held: Sequence[LocalSlice], memory_mib:
         raise NoRoom(f"no GPU has {memory_mib} MiB and {compute_pct}% free: " +
                      "; ".join(reasons))
     return best[1]
+
+
+_UNITS = {"": 1, "M": 1, "MI": 1, "MIB": 1, "MB": 1, "G": 1024, "GI": 1024, "GIB": 1024,
+          "GB": 1024, "T": 1024 * 1024, "TI": 1024 * 1024, "TIB": 1024 * 1024,
+          "TB": 1024 * 1024}
+
+
+def parse_memory(field: str, value: object) -> int:
+    """MiB from ``8192``, ``"8192M"``, ``"8G"``, ``"8Gi"`` or ``"8GiB"`` (G means GiB here, as
+    nvidia-smi and CUDA_MPS_PINNED_DEVICE_MEM_LIMIT use it)."""
+    if isinstance(value, bool):
+        raise ValidationError(field, "an amount of GPU memory such as 8G or 8192M", value)
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    text = str(value).strip().upper()
+    num = text.rstrip("ABCDEFGHIJKLMNOPQRSTUVWXYZ")
+    unit = text[len(num):].strip()
+    try:
+        n = float(num)
+    except ValueError:
+        raise ValidationError(field, "an amount of GPU memory such as 8G or 8192M",
+                              value) from None
+    if unit not in _UNITS or n <= 0:
+        raise ValidationError(field, "an amount of GPU memory such as 8G or 8192M", value)
+    return int(n * _UNITS[unit])
+
+
+def parse_percent(field: str, value: object) -> int:
+    """1..100 from ``30`` or ``"30%"``."""
+    text = str(value).strip().removesuffix("%")
+    try:
+        n = float(text)
+    except ValueError:
+        raise ValidationError(field, "a percentage from 1 to 100", value) from None
+    if isinstance(value, bool) or not 1 <= n <= 100 or not n.is_integer():
+        raise ValidationError(field, "a whole percentage from 1 to 100", value)
+    return int(n)

@@ -22,7 +22,10 @@ def main() -> None:
             ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PDEATHSIG
     if os.getppid() != parent:  # the parent is already gone
         sys.exit(1)
-    os.execv(cmd[0], cmd)
+    try:
+        os.execvp(cmd[0], cmd)
+    except OSError as exc:
+        sys.exit(f"cannot run {cmd[0]!r}: {exc}")
 
 
 if __name__ == "__main__":

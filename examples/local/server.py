@@ -1,0 +1,158 @@
+"""A small model server for gpuslice local mode: a PyTorch model with random weights behind
+the Open Inference Protocol paths, on the port local mode gives it.
+
+    python examples/local/server.py --model resnet50 --port 8001
+
+Models: resnet50 and mobilenet_v3 (torchvision), encoder (a 6-layer transformer encoder, BERT
+base sized, plain PyTorch), and tiny (a NumPy matrix product: no PyTorch, for machines without a
+GPU). Endpoints: GET /v2/health/ready; POST /v2/models/<name>/infer runs one batch (size from the
+X-Batch-Size header, else --batch) and answers its latency; GET /slice shows the slice this
+replica was given (CUDA_VISIBLE_DEVICES and the MPS caps local mode set); GET /alloc?mib=N
+allocates N MiB on the GPU and answers whether it fitted (the memory-cap check).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+SLICE_VARS = ("CUDA_VISIBLE_DEVICES", "CUDA_MPS_PIPE_DIRECTORY",
+              "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT",
+              "GPUSLICE_SERVICE", "GPUSLICE_REPLICA", "PORT")
+
+
+class Model:
+    def __init__(self, name: str, batch: int, device: str) -> None:
+        self.name, self.batch, self.device = name, batch, device
+        self.lock = threading.Lock()
+        self.held: list[Any] = []
+        if name == "tiny":
+            import numpy as np
+
+            self.np = np
+            self.w = np.random.default_rng(0).standard_normal((256, 256)).astype("float32")
+            return
+        try:
+            import torch
+        except ImportError:
+            sys.exit(f"model {name} needs PyTorch: pip install torch torchvision "
+                     "(or use --model tiny)")
+        self.torch = torch
+        if name in ("resnet50", "mobilenet_v3"):
+            try:
+                import torchvision.models as tvm
+            except ImportError:
+                sys.exit(f"model {name} needs torchvision: pip install torchvision")
+            net = tvm.resnet50(weights=None) if name == "resnet50" else \
+                tvm.mobilenet_v3_large(weights=None)
+            self.shape: tuple[int, ...] = (3, 224, 224)
+        elif name == "encoder":
+            layer = torch.nn.TransformerEncoderLayer(768, 12, 3072, batch_first=True)
+            net = torch.nn.TransformerEncoder(layer, 6)
+            self.shape = (128, 768)
+        else:
+            sys.exit(f"unknown model {name}: resnet50, mobilenet_v3, encoder or tiny")
+        dtype = torch.float16 if device == "cuda" else torch.float32
+        self.net = net.eval().to(device=device, dtype=dtype)
+        self.dtype = dtype
+
+    def infer(self, batch: int) -> float:
+        start = time.perf_counter()
+        with self.lock:
+            if self.name == "tiny":
+                x = self.np.ones((batch, 256), dtype="float32")
+                for _ in range(20):
+                    x = self.np.tanh(x @ self.w)
+            else:
+                torch = self.torch
+                with torch.inference_mode():
+                    x = torch.randn((batch, *self.shape), device=self.device, dtype=self.dtype)
+                    self.net(x)
+                    if self.device == "cuda":
+                        torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    def alloc(self, mib: int) -> dict[str, Any]:
+        if self.name == "tiny":
+            return {"allocated_mib": 0, "ok": False, "error": "no GPU in tiny mode"}
+        torch = self.torch
+        try:
+            self.held.append(torch.empty(mib * 1024 * 1024, dtype=torch.uint8,
+                                         device=self.device))
+            torch.cuda.synchronize()
+            return {"allocated_mib": mib, "ok": True}
+        except torch.OutOfMemoryError as exc:
+            return {"allocated_mib": 0, "ok": False, "error": f"OutOfMemoryError: {exc}"}
+
+
+def handler(model: Model) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def _send(self, code: int, doc: object) -> None:
+            body = json.dumps(doc).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self) -> None:
+            if self.path.startswith(("/v2/health/ready", "/v2/health/live", "/healthz")):
+                self._send(200, {"ready": True})
+            elif self.path == "/slice":
+                self._send(200, {k: os.environ.get(k) for k in SLICE_VARS})
+            elif self.path.startswith("/alloc?mib="):
+                self._send(200, model.alloc(int(self.path.split("=", 1)[1])))
+            else:
+                self._send(404, {"error": f"no route {self.path}"})
+
+        def do_POST(self) -> None:
+            n = int(self.headers.get("Content-Length") or 0)
+            self.rfile.read(n)
+            if not (self.path.startswith("/v2/models/") and self.path.endswith("/infer")):
+                self._send(404, {"error": f"no route {self.path}"})
+                return
+            raw = self.headers.get("X-Batch-Size", "")
+            batch = int(raw) if raw.isdigit() and int(raw) > 0 else model.batch
+            took = model.infer(batch)
+            self._send(200, {"model_name": model.name, "batch": batch,
+                             "latency_ms": round(took * 1000, 3)})
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+    return Handler
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="tiny")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--port", type=int, default=int(os.environ.get("PORT", "8000")))
+    ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda if present)")
+    args = ap.parse_args()
+    device = args.device
+    if device is None:
+        device = "cpu"
+        if args.model != "tiny":
+            import torch
+
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = Model(args.model, args.batch, device)
+    model.infer(args.batch)  # warm-up before answering ready
+    server = ThreadingHTTPServer(("127.0.0.1", args.port), handler(model))
+    print(f"serving {args.model} on {device}, port {args.port}", flush=True)
+    with contextlib.suppress(KeyboardInterrupt):
+        server.serve_forever()
+
+
+if __name__ == "__main__":
+    main()

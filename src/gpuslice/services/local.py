@@ -1,0 +1,506 @@
+"""Local mode: inference services on the GPUs of one machine, without Kubernetes.
+
+``gpuslice up services.yaml`` places a slice per replica on the local GPUs
+(:func:`gpuslice.core.local.place_local`), starts one MPS control daemon per GPU in use (private
+pipe and log directories under the state directory), launches each replica's command with the
+environment of its slice, puts the router in front on one port, restarts replicas that crash
+(with back-off), and on SIGINT/SIGTERM stops everything: replicas, router, MPS daemons. The
+state directory's ``state.json`` (rewritten atomically on every change) is what
+``gpuslice status`` and ``gpuslice down`` read.
+
+The services file is the planner's (``name``, ``model``, ``rate``, ``slo_ms``) with what local
+mode needs added per service::
+
+    health_path: /v2/health/ready        # optional, for every replica
+    services:
+      - name: resnet50
+        model: resnet50
+        slo_ms: 100                      # router admission control (optional)
+        command: ["python", "server.py", "--port", "{port}"]
+        replicas: 2                      # default 1
+        compute: 30                      # MPS thread % per replica (default: a fair share)
+        memory: 8G                       # pinned memory cap per replica (default: fair share)
+        gpu: 0                           # optional: pin to a GPU index or UUID
+        env: {OMP_NUM_THREADS: "2"}
+
+Each replica gets ``PORT`` (also substituted for ``{port}`` in its command), ``GPUSLICE_SERVICE``,
+``GPUSLICE_REPLICA``, ``CUDA_VISIBLE_DEVICES`` (GPU or MIG instance UUID), and with MPS
+``CUDA_MPS_PIPE_DIRECTORY``, ``CUDA_MPS_LOG_DIRECTORY``, ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``
+and ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import shlex
+import socket
+import subprocess
+import time
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import aiohttp
+import yaml
+
+from gpuslice.adapters.mps import MpsDaemon
+from gpuslice.adapters.nvml.port import NvmlPort
+from gpuslice.adapters.proc import spawn, terminate
+from gpuslice.core.errors import GpusliceError, ValidationError
+from gpuslice.core.local import (
+    LocalGpu,
+    LocalSlice,
+    SliceWant,
+    parse_memory,
+    parse_percent,
+    place_local,
+)
+from gpuslice.core.routing_config import parse_router_config
+
+STATE_FILE = "state.json"
+
+
+@dataclass(frozen=True)
+class LocalService:
+    name: str
+    command: tuple[str, ...]
+    replicas: int = 1
+    model: str = ""
+    slo_ms: float | None = None
+    compute_pct: int | None = None
+    memory_mib: int | None = None
+    gpu: str | None = None
+    env: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class LocalConfig:
+    services: tuple[LocalService, ...]
+    health_path: str = "/v2/health/ready"
+    ready_timeout_s: float = 180.0
+
+
+def read_local_services(path: Path) -> LocalConfig:
+    """The services file (YAML or JSON); every error names the file and the field."""
+    try:
+        doc = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise ValidationError("services file", "an existing file", str(path)) from None
+    except (OSError, yaml.YAMLError) as exc:
+        raise ValidationError(str(path), "valid YAML or JSON", str(exc)) from None
+    items = doc.get("services") if isinstance(doc, dict) else doc
+    if not isinstance(items, list) or not items:
+        raise ValidationError(f"{path}: services", "a non-empty list of services", items)
+    out = []
+    for i, raw in enumerate(items):
+        where = f"{path}: services[{i}]"
+        if not isinstance(raw, dict):
+            raise ValidationError(where, "a mapping with name and command", raw)
+        name = raw.get("name", raw.get("model"))
+        if not isinstance(name, str) or not name or "/" in name:
+            raise ValidationError(f"{where}.name", "a service name without '/'", name)
+        where = f"{path}: services[{name}]"
+        cmd = raw.get("command")
+        if isinstance(cmd, str):
+            cmd = shlex.split(cmd)
+        if not isinstance(cmd, list) or not cmd or not all(isinstance(c, str | int | float)
+                                                           for c in cmd):
+            raise ValidationError(f"{where}.command", "a command line (string or list)", cmd)
+        replicas = raw.get("replicas", 1)
+        if not isinstance(replicas, int) or isinstance(replicas, bool) or not 1 <= replicas <= 64:
+            raise ValidationError(f"{where}.replicas", "an integer from 1 to 64", replicas)
+        slo = raw.get("slo_ms")
+        if slo is not None and (isinstance(slo, bool) or not isinstance(slo, int | float)
+                                or slo <= 0):
+            raise ValidationError(f"{where}.slo_ms", "a positive number of milliseconds", slo)
+        env = raw.get("env") or {}
+        if not isinstance(env, dict):
+            raise ValidationError(f"{where}.env", "a mapping of variable names to values", env)
+        out.append(LocalService(
+            name=name, command=tuple(str(c) for c in cmd), replicas=replicas,
+            model=str(raw.get("model", name)),
+            slo_ms=None if slo is None else float(slo),
+            compute_pct=None if raw.get("compute") is None
+            else parse_percent(f"{where}.compute", raw["compute"]),
+            memory_mib=None if raw.get("memory") is None
+            else parse_memory(f"{where}.memory", raw["memory"]),
+            gpu=None if raw.get("gpu") is None else str(raw["gpu"]),
+            env={str(k): str(v) for k, v in env.items()}))
+    names = [s.name for s in out]
+    if len(set(names)) != len(names):
+        raise ValidationError(f"{path}: services", "distinct service names", names)
+    health = doc.get("health_path", "/v2/health/ready") if isinstance(doc, dict) else \
+        "/v2/health/ready"
+    if not isinstance(health, str) or not health.startswith("/"):
+        raise ValidationError(f"{path}: health_path", "a path starting with /", health)
+    return LocalConfig(tuple(out), health)
+
+
+def local_gpus(nvml: NvmlPort) -> list[LocalGpu]:
+    """The GPUs (and MIG instances) of this machine as local mode sees them."""
+    out: list[LocalGpu] = []
+    for g in nvml.devices():
+        if not g.healthy:
+            continue
+        try:
+            used, util = nvml.usage(g.uuid)
+        except GpusliceError:
+            used, util = 0, 0
+        if g.mig_enabled:
+            out.extend(LocalGpu(m.uuid, g.index, f"{g.model} {m.profile}", m.memory_mib)
+                       for m in g.mig)
+        else:
+            out.append(LocalGpu(g.uuid, g.index, g.model, g.memory_mib, used, util))
+    return out
+
+
+def default_state_dir() -> Path:
+    env = os.environ.get("GPUSLICE_STATE_DIR")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "gpuslice"
+
+
+def read_state(state_dir: Path) -> dict[str, Any] | None:
+    try:
+        doc = json.loads((state_dir / STATE_FILE).read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        raise ValidationError(str(state_dir / STATE_FILE), "a local-mode state file",
+                              str(exc)) from None
+    return doc if isinstance(doc, dict) else None
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def held_slices(state: dict[str, Any] | None) -> list[LocalSlice]:
+    """The slices a running local mode holds (none when it is not running)."""
+    if not state or not alive(int(state.get("pid", 0))):
+        return []
+    return [LocalSlice(r["name"], r["service"], r["gpu_uuid"], r["gpu_index"],
+                       r["compute_pct"], r["memory_mib"]) for r in state.get("replicas", [])]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@dataclass
+class Replica:
+    slice: LocalSlice
+    service: LocalService
+    port: int = 0
+    proc: subprocess.Popen[str] | None = None
+    log: IO[str] | None = None
+    restarts: int = 0
+    status: str = "starting"
+    ready: bool = False
+    next_start: float = 0.0
+    started_at: float = 0.0
+
+
+class LocalRuntime:
+    def __init__(self, cfg: LocalConfig, nvml: NvmlPort, state_dir: Path, *, port: int = 8080,
+                 admin_port: int = 0, host: str = "127.0.0.1", mps: bool = True,
+                 mps_binary: str = "nvidia-cuda-mps-control", run_id: str = "") -> None:
+        self.cfg, self.nvml, self.dir = cfg, nvml, state_dir
+        self.port, self.admin_port, self.host = port, admin_port, host
+        self.mps, self.mps_binary = mps, mps_binary
+        self.run_id = run_id or os.urandom(6).hex()
+        self.replicas: list[Replica] = []
+        self.daemons: dict[str, MpsDaemon] = {}
+        self.router: Any = None
+        self.events: list[str] = []
+        self._session: aiohttp.ClientSession | None = None
+
+    # -- state -------------------------------------------------------------------------------
+
+    def state(self, status: str) -> dict[str, Any]:
+        return {
+            "run_id": self.run_id, "pid": os.getpid(), "status": status,
+            "router": None if self.router is None else {
+                "url": f"http://{self.host}:{self.router.port}",
+                "port": self.router.port, "admin_port": self.router.admin_port},
+            "replicas": [{**asdict(r.slice), "name": r.slice.replica, "port": r.port,
+                          "pid": None if r.proc is None else r.proc.pid,
+                          "restarts": r.restarts, "status": r.status,
+                          "log": str(self.dir / "logs" / f"{r.slice.replica}.log")}
+                         for r in self.replicas],
+            "mps": [{"uuid": u, "pipe_dir": str(d.pipe_dir), "log_dir": str(d.log_dir)}
+                    for u, d in self.daemons.items()],
+            "events": self.events[-50:],
+        }
+
+    def write_state(self, status: str) -> None:
+        tmp = self.dir / (STATE_FILE + ".tmp")
+        tmp.write_text(json.dumps(self.state(status), indent=1))
+        tmp.replace(self.dir / STATE_FILE)
+
+    def note(self, text: str) -> None:
+        self.events.append(f"{time.strftime('%H:%M:%S')} {text}")
+        print(f"gpuslice up: {text}", flush=True)
+
+    # -- life cycle --------------------------------------------------------------------------
+
+    def plan(self) -> list[LocalSlice]:
+        gpus = local_gpus(self.nvml)
+        if not gpus:
+            raise GpusliceError(f"no GPU to run on: {self.nvml.why_empty() or 'none healthy'}")
+        wants = [SliceWant(f"{s.name}-{i}", s.name, s.compute_pct, s.memory_mib, s.gpu)
+                 for s in self.cfg.services for i in range(s.replicas)]
+        return place_local(gpus, wants)
+
+    def _env(self, r: Replica) -> dict[str, str]:
+        s = r.slice
+        env = {**r.service.env, "PORT": str(r.port), "GPUSLICE_SERVICE": s.service,
+               "GPUSLICE_REPLICA": s.replica, "CUDA_VISIBLE_DEVICES": s.gpu_uuid}
+        d = self.daemons.get(s.gpu_uuid)
+        if d is not None:
+            env.update(CUDA_MPS_PIPE_DIRECTORY=str(d.pipe_dir),
+                       CUDA_MPS_LOG_DIRECTORY=str(d.log_dir),
+                       CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=str(s.compute_pct),
+                       CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=f"0={s.memory_mib}M")
+        return env
+
+    def _start(self, r: Replica) -> None:
+        r.port = _free_port()
+        cmd = [c.replace("{port}", str(r.port)) for c in r.service.command]
+        logs = self.dir / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        if r.log is None:
+            r.log = open(logs / f"{r.slice.replica}.log", "a", buffering=1)  # noqa: SIM115
+        try:
+            r.proc = spawn(cmd, self.run_id, env=self._env(r), stdout=r.log,
+                           stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        except OSError as exc:
+            raise GpusliceError(f"replica {r.slice.replica}: cannot run {cmd[0]!r}: "
+                                f"{exc}") from None
+        r.status, r.ready, r.started_at = "starting", False, time.monotonic()
+
+    async def _probe(self, r: Replica) -> bool:
+        assert self._session is not None
+        try:
+            async with self._session.get(f"http://127.0.0.1:{r.port}{self.cfg.health_path}",
+                                         timeout=aiohttp.ClientTimeout(total=1.0)) as resp:
+                return resp.status == 200
+        except (TimeoutError, aiohttp.ClientError):
+            return False
+
+    def router_config(self) -> Any:
+        services = []
+        for s in self.cfg.services:
+            reps = [{"name": r.slice.replica, "url": f"http://127.0.0.1:{r.port}",
+                     "gpu": r.slice.gpu_uuid, "slice": f"{r.slice.compute_pct}%",
+                     "weight": r.slice.compute_pct}
+                    for r in self.replicas if r.service is s and r.ready]
+            svc: dict[str, Any] = {"name": s.name, "models": [s.name, s.model],
+                                   "replicas": reps}
+            if s.slo_ms is not None:
+                svc["slo_ms"] = s.slo_ms
+            services.append(svc)
+        return parse_router_config({"policy": "sed", "services": services,
+                                    "health": {"path": self.cfg.health_path,
+                                               "interval_s": 1.0}}, need_urls=False)
+
+    async def start(self) -> None:
+        from gpuslice.services.router import start_router
+
+        self.dir.mkdir(parents=True, exist_ok=True)
+        slices = self.plan()
+        for sl in slices:
+            self.note(f"{sl.replica}: GPU {sl.gpu_index} ({sl.gpu_uuid}), {sl.compute_pct}% "
+                      f"compute, {sl.memory_mib} MiB")
+        if self.mps:
+            for uuid in sorted({sl.gpu_uuid for sl in slices}):
+                n = len(self.daemons)
+                d = MpsDaemon(uuid, self.dir / "mps" / f"g{n}", self.dir / "mps" / f"g{n}-log",
+                              binary=self.mps_binary)
+                await asyncio.get_running_loop().run_in_executor(None, d.start)
+                self.daemons[uuid] = d
+                self.note(f"MPS control daemon for {uuid} (pipe {d.pipe_dir})")
+        by_name = {s.name: s for s in self.cfg.services}
+        self.replicas = [Replica(sl, by_name[sl.service]) for sl in slices]
+        self._session = aiohttp.ClientSession()
+        for r in self.replicas:
+            self._start(r)
+        self.write_state("starting")
+        deadline = time.monotonic() + self.cfg.ready_timeout_s
+        while not all(r.ready for r in self.replicas):
+            await self._check(restart=False)
+            if time.monotonic() > deadline:
+                slow = [r.slice.replica for r in self.replicas if not r.ready]
+                raise GpusliceError(f"replicas not ready after {self.cfg.ready_timeout_s:.0f} "
+                                    f"s: {slow}; see their logs in {self.dir / 'logs'}")
+            dead = [r for r in self.replicas if r.proc is not None and r.proc.poll() is not None]
+            if dead:
+                r = dead[0]
+                raise GpusliceError(f"replica {r.slice.replica} exited with status "
+                                    f"{r.proc.returncode if r.proc else '?'} while starting; "
+                                    f"see {self.dir / 'logs' / (r.slice.replica + '.log')}")
+            await asyncio.sleep(0.2)
+        self.router = await start_router(self.router_config(), host=self.host, port=self.port,
+                                         admin_port=self.admin_port)
+        self.note(f"router on http://{self.host}:{self.router.port} (admin port "
+                  f"{self.router.admin_port})")
+        self.write_state("running")
+
+    async def _check(self, restart: bool = True) -> bool:
+        """Probe and restart replicas; True when the set of ready replicas changed."""
+        changed = False
+        now = time.monotonic()
+        for r in self.replicas:
+            if r.proc is not None and r.proc.poll() is not None:
+                if r.status != "crashed":
+                    self.note(f"{r.slice.replica} exited with status {r.proc.returncode}")
+                    r.status, r.ready = "crashed", False
+                    r.next_start = now + min(30.0, 0.5 * 2 ** min(r.restarts, 6))
+                    changed = True
+                if restart and now >= r.next_start:
+                    r.restarts += 1
+                    self._start(r)
+                    self.note(f"{r.slice.replica} restarted (restart {r.restarts})")
+                continue
+            if not r.ready and await self._probe(r):
+                r.ready, r.status = True, "running"
+                changed = True
+        return changed
+
+    async def supervise(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), 0.5)
+            if stop.is_set():
+                break
+            if await self._check():
+                cfg = self.router_config()
+                if all(s.replicas for s in cfg.services):
+                    self.router.router.apply(cfg)
+                self.write_state("running")
+
+    async def close(self) -> None:
+        for r in self.replicas:
+            if r.proc is not None and r.proc.poll() is None:
+                r.proc.terminate()
+        for r in self.replicas:
+            await asyncio.get_running_loop().run_in_executor(None, terminate, r.proc, 5.0)
+            if r.log is not None:
+                r.log.close()
+            r.status = "stopped"
+        if self.router is not None:
+            await self.router.close()
+        if self._session is not None:
+            await self._session.close()
+        for uuid, d in self.daemons.items():
+            try:
+                await asyncio.get_running_loop().run_in_executor(None, d.quit)
+            except GpusliceError as exc:
+                self.note(f"MPS daemon for {uuid}: {exc}")
+        (self.dir / STATE_FILE).unlink(missing_ok=True)
+        self.note("stopped: replicas, router and MPS daemons")
+
+
+async def run_local(rt: LocalRuntime) -> None:
+    """``gpuslice up`` in the foreground: until SIGINT or SIGTERM."""
+    import signal
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        starting = asyncio.create_task(rt.start())
+        stopping = asyncio.create_task(stop.wait())
+        done, _ = await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if starting in done:
+            starting.result()  # raise a start-up error
+            await rt.supervise(stop)
+        else:
+            starting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await starting
+        stopping.cancel()
+    finally:
+        await rt.close()
+
+
+def stop_local(state_dir: Path, timeout_s: float = 20.0) -> list[str]:
+    """``gpuslice down``: stop the local mode of ``state_dir`` and anything it left behind.
+    Returns what was done, one line each."""
+    import signal
+
+    from gpuslice.adapters.proc import processes_of
+
+    state = read_state(state_dir)
+    if state is None:
+        return ["nothing running (no state in " + str(state_dir) + ")"]
+    done = []
+    pid = int(state.get("pid", 0))
+    if pid and alive(pid):
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        while alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if alive(pid):
+            os.kill(pid, signal.SIGKILL)
+            done.append(f"gpuslice up (pid {pid}) did not stop in {timeout_s:.0f} s: killed")
+        else:
+            done.append(f"stopped gpuslice up (pid {pid})")
+    # whatever survived a crash of `up`: its replicas (found by run id) and MPS daemons
+    for child in processes_of(str(state.get("run_id", "-"))):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child, signal.SIGKILL)
+            done.append(f"killed leftover process {child}")
+    for m in state.get("mps", []):
+        d = MpsDaemon(str(m["uuid"]), Path(m["pipe_dir"]), Path(m["log_dir"]))
+        if d.healthy():
+            try:
+                d.quit()
+                done.append(f"quit leftover MPS daemon for {m['uuid']}")
+            except GpusliceError as exc:
+                done.append(f"MPS daemon for {m['uuid']}: {exc}")
+    (state_dir / STATE_FILE).unlink(missing_ok=True)
+    return done or ["nothing was running; removed the stale state"]
+
+
+async def replica_throughput(admin_url: str, window_s: float) -> dict[str, float]:
+    """Requests/s answered per replica over ``window_s``, from the router's Prometheus
+    counters read at both ends of the window."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    async def scrape(session: aiohttp.ClientSession) -> dict[str, float]:
+        async with session.get(admin_url + "/metrics") as r:
+            text = await r.text()
+        out: dict[str, float] = {}
+        for fam in text_string_to_metric_families(text):
+            if fam.name != "gpuslice_router_requests":
+                continue
+            for s in fam.samples:
+                if s.name.endswith("_total") and s.labels.get("code", "").startswith("2"):
+                    key = s.labels["replica"]
+                    out[key] = out.get(key, 0.0) + s.value
+        return out
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
+        a = await scrape(session)
+        t0 = time.monotonic()
+        await asyncio.sleep(window_s)
+        b = await scrape(session)
+        dt = time.monotonic() - t0
+    return {k: (b.get(k, 0.0) - a.get(k, 0.0)) / dt for k in set(a) | set(b)}
