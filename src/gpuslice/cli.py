@@ -458,16 +458,18 @@ def _status(args: argparse.Namespace, console: Console) -> int:
         return 0
     t = Table(title=f"gpuslice local mode: {st['status']}, router "
               f"{(st.get('router') or {}).get('url', '-')}, pid {st['pid']}")
-    for col in ("replica", "GPU", "compute", "memory cap", "pid", "status", "restarts",
+    for col in ("replica", "GPU", "compute", "mem cap", "pid", "status", "restarts",
                 f"req/s ({args.window:g} s)"):
-        t.add_column(col)
+        t.add_column(col, no_wrap=True)
     for r in st["replicas"]:
-        t.add_row(r["name"], f"{r['gpu_index']} {r['gpu_uuid']}", f"{r['compute_pct']}%",
+        t.add_row(r["name"], str(r["gpu_index"]), f"{r['compute_pct']}%",
                   f"{r['memory_mib']} MiB", str(r["pid"]), r["status"], str(r["restarts"]),
                   f"{r['throughput_rps']:.1f}")
     console.print(t)
+    gpus = sorted({(r["gpu_index"], r["gpu_uuid"]) for r in st["replicas"]})
+    console.print("GPUs: " + ", ".join(f"{i} = {u}" for i, u in gpus), soft_wrap=True)
     for m in st.get("mps", []):
-        console.print(f"MPS daemon for {m['uuid']}: pipe {m['pipe_dir']}")
+        console.print(f"MPS daemon for {m['uuid']}: pipe {m['pipe_dir']}", soft_wrap=True)
     return 0
 
 

@@ -1,0 +1,62 @@
+"""GPU tier: local mode with real NVML, real MPS and real PyTorch models (the example file).
+Skips without an NVIDIA GPU, nvidia-cuda-mps-control, or PyTorch with torchvision."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from gpuslice.adapters.proc import processes_of
+from tests.local.test_local_mode import ROOT, cli
+
+pytestmark = [pytest.mark.gpu, pytest.mark.slow]
+
+
+def test_three_models_as_mps_slices_of_one_gpu(tmp_path: Path) -> None:
+    pytest.importorskip("pynvml")
+    pytest.importorskip("torchvision")
+    from gpuslice.adapters.nvml.port import NullNvml
+    from gpuslice.adapters.nvml.real import load
+
+    nv = load()
+    if isinstance(nv, NullNvml) or not nv.devices():
+        pytest.skip(f"no NVIDIA GPU here: {nv.why_empty()}")
+    if shutil.which("nvidia-cuda-mps-control") is None:
+        pytest.skip("nvidia-cuda-mps-control is not on PATH")
+    text = (ROOT / "examples" / "local" / "services.yaml").read_text()
+    services = tmp_path / "services.yaml"
+    services.write_text(text.replace("[python,", f"[{sys.executable},"))
+    state = tmp_path / "state"
+    r = cli("up", str(services), "--state-dir", str(state), "--port", "0", "--detach",
+            timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    st = json.loads((state / "state.json").read_text())
+    try:
+        router = st["router"]["url"]
+        for svc in ("resnet50", "mobilenet", "encoder"):
+            req = urllib.request.Request(f"{router}/v2/models/{svc}/infer", data=b"{}",
+                                         method="POST")
+            with urllib.request.urlopen(req, timeout=60) as resp:
+                assert json.loads(resp.read())["latency_ms"] > 0
+        r = cli("status", "--state-dir", str(state), "--json", "--window", "2")
+        reps = json.loads(r.stdout)["replicas"]
+        assert {x["compute_pct"] for x in reps} == {40, 20, 30}
+        assert len({x["gpu_uuid"] for x in reps}) == 1
+        # the memory cap holds: resnet50's replica (8 GiB cap) cannot take 12 GiB
+        port = next(x["port"] for x in reps if x["service"] == "resnet50")
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/alloc?mib=12288",
+                                    timeout=60) as resp:
+            assert json.loads(resp.read())["ok"] is False
+    finally:
+        r = cli("down", "--state-dir", str(state))
+    assert "stopped gpuslice up" in r.stdout
+    time.sleep(1)
+    assert processes_of(st["run_id"]) == []
+    pipes = [Path(m["pipe_dir"]) for m in st["mps"]]
+    assert pipes and all(not any(p.glob("control*")) for p in pipes)
