@@ -40,7 +40,7 @@ from gpuslice.demo.gpumodel import MODELS, profiles
 SERVICES = (
     Service("resnet50", "resnet50", 200.0, 100.0),
     Service("bert", "bert-base", 60.0, 200.0),
-    Service("mobilenet", "mobilenet-v3", 150.0, 40.0),
+    Service("mobilenet", "mobilenet-v3", 150.0, 50.0),
 )
 NODES = (
     NodeSpec("t4-0", ("T4",) * 4),
