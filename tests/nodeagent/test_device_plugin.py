@@ -272,16 +272,11 @@ def test_metrics_show_allocation_per_gpu(env) -> None:  # type: ignore[no-untype
 
 
 def test_an_mps_slice_starts_its_gpus_daemon_once_and_stop_quits_it(env, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    import stat
-    import sys
-
     from gpuslice.services.node_agent import NodeAgent
-    from tests.nodeagent.test_mps import FAKE
+    from tests.fake_mps import write_fake_mps
 
     kubelet, plugin, _, api, _ = env
-    tool = tmp_path / "mps-control"
-    tool.write_text(FAKE.replace("PYTHON", sys.executable))
-    tool.chmod(tool.stat().st_mode | stat.S_IEXEC)
+    tool = write_fake_mps(tmp_path / "mps-control")
     plugin.cfg.mps_pipe_dir = str(tmp_path / "mps")
     agent = NodeAgent(plugin.cfg, plugin.nvml, api, mps=True, mps_binary=str(tool))
     plugin.ensure_mps = agent.ensure_mps
