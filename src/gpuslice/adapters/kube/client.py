@@ -111,6 +111,37 @@ class KubeClient:
         body = {"metadata": {"annotations": annotations, "resourceVersion": resource_version}}
         return self._plain(self._call(self._api.patch_namespaced_pod, name, namespace, body))
 
+    def create_pod(self, pod: dict[str, Any]) -> dict[str, Any]:
+        ns = (pod.get("metadata") or {}).get("namespace", "default")
+        return self._plain(self._call(self._api.create_namespaced_pod, ns, pod))
+
+    def delete_pod(self, namespace: str, name: str) -> None:
+        try:
+            self._call(self._api.delete_namespaced_pod, name, namespace)
+        except ApiNotFound:
+            pass
+
+    # gpuslice's custom objects: group gpuslice.io, version v1alpha1, namespaced
+    def list_custom(self, plural: str) -> list[dict[str, Any]]:
+        api = self._client.CustomObjectsApi()
+        out = self._call(api.list_cluster_custom_object, "gpuslice.io", "v1alpha1", plural)
+        return list(out.get("items", []))
+
+    def get_custom(self, plural: str, namespace: str, name: str) -> dict[str, Any]:
+        api = self._client.CustomObjectsApi()
+        out: dict[str, Any] = self._call(api.get_namespaced_custom_object, "gpuslice.io",
+                                         "v1alpha1", namespace, plural, name)
+        return out
+
+    def replace_custom(self, plural: str, obj: dict[str, Any]) -> dict[str, Any]:
+        """Replace the object's status (the controller owns it; the spec is the user's)."""
+        api = self._client.CustomObjectsApi()
+        meta = obj["metadata"]
+        out: dict[str, Any] = self._call(api.replace_namespaced_custom_object_status,
+                                         "gpuslice.io", "v1alpha1", meta["namespace"], plural,
+                                         meta["name"], obj)
+        return out
+
     def bind(self, namespace: str, name: str, uid: str, node: str) -> None:
         c = self._client
         body = c.V1Binding(

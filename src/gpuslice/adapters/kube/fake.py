@@ -54,6 +54,18 @@ class KubePort(Protocol):
     def bind(self, namespace: str, name: str, uid: str, node: str) -> None: ...
 
 
+class ClusterPort(KubePort, Protocol):
+    """What a controller that moves pods needs on top of :class:`KubePort`: creating and
+    deleting pods, and gpuslice's custom objects (``SliceSchedule``) with optimistic
+    concurrency on replace."""
+
+    def create_pod(self, pod: dict[str, Any]) -> dict[str, Any]: ...
+    def delete_pod(self, namespace: str, name: str) -> None: ...
+    def list_custom(self, plural: str) -> list[dict[str, Any]]: ...
+    def get_custom(self, plural: str, namespace: str, name: str) -> dict[str, Any]: ...
+    def replace_custom(self, plural: str, obj: dict[str, Any]) -> dict[str, Any]: ...
+
+
 class FakeApiServer:
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -63,6 +75,7 @@ class FakeApiServer:
         self._pods: dict[tuple[str, str], dict[str, Any]] = {}
         self._nodes: dict[str, dict[str, Any]] = {}
         self._leases: dict[tuple[str, str], dict[str, Any]] = {}
+        self._custom: dict[tuple[str, str, str], dict[str, Any]] = {}
 
     def get_lease(self, namespace: str, name: str) -> dict[str, Any] | None:
         with self._lock:
@@ -117,6 +130,54 @@ class FakeApiServer:
             self._bump(p, "ADDED")
             self._pods[(meta["namespace"], meta["name"])] = p
             return copy.deepcopy(p)
+
+    def create_pod(self, pod: dict[str, Any]) -> dict[str, Any]:
+        meta = pod.get("metadata") or {}
+        with self._lock:
+            if (meta.get("namespace", "default"), meta.get("name")) in self._pods:
+                raise ApiConflict(f"pod {meta.get('namespace', 'default')}/{meta.get('name')} "
+                                  "already exists")
+        return self.add_pod(pod)
+
+    def set_pod_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
+        """The kubelet's status update (pods/status)."""
+        with self._lock:
+            p = self._pods.get((namespace, name))
+            if p is None:
+                raise ApiNotFound(f"pod {namespace}/{name} not found")
+            p["status"] = copy.deepcopy(status)
+            self._bump(p)
+
+    # -- custom objects (SliceSchedule) -----------------------------------------------------
+
+    def list_custom(self, plural: str) -> list[dict[str, Any]]:
+        with self._lock:
+            return [copy.deepcopy(o) for (pl, _, _), o in self._custom.items() if pl == plural]
+
+    def get_custom(self, plural: str, namespace: str, name: str) -> dict[str, Any]:
+        with self._lock:
+            o = self._custom.get((plural, namespace, name))
+            if o is None:
+                raise ApiNotFound(f"{plural} {namespace}/{name} not found")
+            return copy.deepcopy(o)
+
+    def replace_custom(self, plural: str, obj: dict[str, Any]) -> dict[str, Any]:
+        """Create (no resourceVersion) or replace (matching resourceVersion) an object."""
+        meta = obj.get("metadata") or {}
+        key = (plural, str(meta.get("namespace", "default")), str(meta.get("name")))
+        with self._lock:
+            cur = self._custom.get(key)
+            rv = meta.get("resourceVersion")
+            if rv is None and cur is not None:
+                raise ApiConflict(f"{plural} {key[1]}/{key[2]} already exists")
+            if rv is not None and (cur is None or cur["metadata"]["resourceVersion"] != rv):
+                raise ApiConflict(f"{plural} {key[1]}/{key[2]} changed")
+            o = copy.deepcopy(obj)
+            o.setdefault("metadata", {})["namespace"] = key[1]
+            self._rv += 1
+            o["metadata"]["resourceVersion"] = str(self._rv)
+            self._custom[key] = o
+            return copy.deepcopy(o)
 
     def delete_pod(self, namespace: str, name: str) -> None:
         with self._lock:
