@@ -22,6 +22,9 @@ from aiohttp import web
 
 from gpuslice.adapters.kube.annotation import AnnotationError, decode, encode
 from gpuslice.adapters.kube.fake import ApiConflict, ApiNotFound, KubePort, WatchEvent
+from gpuslice.adapters.kube.objects import (
+    CORDONED_ANNOTATION as CORDONED,
+)
 from gpuslice.adapters.kube.objects import node_inventory, pod_key, pod_request
 from gpuslice.core.assignment import (
     ANNOTATION,
@@ -115,6 +118,7 @@ class ExtenderState:
         # binds reserved in the ledger whose annotation may not be visible in a re-list yet
         self._in_flight: dict[tuple[str, str], Assignment] = {}
         self.elector: LeaderElector | None = None  # set when replicas elect a binder
+        self.cordoned: set[str] = set()
         self.rebuild()
 
     # -- state --------------------------------------------------------------------------------
@@ -125,8 +129,11 @@ class ExtenderState:
         uuids: list[list[str]] = []
         nodes: list[Node] = []
         slots: list[GpuSlot] = []
+        cordoned: set[str] = set()
         for n in self.api.list_nodes():
             name = n["metadata"]["name"]
+            raw = ((n["metadata"].get("annotations") or {}).get(CORDONED) or "")
+            cordoned.update(u.strip() for u in raw.split(",") if u.strip())
             try:
                 inv = sorted(node_inventory(n), key=lambda g: g.index)
             except ValidationError as exc:
@@ -156,6 +163,7 @@ class ExtenderState:
                         self.problems.append(f"in-flight bind {key}: {exc.reason}")
             self.inv = inv_
             self.ledger = ledger
+            self.cordoned = cordoned
             for i in range(len(names)):
                 self._refresh_row(i)
 
@@ -177,7 +185,8 @@ class ExtenderState:
     def _refresh_row(self, i: int) -> None:
         a = self.inv.arrays
         for j, uuid in enumerate(self.inv.uuids[i]):
-            milli, mem = self.ledger.free(uuid)
+            # a GPU cordoned for reconfiguration takes no new slice
+            milli, mem = (0, 0) if uuid in self.cordoned else self.ledger.free(uuid)
             a.gpu_free[i, j] = milli
             a.gpu_mem_free[i, j] = mem
 
@@ -256,6 +265,10 @@ class ExtenderState:
                 else:
                     failed[n] = (f"GPU {j} has {a.gpu_free[i, j]} milli free, pod needs "
                                  f"{g.milli} (the most free GPU of the node)")
+            if n in failed and i is not None:
+                k = sum(u in self.cordoned for u in self.inv.uuids[i])
+                if k:
+                    failed[n] += f"; {k} GPU(s) cordoned for reconfiguration"
         return keep, failed
 
     def prioritize(self, pod: dict[str, Any], names: list[str]) -> list[tuple[str, int]]:

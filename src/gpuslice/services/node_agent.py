@@ -28,6 +28,10 @@ from gpuslice.services.device_plugin import (
 )
 
 INVENTORY = "gpuslice.io/inventory"
+# the reconfiguration controller's wish, per GPU (JSON {uuid: "1g.10gb@0,..."}), and what the
+# agent reports back (JSON {uuid: {layout, state: success|pending|failed, message}})
+MIG_DESIRED = "gpuslice.io/mig-desired"
+MIG_LAYOUTS = "gpuslice.io/mig-layouts"
 # XIDs that are the application's fault, not the GPU's (NVIDIA's device plugin skips them too)
 APPLICATION_XIDS = frozenset({13, 31, 43, 45, 68, 109})
 
@@ -62,7 +66,10 @@ class AgentMetrics:
 class NodeAgent:
     def __init__(self, cfg: PluginConfig, nvml: NvmlPort, api: KubePort, *,
                  quiet_s: float = 60.0, clock: Callable[[], float] = time.monotonic,
-                 mps: bool = False, mps_binary: str = "nvidia-cuda-mps-control") -> None:
+                 mps: bool = False, mps_binary: str = "nvidia-cuda-mps-control",
+                 poll_s: float = 1.0) -> None:
+        self.poll_s = poll_s
+        self._layout_report: dict[str, dict[str, str]] = {}
         self.mps_binary = mps_binary
         self.cfg, self.nvml, self.api = cfg, nvml, api
         self.quiet_s, self.clock = quiet_s, clock
@@ -149,6 +156,66 @@ class NodeAgent:
         if changed:
             self.publish()
 
+    def reconcile_layouts(self) -> dict[str, dict[str, str]]:
+        """Apply the MIG layout the controller wants on each MIG-enabled GPU that has no
+        clients, and report every GPU's layout and state on the node (changed reports only).
+        A GPU with clients stays ``pending``; a failed change is ``failed`` with NVML's
+        message, and the GPU keeps whatever instances exist (the controller rolls back)."""
+        from gpuslice.core import catalog
+        from gpuslice.core.mig import MigPlacement, layout_changes, parse_layout
+        from gpuslice.core.reconfig import layout_text
+
+        node = next((n for n in self.api.list_nodes()
+                     if n["metadata"]["name"] == self.cfg.node), None)
+        ann = ((node or {}).get("metadata") or {}).get("annotations") or {}
+        try:
+            desired = json.loads(ann.get(MIG_DESIRED) or "{}")
+        except ValueError:
+            self.problems.append(f"{MIG_DESIRED}: not JSON")
+            desired = {}
+        report: dict[str, dict[str, str]] = {}
+        changed = False
+        for g in self.nvml.devices():
+            model = catalog.lookup(g.model)
+            if not g.mig_enabled or model is None or model.mig is None:
+                continue
+            geo = model.mig
+            try:
+                current = [MigPlacement(st, geo.profile(p)) for p, st in
+                           self.nvml.mig_layout(g.uuid)]
+            except (NvmlError, GpusliceError) as exc:
+                report[g.uuid] = {"layout": "", "state": "failed", "message": str(exc)}
+                continue
+            text, state, message = layout_text(current), "success", ""
+            want = desired.get(g.uuid)
+            if want is not None and want != text:
+                busy = self.nvml.clients(g.uuid)
+                if busy:
+                    state = "pending"
+                    message = f"{busy} process(es) use the GPU; waiting until it is idle"
+                else:
+                    try:
+                        for ch in layout_changes(current, parse_layout(geo, want)):
+                            pl = ch.placement
+                            if ch.action == "destroy":
+                                self.nvml.destroy_instance(g.uuid, pl.profile.name, pl.start)
+                            else:
+                                self.nvml.create_instance(g.uuid, pl.profile.name, pl.start)
+                        changed = True
+                    except GpusliceError as exc:
+                        state, message = "failed", str(exc)
+                    text = layout_text([MigPlacement(st, geo.profile(p)) for p, st in
+                                        self.nvml.mig_layout(g.uuid)])
+            report[g.uuid] = {"layout": text, "state": state, "message": message}
+        if changed:
+            for plugin in self.plugins:
+                plugin.changed()  # MIG strategies list instances: stream the new list
+        if report and report != self._layout_report:
+            self.api.patch_node(self.cfg.node, {}, {MIG_LAYOUTS: json.dumps(report,
+                                                                            sort_keys=True)})
+            self._layout_report = report
+        return report
+
     def run(self) -> None:
         """Serve until :meth:`stop`: the device plugin, the node's labels, health."""
         if not self.nvml.devices():
@@ -161,8 +228,12 @@ class NodeAgent:
         except GpusliceError as exc:
             self.problems.append(f"publishing node labels: {exc}")
         while not self._stop.is_set():
-            self.health_step(1.0)
+            self.health_step(self.poll_s)
             self.update_metrics()
+            try:
+                self.reconcile_layouts()
+            except GpusliceError as exc:
+                self.problems.append(f"MIG layouts: {exc}")
 
     def stop(self) -> None:
         self._stop.set()

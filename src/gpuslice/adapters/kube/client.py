@@ -11,6 +11,7 @@ server answers 409 when the pod changed since it was read, which becomes :class:
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 from gpuslice.adapters.kube.fake import ApiConflict, ApiNotFound, WatchEvent
@@ -116,10 +117,8 @@ class KubeClient:
         return self._plain(self._call(self._api.create_namespaced_pod, ns, pod))
 
     def delete_pod(self, namespace: str, name: str) -> None:
-        try:
+        with contextlib.suppress(ApiNotFound):
             self._call(self._api.delete_namespaced_pod, name, namespace)
-        except ApiNotFound:
-            pass
 
     # gpuslice's custom objects: group gpuslice.io, version v1alpha1, namespaced
     def list_custom(self, plural: str) -> list[dict[str, Any]]:

@@ -24,6 +24,10 @@ GPU_MEMORY = "gpuslice.io/gpu-memory"
 MODEL_ANNOTATION = "gpuslice.io/gpu-model"
 ISOLATION_ANNOTATION = "gpuslice.io/isolation"
 INVENTORY_ANNOTATION = "gpuslice.io/inventory"
+# GPUs (comma-separated UUIDs) the reconfiguration controller closed to new slices
+CORDONED_ANNOTATION = "gpuslice.io/cordoned-gpus"
+# a pod being replaced: routers stop sending it requests and let in-flight ones finish
+DRAINING_ANNOTATION = "gpuslice.io/draining"
 
 _QUANTITY = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(m|k|M|G|T|Ki|Mi|Gi|Ti)?$")
 _FACTOR = {None: 1.0, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12,

@@ -107,6 +107,7 @@ class FakeNvml:
         self._cond = threading.Condition()
         self._clients: dict[str, int] = {}
         self._usage: dict[str, tuple[int, int]] = dict(usage or {})
+        self._create_failures: dict[str, int] = {}
 
     @classmethod
     def from_yaml(cls, path: Path | str, node: str = "node") -> FakeNvml:
@@ -189,8 +190,16 @@ class FakeNvml:
             raise NvmlError(f"GPU {uuid} has no {profile} instance at {start}")
         self._gpus[uuid] = replace(g, mig=left)
 
+    def fail_next_create(self, uuid: str, times: int = 1) -> None:
+        """Make the next ``times`` instance creations on ``uuid`` fail (tests of rollback)."""
+        self._create_failures[uuid] = times
+
     def create_instance(self, uuid: str, profile: str, start: int) -> None:
         g = self._gpu(uuid)
+        if self._create_failures.get(uuid, 0) > 0:
+            self._create_failures[uuid] -= 1
+            raise NvmlError(f"cannot create {profile}@{start} on {uuid}: injected failure "
+                            "(NVML_ERROR_INSUFFICIENT_RESOURCES)")
         model = catalog.lookup(g.model)
         if model is None or model.mig is None or not g.mig_enabled:
             raise NvmlError(f"MIG mode is disabled on GPU {uuid}")

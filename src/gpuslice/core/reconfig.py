@@ -1,0 +1,210 @@
+"""Slice-profile schedules and the decisions of a safe reconfiguration (pure).
+
+A :class:`SliceSchedule` names, for a set of nodes and/or GPU models, the layouts it may use
+(a MIG layout in mig-parted form: ``mig-devices`` counts or exact ``mig-placements``) and when:
+cron-like daily windows (``08:00-20:00``, wrapping past midnight allowed), a default, and an
+on-demand ``override``. :func:`target_layout` is the layout wanted at a minute of the day.
+
+:func:`room_for` answers whether the replicas on a GPU can be placed elsewhere (first fit
+decreasing over the other GPUs' free share, with each pod's GPU-model constraint), the check the
+controller runs before it touches a GPU: when there is no room it waits and says why.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from gpuslice.core import catalog
+from gpuslice.core.errors import ValidationError
+from gpuslice.core.mig import MigPlacement, layout_for_counts, parse_layout
+
+PHASES = ("Waiting", "Cordoned", "Moving", "Draining", "Applying", "RollingBack", "Done",
+          "Failed")
+_TIME = re.compile(r"^([01]?\d|2[0-3]):([0-5]\d)$")
+
+
+@dataclass(frozen=True, slots=True)
+class LayoutSpec:
+    name: str
+    devices: Mapping[str, int] = field(default_factory=dict)  # mig-devices: profile -> count
+    placements: tuple[str, ...] = ()  # mig-placements: "1g.10gb@0", ...
+
+    def for_model(self, gpu_model: str) -> tuple[MigPlacement, ...]:
+        """The MIG layout on a GPU of ``gpu_model``."""
+        model = catalog.lookup(gpu_model)
+        if model is None or model.mig is None:
+            raise ValidationError(f"layouts.{self.name}", "MIG-capable GPUs", gpu_model)
+        if self.placements:
+            return tuple(parse_layout(model.mig, ",".join(self.placements)))
+        return tuple(layout_for_counts(model.mig, dict(self.devices)))
+
+
+@dataclass(frozen=True, slots=True)
+class Window:
+    layout: str
+    start_min: int
+    end_min: int
+
+    def contains(self, minute: int) -> bool:
+        if self.start_min <= self.end_min:
+            return self.start_min <= minute < self.end_min
+        return minute >= self.start_min or minute < self.end_min  # wraps past midnight
+
+
+@dataclass(frozen=True)
+class SliceSchedule:
+    namespace: str
+    name: str
+    layouts: Mapping[str, LayoutSpec]
+    default: str
+    windows: tuple[Window, ...] = ()
+    override: str | None = None
+    nodes: tuple[str, ...] = ()  # empty: every node
+    gpu_models: tuple[str, ...] = ()  # empty: every MIG-capable model
+    drain_timeout_s: float = 60.0
+
+    def selects(self, node: str, gpu_model: str) -> bool:
+        """Whether the schedule manages a GPU of ``gpu_model`` on ``node``."""
+        if self.nodes and node not in self.nodes:
+            return False
+        if self.gpu_models:
+            return _canon(gpu_model) in {_canon(m) for m in self.gpu_models}
+        known = catalog.lookup(gpu_model)
+        return known is not None and known.mig is not None
+
+
+def _canon(model: str) -> str:
+    known = catalog.lookup(model)
+    return known.name if known is not None else model
+
+
+def _minutes(where: str, text: object) -> int:
+    m = _TIME.match(str(text).strip())
+    if not m:
+        raise ValidationError(where, "a time of day HH:MM", text)
+    return int(m.group(1)) * 60 + int(m.group(2))
+
+
+def _strings(where: str, value: object) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(isinstance(x, str) for x in value):
+        raise ValidationError(where, "a list of names", value)
+    return tuple(value)
+
+
+def parse_schedule(obj: Mapping[str, object]) -> SliceSchedule:
+    """A ``SliceSchedule`` object (the CRD, or the same mapping from a file)."""
+    meta = obj.get("metadata") if isinstance(obj.get("metadata"), Mapping) else {}
+    assert isinstance(meta, Mapping)
+    name = str(meta.get("name", ""))
+    ns = str(meta.get("namespace", "default"))
+    spec = obj.get("spec")
+    if not isinstance(spec, Mapping):
+        raise ValidationError(f"SliceSchedule {name}: spec", "a mapping", spec)
+    raw_layouts = spec.get("layouts")
+    if not isinstance(raw_layouts, Mapping) or not raw_layouts:
+        raise ValidationError("spec.layouts", "a mapping of layout names to MIG layouts",
+                              raw_layouts)
+    layouts: dict[str, LayoutSpec] = {}
+    for lname, raw in raw_layouts.items():
+        where = f"spec.layouts.{lname}"
+        if not isinstance(raw, Mapping):
+            raise ValidationError(where, "a mapping with mig-devices or mig-placements", raw)
+        mig = raw.get("mig", raw)
+        if not isinstance(mig, Mapping):
+            raise ValidationError(f"{where}.mig", "a mapping", mig)
+        devices = mig.get("mig-devices") or {}
+        placements = _strings(f"{where}.mig.mig-placements", mig.get("mig-placements"))
+        if not isinstance(devices, Mapping) or not (devices or placements):
+            raise ValidationError(f"{where}.mig", "mig-devices counts or mig-placements", mig)
+        counts: dict[str, int] = {}
+        for prof, n in devices.items():
+            if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+                raise ValidationError(f"{where}.mig.mig-devices.{prof}", "a count >= 0", n)
+            counts[str(prof)] = n
+        layouts[str(lname)] = LayoutSpec(str(lname), counts, placements)
+    windows = []
+    raw_windows = spec.get("windows") or []
+    if not isinstance(raw_windows, list):
+        raise ValidationError("spec.windows", "a list of {layout, start, end}", raw_windows)
+    for i, w in enumerate(raw_windows):
+        where = f"spec.windows[{i}]"
+        if not isinstance(w, Mapping) or w.get("layout") not in layouts:
+            raise ValidationError(f"{where}.layout", f"one of {sorted(layouts)}",
+                                  w.get("layout") if isinstance(w, Mapping) else w)
+        windows.append(Window(str(w["layout"]), _minutes(f"{where}.start", w.get("start")),
+                              _minutes(f"{where}.end", w.get("end"))))
+    default = spec.get("default", next(iter(layouts)))
+    if default not in layouts:
+        raise ValidationError("spec.default", f"one of {sorted(layouts)}", default)
+    override = spec.get("override")
+    if override is not None and override not in layouts:
+        raise ValidationError("spec.override", f"one of {sorted(layouts)} or null", override)
+    sel = spec.get("selector") or {}
+    if not isinstance(sel, Mapping):
+        raise ValidationError("spec.selector", "a mapping with nodes and/or gpuModels", sel)
+    drain = spec.get("drainTimeoutSeconds", 60)
+    if isinstance(drain, bool) or not isinstance(drain, int | float) or drain <= 0:
+        raise ValidationError("spec.drainTimeoutSeconds", "a positive number", drain)
+    return SliceSchedule(ns, name, layouts, str(default), tuple(windows),
+                         None if override is None else str(override),
+                         _strings("spec.selector.nodes", sel.get("nodes")),
+                         _strings("spec.selector.gpuModels", sel.get("gpuModels")),
+                         float(drain))
+
+
+def target_layout(s: SliceSchedule, minute_of_day: int) -> str:
+    """The override, else the first window containing the minute, else the default."""
+    if s.override is not None:
+        return s.override
+    for w in s.windows:
+        if w.contains(minute_of_day):
+            return w.layout
+    return s.default
+
+
+def layout_text(layout: Sequence[MigPlacement]) -> str:
+    """Canonical text of a layout (sorted by start): how it is compared and published."""
+    return ",".join(str(p) for p in sorted(layout, key=lambda p: p.key))
+
+
+# ---- room for the replicas of a GPU -------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class PodNeed:
+    pod: str  # namespace/name
+    milli: int
+    memory_mib: int
+    models: frozenset[str] = frozenset()  # allowed GPU models (empty: any)
+
+
+@dataclass(frozen=True, slots=True)
+class GpuRoom:
+    uuid: str
+    node: str
+    model: str
+    free_milli: int
+    free_memory_mib: int
+
+
+def room_for(needs: Sequence[PodNeed], gpus: Sequence[GpuRoom]) -> str | None:
+    """None when every pod in ``needs`` fits on ``gpus`` (first fit decreasing, best GPU
+    first); else why not, naming the first pod that does not fit."""
+    free = {g.uuid: [g.free_milli, g.free_memory_mib] for g in gpus}
+    for n in sorted(needs, key=lambda n: (-n.milli, -n.memory_mib, n.pod)):
+        fits = [g for g in gpus if (not n.models or g.model in n.models)
+                and free[g.uuid][0] >= n.milli and free[g.uuid][1] >= n.memory_mib]
+        if not fits:
+            total = sum(v[0] for v in free.values())
+            return (f"no room elsewhere for {n.pod} ({n.milli} milli, {n.memory_mib} MiB"
+                    f"{', ' + '|'.join(sorted(n.models)) if n.models else ''}): the other "
+                    f"open GPUs have {total} milli free in all, at most "
+                    f"{max((v[0] for v in free.values()), default=0)} on one")
+        g = min(fits, key=lambda g: (free[g.uuid][0] - n.milli, g.uuid))
+        free[g.uuid][0] -= n.milli
+        free[g.uuid][1] -= n.memory_mib
+    return None
