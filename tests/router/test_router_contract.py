@@ -276,6 +276,33 @@ def test_hot_reload_swaps_replicas_without_dropping_in_flight_requests(tmp_path:
         run(go())
 
 
+def test_a_draining_replica_takes_no_new_request_and_finishes_its_in_flight_ones() -> None:
+    with backend("a", service_ms=400) as (pa, _), backend("b") as (pb, _):
+        def cfg(drain_a: bool) -> RouterConfig:
+            return config([{"name": "a", "url": url(pa), "draining": drain_a},
+                           {"name": "b", "url": url(pb)}], policy="round-robin")
+
+        async def go() -> None:
+            async with router(cfg(False)) as (app, s):
+                base = url(app.port)
+                slow = [asyncio.ensure_future(s.post(base + INFER, json=V2_BODY))
+                        for _ in range(2)]
+                await eventually(lambda: app.router.services["m"].views[0].outstanding == 1)
+                app.router.apply(cfg(True))
+                for _ in range(6):
+                    async with s.post(base + INFER, json=V2_BODY) as r:
+                        assert r.headers["X-Gpuslice-Replica"] == "b"
+                async with s.get(url(app.admin_port) + "/replicas") as r:
+                    a = (await r.json())["m"]["replicas"][0]
+                    assert a["draining"] is True and a["outstanding"] == 1
+                for fut in slow:
+                    resp = await fut
+                    assert resp.status == 200
+                    resp.release()
+                await eventually(lambda: app.router.services["m"].views[0].outstanding == 0)
+        run(go())
+
+
 def test_access_log_is_one_json_object_per_request(tmp_path: Path) -> None:
     log = tmp_path / "access.log"
     with backend("one") as (port, _):
@@ -453,3 +480,18 @@ def test_planner_plan_segments_become_weighted_replicas(tmp_path: Path, capsys) 
     got = replicas_from_slices(doc, None, {r.name: r for r in reps})
     assert [(r.url, r.weight) for r in got] == [("http://10.0.0.9:8000", 300.0),
                                                 ("http://10.0.0.8:8000", 1.0)]
+
+
+def test_terminating_endpoints_that_still_serve_are_draining_replicas() -> None:
+    from gpuslice.adapters.http.endpointslices import replicas_from_slices
+
+    def ep(name: str, **cond: bool) -> dict[str, object]:
+        return {"addresses": [f"10.0.0.{len(name)}"], "conditions": cond,
+                "targetRef": {"name": name}}
+
+    doc = {"items": [{"ports": [{"port": 8000}], "endpoints": [
+        ep("up", ready=True), ep("leaving", ready=False, serving=True, terminating=True),
+        ep("gone", ready=False, serving=False, terminating=True), ep("notready", ready=False)]}]}
+    reps = {r.name: r for r in replicas_from_slices(doc)}
+    assert set(reps) == {"up", "leaving"}
+    assert reps["leaving"].draining and not reps["up"].draining

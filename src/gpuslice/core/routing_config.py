@@ -38,6 +38,7 @@ class ReplicaSpec:
     concurrency: int = 1
     service_time_s: float | None = None
     labels: Mapping[str, str] = field(default_factory=dict)
+    draining: bool = False  # takes no new request; in-flight ones finish
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,7 +151,8 @@ def parse_replica(where: str, raw: object, index: int) -> ReplicaSpec:
     if extra is not None:
         for k, v in _mapping(f"{where}.labels", extra).items():
             labels[str(k)] = str(v)
-    return ReplicaSpec(name, url, weight, conc, service_s, labels)
+    draining = _bool(f"{where}.draining", m.get("draining", False))
+    return ReplicaSpec(name, url, weight, conc, service_s, labels, draining)
 
 
 def segment_replica_name(service: str, gpu: object, profile: object, start: object) -> str:

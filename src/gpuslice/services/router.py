@@ -58,6 +58,7 @@ class _Service:
     urls: dict[str, str]
     fails: dict[str, int] = field(default_factory=dict)
     oks: dict[str, int] = field(default_factory=dict)
+    draining: frozenset[str] = frozenset()
 
     def index(self, name: str) -> int | None:
         for i, v in enumerate(self.views):
@@ -124,7 +125,8 @@ class Router:
                     views.append(ReplicaView(
                         r.name, r.weight, r.concurrency,
                         model=ServiceModel(prior_s=_prior(spec, r.weight, r.service_time_s))))
-            services[spec.name] = _Service(spec, policy, views, urls)
+            draining = frozenset(r.name for r in spec.replicas if r.draining)
+            services[spec.name] = _Service(spec, policy, views, urls, draining=draining)
         models: dict[str, str] = {}
         for spec in config.services:
             for m in spec.models:
@@ -158,8 +160,9 @@ class Router:
         if svc is None:
             return Reject(503, f"service {service!r} was removed", 1, "removed")
         views = svc.views
-        if exclude:
-            views = [with_health(v, False) if v.name in exclude else v for v in views]
+        if exclude or svc.draining:
+            out = exclude | svc.draining
+            views = [with_health(v, False) if v.name in out else v for v in views]
         if first:
             adm = admit(views, size, self.slo_s(svc.spec), self.config.min_samples)
             if not adm.admitted:
@@ -237,6 +240,7 @@ class Router:
                 "slo_ms": None if (slo := self.slo_s(svc.spec)) is None else slo * 1e3,
                 "replicas": [{
                     "name": v.name, "url": svc.urls[v.name], "healthy": v.healthy,
+                    "draining": v.name in svc.draining,
                     "weight": v.weight, "concurrency": v.concurrency,
                     "outstanding": v.outstanding,
                     "service_time_ms": round(v.model.predict(1) * 1e3, 3),

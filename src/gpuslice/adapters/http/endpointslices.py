@@ -38,7 +38,8 @@ class SliceSource:
 def replicas_from_slices(doc: object, port_name: str | None = None,
                          weights: Mapping[str, ReplicaSpec] | None = None
                          ) -> tuple[ReplicaSpec, ...]:
-    """An EndpointSliceList -> replicas (ready endpoints, one per address)."""
+    """An EndpointSliceList -> replicas: ready endpoints, one per address, and terminating
+    endpoints that still serve as draining replicas (in-flight requests finish there)."""
     if not isinstance(doc, dict) or not isinstance(doc.get("items"), list):
         raise ValidationError("EndpointSliceList", "an object with an items list", type(doc))
     out: dict[str, ReplicaSpec] = {}
@@ -55,7 +56,10 @@ def replicas_from_slices(doc: object, port_name: str | None = None,
             if not isinstance(ep, dict):
                 continue
             cond = ep.get("conditions") or {}
-            if cond.get("ready") is False or cond.get("terminating") is True:
+            draining = cond.get("terminating") is True
+            if draining and cond.get("serving") is not True:
+                continue
+            if not draining and cond.get("ready") is False:
                 continue
             ref = ep.get("targetRef") or {}
             for addr in ep.get("addresses") or []:
@@ -67,9 +71,10 @@ def replicas_from_slices(doc: object, port_name: str | None = None,
                 if known is not None:
                     out[name] = ReplicaSpec(name, f"http://{host}:{port}", known.weight,
                                             known.concurrency, known.service_time_s,
-                                            {**known.labels, **labels})
+                                            {**known.labels, **labels}, draining)
                 else:
-                    out[name] = ReplicaSpec(name, f"http://{host}:{port}", labels=labels)
+                    out[name] = ReplicaSpec(name, f"http://{host}:{port}", labels=labels,
+                                            draining=draining)
     return tuple(out.values())
 
 
