@@ -27,7 +27,7 @@ import zlib
 from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 
@@ -40,14 +40,13 @@ from gpuslice.adapters.nvml.port import FakeNvml
 from gpuslice.adapters.proc import read_ready, spawn, terminate
 from gpuslice.core import catalog
 from gpuslice.core.assignment import ANNOTATION
-from gpuslice.core.devices import GpuDevice
+from gpuslice.core.devices import GpuDevice, MigInstance
 from gpuslice.core.errors import GpusliceError, ValidationError
+from gpuslice.core.mig import parse_layout
 from gpuslice.demo.gpumodel import service_time_s
 from gpuslice.services.device_plugin import PluginConfig
 from gpuslice.services.node_agent import NodeAgent
 
-ENDPOINT = "demo.gpuslice.io/endpoint"
-STATE = "demo.gpuslice.io/state"
 MODEL = "demo.gpuslice.io/model"
 BATCH = "demo.gpuslice.io/batch"
 
@@ -87,25 +86,111 @@ class Container:
     batch: int
     service_ms: float
     envs: dict[str, str]
-    proc: subprocess.Popen[str] | None = None
+    proc: subprocess.Popen[str] | None = None  # with the process runtime
+    handle: Any = None  # with the in-process runtime
     port: int = 0
     restarts: int = 0
     started_at: float = 0.0
+    gpus: tuple[str, ...] = ()
+
+
+class Runtime(Protocol):
+    """How the simulated kubelet runs a container (a simulated replica)."""
+
+    def start(self, c: Container, run_id: str) -> int: ...  # the port it serves on
+    def alive(self, c: Container) -> bool: ...
+    def stop(self, c: Container) -> None: ...
+    def kill(self, c: Container) -> int | None: ...
+
+
+class ProcessRuntime:
+    """One ``fake_replica`` process per container (dies with the demo)."""
+
+    def start(self, c: Container, run_id: str) -> int:
+        name = c.pod.split("/", 1)[1]
+        c.proc = spawn([sys.executable, "-m", "gpuslice.adapters.http.fake_replica", "--port",
+                        "0", "--name", name, "--service-ms", f"{c.service_ms:.3f}",
+                        "--dist", "det", "--concurrency", str(c.batch),
+                        "--seed", str(zlib.crc32(c.pod.encode()) % 1000 + c.restarts)],
+                       run_id, env=c.envs, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        return read_ready(c.proc)
+
+    def alive(self, c: Container) -> bool:
+        return c.proc is not None and c.proc.poll() is None
+
+    def stop(self, c: Container) -> None:
+        terminate(c.proc)
+
+    def kill(self, c: Container) -> int | None:
+        if c.proc is None:
+            return None
+        c.proc.kill()
+        return c.proc.pid
+
+
+class InProcessRuntime:
+    """Every container's replica as an HTTP server in one asyncio loop on a background thread:
+    hundreds of replicas at the cost of one process (tests of reconfiguration)."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True,
+                                        name="replicas")
+        self._thread.start()
+
+    def start(self, c: Container, run_id: str) -> int:
+        from aiohttp import web
+
+        from gpuslice.adapters.http.fake_replica import FakeReplica
+
+        replica = FakeReplica(c.pod.split("/", 1)[1], c.service_ms, "det", c.batch,
+                              zlib.crc32(c.pod.encode()) % 1000)
+
+        async def up() -> tuple[Any, int]:
+            runner = web.ServerRunner(web.Server(replica.handle, access_log=None))
+            await runner.setup()
+            site = web.TCPSite(runner, "127.0.0.1", 0)
+            await site.start()
+            return runner, int(runner.addresses[0][1])
+
+        runner, port = asyncio.run_coroutine_threadsafe(up(), self.loop).result(10)
+        c.handle = runner
+        return port
+
+    def alive(self, c: Container) -> bool:
+        return c.handle is not None
+
+    def stop(self, c: Container) -> None:
+        if c.handle is not None:
+            runner, c.handle = c.handle, None
+            asyncio.run_coroutine_threadsafe(runner.cleanup(), self.loop).result(10)
+
+    def kill(self, c: Container) -> int | None:
+        self.stop(c)
+        return None
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(5)
 
 
 @dataclass(frozen=True)
 class NodeSpec:
     name: str
     gpus: tuple[str, ...]  # catalogue model per GPU
+    mig: str | None = None  # MIG enabled on every GPU, with this layout ("1g.10gb@0,...")
 
 
 class KubeletSim(pbg.RegistrationServicer):
     """The kubelet side of one node (see the module docstring)."""
 
     def __init__(self, node: str, sock_dir: Path, api: FakeApiServer, log: EventLog,
-                 run_id: str, gpu_models: dict[str, str]) -> None:
+                 run_id: str, gpu_models: dict[str, str], *, runtime: Runtime | None = None,
+                 nvml: FakeNvml | None = None) -> None:
         self.node, self.dir, self.api, self.log = node, sock_dir, api, log
         self.run_id = run_id
+        self.runtime: Runtime = runtime or ProcessRuntime()
+        self.nvml = nvml  # the node's GPUs: containers count as their clients
         self.gpu_models = gpu_models  # GPU UUID -> catalogue model
         self.devices: list[pb.Device] = []
         self.allocated: dict[str, list[str]] = {}  # pod -> device IDs
@@ -152,7 +237,7 @@ class KubeletSim(pbg.RegistrationServicer):
         self._stop.set()
         self._thread.join(5)
         for c in self.containers.values():
-            terminate(c.proc)
+            self.runtime.stop(c)
         self.server.stop(grace=None)
         if self._channel is not None:
             self._channel.close()
@@ -177,13 +262,17 @@ class KubeletSim(pbg.RegistrationServicer):
                 self._admit(key, p)
         for key in list(self.containers):
             if key not in pods:  # deleted: stop the container, free its devices
-                terminate(self.containers.pop(key).proc)
+                c = self.containers.pop(key)
+                self.runtime.stop(c)
+                self._clients(c, -1)
                 self.allocated.pop(key, None)
         now = time.monotonic()
         for c in self.containers.values():
-            if c.proc is not None and c.proc.poll() is not None and now - c.started_at > 1.0:
+            if not self.runtime.alive(c) and now - c.started_at > 1.0:
+                code = c.proc.returncode if c.proc is not None else "killed"
                 self.log.add("kubelet", f"{self.node}: container of {c.pod} exited "
-                             f"({c.proc.returncode}); restarting it on the same slice")
+                             f"({code}); restarting it on the same slice")
+                self._status(c, ready=False)
                 c.restarts += 1
                 self._run(c)
 
@@ -227,43 +316,43 @@ class KubeletSim(pbg.RegistrationServicer):
         batch = int(ann.get(BATCH, "1"))
         ms = 1000 * service_time_s(model, gpu_model, pct / 100, batch)
         c = Container(key, str((pod["metadata"].get("labels") or {}).get(
-            "gpuslice.io/service", key)), model, gpu_model, 10 * pct, batch, ms, envs)
+            "gpuslice.io/service", key)), model, gpu_model, 10 * pct, batch, ms, envs,
+            gpus=tuple(u for u in uuids if u))
         self.containers[key] = c
+        self._clients(c, +1)
         self._run(c)
         self.log.add("kubelet", f"{self.node}: started {key} on {','.join(uuids)} "
                      f"({gpu_model}, {pct}% of the SMs, batch {batch}: {ms:.1f} ms/batch)")
 
     def _run(self, c: Container) -> None:
-        ns, name = c.pod.split("/", 1)
         c.started_at = time.monotonic()
-        c.proc = spawn([sys.executable, "-m", "gpuslice.adapters.http.fake_replica", "--port",
-                        "0", "--name", name, "--service-ms", f"{c.service_ms:.3f}",
-                        "--dist", "det", "--concurrency", str(c.batch),
-                        "--seed", str(zlib.crc32(c.pod.encode()) % 1000 + c.restarts)],
-                       self.run_id, env=c.envs, stdout=subprocess.PIPE,
-                       stderr=subprocess.DEVNULL)
         try:
-            c.port = read_ready(c.proc)
+            c.port = self.runtime.start(c, self.run_id)
         except GpusliceError as exc:
             self.log.add("error", f"{self.node}: {exc}")
             return
-        url = f"http://127.0.0.1:{c.port}"
-        for _ in range(5):
-            try:
-                p = self.api.get_pod(ns, name)
-                self.api.patch_pod_annotations(ns, name, {ENDPOINT: url, STATE: "Running"},
-                                               p["metadata"]["resourceVersion"])
-                break
-            except GpusliceError:
-                continue
+        self._status(c, ready=True)
+
+    def _clients(self, c: Container, delta: int) -> None:
+        if self.nvml is not None:
+            for u in c.gpus:
+                self.nvml.set_clients(u, max(0, self.nvml.clients(u) + delta))
+
+    def _status(self, c: Container, ready: bool) -> None:
+        """The pod's status as the kubelet reports it; ``endpoint`` stands in for the pod IP
+        and container port (replicas share 127.0.0.1, so each has its own port)."""
+        ns, name = c.pod.split("/", 1)
+        status = {"phase": "Running", "podIP": "127.0.0.1",
+                  "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}
+        if ready:
+            status["endpoint"] = f"http://127.0.0.1:{c.port}"
+        with contextlib.suppress(GpusliceError):  # deleted meanwhile
+            self.api.set_pod_status(ns, name, status)
 
     def kill(self, pod: str) -> int | None:
         """Crash a container (SIGKILL), as a faulty replica would."""
         c = self.containers.get(pod)
-        if c is None or c.proc is None:
-            return None
-        c.proc.kill()
-        return c.proc.pid
+        return None if c is None else self.runtime.kill(c)
 
 
 def _bind_order(pod: dict[str, Any]) -> tuple[str, str]:
@@ -373,6 +462,8 @@ class Cluster:
     nodes: dict[str, DemoNode] = field(default_factory=dict)
     extender_url: str = ""
     scheduler: SchedulerSim | None = None
+    runtime: Runtime = field(default_factory=ProcessRuntime)
+    agent_poll_s: float = 1.0
     _ext_loop: asyncio.AbstractEventLoop | None = None
     _ext_thread: threading.Thread | None = None
 
@@ -412,16 +503,26 @@ class Cluster:
             model = catalog.lookup(m)
             if model is None:
                 raise ValidationError("node gpus", "catalogue GPU models", m)
-            gpus.append(GpuDevice(i, f"GPU-{spec.name}-{i}", f"NVIDIA {model.name}", model.name,
-                                  model.memory_mib, model.sms, model.compute_capability))
+            uuid = f"GPU-{spec.name}-{i}"
+            mig: tuple[MigInstance, ...] = ()
+            if spec.mig is not None:
+                if model.mig is None:
+                    raise ValidationError("node mig", "a MIG-capable GPU model", m)
+                mig = tuple(MigInstance(f"MIG-{uuid}-{p.start}", p.profile.name, p.start,
+                                        p.profile.memory_mib)
+                            for p in parse_layout(model.mig, spec.mig))
+            gpus.append(GpuDevice(i, uuid, f"NVIDIA {model.name}", model.name,
+                                  model.memory_mib, model.sms, model.compute_capability,
+                                  spec.mig is not None, mig))
         nvml = FakeNvml(gpus)
         self.api.add_node({"apiVersion": "v1", "kind": "Node",
                            "metadata": {"name": spec.name, "labels": {}, "annotations": {}}})
         kubelet = KubeletSim(spec.name, node_dir, self.api, self.log, self.run_id,
-                             {g.uuid: g.model for g in gpus}).start()
+                             {g.uuid: g.model for g in gpus}, runtime=self.runtime,
+                             nvml=nvml).start()
         cfg = PluginConfig(spec.name, node_dir, self.key, replicas=10,
                            mps_pipe_dir=str(node_dir / "mps"))
-        agent = NodeAgent(cfg, nvml, self.api, quiet_s=30.0)
+        agent = NodeAgent(cfg, nvml, self.api, quiet_s=30.0, poll_s=self.agent_poll_s)
         thread = threading.Thread(target=agent.run, daemon=True, name=f"agent-{spec.name}")
         thread.start()
         if not kubelet.registered.wait(10):
@@ -451,6 +552,38 @@ class Cluster:
                 loop.call_soon_threadsafe(task.cancel)
             if self._ext_thread is not None:
                 self._ext_thread.join(5)
+        if isinstance(self.runtime, InProcessRuntime):
+            self.runtime.close()
+
+
+def router_config_from_pods(cluster: Cluster, services: list[dict[str, Any]],
+                            health_interval_s: float = 0.5) -> dict[str, Any]:
+    """A router config with the running pods of each service as replicas (the EndpointSlice
+    view: ready pods, and draining pods that still serve their in-flight requests).
+    ``services``: ``{name, slo_ms, models}`` each; pods are matched by their
+    ``gpuslice.io/service`` label."""
+    from gpuslice.adapters.kube.objects import DRAINING_ANNOTATION
+
+    reps: dict[str, list[dict[str, Any]]] = {s["name"]: [] for s in services}
+    for p in cluster.api.list_pods():
+        meta = p["metadata"]
+        svc = (meta.get("labels") or {}).get("gpuslice.io/service")
+        url = (p.get("status") or {}).get("endpoint")
+        if svc not in reps or not url:
+            continue
+        draining = (meta.get("annotations") or {}).get(DRAINING_ANNOTATION) == "true"
+        rep: dict[str, Any] = {"name": meta["name"], "url": url, "draining": draining}
+        found = cluster.container_of(f"{meta['namespace']}/{meta['name']}")
+        if found is not None:
+            node, c = found
+            rep.update({"gpu": c.gpu_model, "slice": f"{c.milli}m", "node": node.spec.name,
+                        "concurrency": c.batch, "service_time_ms": round(c.service_ms, 3),
+                        "throughput_rps": round(1000 * c.batch / c.service_ms, 3)})
+        reps[svc].append(rep)
+    return {"policy": "sed", "retry_post": False,
+            "health": {"path": "/v2/health/ready", "interval_s": health_interval_s,
+                       "timeout_s": 0.5, "unhealthy_after": 1, "healthy_after": 1},
+            "services": [{**s, "replicas": reps[s["name"]]} for s in services]}
 
 
 def gpu_pod(name: str, *, service: str, model: str, gpus: int = 1, milli: int = 1000,

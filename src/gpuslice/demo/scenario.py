@@ -29,11 +29,11 @@ from gpuslice.core.errors import GpusliceError
 from gpuslice.core.planner import FleetType, Plan, PlanOptions, Service
 from gpuslice.core.replay import plan_and_check
 from gpuslice.demo.cluster import (
-    ENDPOINT,
     Cluster,
     EventLog,
     NodeSpec,
     gpu_pod,
+    router_config_from_pods,
 )
 from gpuslice.demo.gpumodel import MODELS, profiles
 
@@ -172,33 +172,15 @@ def _has_endpoint(state: DemoState, key: str) -> bool:
         p = state.cluster.api.get_pod(ns, name)
     except GpusliceError:
         return False
-    return ENDPOINT in (p["metadata"].get("annotations") or {})
+    return bool((p.get("status") or {}).get("endpoint"))
 
 
 # ---- the router ---------------------------------------------------------------------------
 
 
 def router_config(state: DemoState) -> dict[str, Any]:
-    services: dict[str, list[dict[str, Any]]] = {s.name: [] for s in SERVICES}
-    for p in state.cluster.api.list_pods():
-        meta = p["metadata"]
-        svc = (meta.get("labels") or {}).get("gpuslice.io/service")
-        url = (meta.get("annotations") or {}).get(ENDPOINT)
-        if svc not in services or not url:
-            continue
-        found = state.cluster.container_of(f"{meta['namespace']}/{meta['name']}")
-        rep: dict[str, Any] = {"name": meta["name"], "url": url}
-        if found is not None:
-            node, c = found
-            rep.update({"gpu": c.gpu_model, "slice": f"{c.milli}m", "node": node.spec.name,
-                        "concurrency": c.batch, "service_time_ms": round(c.service_ms, 3),
-                        "throughput_rps": round(1000 * c.batch / c.service_ms, 3)})
-        services[svc].append(rep)
-    return {"policy": "sed", "retry_post": False,
-            "health": {"path": "/v2/health/ready", "interval_s": 0.5, "timeout_s": 0.5,
-                       "unhealthy_after": 1, "healthy_after": 1},
-            "services": [{"name": s.name, "slo_ms": s.slo_ms, "models": [s.name, s.model],
-                          "replicas": services[s.name]} for s in SERVICES]}
+    return router_config_from_pods(state.cluster, [
+        {"name": s.name, "slo_ms": s.slo_ms, "models": [s.name, s.model]} for s in SERVICES])
 
 
 def write_router_config(state: DemoState, path: Path) -> bool:

@@ -1,0 +1,441 @@
+"""The reconfiguration controller: change how GPUs are sliced while services keep answering.
+
+It follows ``SliceSchedule`` objects (group ``gpuslice.io``, see ``deploy/base/crd-slice-
+schedule.yaml``) and moves every GPU they select to the layout wanted now, one GPU at a time:
+
+1. **Waiting**: the replicas on the GPU must fit on the other open GPUs (:func:`room_for`);
+   when they do not, nothing is touched and the status says why.
+2. **Cordoned**: the GPU's UUID joins the node's ``gpuslice.io/cordoned-gpus``; the extender
+   places no new slice on it.
+3. **Moving**: a replacement pod per replica on the GPU (same spec, new name, recorded in the
+   status before it is created); the scheduler and extender place them elsewhere. Waits until
+   every replacement runs and is ready.
+4. **Draining**: the old pods get ``gpuslice.io/draining``; routers stop sending them requests
+   and let in-flight ones finish (the controller asks the router until none is outstanding, or
+   the drain timeout passes); then the old pods are deleted.
+5. **Applying**: the GPU's layout goes into the node's ``gpuslice.io/mig-desired``; the node
+   agent applies it once the GPU has no client and reports it in ``gpuslice.io/mig-layouts``.
+   A failure there leads to **RollingBack** (the last good layout asked for again) and then
+   **Failed** with the reason; success to reopening the GPU (cordon removed) and **Done**.
+
+Every step is written to the object's status before it is acted on, and every action is
+idempotent, so a controller killed at any point and started again resumes where the status
+says (the replacements it had named are found, not created twice; no pod is deleted before its
+replacement is ready). Each GPU's status records when it started and finished.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from gpuslice.adapters.kube.annotation import AnnotationError, decode
+from gpuslice.adapters.kube.fake import ApiConflict, ApiNotFound, ClusterPort
+from gpuslice.adapters.kube.objects import (
+    CORDONED_ANNOTATION,
+    DRAINING_ANNOTATION,
+    node_inventory,
+    pod_request,
+)
+from gpuslice.core.assignment import ANNOTATION, Assignment
+from gpuslice.core.errors import GpusliceError, ValidationError
+from gpuslice.core.reconfig import (
+    GpuRoom,
+    PodNeed,
+    SliceSchedule,
+    layout_text,
+    parse_schedule,
+    room_for,
+    target_layout,
+)
+from gpuslice.services.node_agent import MIG_DESIRED, MIG_LAYOUTS
+
+PLURAL = "sliceschedules"
+ACTIVE = ("Cordoned", "Moving", "Draining", "Applying", "RollingBack")
+_SUFFIX = re.compile(r"-m\d+$")
+
+
+class RouterPort(Protocol):
+    def outstanding(self, replicas: list[str]) -> int | None:
+        """In-flight requests on these replicas (None when the router cannot tell)."""
+        ...
+
+
+class HttpRouter:
+    """The router's admin ``/replicas`` over HTTP."""
+
+    def __init__(self, admin_url: str) -> None:
+        self.url = admin_url.rstrip("/")
+
+    def outstanding(self, replicas: list[str]) -> int | None:
+        import urllib.error
+        import urllib.request
+
+        try:
+            with urllib.request.urlopen(self.url + "/replicas", timeout=5) as r:
+                doc = json.loads(r.read())
+        except (OSError, ValueError, urllib.error.URLError):
+            return None
+        names = set(replicas)
+        return sum(int(x.get("outstanding", 0)) for svc in doc.values()
+                   for x in svc.get("replicas", []) if x.get("name") in names)
+
+
+@dataclass(frozen=True)
+class _Gpu:
+    node: str
+    uuid: str
+    model: str
+    memory_mib: int
+
+
+def _now_text(t: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
+
+
+class ReconfigController:
+    def __init__(self, api: ClusterPort, *, router: RouterPort | None = None,
+                 clock: Callable[[], float] = time.time,
+                 minute_of_day: Callable[[], int] | None = None,
+                 ready_timeout_s: float = 120.0) -> None:
+        self.api, self.router, self.clock = api, router, clock
+        self.minute_of_day = minute_of_day or (
+            lambda: time.gmtime(self.clock()).tm_hour * 60 + time.gmtime(self.clock()).tm_min)
+        self.ready_timeout_s = ready_timeout_s
+        self.log: list[str] = []
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    def step(self) -> None:
+        """One pass over every SliceSchedule."""
+        for obj in self.api.list_custom(PLURAL):
+            try:
+                sched = parse_schedule(obj)
+            except ValidationError as exc:
+                self._set_condition(obj, "Invalid", str(exc))
+                continue
+            try:
+                self._reconcile(obj, sched)
+            except ApiConflict:
+                continue  # someone changed the object: read it again next pass
+
+    def run(self, stop: Callable[[], bool], every_s: float = 0.5) -> None:
+        while not stop():
+            try:
+                self.step()
+            except GpusliceError as exc:
+                self.log.append(f"step: {exc}")
+            time.sleep(every_s)
+
+    # -- one schedule --------------------------------------------------------------------------
+
+    def _gpus(self, sched: SliceSchedule) -> tuple[list[_Gpu], dict[str, dict[str, Any]]]:
+        gpus: list[_Gpu] = []
+        nodes: dict[str, dict[str, Any]] = {}
+        for n in self.api.list_nodes():
+            name = n["metadata"]["name"]
+            nodes[name] = n
+            try:
+                inv = node_inventory(n)
+            except ValidationError:
+                continue
+            gpus.extend(_Gpu(name, g.uuid, g.model, g.memory_mib) for g in inv
+                        if sched.selects(name, g.model))
+        return gpus, nodes
+
+    @staticmethod
+    def _ann(node: dict[str, Any], key: str) -> Any:
+        raw = ((node.get("metadata") or {}).get("annotations") or {}).get(key)
+        if key == CORDONED_ANNOTATION:
+            return [u for u in (raw or "").split(",") if u]
+        try:
+            return json.loads(raw) if raw else {}
+        except ValueError:
+            return {}
+
+    def _reconcile(self, obj: dict[str, Any], sched: SliceSchedule) -> None:
+        target = target_layout(sched, self.minute_of_day())
+        status = dict(obj.get("status") or {})
+        gstat: dict[str, dict[str, Any]] = dict(status.get("gpus") or {})
+        gpus, nodes = self._gpus(sched)
+        want = {g.uuid: layout_text(sched.layouts[target].for_model(g.model)) for g in gpus}
+        current = {g.uuid: (self._ann(nodes[g.node], MIG_LAYOUTS).get(g.uuid) or {})
+                   for g in gpus}
+        if status.get("target") != target:
+            status["target"] = target
+            # a new target: GPUs that failed or waited for the old one are tried again
+            gstat = {u: st for u, st in gstat.items() if st.get("phase") in ACTIVE}
+        active = [g for g in gpus if (gstat.get(g.uuid) or {}).get("phase") in ACTIVE]
+        if active:
+            g = active[0]
+            self._advance(obj, status, gstat, g, want[g.uuid], current[g.uuid], nodes)
+            return
+        todo = [g for g in gpus if current[g.uuid].get("layout") != want[g.uuid]
+                and (gstat.get(g.uuid) or {}).get("phase") != "Failed"]
+        done = sum(1 for g in gpus if current[g.uuid].get("layout") == want[g.uuid])
+        status["summary"] = {"gpus": len(gpus), "inTarget": done, "target": target}
+        if not todo:
+            self._save(obj, status, gstat, "Done" if done == len(gpus) else "Failed",
+                       f"{done} of {len(gpus)} GPUs in layout {target}")
+            return
+        g = todo[0]
+        why = self._no_room(g, gpus, nodes)
+        if why is not None:
+            gstat[g.uuid] = {"node": g.node, "phase": "Waiting", "to": target,
+                             "message": why}
+            self._save(obj, status, gstat, "Waiting",
+                       f"GPU {g.uuid} on {g.node} waits: {why}")
+            return
+        gstat[g.uuid] = {"node": g.node, "phase": "Cordoned", "to": target,
+                         "toLayout": want[g.uuid],
+                         "fromLayout": current[g.uuid].get("layout", ""),
+                         "started": self.clock(), "replacements": {}}
+        self._save(obj, status, gstat, "Progressing", f"GPU {g.uuid} on {g.node}: cordoned")
+
+    # -- the steps of one GPU ------------------------------------------------------------------
+
+    def _advance(self, obj: dict[str, Any], status: dict[str, Any],
+                 gstat: dict[str, dict[str, Any]], g: _Gpu, want: str,
+                 current: dict[str, Any], nodes: dict[str, dict[str, Any]]) -> None:
+        st = dict(gstat[g.uuid])
+        phase = st["phase"]
+        node = nodes[g.node]
+        if phase == "Cordoned":
+            self._cordon(node, g.uuid, True)
+            on_gpu = self._pods_on(g.uuid)
+            base = int(status.get("moves", 0))
+            st["replacements"] = {
+                key: f"{key.split('/')[0]}/{_SUFFIX.sub('', key.split('/')[1])}-m{base + i}"
+                for i, key in enumerate(sorted(on_gpu))}
+            status["moves"] = base + len(on_gpu)
+            st["phase"] = "Moving"
+            st["movingSince"] = self.clock()
+            return self._put(obj, status, gstat, g, st, f"moving {len(on_gpu)} replica(s)")
+        if phase == "Moving":
+            pods = {f"{p['metadata']['namespace']}/{p['metadata']['name']}": p
+                    for p in self.api.list_pods()}
+            ready = True
+            for old, new in st["replacements"].items():
+                if new not in pods:
+                    src = pods.get(old)
+                    if src is None:  # the old pod is gone: nothing to replace
+                        continue
+                    with contextlib.suppress(ApiConflict):  # created before a restart
+                        self.api.create_pod(_replacement(src, new))
+                    ready = False
+                elif not _ready(pods[new]):
+                    ready = False
+            if ready:
+                st["phase"] = "Draining"
+                st["drainingSince"] = self.clock()
+                return self._put(obj, status, gstat, g, st, "replacements ready; draining")
+            if self.clock() - float(st.get("movingSince", self.clock())) > self.ready_timeout_s:
+                for new in st["replacements"].values():
+                    ns, name = new.split("/", 1)
+                    self.api.delete_pod(ns, name)
+                self._cordon(node, g.uuid, False)
+                st["phase"] = "Failed"
+                st["message"] = (f"replacements not ready after {self.ready_timeout_s:.0f} "
+                                 "s; they were removed and the GPU reopened unchanged")
+                return self._put(obj, status, gstat, g, st, st["message"])
+            return None
+        if phase == "Draining":
+            olds = [o for o in st["replacements"] if self._exists(o)]
+            for old in olds:
+                self._mark_draining(old)
+            names = [o.split("/", 1)[1] for o in olds]
+            left = self.router.outstanding(names) if self.router and names else 0
+            waited = self.clock() - float(st.get("drainingSince", self.clock()))
+            # a router that cannot tell: wait the drain timeout
+            if olds and (left is None or left > 0) and waited < self._drain_s(obj):
+                return None
+            for old in olds:
+                ns, name = old.split("/", 1)
+                self.api.delete_pod(ns, name)
+            st["phase"] = "Applying"
+            return self._put(obj, status, gstat, g, st, "drained; applying the layout")
+        if phase == "Applying":
+            self._desire(node, g.uuid, want)
+            if current.get("layout") == want and current.get("state") == "success":
+                self._cordon(node, g.uuid, False)
+                st["phase"] = "Done"
+                st["finished"] = self.clock()
+                st["seconds"] = round(st["finished"] - float(st["started"]), 3)
+                return self._put(obj, status, gstat, g, st, f"now {want}")
+            if current.get("state") == "failed":
+                st["phase"] = "RollingBack"
+                st["message"] = f"applying {want} failed: {current.get('message', '')}"
+                return self._put(obj, status, gstat, g, st, st["message"])
+            return None
+        if phase == "RollingBack":
+            back = str(st.get("fromLayout", ""))
+            self._desire(node, g.uuid, back)
+            if current.get("layout") == back and current.get("state") == "success":
+                self._cordon(node, g.uuid, False)
+                st["phase"] = "Failed"
+                st["finished"] = self.clock()
+                return self._put(obj, status, gstat, g, st,
+                                 f"rolled back to {back}: {st.get('message', '')}")
+            return None
+        return None
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def _drain_s(self, obj: dict[str, Any]) -> float:
+        return parse_schedule(obj).drain_timeout_s
+
+    def _exists(self, key: str) -> bool:
+        ns, name = key.split("/", 1)
+        try:
+            self.api.get_pod(ns, name)
+        except ApiNotFound:
+            return False
+        return True
+
+    def _mark_draining(self, key: str) -> None:
+        ns, name = key.split("/", 1)
+        for _ in range(5):
+            try:
+                p = self.api.get_pod(ns, name)
+                if (p["metadata"].get("annotations") or {}).get(DRAINING_ANNOTATION) == "true":
+                    return
+                self.api.patch_pod_annotations(ns, name, {DRAINING_ANNOTATION: "true"},
+                                               p["metadata"]["resourceVersion"])
+                return
+            except ApiConflict:
+                continue
+            except ApiNotFound:
+                return
+
+    def _assignments(self) -> list[tuple[dict[str, Any], Assignment]]:
+        out = []
+        for p in self.api.list_pods():
+            text = (p["metadata"].get("annotations") or {}).get(ANNOTATION)
+            if not text:
+                continue
+            try:
+                out.append((p, decode(text)))
+            except AnnotationError:
+                continue
+        return out
+
+    def _pods_on(self, uuid: str) -> list[str]:
+        return [f"{a.namespace}/{a.pod}" for p, a in self._assignments()
+                if uuid in a.gpu_uuids()
+                and (p["metadata"].get("annotations") or {}).get(DRAINING_ANNOTATION) != "true"]
+
+    def _no_room(self, g: _Gpu, gpus: list[_Gpu], nodes: dict[str, dict[str, Any]]) -> str | None:
+        """Why the replicas on ``g`` could not move (None: they can)."""
+        used: dict[str, list[int]] = {}
+        needs = []
+        for p, a in self._assignments():
+            for c in a.containers:
+                for share in c.gpus:
+                    u = used.setdefault(share.uuid, [0, 0])
+                    u[0] += share.milli
+                    u[1] += share.memory_mib
+            if g.uuid in a.gpu_uuids():
+                try:
+                    req = pod_request(p)
+                except ValidationError:
+                    req = None
+                share = a.containers[0].gpus[0]
+                needs.append(PodNeed(f"{a.namespace}/{a.pod}", share.milli, share.memory_mib,
+                                     req.models if req else frozenset()))
+        if not needs:
+            return None
+        cordoned = {u for n in nodes.values() for u in self._ann(n, CORDONED_ANNOTATION)}
+        rooms = []
+        for n in nodes.values():
+            try:
+                inv = node_inventory(n)
+            except ValidationError:
+                continue
+            for x in inv:
+                if x.uuid == g.uuid or x.uuid in cordoned:
+                    continue
+                u = used.get(x.uuid, [0, 0])
+                rooms.append(GpuRoom(x.uuid, n["metadata"]["name"], x.model, 1000 - u[0],
+                                     x.memory_mib - u[1]))
+        return room_for(needs, rooms)
+
+    def _cordon(self, node: dict[str, Any], uuid: str, on: bool) -> None:
+        name = node["metadata"]["name"]
+        fresh = next((n for n in self.api.list_nodes() if n["metadata"]["name"] == name), node)
+        cur = self._ann(fresh, CORDONED_ANNOTATION)
+        new = sorted(set(cur) | {uuid}) if on else [u for u in cur if u != uuid]
+        if new != cur:
+            self.api.patch_node(name, {}, {CORDONED_ANNOTATION: ",".join(new)})
+
+    def _desire(self, node: dict[str, Any], uuid: str, layout: str) -> None:
+        name = node["metadata"]["name"]
+        fresh = next((n for n in self.api.list_nodes() if n["metadata"]["name"] == name), node)
+        cur = dict(self._ann(fresh, MIG_DESIRED))
+        if cur.get(uuid) != layout:
+            cur[uuid] = layout
+            self.api.patch_node(name, {}, {MIG_DESIRED: json.dumps(cur, sort_keys=True)})
+
+    def _put(self, obj: dict[str, Any], status: dict[str, Any],
+             gstat: dict[str, dict[str, Any]], g: _Gpu, st: dict[str, Any],
+             message: str) -> None:
+        gstat[g.uuid] = st
+        phase = "Progressing" if st["phase"] in ACTIVE else st["phase"]
+        self._save(obj, status, gstat, phase, f"GPU {g.uuid} on {g.node}: {message}")
+        self.api.patch_node(g.node, {f"gpuslice.io/reconfig.{_label_key(g.uuid)}":
+                                     st["phase"].lower()}, {})
+
+    def _save(self, obj: dict[str, Any], status: dict[str, Any],
+              gstat: dict[str, dict[str, Any]], condition: str, message: str) -> None:
+        status = dict(status)
+        status["gpus"] = gstat
+        conds = [c for c in status.get("conditions", []) if c.get("type") != "Ready"]
+        ready = {"type": "Ready", "status": "True" if condition == "Done" else "False",
+                 "reason": condition, "message": message,
+                 "lastTransitionTime": _now_text(self.clock())}
+        old = next((c for c in status.get("conditions", []) if c.get("type") == "Ready"), None)
+        if old and (old.get("reason"), old.get("message")) == (condition, message):
+            ready["lastTransitionTime"] = old["lastTransitionTime"]
+        status["conditions"] = [*conds, ready]
+        if obj.get("status") == status:
+            return
+        if (old or {}).get("message") != message:
+            self.log.append(f"{obj['metadata']['name']}: {condition}: {message}")
+        new = dict(obj)
+        new["status"] = status
+        self.api.replace_custom(PLURAL, new)
+
+    def _set_condition(self, obj: dict[str, Any], reason: str, message: str) -> None:
+        self._save(obj, dict(obj.get("status") or {}), dict((obj.get("status") or {})
+                                                           .get("gpus") or {}), reason, message)
+
+
+def _label_key(uuid: str) -> str:
+    """A label name part from a GPU UUID (63 characters at most)."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "-", uuid)[-60:].strip("-_.")
+
+
+def _ready(pod: dict[str, Any]) -> bool:
+    st = pod.get("status") or {}
+    return st.get("phase") == "Running" and any(
+        c.get("type") == "Ready" and c.get("status") == "True"
+        for c in st.get("conditions") or [])
+
+
+def _replacement(src: dict[str, Any], key: str) -> dict[str, Any]:
+    """A copy of ``src`` named ``key`` ("namespace/name"), unscheduled, without the old pod's
+    assignment and status."""
+    ns, name = key.split("/", 1)
+    meta = src["metadata"]
+    ann = {k: v for k, v in (meta.get("annotations") or {}).items()
+           if k not in (ANNOTATION, DRAINING_ANNOTATION)}
+    ann["gpuslice.io/replaces"] = f"{meta.get('namespace', 'default')}/{meta['name']}"
+    spec = {k: v for k, v in (src.get("spec") or {}).items() if k != "nodeName"}
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": ns, "labels": dict(meta.get("labels") or {}),
+                         "annotations": ann},
+            "spec": spec}
