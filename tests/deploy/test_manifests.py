@@ -87,3 +87,21 @@ def test_grafana_dashboard_queries_metrics_the_code_exports() -> None:
             for name in re.findall(r"gpuslice_[a-z_]+", target["expr"]):
                 base = re.sub(r"_(bucket|total|sum|count)$", "", name)
                 assert base in exported or f'"{base}"' in router, name
+
+
+def test_the_slice_schedule_crd_and_its_example() -> None:
+    from gpuslice.core.reconfig import parse_schedule, target_layout
+
+    docs = render("dev")
+    crd = next(d for d in docs if d["kind"] == "CustomResourceDefinition")
+    assert crd["metadata"]["name"] == "sliceschedules.gpuslice.io"
+    assert "namespace" not in crd["metadata"]  # cluster-scoped
+    example = yaml.safe_load((ROOT / "deploy" / "examples" / "day-night.yaml").read_text())
+    assert example["apiVersion"] == f"{crd['spec']['group']}/{crd['spec']['versions'][0]['name']}"
+    sched = parse_schedule(example)
+    assert target_layout(sched, 12 * 60) == "inference"
+    assert target_layout(sched, 23 * 60) == "batch"
+    role = next(d for d in docs if d["kind"] == "ClusterRole"
+                and d["metadata"]["name"] == "gpuslice-reconfig")
+    assert {"resources": ["pods/eviction"], "verbs": ["create"], "apiGroups": [""]} in \
+        role["rules"]

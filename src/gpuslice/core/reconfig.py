@@ -80,7 +80,8 @@ def _canon(model: str) -> str:
     return known.name if known is not None else model
 
 
-def _minutes(where: str, text: object) -> int:
+def minutes_of_day(where: str, text: object) -> int:
+    """``HH:MM`` as minutes since midnight; errors name ``where``."""
     m = _TIME.match(str(text).strip())
     if not m:
         raise ValidationError(where, "a time of day HH:MM", text)
@@ -135,8 +136,8 @@ def parse_schedule(obj: Mapping[str, object]) -> SliceSchedule:
         if not isinstance(w, Mapping) or w.get("layout") not in layouts:
             raise ValidationError(f"{where}.layout", f"one of {sorted(layouts)}",
                                   w.get("layout") if isinstance(w, Mapping) else w)
-        windows.append(Window(str(w["layout"]), _minutes(f"{where}.start", w.get("start")),
-                              _minutes(f"{where}.end", w.get("end"))))
+        windows.append(Window(str(w["layout"]), minutes_of_day(f"{where}.start", w.get("start")),
+                              minutes_of_day(f"{where}.end", w.get("end"))))
     default = spec.get("default", next(iter(layouts)))
     if default not in layouts:
         raise ValidationError("spec.default", f"one of {sorted(layouts)}", default)

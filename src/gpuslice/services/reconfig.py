@@ -62,7 +62,8 @@ _SUFFIX = re.compile(r"-m\d+$")
 
 class RouterPort(Protocol):
     def outstanding(self, replicas: list[str]) -> int | None:
-        """In-flight requests on these replicas (None when the router cannot tell)."""
+        """In-flight requests on these replicas, once the router has them all draining (or no
+        longer has them); None while it cannot tell yet."""
         ...
 
 
@@ -82,8 +83,11 @@ class HttpRouter:
         except (OSError, ValueError, urllib.error.URLError):
             return None
         names = set(replicas)
-        return sum(int(x.get("outstanding", 0)) for svc in doc.values()
-                   for x in svc.get("replicas", []) if x.get("name") in names)
+        mine = [x for svc in doc.values() for x in svc.get("replicas", [])
+                if x.get("name") in names]
+        if any(not x.get("draining") for x in mine):
+            return None  # the router has not seen the draining mark yet: it may still send
+        return sum(int(x.get("outstanding", 0)) for x in mine)
 
 
 @dataclass(frozen=True)
@@ -196,6 +200,24 @@ class ReconfigController:
                          "fromLayout": current[g.uuid].get("layout", ""),
                          "started": self.clock(), "replacements": {}}
         self._save(obj, status, gstat, "Progressing", f"GPU {g.uuid} on {g.node}: cordoned")
+
+    def dry_run(self, obj: dict[str, Any]) -> dict[str, Any]:
+        """What reconciling ``obj`` would do now, changing nothing: the target layout, and per
+        GPU not in it, its layouts, the pods that would move and whether they have room."""
+        sched = parse_schedule(obj)
+        target = target_layout(sched, self.minute_of_day())
+        gpus, nodes = self._gpus(sched)
+        out = []
+        for g in gpus:
+            want = layout_text(sched.layouts[target].for_model(g.model))
+            cur = (self._ann(nodes[g.node], MIG_LAYOUTS).get(g.uuid) or {}).get("layout")
+            if cur == want:
+                continue
+            out.append({"node": g.node, "gpu": g.uuid, "from": cur or "(not reported yet)",
+                        "to": want, "moves": sorted(self._pods_on(g.uuid)),
+                        "blocked": self._no_room(g, gpus, nodes)})
+        return {"schedule": f"{sched.namespace}/{sched.name}", "target": target,
+                "gpus": len(gpus), "changes": out}
 
     # -- the steps of one GPU ------------------------------------------------------------------
 

@@ -117,8 +117,12 @@ class KubeClient:
         return self._plain(self._call(self._api.create_namespaced_pod, ns, pod))
 
     def delete_pod(self, namespace: str, name: str) -> None:
+        """Remove a pod through the Eviction API, so PodDisruptionBudgets hold (a 429 from a
+        budget is an error the controller retries on its next pass)."""
+        c = self._client
+        body = c.V1Eviction(metadata=c.V1ObjectMeta(name=name, namespace=namespace))
         with contextlib.suppress(ApiNotFound):
-            self._call(self._api.delete_namespaced_pod, name, namespace)
+            self._call(self._api.create_namespaced_pod_eviction, name, namespace, body)
 
     # gpuslice's custom objects: group gpuslice.io, version v1alpha1, namespaced
     def list_custom(self, plural: str) -> list[dict[str, Any]]:

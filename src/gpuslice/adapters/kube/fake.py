@@ -242,8 +242,9 @@ class FakeApiServer:
 
 
 def load_fake_cluster(path: Path) -> FakeApiServer:
-    """A fake API server holding the ``nodes`` and ``pods`` lists of a YAML file (the
-    ``--fake-cluster`` option of ``gpuslice extender`` and ``kubectl gpuslice``)."""
+    """A fake API server holding the ``nodes``, ``pods`` and ``sliceschedules`` lists of a
+    YAML file (the ``--fake-cluster`` option of ``gpuslice extender``, ``gpuslice reconfig``
+    and ``kubectl gpuslice``)."""
     import yaml
 
     try:
@@ -257,4 +258,6 @@ def load_fake_cluster(path: Path) -> FakeApiServer:
         fake.add_node(n)
     for p in doc.get("pods") or []:
         fake.add_pod(p)
+    for o in doc.get("sliceschedules") or []:
+        fake.replace_custom("sliceschedules", o)
     return fake

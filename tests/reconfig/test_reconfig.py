@@ -1,0 +1,358 @@
+"""Reconfiguration without dropping traffic, on the demo's fake cluster: the real node agents
+(MIG layouts on fake NVML), extender (over HTTP) and router (over HTTP), replicas in-process."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import numpy as np
+import pytest
+
+from gpuslice.adapters.kube.fake import ApiConflict
+from gpuslice.adapters.kube.objects import CORDONED_ANNOTATION
+from gpuslice.core.routing_config import parse_router_config
+from gpuslice.demo.cluster import (
+    Cluster,
+    EventLog,
+    InProcessRuntime,
+    NodeSpec,
+    gpu_pod,
+    router_config_from_pods,
+)
+from gpuslice.services.reconfig import PLURAL, HttpRouter, ReconfigController
+from gpuslice.services.router import start_router
+
+pytestmark = pytest.mark.slow
+INFERENCE = ",".join(f"1g.10gb@{i}" for i in range(7))
+BATCH = "7g.80gb@0"
+SERVICES = [{"name": "alpha", "slo_ms": 300, "models": ["alpha"]},
+            {"name": "beta", "slo_ms": 300, "models": ["beta"]}]
+
+
+def schedule(override: str | None = None) -> dict[str, Any]:
+    return {"apiVersion": "gpuslice.io/v1alpha1", "kind": "SliceSchedule",
+            "metadata": {"name": "day-night", "namespace": "gpuslice"},
+            "spec": {"selector": {"gpuModels": ["A100-80GB"]},
+                     "layouts": {"inference": {"mig": {"mig-devices": {"1g.10gb": 7}}},
+                                 "batch": {"mig": {"mig-devices": {"7g.80gb": 1}}}},
+                     "windows": [{"layout": "inference", "start": "08:00", "end": "20:00"}],
+                     "default": "batch", "override": override, "drainTimeoutSeconds": 20}}
+
+
+@contextlib.contextmanager
+def cluster(tmp_path: Path, nodes: int, gpus: int, replicas: int) -> Iterator[Cluster]:
+    c = Cluster(tmp_path, uuid.uuid4().hex[:8], b"reconfig-test-key-0123456789", EventLog(),
+                runtime=InProcessRuntime(), agent_poll_s=0.05)
+    try:
+        for i in range(nodes):
+            c.add_node(NodeSpec(f"n{i}", ("A100-80GB",) * gpus, mig=INFERENCE))
+        c.start_extender()
+        names = []
+        for svc in ("alpha", "beta"):
+            for k in range(replicas):
+                c.api.add_pod(gpu_pod(f"{svc}-{k}", service=svc, model="resnet50", milli=142,
+                                      memory_mib=9000, gpu_models="A100-80GB", batch=2))
+                names.append(f"demo/{svc}-{k}")
+        assert wait(lambda: all(c.container_of(n) for n in names), 60), c.log.tail(10)
+        yield c
+    finally:
+        c.stop()
+
+
+def wait(pred: Any, timeout_s: float) -> bool:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if pred():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def layouts(c: Cluster) -> dict[str, str]:
+    from gpuslice.core.catalog import lookup
+    from gpuslice.core.mig import MigPlacement
+    from gpuslice.core.reconfig import layout_text
+
+    geo = lookup("A100-80GB").mig  # type: ignore[union-attr]
+    assert geo is not None
+    out = {}
+    for n in c.nodes.values():
+        for g in n.nvml.devices():
+            out[g.uuid] = layout_text([MigPlacement(s, geo.profile(p))
+                                       for p, s in n.nvml.mig_layout(g.uuid)])
+    return out
+
+
+def set_override(c: Cluster, layout: str | None) -> None:
+    while True:
+        obj = c.api.get_custom(PLURAL, "gpuslice", "day-night")
+        obj["spec"]["override"] = layout
+        try:
+            c.api.replace_custom(PLURAL, obj)
+            return
+        except ApiConflict:  # a concurrent status update: read again
+            continue
+
+
+def status(c: Cluster) -> dict[str, Any]:
+    return c.api.get_custom(PLURAL, "gpuslice", "day-night").get("status") or {}
+
+
+def running(c: Cluster, svc: str) -> int:
+    return sum(1 for p in c.api.list_pods()
+               if (p["metadata"].get("labels") or {}).get("gpuslice.io/service") == svc
+               and (p.get("status") or {}).get("endpoint"))
+
+
+def test_sixteen_gpus_switch_layouts_and_back_under_load(tmp_path: Path) -> None:
+    with cluster(tmp_path, nodes=4, gpus=4, replicas=10) as c:
+        c.api.replace_custom(PLURAL, schedule(override="batch"))
+        samples: list[tuple[str, float, int]] = []
+        per_gpu: dict[str, list[float]] = {}
+
+        async def go() -> None:
+            cfg = router_config_from_pods(c, SERVICES, health_interval_s=0.2)
+            app = await start_router(parse_router_config(cfg), admin_port=0)
+            stop = asyncio.Event()
+
+            async def follow() -> None:
+                last = cfg
+                while not stop.is_set():
+                    await asyncio.sleep(0.05)
+                    now = router_config_from_pods(c, SERVICES, health_interval_s=0.2)
+                    if now != last and all(s["replicas"] for s in now["services"]):
+                        app.router.apply(parse_router_config(now))
+                        last = now
+
+            async def load(session: aiohttp.ClientSession, svc: str, rate: float) -> None:
+                rng = np.random.default_rng(len(svc))
+                loop = asyncio.get_running_loop()
+                nxt = loop.time()
+                pending: set[asyncio.Task[None]] = set()
+
+                async def one() -> None:
+                    t0 = time.monotonic()
+                    try:
+                        async with session.post(f"http://127.0.0.1:{app.port}/v2/models/"
+                                                f"{svc}/infer", data=b"{}") as r:
+                            await r.read()
+                            code = r.status
+                    except aiohttp.ClientError:
+                        code = 0
+                    samples.append((svc, time.monotonic() - t0, code))
+
+                while not stop.is_set():
+                    nxt += float(rng.exponential(1 / rate))
+                    await asyncio.sleep(max(0.0, nxt - loop.time()))
+                    t = asyncio.create_task(one())
+                    pending.add(t)
+                    t.add_done_callback(pending.discard)
+                await asyncio.gather(*pending)
+
+            ctl = ReconfigController(c.api, router=HttpRouter(f"http://127.0.0.1:"
+                                                              f"{app.admin_port}"))
+            done = threading.Event()
+
+            def drive() -> None:
+                for target, layout in (("batch", BATCH), ("inference", INFERENCE)):
+                    if target == "inference":
+                        set_override(c, "inference")
+                    end = time.monotonic() + 180
+                    while time.monotonic() < end:
+                        ctl.step()
+                        st = status(c)
+                        if st.get("target") == target and \
+                                (st.get("summary") or {}).get("inTarget") == 16:
+                            break
+                        time.sleep(0.05)
+                    for g in (st.get("gpus") or {}).values():
+                        if g.get("phase") == "Done" and "seconds" in g:
+                            per_gpu.setdefault(target, []).append(g["seconds"])
+                    assert all(v == layout for v in layouts(c).values()), layouts(c)
+                done.set()
+
+            async with aiohttp.ClientSession() as session:
+                tasks = [asyncio.create_task(follow()),
+                         asyncio.create_task(load(session, "alpha", 80)),
+                         asyncio.create_task(load(session, "beta", 80))]
+                await asyncio.sleep(1.0)
+                await asyncio.get_running_loop().run_in_executor(None, drive)
+                await asyncio.sleep(0.5)
+                stop.set()
+                await asyncio.gather(*tasks)
+            await app.close()
+
+        asyncio.run(go())
+        codes = [code for _, _, code in samples]
+        failed = [s for s in samples if s[2] != 200]
+        assert len(codes) > 1000 and not failed, (len(failed), failed[:5])
+        for svc in ("alpha", "beta"):
+            lat = [x for s, x, _ in samples if s == svc]
+            assert np.percentile(lat, 99) * 1000 <= 300, np.percentile(lat, 99)
+            assert running(c, svc) == 10  # no replica lost
+        assert all(not (n["metadata"].get("annotations") or {}).get(CORDONED_ANNOTATION)
+                   for n in c.api.list_nodes())
+        for target in ("batch", "inference"):
+            assert len(per_gpu[target]) == 16
+        moves = int(status(c).get("moves", 0))
+        assert moves >= 20  # every replica was moved at least once, under load
+        p99 = {svc: round(float(np.percentile([x for s, x, _ in samples if s == svc], 99))
+                          * 1000, 1) for svc in ("alpha", "beta")}
+        print(json.dumps({"requests": len(samples), "failed": len(failed), "moves": moves,
+                          "p99_ms": p99, **{t: {"gpus": len(v),
+                                                "mean_s": round(float(np.mean(v)), 3),
+                                                "max_s": round(float(np.max(v)), 3)}
+                                            for t, v in per_gpu.items()}}))
+
+
+class Killed(Exception):
+    """The controller process died here."""
+
+
+class Dying:
+    """The API server as a controller sees it, until it dies after ``calls`` calls of
+    ``method``."""
+
+    def __init__(self, api: Any, method: str, calls: int) -> None:
+        self.api, self.method, self.left = api, method, calls
+
+    def __getattr__(self, name: str) -> Any:
+        fn = getattr(self.api, name)
+        if name != self.method:
+            return fn
+
+        def call(*a: Any, **kw: Any) -> Any:
+            if self.left <= 0:
+                raise Killed(name)
+            self.left -= 1
+            return fn(*a, **kw)
+
+        return call
+
+
+def drive(ctl: ReconfigController, c: Cluster, until: Any, timeout_s: float = 60) -> None:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        ctl.step()
+        if until(status(c)):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"not reached: {status(c)}")
+
+
+def consistent(c: Cluster, target: str, replicas: int) -> None:
+    assert wait(lambda: all(running(c, s) == replicas for s in ("alpha", "beta")), 20)
+    pods = c.api.list_pods()
+    assert len(pods) == 2 * replicas  # nothing lost, nothing duplicated
+    assert not any((p["metadata"].get("annotations") or {}).get("gpuslice.io/draining")
+                   for p in pods)
+    assert set(layouts(c).values()) == {target}
+    assert all(not (n["metadata"].get("annotations") or {}).get(CORDONED_ANNOTATION)
+               for n in c.api.list_nodes())
+
+
+@pytest.mark.parametrize(("phase", "method", "calls"), [
+    ("Cordoned", None, 0),        # status written, cordon not yet set
+    ("Moving", "create_pod", 1),  # dies after the first of several replacements
+    ("Draining", "delete_pod", 0),  # replacements ready, old pods not yet deleted
+    ("Applying", "patch_node", 0),  # layout not yet asked for
+])
+def test_a_controller_killed_mid_transition_is_resumed_by_the_next(
+        tmp_path: Path, phase: str, method: str | None, calls: int) -> None:
+    with cluster(tmp_path, nodes=2, gpus=2, replicas=4) as c:
+        c.api.replace_custom(PLURAL, schedule(override="batch"))
+        first = ReconfigController(c.api)
+        drive(first, c, lambda st: any(g.get("phase") == phase
+                                       for g in (st.get("gpus") or {}).values()))
+        if method is not None:
+            dying = ReconfigController(Dying(c.api, method, calls))  # type: ignore[arg-type]
+            with pytest.raises(Killed):
+                drive(dying, c, lambda st: False, timeout_s=20)
+        second = ReconfigController(c.api)
+        drive(second, c, lambda st: (st.get("summary") or {}).get("inTarget") == 4)
+        consistent(c, BATCH, 4)
+
+
+def test_a_failed_layout_change_rolls_the_gpu_back_and_reopens_it(tmp_path: Path) -> None:
+    with cluster(tmp_path, nodes=1, gpus=3, replicas=3) as c:
+        bad = next(iter(c.nodes["n0"].nvml.devices())).uuid
+        c.nodes["n0"].nvml.fail_next_create(bad)
+        c.api.replace_custom(PLURAL, schedule(override="batch"))
+        ctl = ReconfigController(c.api)
+        drive(ctl, c, lambda st: (st.get("summary") or {}).get("inTarget") == 2
+              and (st.get("gpus") or {}).get(bad, {}).get("phase") == "Failed")
+        st = status(c)
+        assert "injected failure" in st["gpus"][bad]["message"]
+        assert layouts(c)[bad] == INFERENCE  # back to its last good layout
+        ready = next(x for x in st["conditions"] if x["type"] == "Ready")
+        assert ready["status"] == "False" and ready["reason"] == "Failed"
+        assert wait(lambda: all(running(c, s) == 3 for s in ("alpha", "beta")), 20)
+        assert not any((n["metadata"].get("annotations") or {}).get(CORDONED_ANNOTATION)
+                       for n in c.api.list_nodes())
+
+
+def test_an_impossible_transition_waits_says_why_and_changes_nothing(tmp_path: Path) -> None:
+    with cluster(tmp_path, nodes=1, gpus=2, replicas=7) as c:  # 14 x 1g: both GPUs full
+        before = sorted(p["metadata"]["name"] for p in c.api.list_pods())
+        c.api.replace_custom(PLURAL, schedule(override="batch"))
+        ctl = ReconfigController(c.api)
+        for _ in range(5):
+            ctl.step()
+        st = status(c)
+        ready = next(x for x in st["conditions"] if x["type"] == "Ready")
+        assert ready["reason"] == "Waiting" and "no room elsewhere for demo/" in ready["message"]
+        assert all(g["phase"] == "Waiting" for g in st["gpus"].values())
+        assert sorted(p["metadata"]["name"] for p in c.api.list_pods()) == before
+        assert set(layouts(c).values()) == {INFERENCE}
+        ann = c.api.list_nodes()[0]["metadata"].get("annotations") or {}
+        assert not ann.get(CORDONED_ANNOTATION) and "gpuslice.io/mig-desired" not in ann
+
+
+def test_cli_plan_shows_what_would_change_and_run_once_starts_it(tmp_path: Path,
+                                                                  capsys: Any) -> None:
+    import yaml
+
+    from gpuslice.adapters.kube.annotation import encode
+    from gpuslice.cli import main
+    from gpuslice.core.assignment import Assignment, ContainerAssignment, GpuShare, Mode
+
+    inv = [{"uuid": f"GPU-{i}", "index": i, "model": "A100-80GB", "memoryMiB": 81920}
+           for i in range(2)]
+    lay = {f"GPU-{i}": {"layout": INFERENCE, "state": "success", "message": ""}
+           for i in range(2)}
+    a = Assignment("ml", "r0", "uid-ml-r0", "n0", (ContainerAssignment(
+        "main", Mode.MPS, (GpuShare("GPU-0", 142, 9000),)),), "2026-11-22T10:00:00Z")
+    doc = {"nodes": [{"metadata": {"name": "n0", "annotations": {
+        "gpuslice.io/inventory": json.dumps(inv), "gpuslice.io/mig-layouts": json.dumps(lay)}}}],
+        "pods": [{"metadata": {"name": "r0", "namespace": "ml",
+                               "annotations": {"gpuslice.io/assignment": encode(a)}},
+                  "spec": {"nodeName": "n0", "containers": [{"name": "main", "resources": {
+                      "limits": {"gpuslice.io/gpu-milli": "142"}}}]}}],
+        "sliceschedules": [schedule()]}
+    (tmp_path / "cluster.yaml").write_text(yaml.safe_dump(doc))
+    (tmp_path / "s.yaml").write_text(yaml.safe_dump(schedule()))
+    assert main(["reconfig", "plan", str(tmp_path / "s.yaml"), "--fake-cluster",
+                 str(tmp_path / "cluster.yaml"), "--at", "23:00", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)[0]
+    assert res["target"] == "batch" and len(res["changes"]) == 2
+    first = res["changes"][0]
+    assert first["from"] == INFERENCE and first["to"] == BATCH
+    assert first["moves"] == ["ml/r0"] and first["blocked"] is None
+    assert main(["reconfig", "plan", "--fake-cluster", str(tmp_path / "cluster.yaml"),
+                 "--at", "12:00", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)[0]["changes"] == []  # daytime: nothing to do
+    assert main(["reconfig", "run", "--once", "--fake-cluster", str(tmp_path / "cluster.yaml"),
+                 "--at", "23:00"]) == 0
+    assert "GPU-0 on n0: cordoned" in capsys.readouterr().out
+    assert main(["reconfig", "plan", "--at", "25:00", "--fake-cluster",
+                 str(tmp_path / "cluster.yaml")]) == 2
+    assert "--at" in capsys.readouterr().err
