@@ -459,9 +459,10 @@ def _status(args: argparse.Namespace, console: Console) -> int:
         return 0
     t = Table(title=f"gpuslice local mode: {st['status']}, router "
               f"{(st.get('router') or {}).get('url', '-')}, pid {st['pid']}")
-    for col in ("replica", "GPU", "compute", "mem cap", "pid", "status", "restarts",
-                f"req/s ({args.window:g} s)"):
+    for col in ("replica", "GPU", "compute", "mem cap", "pid", "status", "restarts", "req/s"):
         t.add_column(col, no_wrap=True)
+    if not console.is_terminal:
+        console = Console(width=max(console.width, 120))  # a pipe: no column cut short
     for r in st["replicas"]:
         t.add_row(r["name"], str(r["gpu_index"]), f"{r['compute_pct']}%",
                   f"{r['memory_mib']} MiB", str(r["pid"]), r["status"], str(r["restarts"]),

@@ -608,7 +608,8 @@ def add_capacity(plan_: Plan, profiles: ProfileSet, svc: Service, extra: float,
     else:
         fresh = [pl for pl in fitting_placements(geo, []) if pl.profile == prof]
         start = max(fresh, key=lambda pl: len(fitting_placements(geo, [pl])))
-        gpus.append(PlannedGpu(len(gpus), gpu_type, (Slot(start, (cfg,)),)))
+        index = max((g.index for g in gpus), default=-1) + 1
+        gpus.append(PlannedGpu(index, gpu_type, (Slot(start, (cfg,)),)))
     cost = plan_.cost + (0.0 if len(gpus) == len(plan_.gpus) else
                          plan_.cost / max(len(plan_.gpus), 1))
     return Plan(tuple(gpus), plan_.objective, cost, plan_.lower_bound, plan_.solver,

@@ -23,8 +23,10 @@ from gpuslice.core.planner import (
     Config,
     FleetType,
     Plan,
+    PlannedGpu,
     PlanOptions,
     Service,
+    Slot,
     add_capacity,
     plan,
 )
@@ -182,3 +184,150 @@ def plan_and_check(
                 stale = {s.name for s in services}
     assert result is not None
     return result
+
+
+@dataclass(frozen=True, slots=True)
+class SliceChange:
+    """One step of a re-plan: a slice of ``service`` added to or removed from a GPU."""
+
+    action: str  # "add" or "remove"
+    gpu: int
+    gpu_type: str
+    profile: str
+    start: int
+    service: str
+    throughput: float
+
+
+@dataclass(frozen=True)
+class Replanned:
+    plan: Plan
+    changes: tuple[SliceChange, ...]
+    replay: tuple[ReplayResult, ...]
+    freed_gpus: tuple[int, ...]
+    added_gpus: int
+
+
+def _slices(p: Plan) -> dict[tuple[int, int, str], tuple[str, str, str, float]]:
+    """(GPU, start, service) -> (GPU type, profile, service, throughput)."""
+    return {(g.index, s.placement.start, c.service): (g.gpu, s.placement.profile.name,
+                                                       c.service, c.throughput)
+            for g in p.gpus for s in g.slots for c in s.parts}
+
+
+def plan_diff(old: Plan, new: Plan) -> list[SliceChange]:
+    a, b = _slices(old), _slices(new)
+    out = [SliceChange("remove", k[0], v[0], v[1], k[1], v[2], v[3])
+           for k, v in sorted(a.items()) if k not in b]
+    out += [SliceChange("add", k[0], v[0], v[1], k[1], v[2], v[3])
+            for k, v in sorted(b.items()) if k not in a]
+    return out
+
+
+def _consolidate(gpus: dict[int, list[Slot]], types: dict[int, str]) -> None:
+    """Empty whole GPUs by moving their slices into free MIG positions of the same profile on
+    other GPUs of the same type, emptiest GPU first; a GPU is only emptied when all of its
+    slices find a place (otherwise nothing of it moves)."""
+    from gpuslice.core import catalog
+    from gpuslice.core.mig import MigPlacement, fitting_placements
+
+    while True:
+        order = sorted((len(sl), gi) for gi, sl in gpus.items() if sl)
+        moved = False
+        for _, gi in order:
+            model = catalog.lookup(types[gi])
+            if model is None or model.mig is None:
+                continue
+            geo = model.mig
+            trial = {h: list(sl) for h, sl in gpus.items() if h != gi and sl
+                     and types[h] == types[gi]}
+            ok = True
+            for slot in sorted(gpus[gi], key=lambda x: -x.placement.profile.compute_slices):
+                spot: tuple[int, MigPlacement] | None = None
+                for h in sorted(trial, key=lambda h: -len(trial[h])):  # fullest GPU first
+                    used = [x.placement for x in trial[h]]
+                    fits = [pl for pl in fitting_placements(geo, used)
+                            if pl.profile == slot.placement.profile]
+                    if fits:
+                        spot = (h, fits[0])
+                        break
+                if spot is None:
+                    ok = False
+                    break
+                trial[spot[0]].append(Slot(spot[1], slot.parts))
+            if ok:
+                for h, sl in trial.items():
+                    gpus[h] = sorted(sl, key=lambda x: x.placement.key)
+                gpus[gi] = []
+                moved = True
+                break
+        if not moved:
+            return
+
+
+def replan(profiles: ProfileSet, current: Plan, services: Sequence[Service],
+           opts: PlanOptions | None = None, *, rng: np.random.Generator,
+           fleet: Sequence[FleetType] = (),
+           utilisation: float = 0.95, margin: float = 0.9, rounds: int = 6,
+           requests: int = 30_000) -> Replanned:
+    """The smallest change to ``current`` that serves ``services`` at their new rates: slices
+    of services with more capacity than they need (at ``utilisation``) are removed, those on
+    the emptiest GPUs first so that whole GPUs are freed; services short of capacity get slices
+    in free MIG positions first (:func:`add_capacity`, a new GPU only when none is left); then
+    the plan is replayed at the new rates and repaired as :func:`plan_and_check` does. After
+    the shrink, a GPU whose remaining slices all fit in free positions elsewhere is emptied
+    (those slices move); no other slice moves."""
+    o = opts or PlanOptions()
+    by_name = {s.name: s for s in services}
+    need = {s.name: s.rate / utilisation for s in services}
+    gpus = {g.index: list(g.slots) for g in current.gpus}
+    types = {g.index: g.gpu for g in current.gpus}
+
+    def capacity(name: str) -> float:
+        return sum(c.throughput for sl in gpus.values() for s in sl for c in s.parts
+                   if c.service == name)
+
+    # shrink: single-service slots of over-provisioned services, emptiest GPU first
+    while True:
+        cands = []
+        for gi, slots in gpus.items():
+            for s in slots:
+                if len(s.parts) != 1:
+                    continue
+                c = s.parts[0]
+                if c.service in need and capacity(c.service) - c.throughput >= need[c.service]:
+                    cands.append((len(slots), c.throughput, gi, s))
+        if not cands:
+            break
+        _, _, gi, s = min(cands, key=lambda x: (x[0], x[1], x[2], x[3].placement.start))
+        gpus[gi].remove(s)
+    _consolidate(gpus, types)
+    kept = tuple(PlannedGpu(i, types[i], tuple(sl)) for i, sl in sorted(gpus.items()) if sl)
+    p = Plan(kept, current.objective, current.cost, current.lower_bound, current.solver)
+    # grow: services short of capacity
+    for svc in services:
+        for _ in range(20):
+            short = need[svc.name] - p.capacity(svc.name)
+            if short <= 1e-9:
+                break
+            before = p
+            p = add_capacity(p, profiles, svc, short, o.latency_factor)
+            if p is before:
+                break
+    replayed: list[ReplayResult] = []
+    for _ in range(rounds):
+        replayed = replay_plan(profiles, p, list(services), rng, requests)
+        bad = [r for r in replayed if r.p99_ms > margin * r.slo_ms]
+        if not bad:
+            break
+        for r in bad:
+            svc = by_name[r.service]
+            grow = min(0.3, max(0.05, r.p99_ms / (margin * r.slo_ms) - 1.0))
+            p = add_capacity(p, profiles, svc, p.capacity(svc.name) * grow, o.latency_factor)
+    old_idx = {g.index for g in current.gpus}
+    new_idx = {g.index for g in p.gpus}
+    price = {ft.gpu: (ft.cost_per_hour if o.objective == "cost" else 1.0) for ft in fleet}
+    p = Plan(p.gpus, p.objective, sum(price.get(g.gpu, 1.0) for g in p.gpus), p.lower_bound,
+             f"{current.solver}+replan", p.problems)
+    return Replanned(p, tuple(plan_diff(current, p)), tuple(replayed),
+                     tuple(sorted(old_idx - new_idx)), len(new_idx - old_idx))

@@ -480,27 +480,7 @@ def stop_local(state_dir: Path, timeout_s: float = 20.0) -> list[str]:
 
 
 async def replica_throughput(admin_url: str, window_s: float) -> dict[str, float]:
-    """Requests/s answered per replica over ``window_s``, from the router's Prometheus
-    counters read at both ends of the window."""
-    from prometheus_client.parser import text_string_to_metric_families
+    """Requests/s answered per replica over ``window_s`` (the router's counters)."""
+    from gpuslice.adapters.http.metrics import request_rates
 
-    async def scrape(session: aiohttp.ClientSession) -> dict[str, float]:
-        async with session.get(admin_url + "/metrics") as r:
-            text = await r.text()
-        out: dict[str, float] = {}
-        for fam in text_string_to_metric_families(text):
-            if fam.name != "gpuslice_router_requests":
-                continue
-            for s in fam.samples:
-                if s.name.endswith("_total") and s.labels.get("code", "").startswith("2"):
-                    key = s.labels["replica"]
-                    out[key] = out.get(key, 0.0) + s.value
-        return out
-
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
-        a = await scrape(session)
-        t0 = time.monotonic()
-        await asyncio.sleep(window_s)
-        b = await scrape(session)
-        dt = time.monotonic() - t0
-    return {k: (b.get(k, 0.0) - a.get(k, 0.0)) / dt for k in set(a) | set(b)}
+    return await request_rates(admin_url, window_s, by="replica", ok_only=True)

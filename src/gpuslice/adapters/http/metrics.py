@@ -120,3 +120,47 @@ class AccessLog:
 
     def flush(self) -> None:
         self.stream.flush()
+
+
+def _counts(text: str, by: str, ok_only: bool) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        if fam.name == "gpuslice_router_requests":
+            for smp in fam.samples:
+                if not smp.name.endswith("_total"):
+                    continue
+                if ok_only and not smp.labels.get("code", "").startswith("2"):
+                    continue
+                key = smp.labels.get(by, "")
+                out[key] = out.get(key, 0.0) + smp.value
+        elif fam.name == "gpuslice_router_rejects" and by == "service" and not ok_only:
+            for smp in fam.samples:
+                if smp.name.endswith("_total"):
+                    key = smp.labels.get("service", "")
+                    out[key] = out.get(key, 0.0) + smp.value
+    return out
+
+
+async def request_rates(admin_url: str, window_s: float, *, by: str = "replica",
+                        ok_only: bool = True) -> dict[str, float]:
+    """Requests/s per replica (or per service, answered and refused alike with ``ok_only``
+    False: the offered load) over ``window_s``, from the router's Prometheus counters read at
+    both ends of the window."""
+    import asyncio
+    import time
+
+    import aiohttp
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
+        async def scrape() -> dict[str, float]:
+            async with session.get(admin_url.rstrip("/") + "/metrics") as r:
+                return _counts(await r.text(), by, ok_only)
+
+        a = await scrape()
+        t0 = time.monotonic()
+        await asyncio.sleep(window_s)
+        b = await scrape()
+        dt = time.monotonic() - t0
+    return {k: (b.get(k, 0.0) - a.get(k, 0.0)) / dt for k in set(a) | set(b)}
