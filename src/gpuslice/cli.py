@@ -104,6 +104,7 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_demo_parser(sub)
     _add_local_parsers(sub)
     _add_reconfig_parser(sub)
+    _add_replan_parser(sub)
     _add_plan_parser(sub)
     e = sub.add_parser(
         "extender", help="kube-scheduler extender: filter, prioritize and bind over HTTP(S)",
@@ -578,6 +579,92 @@ def _reconfig(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _add_replan_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    r = sub.add_parser(
+        "replan", help="re-plan from observed request rates: the smallest set of slice changes",
+        description="Read the current plan (gpuslice plan --json), take each service's request "
+        "rate from the router's metrics (or the services file), and propose the fewest slice "
+        "changes that restore every SLO or free GPUs, checked by replay; a full re-plan is "
+        "shown beside it for comparison. Nothing is applied: --json/--export write the new "
+        "plan for the usual path (manifests, SliceSchedule layouts).")
+    r.add_argument("--current", type=Path, required=True, help="the plan in force (JSON)")
+    r.add_argument("--profiles", type=Path, required=True, help="profiles (folder or CSV)")
+    r.add_argument("--services", type=Path, required=True,
+                   help="services file (models, SLOs, and rates unless --rates-from)")
+    r.add_argument("--rates-from", metavar="URL",
+                   help="router admin URL: offered rates measured over --window")
+    r.add_argument("--window", type=float, default=10.0)
+    r.add_argument("--fleet", type=Path, help="fleet file (GPU types, counts, costs)")
+    r.add_argument("--seed", type=int, default=1)
+    r.add_argument("--json", type=Path, help="write the new plan as JSON here")
+    r.add_argument("--export", type=Path, help="write plan.json, mig-parted.yaml, manifests")
+
+
+def _replan(args: argparse.Namespace, console: Console) -> int:
+    import asyncio
+    import json
+
+    import numpy as np
+
+    from gpuslice.adapters.http.config import read_document
+    from gpuslice.core.planner import FleetType, PlanOptions, Service, validate
+    from gpuslice.core.replay import plan_and_check, plan_diff, replan
+    from gpuslice.planning.export import write_exports
+    from gpuslice.planning.run import (
+        PlanRun,
+        load_profiles,
+        plan_from_json,
+        read_fleet,
+        read_services,
+        to_json,
+    )
+
+    current = plan_from_json(read_document(args.current, "--current"), str(args.current))
+    profiles = load_profiles(args.profiles)
+    services = read_services(args.services)
+    if args.rates_from:
+        from gpuslice.adapters.http.metrics import request_rates
+
+        if args.window <= 0:
+            raise ValidationError("--window", "a positive number of seconds", args.window)
+        seen = asyncio.run(request_rates(args.rates_from, args.window, by="service",
+                                         ok_only=False))
+        services = [Service(s.name, s.model, round(seen.get(s.name, 0.0), 3), s.slo_ms)
+                    for s in services]
+    fleet = read_fleet(args.fleet) if args.fleet else [
+        FleetType(g) for g in sorted({g.gpu for g in current.gpus})]
+    opts = PlanOptions()
+    inc = replan(profiles, current, services, opts, rng=np.random.default_rng(args.seed),
+                 fleet=fleet)
+    full = plan_and_check(profiles, services, fleet, opts,
+                          rng=np.random.default_rng(args.seed + 1)).plan
+    t = Table(title=f"re-plan: {len(inc.changes)} slice change(s), GPUs {current.n_gpus} -> "
+              f"{inc.plan.n_gpus}")
+    for col in ("action", "GPU", "slice", "service", "req/s"):
+        t.add_column(col)
+    for ch in inc.changes:
+        t.add_row(ch.action, f"{ch.gpu} ({ch.gpu_type})", f"{ch.profile}@{ch.start}",
+                  ch.service, f"{ch.throughput:.1f}")
+    console.print(t)
+    for r in inc.replay:
+        console.print(f"{r.service}: replayed p99 {r.p99_ms:.1f} ms (SLO {r.slo_ms:g}) "
+                      f"{'ok' if r.ok else 'MISSED'}", highlight=False)
+    if inc.freed_gpus:
+        console.print(f"frees GPU(s) {', '.join(map(str, inc.freed_gpus))}")
+    console.print(f"a full re-plan would use {full.n_gpus} GPUs and change "
+                  f"{len(plan_diff(current, full))} slices", highlight=False)
+    if args.json or args.export:
+        doc = to_json(PlanRun(inc.plan, list(services), list(inc.replay), 0.0, 0.0, 1, {},
+                              validate(inc.plan, services, opts.latency_factor), {}))
+        if args.json:
+            args.json.write_text(json.dumps(doc, indent=2))
+            console.print(f"wrote {args.json}", highlight=False)
+        if args.export:
+            for path in write_exports(args.export, inc.plan, doc):
+                console.print(f"wrote {path}", highlight=False)
+    return 0 if all(r.ok for r in inc.replay) else 1
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     console = Console(stderr=False)
     err = Console(stderr=True)
@@ -611,6 +698,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _select(args, console)
         if args.command == "reconfig":
             return _reconfig(args, console)
+        if args.command == "replan":
+            return _replan(args, console)
     except GpusliceError as exc:
         err.print(f"gpuslice: error: {exc}", markup=False, highlight=False, soft_wrap=True)
         return 2

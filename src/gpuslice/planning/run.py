@@ -18,7 +18,7 @@ from gpuslice.adapters.profiles.files import (
     read_scenario,
 )
 from gpuslice.adapters.traces.alibaba import InputError
-from gpuslice.core.errors import GpusliceError
+from gpuslice.core.errors import GpusliceError, ValidationError
 from gpuslice.core.planner import (
     FleetType,
     Plan,
@@ -189,3 +189,36 @@ def _part(c: Any) -> dict[str, Any]:
             "thread_pct": c.thread_pct, "colocated_procs": c.colocated,
             "throughput_rps": round(c.throughput, 3),
             "batch_latency_ms": round(c.latency_s * 1000, 3)}
+
+
+def plan_from_json(doc: Any, where: str = "plan") -> Plan:
+    """A plan written by :func:`to_json` (``gpuslice plan --json``), read back."""
+    from gpuslice.core import catalog
+    from gpuslice.core.mig import MigPlacement
+    from gpuslice.core.planner import Config, PlannedGpu, Slot
+
+    if not isinstance(doc, dict) or not isinstance(doc.get("gpu_list"), list):
+        raise ValidationError(f"{where}: gpu_list", "a plan written by gpuslice plan --json",
+                              type(doc).__name__)
+    gpus = []
+    for i, g in enumerate(doc["gpu_list"]):
+        w = f"{where}: gpu_list[{i}]"
+        try:
+            model = catalog.lookup(str(g["gpu"]))
+            if model is None or model.mig is None:
+                raise ValidationError(f"{w}.gpu", "a MIG-capable GPU model", g["gpu"])
+            slots = []
+            for s in g["mig_layout"]:
+                prof = model.mig.profile(str(s["profile"]))
+                parts = tuple(Config(
+                    str(c["service"]), str(c["model"]), model.name, prof.compute_slices,
+                    prof.name, int(c["batch"]), int(c["procs"]), float(c["throughput_rps"]),
+                    float(c["batch_latency_ms"]) / 1000, int(c.get("colocated_procs", 0)))
+                    for c in s["processes"])
+                slots.append(Slot(MigPlacement(int(s["start"]), prof), parts))
+            gpus.append(PlannedGpu(int(g["index"]), model.name, tuple(slots)))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValidationError(w, "index, gpu and mig_layout with processes",
+                                  str(exc)) from None
+    return Plan(tuple(gpus), str(doc.get("objective", "gpus")), float(doc.get("cost", 0)),
+                float(doc.get("lower_bound", 0)), str(doc.get("solver", "file")))
