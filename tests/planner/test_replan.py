@@ -32,11 +32,11 @@ def base() -> Plan:
 def test_less_load_removes_slices_and_frees_gpus() -> None:
     cur = base()
     r = replan(PROFILES, cur, scaled(0.4), rng=np.random.default_rng(2), fleet=FLEET)
-    removed = [(c.service, c.profile) for c in r.changes if c.action == "remove"]
-    added = [(c.service, c.profile) for c in r.changes if c.action == "add"]
-    # adds are only moves (a slice emptied off a GPU that is freed), never new capacity
-    assert removed and all(removed.count(a) >= added.count(a) for a in added)
+    removed = [c for c in r.changes if c.action == "remove"]
+    added = [c for c in r.changes if c.action == "add"]
+    assert len(removed) > len(added)  # mostly removals; adds fill freed positions
     assert r.added_gpus == 0 and r.freed_gpus
+    assert {c.gpu for c in added} <= {g.index for g in cur.gpus}
     assert r.plan.n_gpus == cur.n_gpus - len(r.freed_gpus)
     assert all(x.ok for x in r.replay)
     for s in scaled(0.4):
