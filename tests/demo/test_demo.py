@@ -56,12 +56,14 @@ def test_demo_runs_the_whole_scenario_and_writes_its_report(tmp_path: Path) -> N
     assert len(placed["demo/trainer"]["gpus"]) == 2
     assert s["gpus_used"] < s["gpus_exclusive"]
     # the killed replica was restarted by the kubelet, and no request failed
-    assert s["killed"] and placed[s["killed"]]["restarts"] >= 1
+    assert s["killed"] and f"container of {s['killed']} exited" in out
     for name, st in s["latency_total"].items():
         assert st["failed"] == 0, (name, st)
         assert st["ok"] > 0.9 * st["sent"], (name, st)
         assert f"<td>{name}</td>" in html
     assert "fits no node" in out  # the pending job's reasons were shown
+    # the H100 that held the replicas was re-sliced under load: they moved first
+    assert s["reconfig"]["moves"] >= 6 and len(s["reconfig"]["seconds_per_gpu"]) == 2
     assert f"GPUs in use: {s['gpus_used']}" in out
 
 

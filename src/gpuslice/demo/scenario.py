@@ -46,7 +46,7 @@ NODES = (
     NodeSpec("t4-0", ("T4",) * 4),
     NodeSpec("v100-0", ("V100M16",) * 4),
     NodeSpec("a100-0", ("A100-80GB",) * 2),
-    NodeSpec("h100-0", ("H100-SXM",) * 2),
+    NodeSpec("h100-0", ("H100-SXM",) * 2, mig=",".join(f"1g.10gb@{i}" for i in range(7))),
 )
 LATE_NODE = NodeSpec("h100-1", ("H100-SXM",) * 2)
 COST_PER_HOUR = {"A100-80GB": 1.0, "H100-SXM": 2.0}
@@ -92,6 +92,7 @@ class DemoState:
     router_admin: int = 0
     router_config: str = ""
     killed: str = ""
+    reconfig: dict[str, Any] = field(default_factory=dict)
 
     @property
     def log(self) -> EventLog:
@@ -409,6 +410,9 @@ async def scenario(state: DemoState, display: Display) -> None:
                           "takes it out, idempotent requests are retried elsewhere, the "
                           "kubelet restarts it")
             await asyncio.sleep(o.seconds(20))
+            state.phase("reconfigure: an H100 goes from 7 x 1g to 1 x 7g under load")
+            await reconfigure(state)
+            await asyncio.sleep(o.seconds(5))
             state.phase("scale-out: a 2-GPU job arrives, then a node is added")
             trainer = gpu_pod("trainer", service="train", model="embedder", gpus=2,
                               milli=1000, gpu_models="H100-SXM", batch=8)
@@ -425,6 +429,39 @@ async def scenario(state: DemoState, display: Display) -> None:
             with contextlib.suppress(asyncio.CancelledError):
                 await follow
     state.phase("done")
+
+
+async def reconfigure(state: DemoState) -> None:
+    """Switch node h100-0's GPUs to one 7g instance each with a SliceSchedule, through the
+    reconfiguration controller: the replicas on a GPU move to the other one first."""
+    from gpuslice.services.reconfig import PLURAL, HttpRouter, ReconfigController
+
+    c = state.cluster
+    c.api.replace_custom(PLURAL, {
+        "apiVersion": "gpuslice.io/v1alpha1", "kind": "SliceSchedule",
+        "metadata": {"name": "h100-batch", "namespace": "gpuslice-system"},
+        "spec": {"selector": {"nodes": ["h100-0"]},
+                 "layouts": {"inference": {"mig": {"mig-devices": {"1g.10gb": 7}}},
+                             "batch": {"mig": {"mig-devices": {"7g.80gb": 1}}}},
+                 "default": "inference", "override": "batch", "drainTimeoutSeconds": 10}})
+    ctl = ReconfigController(c.api, router=HttpRouter(f"http://127.0.0.1:{state.router_admin}"))
+    loop = asyncio.get_running_loop()
+    seen = 0
+    end = time.monotonic() + 90
+    while time.monotonic() < end:
+        await loop.run_in_executor(None, ctl.step)
+        for line in ctl.log[seen:]:
+            c.log.add("reconfig", line.split(": ", 1)[-1])
+        seen = len(ctl.log)
+        st = c.api.get_custom(PLURAL, "gpuslice-system", "h100-batch").get("status") or {}
+        if (st.get("summary") or {}).get("inTarget") == 2:
+            secs = [g.get("seconds") for g in (st.get("gpus") or {}).values()]
+            c.log.add("reconfig", f"both GPUs of h100-0 now 1 x 7g ({st.get('moves', 0)} "
+                      f"replica(s) moved; seconds per GPU: {secs})")
+            state.reconfig = {"moves": st.get("moves", 0), "seconds_per_gpu": secs}
+            return
+        await asyncio.sleep(0.3)
+    c.log.add("error", "the reconfiguration did not finish in 90 s")
 
 
 def _container_rps(state: DemoState, key: str) -> float:
@@ -488,6 +525,7 @@ def summary(state: DemoState) -> dict[str, Any]:
         "latency_by_phase": by_phase,
         "latency_total": total,
         "killed": state.killed,
+        "reconfig": state.reconfig,
         "events": [e.__dict__ for e in c.log.events],
         "phases": [{"name": ph.name, "start": round(ph.start, 2),
                     "end": None if math.isnan(ph.end) else round(ph.end, 2)}

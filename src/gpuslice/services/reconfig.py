@@ -406,8 +406,9 @@ class ReconfigController:
              gstat: dict[str, dict[str, Any]], g: _Gpu, st: dict[str, Any],
              message: str) -> None:
         gstat[g.uuid] = st
-        phase = "Progressing" if st["phase"] in ACTIVE else st["phase"]
-        self._save(obj, status, gstat, phase, f"GPU {g.uuid} on {g.node}: {message}")
+        # the overall Done / Failed / Waiting is the next pass's summary over every GPU
+        self._save(obj, status, gstat, "Progressing",
+                   f"GPU {g.uuid} on {g.node}: {st['phase'].lower()}: {message}")
         self.api.patch_node(g.node, {f"gpuslice.io/reconfig.{_label_key(g.uuid)}":
                                      st["phase"].lower()}, {})
 
