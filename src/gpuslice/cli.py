@@ -294,7 +294,7 @@ def _add_demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     d.add_argument("--out", type=Path, default=Path("demo-report"),
                    help="folder for index.html, summary.json and the plots (default "
                    "demo-report)")
-    d.add_argument("--short", action="store_true", help="a shortened scenario (about 40 s)")
+    d.add_argument("--short", action="store_true", help="a shortened scenario (about 35 s)")
     d.add_argument("--seed", type=int, default=1)
     d.add_argument("--no-live", action="store_true",
                    help="print events line by line instead of a live display")
