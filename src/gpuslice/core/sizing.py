@@ -98,10 +98,10 @@ def size_slices(tenants: Sequence[Tenant], profiles: ProfileSet, gpu: str, *,
             raise Unsizable(f"{t.name}: no MPS profile of {t.model} on {gpu}")
         ok = [p for p in pts.values() if p.tail_latency_s * 1000 <= t.slo_ms]
         if not ok:
-            best = min(pts.values(), key=lambda p: p.tail_latency_s)
+            fastest = min(pts.values(), key=lambda p: p.tail_latency_s)
             raise Unsizable(f"{t.name}: no profiled cap meets its {t.slo_ms:g} ms SLO with {n} "
-                            f"processes on the GPU (best: {best.tail_latency_s * 1000:.1f} ms "
-                            f"at {best.slice_size}% batch {best.batch})")
+                            f"processes on the GPU (best: {fastest.tail_latency_s * 1000:.1f} "
+                            f"ms at {fastest.slice_size}% batch {fastest.batch})")
         p = min(ok, key=lambda p: (p.slice_size, -p.throughput, p.batch))
         out[t.name] = SliceSize(t.name, p.slice_size, p.batch, p.throughput,
                                 p.tail_latency_s * 1000, True)
