@@ -12,7 +12,7 @@ import yaml
 
 from gpuslice.core.planner import FleetType, Plan, PlanOptions, Service
 from gpuslice.core.replay import plan_and_check, plan_diff, replan
-from gpuslice.demo.gpumodel import profiles
+from gpuslice.core.speedmodel import profiles
 
 PROFILES = profiles(["A100-80GB"], ["resnet50", "bert-base", "mobilenet-v3"])
 SERVICES = [Service("resnet50", "resnet50", 900, 100), Service("bert", "bert-base", 250, 200),

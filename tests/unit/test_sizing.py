@@ -6,7 +6,7 @@ import pytest
 
 from gpuslice.core.profiles import ProfilePoint, ProfileSet
 from gpuslice.core.sizing import Tenant, Unsizable, size_slices
-from gpuslice.demo.gpumodel import service_time_s
+from gpuslice.core.speedmodel import service_time_s
 
 CAPS = (10, 20, 30, 40, 50, 70, 100)
 

@@ -43,7 +43,7 @@ from gpuslice.core.assignment import ANNOTATION
 from gpuslice.core.devices import GpuDevice, MigInstance
 from gpuslice.core.errors import GpusliceError, ValidationError
 from gpuslice.core.mig import parse_layout
-from gpuslice.demo.gpumodel import service_time_s
+from gpuslice.core.speedmodel import service_time_s
 from gpuslice.services.device_plugin import PluginConfig
 from gpuslice.services.node_agent import NodeAgent
 

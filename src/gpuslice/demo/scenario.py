@@ -28,6 +28,7 @@ from gpuslice.core.assignment import ANNOTATION
 from gpuslice.core.errors import GpusliceError
 from gpuslice.core.planner import FleetType, Plan, PlanOptions, Service
 from gpuslice.core.replay import plan_and_check
+from gpuslice.core.speedmodel import MODELS, profiles
 from gpuslice.demo.cluster import (
     Cluster,
     EventLog,
@@ -35,7 +36,6 @@ from gpuslice.demo.cluster import (
     gpu_pod,
     router_config_from_pods,
 )
-from gpuslice.demo.gpumodel import MODELS, profiles
 
 SERVICES = (
     Service("resnet50", "resnet50", 200.0, 100.0),

@@ -1,4 +1,4 @@
-"""The demo's simulated GPUs: how long a model takes on a slice of a GPU.
+"""A simulated GPU's speed: how long a model takes on a slice of a GPU (the demo, fake timers).
 
 One small, documented model drives both sides of the demo, so the plan and the replicas agree:
 the planner's profiles are drawn from it, and each simulated replica serves with the service

@@ -1,0 +1,1 @@
+"""GPU benchmark and profiling tools: ``gpuslice profile`` and ``gpuslice bench sharing``."""

@@ -1,0 +1,261 @@
+"""``gpuslice profile``: measure a model on the local GPU across slice sizes, batch sizes and
+process counts, into the planner's profile CSV (``adapters/profiles/files.py``'s own format).
+
+Slices: MPS thread caps (one MPS control daemon with private pipe and log directories for the
+run, quit at the end) and, where MIG is already enabled, the MIG instances that exist (the GPU's
+mode is never changed). For each (slice, process count) the workers start together (each loads
+its model, says ready, and waits for GO), warm up and measure a fixed window per batch size.
+Rows are appended to the CSV as they are measured; a configuration already in the file is
+skipped, so an interrupted run resumes where it stopped. ``--fake-timer MODEL@GPU`` replaces the
+GPU with the demo's speed model on a virtual clock (CPU tests). A plot of throughput against
+slice size per batch (the knee) is written beside the CSV.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+import tempfile
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from gpuslice.adapters.proc import spawn, terminate
+from gpuslice.core.errors import GpusliceError, ValidationError
+from gpuslice.core.profiles import ProfilePoint
+
+COLUMNS = ("model", "gpu", "slice_kind", "slice_size", "batch", "procs", "throughput_rps",
+           "latency_ms", "latency_p99_ms")
+
+
+@dataclass(frozen=True)
+class ProfileOptions:
+    workload: str
+    out: Path
+    model_name: str = ""  # the name in the CSV (default: the workload)
+    caps: tuple[int, ...] = (10, 20, 30, 50, 70, 100)
+    batches: tuple[int, ...] = (1, 2, 4, 8)
+    procs: tuple[int, ...] = (1, 2, 3)
+    warmup_s: float = 2.0
+    window_s: float = 5.0
+    mig: bool = True
+    fake_timer: str | None = None  # MODEL@GPU
+    device_index: int = 0
+    mps_binary: str = "nvidia-cuda-mps-control"
+
+    def __post_init__(self) -> None:
+        for name, vals, lo, hi in (("--caps", self.caps, 1, 100), ("--batches", self.batches,
+                                                                     1, 4096),
+                                   ("--procs", self.procs, 1, 48)):
+            if not vals or any(not lo <= v <= hi for v in vals):
+                raise ValidationError(name, f"a list of integers from {lo} to {hi}", vals)
+        if self.warmup_s < 0 or self.window_s <= 0:
+            raise ValidationError("--window-s", "a positive window and a warm-up >= 0",
+                                  (self.warmup_s, self.window_s))
+
+
+@dataclass(frozen=True)
+class Slice:
+    kind: str  # "mps" or "mig"
+    size: int  # thread % or compute slices
+    visible: str  # CUDA_VISIBLE_DEVICES
+    label: str
+
+
+def _gpu(opts: ProfileOptions) -> tuple[str, str, list[Slice]]:
+    """(GPU model name, UUID, MIG slices that exist) of the GPU to profile."""
+    if opts.fake_timer:
+        _, _, gpu = opts.fake_timer.partition("@")
+        return gpu or "H100-SXM", "GPU-fake", []
+    from gpuslice.adapters.nvml.port import NullNvml
+    from gpuslice.adapters.nvml.real import load
+
+    try:
+        import pynvml  # noqa: F401
+    except ImportError:
+        raise GpusliceError("nvidia-ml-py is not installed: pip install 'gpuslice[gpu]'") \
+            from None
+    nvml = load()
+    if isinstance(nvml, NullNvml) or not nvml.devices():
+        raise GpusliceError(f"no NVIDIA GPU to profile: {nvml.why_empty()}")
+    gpus = [g for g in nvml.devices() if g.index == opts.device_index]
+    if not gpus:
+        raise ValidationError("--device", f"a GPU index of {[g.index for g in nvml.devices()]}",
+                              opts.device_index)
+    g = gpus[0]
+    migs = []
+    if g.mig_enabled and opts.mig:
+        from gpuslice.core import catalog
+
+        model = catalog.lookup(g.model)
+        seen = set()
+        for m in g.mig:
+            if model is None or model.mig is None or m.profile in seen:
+                continue
+            seen.add(m.profile)
+            size = model.mig.profile(m.profile).compute_slices
+            migs.append(Slice("mig", size, m.uuid, m.profile))
+    return g.model, g.uuid, migs
+
+
+def _existing(path: Path) -> set[tuple[str, str, str, int, int, int]]:
+    if not path.is_file():
+        return set()
+    with path.open() as f:
+        return {(r["model"], r["gpu"], r["slice_kind"], int(r["slice_size"]), int(r["procs"]),
+                 int(r["batch"])) for r in csv.DictReader(f)}
+
+
+def _run_config(opts: ProfileOptions, sl: Slice, procs: int, batches: list[int],
+                env: dict[str, str], run_id: str) -> list[dict[str, float]]:
+    """Start ``procs`` workers together; per batch, their results."""
+    args = [sys.executable, "-m", "gpuslice.bench.worker", "--workload", opts.workload,
+            "--batches", ",".join(map(str, batches)), "--warmup-s", str(opts.warmup_s),
+            "--window-s", str(opts.window_s)]
+    if opts.fake_timer:
+        args += ["--fake-timer", opts.fake_timer]
+    workers = [spawn(args, run_id, env={**env, "GPUSLICE_FAKE_PROCS": str(procs)},
+                     stdin=subprocess.PIPE, stdout=subprocess.PIPE) for _ in range(procs)]
+    try:
+        for w in workers:  # every worker has loaded its model
+            _expect(w, "ready")
+        for w in workers:
+            assert w.stdin is not None
+            w.stdin.write("GO\n")
+            w.stdin.flush()
+        results: list[dict[str, float]] = []
+        for w in workers:
+            while True:
+                doc = _expect(w, None)
+                if doc.get("done"):
+                    break
+                results.append(doc)
+        return results
+    finally:
+        for w in workers:
+            terminate(w)
+
+
+def _expect(w: subprocess.Popen[str], key: str | None) -> dict[str, float]:
+    assert w.stdout is not None
+    line = w.stdout.readline()
+    if not line:
+        raise GpusliceError(f"a profiling worker exited with status {w.wait()} before "
+                            "reporting")
+    try:
+        doc = json.loads(line)
+    except ValueError:
+        raise GpusliceError(f"a profiling worker said {line.strip()!r}") from None
+    if "error" in doc:
+        raise GpusliceError(f"profiling worker: {doc['error']}")
+    if key is not None and not doc.get(key):
+        raise GpusliceError(f"a profiling worker said {doc} instead of {key}")
+    return dict(doc)
+
+
+def run_profile(opts: ProfileOptions,
+                progress: Callable[[str, int, int], None] | None = None) -> list[ProfilePoint]:
+    """Measure every configuration not yet in ``opts.out``; returns the points measured now."""
+    gpu_model, gpu_uuid, migs = _gpu(opts)
+    name = opts.model_name or opts.workload
+    done = _existing(opts.out)
+    slices = [Slice("mps", c, gpu_uuid, f"{c}% threads") for c in opts.caps] + migs
+    todo = []
+    for sl in slices:
+        for n in opts.procs:
+            batches = [b for b in opts.batches
+                       if (name, gpu_model, sl.kind, sl.size, n, b) not in done]
+            if batches:
+                todo.append((sl, n, batches))
+    measured: list[ProfilePoint] = []
+    if not todo:
+        return measured
+    run_id = uuid.uuid4().hex[:12]
+    daemon = None
+    with tempfile.TemporaryDirectory(prefix="gsp-") as tmp:
+        try:
+            if not opts.fake_timer:
+                from gpuslice.adapters.mps import MpsDaemon
+
+                daemon = MpsDaemon(gpu_uuid, Path(tmp) / "pipe", Path(tmp) / "log",
+                                   binary=opts.mps_binary)
+                daemon.start()
+            new_file = not opts.out.is_file()
+            opts.out.parent.mkdir(parents=True, exist_ok=True)
+            with opts.out.open("a", newline="") as f:
+                out = csv.writer(f)
+                if new_file:
+                    out.writerow(COLUMNS)
+                for i, (sl, n, batches) in enumerate(todo):
+                    if progress is not None:
+                        progress(f"{name} {sl.label} x{n}", i, len(todo))
+                    env = {"CUDA_VISIBLE_DEVICES": sl.visible}
+                    if sl.kind == "mps":
+                        env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(sl.size)
+                        if daemon is not None:
+                            env["CUDA_MPS_PIPE_DIRECTORY"] = str(daemon.pipe_dir)
+                    rows = _run_config(opts, sl, n, batches, env, run_id)
+                    for b in batches:
+                        mine = [r for r in rows if int(r["batch"]) == b]
+                        if len(mine) != n:
+                            raise GpusliceError(f"{sl.label} x{n} batch {b}: {len(mine)} of "
+                                                f"{n} workers reported")
+                        thr = float(np.mean([r["throughput"] for r in mine]))
+                        p50 = float(np.mean([r["p50_ms"] for r in mine]))
+                        p99 = float(np.max([r["p99_ms"] for r in mine]))
+                        out.writerow([name, gpu_model, sl.kind, sl.size, b, n, f"{thr:.4f}",
+                                      f"{p50:.4f}", f"{p99:.4f}"])
+                        f.flush()  # an interrupted run keeps what it measured
+                        measured.append(ProfilePoint(name, gpu_model, sl.kind, sl.size, b, n,
+                                                     thr, p50 / 1000, p99 / 1000))
+                if progress is not None:
+                    progress("done", len(todo), len(todo))
+        finally:
+            if daemon is not None:
+                daemon.quit()
+    return measured
+
+
+def plot_knee(csv_path: Path, png: Path) -> Path:
+    """Throughput of the whole slice against its size, one line per batch (procs = 1)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from gpuslice.adapters.profiles.files import read_own_profiles
+
+    pts = [p for p in read_own_profiles(csv_path).points if p.procs == 1]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, kind in zip(axes, ("mps", "mig"), strict=True):
+        mine = [p for p in pts if p.slice_kind == kind]
+        for model in sorted({p.model for p in mine}):
+            for b in sorted({p.batch for p in mine if p.model == model}):
+                xs = sorted((p.slice_size, p.instance_throughput) for p in mine
+                            if p.model == model and p.batch == b)
+                ax.plot([x for x, _ in xs], [y for _, y in xs], marker="o",
+                        label=f"{model} batch {b}")
+        ax.set_xlabel("MPS active thread %" if kind == "mps" else "MIG compute slices")
+        ax.set_ylabel("requests/s")
+        ax.set_title(f"{kind.upper()} slices" + ("" if mine else " (none measured)"))
+        if mine:
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    return png
+
+
+def parse_ints(field: str, text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ValidationError(field, "comma-separated integers", text) from None
+
+
+__all__: Sequence[str] = ("ProfileOptions", "plot_knee", "run_profile")

@@ -1,0 +1,105 @@
+"""One benchmark process: load a workload, wait for ``GO`` on stdin (so that co-located workers
+start together), then for each batch size warm up and measure a fixed window; one JSON line per
+batch size on stdout (``{"batch", "throughput", "p50_ms", "p99_ms", "batches"}``), then
+``{"done": true}``; ``{"error": ...}`` and exit status 1 on a failure.
+
+    python -m gpuslice.bench.worker --workload resnet50 --batches 1,8 --warmup-s 2 --window-s 5
+
+``--fake-timer MODEL@GPU`` runs the tiny NumPy workload but charges each batch the time the
+demo's GPU model gives (``gpuslice.core.speedmodel``) for the slice in
+``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``, slowed 5% per co-running process
+(``GPUSLICE_FAKE_PROCS``), on a virtual clock: the whole profiling pipeline runs on a CPU in
+a fraction of a second, with known numbers to check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+
+def measure(run: Callable[[int], float], batch: int, warmup_s: float,
+            window_s: float) -> dict[str, float]:
+    """``run(batch)`` returns the seconds one batch took; warm up, then a fixed window."""
+    spent = 0.0
+    while spent < warmup_s:
+        spent += run(batch)
+    lat: list[float] = []
+    spent = 0.0
+    while spent < window_s or len(lat) < 3:
+        t = run(batch)
+        lat.append(t)
+        spent += t
+    arr = np.array(lat)
+    return {"batch": batch, "throughput": batch * len(lat) / float(arr.sum()),
+            "p50_ms": float(np.percentile(arr, 50)) * 1000,
+            "p99_ms": float(np.percentile(arr, 99)) * 1000, "batches": len(lat)}
+
+
+def _runner(args: argparse.Namespace) -> tuple[Callable[[int], float], Callable[[], None]]:
+    from gpuslice.bench.workloads import make_workload
+
+    if args.fake_timer:
+        from gpuslice.bench.workloads import TinyWorkload
+        from gpuslice.core.speedmodel import service_time_s
+
+        model, _, gpu = args.fake_timer.partition("@")
+        tiny = TinyWorkload()
+        pct = float(os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "100"))
+        procs = int(os.environ.get("GPUSLICE_FAKE_PROCS", "1"))
+        slow = 1 + 0.05 * (procs - 1)
+
+        def fake(batch: int) -> float:
+            tiny.run(batch)  # the code path runs; the clock is virtual
+            return service_time_s(model, gpu or "H100-SXM", pct / 100, batch) * slow
+
+        return fake, tiny.close
+    w = make_workload(args.workload, args.device)
+
+    def real(batch: int) -> float:
+        t0 = time.perf_counter()
+        w.run(batch)
+        return time.perf_counter() - t0
+
+    return real, w.close
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="one gpuslice benchmark worker")
+    ap.add_argument("--workload", default="tiny")
+    ap.add_argument("--batches", default="1")
+    ap.add_argument("--warmup-s", type=float, default=2.0)
+    ap.add_argument("--window-s", type=float, default=5.0)
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--fake-timer", default=None, metavar="MODEL@GPU")
+    ap.add_argument("--no-wait", action="store_true", help="do not wait for GO on stdin")
+    args = ap.parse_args(argv)
+    from gpuslice.core.errors import GpusliceError
+
+    try:
+        batches = [int(b) for b in args.batches.split(",") if b.strip()]
+        run, close = _runner(args)
+        print(json.dumps({"ready": True}), flush=True)
+        if not args.no_wait and sys.stdin.readline().strip() != "GO":
+            return 1
+        for b in batches:
+            print(json.dumps(measure(run, b, args.warmup_s, args.window_s)), flush=True)
+        close()
+    except (GpusliceError, ValueError) as exc:
+        print(json.dumps({"error": str(exc)}), flush=True)
+        return 1
+    except Exception as exc:  # a CUDA out-of-memory or a crash in the workload
+        print(json.dumps({"error": f"{type(exc).__name__}: {exc}"}), flush=True)
+        return 1
+    print(json.dumps({"done": True}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,179 @@
+"""What a benchmark worker runs: one batch at a time of a model, timed.
+
+Built in: torchvision ``resnet50``, ``mobilenet_v3``, ``vit_b_16``, ``efficientnet_b0`` and a
+BERT-base sized transformer ``encoder`` (PyTorch, random weights, fp16 on CUDA), and ``tiny``
+(a NumPy matrix product, no GPU). Any other program can be profiled through one of two tiny
+protocols:
+
+- ``cmd:PROGRAM ARGS``: the worker writes ``RUN <batch>`` lines on the program's stdin; the
+  program answers each with one line ``OK`` when the batch is done (``ERR <message>`` on a
+  failure). It is started once and kept for every batch.
+- ``http://HOST:PORT/PATH``: one POST per batch with the ``X-Batch-Size`` header; any 2xx
+  answer is a completed batch.
+
+A missing package is reported by name (:class:`MissingPackage`), never as a traceback.
+"""
+
+from __future__ import annotations
+
+import shlex
+import subprocess
+import urllib.request
+from typing import Any, Protocol
+
+from gpuslice.core.errors import GpusliceError
+
+TORCHVISION = {"resnet50": "resnet50", "mobilenet_v3": "mobilenet_v3_large",
+               "vit_b_16": "vit_b_16", "efficientnet_b0": "efficientnet_b0"}
+BUILTIN = (*TORCHVISION, "encoder", "tiny")
+
+
+class MissingPackage(GpusliceError):
+    """A package the benchmark needs is not installed; the message says which and how."""
+
+
+class Workload(Protocol):
+    name: str
+
+    def run(self, batch: int) -> None:
+        """Run one batch to completion (on a GPU: synchronised)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def _torch() -> Any:
+    try:
+        import torch
+    except ImportError:
+        raise MissingPackage("PyTorch is not installed: pip install torch (with CUDA for a "
+                             "GPU), or profile --workload tiny / cmd:... / http://...") from None
+    return torch
+
+
+class TorchWorkload:
+    def __init__(self, name: str, device: str | None = None) -> None:
+        torch = _torch()
+        self.torch = torch
+        self.name = name
+        self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        dtype = torch.float16 if self.device == "cuda" else torch.float32
+        if name in TORCHVISION:
+            try:
+                import torchvision.models as tvm
+            except ImportError:
+                raise MissingPackage(f"workload {name} needs torchvision: pip install "
+                                     "torchvision") from None
+            net = getattr(tvm, TORCHVISION[name])(weights=None)
+            self.shape: tuple[int, ...] = (3, 224, 224)
+        elif name == "encoder":
+            layer = torch.nn.TransformerEncoderLayer(768, 12, 3072, batch_first=True)
+            net = torch.nn.TransformerEncoder(layer, 12)
+            self.shape = (128, 768)
+        else:
+            raise GpusliceError(f"workload: expected one of {', '.join(BUILTIN)}, cmd:... or "
+                                f"http://..., got {name!r}")
+        self.net = net.eval().to(device=self.device, dtype=dtype)
+        self.dtype = dtype
+        self._inputs: dict[int, Any] = {}
+
+    def run(self, batch: int) -> None:
+        torch = self.torch
+        x = self._inputs.get(batch)
+        if x is None:
+            x = torch.randn((batch, *self.shape), device=self.device, dtype=self.dtype)
+            self._inputs[batch] = x
+        with torch.inference_mode():
+            self.net(x)
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+
+    def close(self) -> None:
+        self._inputs.clear()
+
+
+class TinyWorkload:
+    """A NumPy stand-in for a model: runs anywhere, used by the CPU tests."""
+
+    name = "tiny"
+
+    def __init__(self) -> None:
+        import numpy as np
+
+        self.np = np
+        self.w = np.random.default_rng(0).standard_normal((128, 128)).astype("float32")
+
+    def run(self, batch: int) -> None:
+        x = self.np.ones((batch, 128), dtype="float32")
+        for _ in range(4):
+            x = self.np.tanh(x @ self.w)
+
+    def close(self) -> None:
+        pass
+
+
+class CommandWorkload:
+    """``cmd:PROGRAM ARGS``: ``RUN <batch>`` on its stdin, ``OK`` back per batch."""
+
+    def __init__(self, command: str) -> None:
+        self.name = command
+        argv = shlex.split(command)
+        if not argv:
+            raise GpusliceError("workload cmd: expected a program after 'cmd:'")
+        try:
+            self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         text=True, bufsize=1)
+        except OSError as exc:
+            raise GpusliceError(f"workload cmd: cannot run {argv[0]!r}: {exc}") from None
+
+    def run(self, batch: int) -> None:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        try:
+            self.proc.stdin.write(f"RUN {batch}\n")
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError):
+            raise GpusliceError(f"workload {self.name!r} exited "
+                                f"(status {self.proc.poll()})") from None
+        line = self.proc.stdout.readline().strip()
+        if line == "OK":
+            return
+        if line.startswith("ERR"):
+            raise GpusliceError(f"workload {self.name!r} failed batch {batch}: {line[3:].strip()}")
+        raise GpusliceError(f"workload {self.name!r}: expected OK or ERR, got {line!r} "
+                            f"(exit status {self.proc.poll()})")
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(5)
+
+
+class HttpWorkload:
+    """``http://...``: one POST per batch with ``X-Batch-Size``."""
+
+    def __init__(self, url: str) -> None:
+        self.name = url
+        self.url = url
+
+    def run(self, batch: int) -> None:
+        req = urllib.request.Request(self.url, data=b"{}", method="POST",
+                                     headers={"X-Batch-Size": str(batch),
+                                              "Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                r.read()
+        except OSError as exc:
+            raise GpusliceError(f"workload {self.url}: {exc}") from None
+
+    def close(self) -> None:
+        pass
+
+
+def make_workload(spec: str, device: str | None = None) -> Workload:
+    if spec == "tiny":
+        return TinyWorkload()
+    if spec.startswith("cmd:"):
+        return CommandWorkload(spec[4:])
+    if spec.startswith(("http://", "https://")):
+        return HttpWorkload(spec)
+    return TorchWorkload(spec, device)
