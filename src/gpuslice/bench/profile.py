@@ -14,9 +14,6 @@ slice size per batch (the knee) is written beside the CSV.
 from __future__ import annotations
 
 import csv
-import json
-import subprocess
-import sys
 import tempfile
 import uuid
 from collections.abc import Callable, Sequence
@@ -25,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from gpuslice.adapters.proc import spawn, terminate
+from gpuslice.bench.runner import WorkerSpec, run_together
 from gpuslice.core.errors import GpusliceError, ValidationError
 from gpuslice.core.profiles import ProfilePoint
 
@@ -114,48 +111,11 @@ def _existing(path: Path) -> set[tuple[str, str, str, int, int, int]]:
 def _run_config(opts: ProfileOptions, sl: Slice, procs: int, batches: list[int],
                 env: dict[str, str], run_id: str) -> list[dict[str, float]]:
     """Start ``procs`` workers together; per batch, their results."""
-    args = [sys.executable, "-m", "gpuslice.bench.worker", "--workload", opts.workload,
-            "--batches", ",".join(map(str, batches)), "--warmup-s", str(opts.warmup_s),
-            "--window-s", str(opts.window_s)]
-    if opts.fake_timer:
-        args += ["--fake-timer", opts.fake_timer]
-    workers = [spawn(args, run_id, env={**env, "GPUSLICE_FAKE_PROCS": str(procs)},
-                     stdin=subprocess.PIPE, stdout=subprocess.PIPE) for _ in range(procs)]
-    try:
-        for w in workers:  # every worker has loaded its model
-            _expect(w, "ready")
-        for w in workers:
-            assert w.stdin is not None
-            w.stdin.write("GO\n")
-            w.stdin.flush()
-        results: list[dict[str, float]] = []
-        for w in workers:
-            while True:
-                doc = _expect(w, None)
-                if doc.get("done"):
-                    break
-                results.append(doc)
-        return results
-    finally:
-        for w in workers:
-            terminate(w)
-
-
-def _expect(w: subprocess.Popen[str], key: str | None) -> dict[str, float]:
-    assert w.stdout is not None
-    line = w.stdout.readline()
-    if not line:
-        raise GpusliceError(f"a profiling worker exited with status {w.wait()} before "
-                            "reporting")
-    try:
-        doc = json.loads(line)
-    except ValueError:
-        raise GpusliceError(f"a profiling worker said {line.strip()!r}") from None
-    if "error" in doc:
-        raise GpusliceError(f"profiling worker: {doc['error']}")
-    if key is not None and not doc.get(key):
-        raise GpusliceError(f"a profiling worker said {doc} instead of {key}")
-    return dict(doc)
+    spec = WorkerSpec(opts.workload, tuple(batches), opts.warmup_s, opts.window_s,
+                      {**env, "GPUSLICE_FAKE_PROCS": str(procs)}, opts.fake_timer)
+    rows = run_together([spec] * procs, run_id)
+    return [{k: float(v) for k, v in r.items()
+             if isinstance(v, int | float)} for mine in rows for r in mine]
 
 
 def run_profile(opts: ProfileOptions,

@@ -6,10 +6,16 @@ batch size on stdout (``{"batch", "throughput", "p50_ms", "p99_ms", "batches"}``
     python -m gpuslice.bench.worker --workload resnet50 --batches 1,8 --warmup-s 2 --window-s 5
 
 ``--fake-timer MODEL@GPU`` runs the tiny NumPy workload but charges each batch the time the
-demo's GPU model gives (``gpuslice.core.speedmodel``) for the slice in
-``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``, slowed 5% per co-running process
-(``GPUSLICE_FAKE_PROCS``), on a virtual clock: the whole profiling pipeline runs on a CPU in
-a fraction of a second, with known numbers to check.
+speed model gives (``gpuslice.core.speedmodel``) on a virtual clock, so the whole pipeline runs
+on a CPU in a fraction of a second with known numbers to check. The slice is the
+``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` cap; without one, ``GPUSLICE_FAKE_MODE`` = ``mps`` shares
+the GPU evenly among ``GPUSLICE_FAKE_PROCS`` processes and ``timeslice`` gives each the whole
+GPU one turn in N; co-running processes slow each other 5% each. These are stand-ins to
+exercise the code, not claims about real GPUs.
+
+``--alloc-mib N`` then tries to allocate N MiB of GPU memory and reports
+``{"alloc": {"ok": ..., "error": ...}}`` (the memory-cap check); with the fake timer the limit
+is the one in ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT``.
 """
 
 from __future__ import annotations
@@ -51,13 +57,16 @@ def _runner(args: argparse.Namespace) -> tuple[Callable[[int], float], Callable[
 
         model, _, gpu = args.fake_timer.partition("@")
         tiny = TinyWorkload()
-        pct = float(os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "100"))
         procs = int(os.environ.get("GPUSLICE_FAKE_PROCS", "1"))
+        mode = os.environ.get("GPUSLICE_FAKE_MODE", "mps")
+        cap = os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
+        share, turns = (float(cap) / 100, 1) if cap else \
+            ((1.0, procs) if mode == "timeslice" else (1.0 / procs, 1))
         slow = 1 + 0.05 * (procs - 1)
 
         def fake(batch: int) -> float:
             tiny.run(batch)  # the code path runs; the clock is virtual
-            return service_time_s(model, gpu or "H100-SXM", pct / 100, batch) * slow
+            return service_time_s(model, gpu or "H100-SXM", share, batch) * slow * turns
 
         return fake, tiny.close
     w = make_workload(args.workload, args.device)
@@ -70,6 +79,28 @@ def _runner(args: argparse.Namespace) -> tuple[Callable[[int], float], Callable[
     return real, w.close
 
 
+def allocate(args: argparse.Namespace) -> dict[str, object]:
+    """Try to hold ``--alloc-mib`` MiB of GPU memory."""
+    mib = args.alloc_mib
+    if args.fake_timer:
+        raw = os.environ.get("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "")
+        limit = int(raw.split("=", 1)[1].rstrip("MG")) if "=" in raw else None
+        if limit is not None and mib > limit:
+            return {"ok": False, "mib": mib, "error": f"OutOfMemoryError (fake timer: over "
+                    f"the pinned limit of {limit} MiB)"}
+        return {"ok": True, "mib": mib}
+    from gpuslice.bench.workloads import _torch
+
+    torch = _torch()
+    try:
+        held = torch.empty(mib * 1024 * 1024, dtype=torch.uint8, device="cuda")
+        torch.cuda.synchronize()
+        del held
+        return {"ok": True, "mib": mib}
+    except torch.OutOfMemoryError as exc:
+        return {"ok": False, "mib": mib, "error": f"OutOfMemoryError: {str(exc)[:200]}"}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="one gpuslice benchmark worker")
     ap.add_argument("--workload", default="tiny")
@@ -79,6 +110,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--device", default=None)
     ap.add_argument("--fake-timer", default=None, metavar="MODEL@GPU")
     ap.add_argument("--no-wait", action="store_true", help="do not wait for GO on stdin")
+    ap.add_argument("--alloc-mib", type=int, default=0)
     args = ap.parse_args(argv)
     from gpuslice.core.errors import GpusliceError
 
@@ -90,6 +122,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 1
         for b in batches:
             print(json.dumps(measure(run, b, args.warmup_s, args.window_s)), flush=True)
+        if args.alloc_mib:
+            print(json.dumps({"alloc": allocate(args)}), flush=True)
         close()
     except (GpusliceError, ValueError) as exc:
         print(json.dumps({"error": str(exc)}), flush=True)

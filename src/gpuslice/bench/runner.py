@@ -1,0 +1,82 @@
+"""Benchmark workers started together: each loads its workload and says ready; then all get GO
+at once (so co-located workers overlap), and each one's JSON lines are collected."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import dataclass, field
+
+from gpuslice.adapters.proc import spawn, terminate
+from gpuslice.core.errors import GpusliceError
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    workload: str
+    batches: tuple[int, ...]
+    warmup_s: float
+    window_s: float
+    env: dict[str, str] = field(default_factory=dict)
+    fake_timer: str | None = None
+    alloc_mib: int = 0  # after measuring, try to allocate this much GPU memory
+
+    def argv(self) -> list[str]:
+        args = [sys.executable, "-m", "gpuslice.bench.worker", "--workload", self.workload,
+                "--batches", ",".join(map(str, self.batches)), "--warmup-s",
+                str(self.warmup_s), "--window-s", str(self.window_s)]
+        if self.fake_timer:
+            args += ["--fake-timer", self.fake_timer]
+        if self.alloc_mib:
+            args += ["--alloc-mib", str(self.alloc_mib)]
+        return args
+
+
+def _read(w: subprocess.Popen[str]) -> dict[str, object]:
+    assert w.stdout is not None
+    line = w.stdout.readline()
+    if not line:
+        raise GpusliceError(f"a benchmark worker exited with status {w.wait()} before "
+                            "reporting")
+    try:
+        doc = json.loads(line)
+    except ValueError:
+        raise GpusliceError(f"a benchmark worker said {line.strip()!r}") from None
+    if not isinstance(doc, dict):
+        raise GpusliceError(f"a benchmark worker said {line.strip()!r}")
+    return doc
+
+
+def run_together(specs: list[WorkerSpec], run_id: str,
+                 errors_ok: bool = False) -> list[list[dict[str, object]]]:
+    """Each worker's reports (one per batch size, plus ``alloc`` when asked). A worker's
+    ``error`` raises, unless ``errors_ok`` (then it is one of its reports)."""
+    workers = [spawn(s.argv(), run_id, env=s.env, stdin=subprocess.PIPE,
+                     stdout=subprocess.PIPE) for s in specs]
+    try:
+        for w in workers:
+            doc = _read(w)
+            if "error" in doc:
+                raise GpusliceError(f"benchmark worker: {doc['error']}")
+        for w in workers:
+            assert w.stdin is not None
+            w.stdin.write("GO\n")
+            w.stdin.flush()
+        out: list[list[dict[str, object]]] = []
+        for w in workers:
+            mine: list[dict[str, object]] = []
+            while True:
+                doc = _read(w)
+                if doc.get("done"):
+                    break
+                if "error" in doc and not errors_ok:
+                    raise GpusliceError(f"benchmark worker: {doc['error']}")
+                mine.append(doc)
+                if "error" in doc:
+                    break
+            out.append(mine)
+        return out
+    finally:
+        for w in workers:
+            terminate(w)

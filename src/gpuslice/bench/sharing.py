@@ -1,0 +1,240 @@
+"""``gpuslice bench sharing``: how GPU sharing modes compare, measured side by side.
+
+1. **Throughput**: N replicas of one model at one batch size under exclusive-sequential (one
+   replica alone: the replicas would run one after another), time-slicing (N processes, no
+   MPS), MPS without limits, and gpuslice slices (MPS with the thread caps
+   :func:`gpuslice.core.sizing.size_slices` chooses from a profile, or an even split without
+   one). Total throughput, its ratio to time-slicing, and the spread of per-replica throughput.
+2. **Noisy neighbour**: one latency-critical replica (batch 1) next to best-effort ones (large
+   batch): its p99 against its p99 alone, and the best-effort throughput against uncapped MPS,
+   under time-slicing, uncapped MPS and gpuslice caps (sized for an SLO of 1.1 x the solo p99).
+3. **Memory cap**: replicas under MPS with a pinned memory limit; one allocates past it and
+   must get an out-of-memory error while the others' throughput stays as it was.
+
+Each MPS mode runs under its own control daemon with private pipe and log directories, quit
+before the command ends. ``--fake-timer`` runs everything on the CPU with the speed model's
+stand-in numbers (code paths only, not results).
+"""
+
+from __future__ import annotations
+
+import tempfile
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from gpuslice.bench.runner import WorkerSpec, run_together
+from gpuslice.core.errors import ValidationError
+from gpuslice.core.profiles import ProfileSet
+from gpuslice.core.sizing import Tenant, Unsizable, size_slices
+
+
+@dataclass(frozen=True)
+class SharingOptions:
+    workload: str = "resnet50"
+    replicas: int = 7
+    batch: int = 8
+    lc_batch: int = 1
+    be_batch: int = 64
+    be_replicas: int = 3
+    warmup_s: float = 3.0
+    window_s: float = 10.0
+    profile: ProfileSet | None = None
+    gpu: str = ""  # GPU model for the profile lookup
+    fake_timer: str | None = None
+    mps_binary: str = "nvidia-cuda-mps-control"
+    mem_cap_mib: int = 4096
+    alloc_mib: int = 6144
+    parts: tuple[str, ...] = ("throughput", "noisy", "memory")
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.replicas <= 48:
+            raise ValidationError("--replicas", "1 to 48", self.replicas)
+        if self.alloc_mib <= self.mem_cap_mib:
+            raise ValidationError("--alloc-mib", "more than --mem-cap-mib", self.alloc_mib)
+        for p in self.parts:
+            if p not in ("throughput", "noisy", "memory"):
+                raise ValidationError("--parts", "throughput, noisy and/or memory", p)
+
+
+class _Mps:
+    """A private MPS control daemon for one mode (none with the fake timer)."""
+
+    def __init__(self, opts: SharingOptions, root: Path, name: str) -> None:
+        self.daemon: Any = None
+        if opts.fake_timer:
+            return
+        from gpuslice.adapters.mps import MpsDaemon
+
+        self.daemon = MpsDaemon("bench", root / name / "pipe", root / name / "log",
+                                binary=opts.mps_binary)
+
+    def __enter__(self) -> dict[str, str]:
+        if self.daemon is None:
+            return {"GPUSLICE_FAKE_MODE": "mps"}
+        self.daemon.start()
+        return {"CUDA_MPS_PIPE_DIRECTORY": str(self.daemon.pipe_dir),
+                "CUDA_MPS_LOG_DIRECTORY": str(self.daemon.log_dir)}
+
+    def __exit__(self, *exc: object) -> None:
+        if self.daemon is not None:
+            self.daemon.quit()
+
+
+def _spec(opts: SharingOptions, batch: int, env: dict[str, str], n: int,
+          alloc: int = 0) -> WorkerSpec:
+    return WorkerSpec(opts.workload, (batch,), opts.warmup_s, opts.window_s,
+                      {**env, "GPUSLICE_FAKE_PROCS": str(n)}, opts.fake_timer, alloc)
+
+
+def _thr(rows: list[list[dict[str, object]]]) -> list[float]:
+    return [float(next(r["throughput"] for r in mine if "throughput" in r))  # type: ignore[arg-type]
+            for mine in rows]
+
+
+def _p99(rows: list[dict[str, object]]) -> float:
+    return float(next(r["p99_ms"] for r in rows if "p99_ms" in r))  # type: ignore[arg-type]
+
+
+def _spread(xs: list[float]) -> float:
+    return float((max(xs) - min(xs)) / np.mean(xs)) if xs else 0.0
+
+
+def even_caps(n: int) -> list[int]:
+    return [max(1, 100 // n)] * n
+
+
+def run_sharing(opts: SharingOptions,
+                progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    say = progress or (lambda _: None)
+    run_id = uuid.uuid4().hex[:12]
+    res: dict[str, Any] = {"workload": opts.workload, "replicas": opts.replicas,
+                           "batch": opts.batch, "fake_timer": bool(opts.fake_timer)}
+    timeslice = {"GPUSLICE_FAKE_MODE": "timeslice"} if opts.fake_timer else {}
+    with tempfile.TemporaryDirectory(prefix="gsb-") as tmp:
+        root = Path(tmp)
+        if "throughput" in opts.parts:
+            n = opts.replicas
+            say("exclusive: one replica alone")
+            solo = _thr(run_together([_spec(opts, opts.batch, {}, 1)], run_id))[0]
+            say(f"time-slicing: {n} replicas")
+            ts = _thr(run_together([_spec(opts, opts.batch, timeslice, n)] * n, run_id))
+            say(f"MPS without limits: {n} replicas")
+            with _Mps(opts, root, "mps") as env:
+                mps = _thr(run_together([_spec(opts, opts.batch, env, n)] * n, run_id))
+            caps = even_caps(n)
+            if opts.profile is not None:
+                sized = size_slices([Tenant(f"r{i}", opts.workload, batches=(opts.batch,))
+                                     for i in range(n)], opts.profile, opts.gpu, step=1,
+                                    min_pct=1)
+                caps = [s.thread_pct for s in sized]
+            say(f"gpuslice slices: {n} replicas at {caps}% threads")
+            with _Mps(opts, root, "gpuslice") as env:
+                gs = _thr(run_together([_spec(opts, opts.batch, {
+                    **env, "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(c)}, n) for c in caps],
+                    run_id))
+            modes = {"exclusive-sequential": [solo], "time-slicing": ts, "mps": mps,
+                     "gpuslice": gs}
+            res["throughput"] = {
+                m: {"total_rps": round(float(np.sum(v)), 2),
+                    "vs_one_replica": round(float(np.sum(v)) / solo, 3),
+                    "vs_time_slicing": round(float(np.sum(v)) / float(np.sum(ts)), 3),
+                    "spread": round(_spread(v), 4)} for m, v in modes.items()}
+            res["throughput"]["gpuslice"]["caps"] = caps
+        if "noisy" in opts.parts:
+            k = opts.be_replicas
+            say("noisy neighbour: the latency-critical replica alone")
+            solo_rows = run_together([_spec(opts, opts.lc_batch, {}, 1)], run_id)
+            solo_p99 = _p99(solo_rows[0])
+            group = k + 1
+            say("noisy neighbour: time-slicing")
+            ts_rows = run_together([_spec(opts, opts.lc_batch, timeslice, group)] +
+                                   [_spec(opts, opts.be_batch, timeslice, group)] * k, run_id)
+            say("noisy neighbour: MPS without limits")
+            with _Mps(opts, root, "noisy-mps") as env:
+                mps_rows = run_together([_spec(opts, opts.lc_batch, env, group)] +
+                                        [_spec(opts, opts.be_batch, env, group)] * k, run_id)
+            lc_cap, be_cap = 40, 20
+            sizing = "no profile: the 40% / 20% split"
+            if opts.profile is not None:
+                try:
+                    sized = size_slices(
+                        [Tenant("lc", opts.workload, 1.1 * solo_p99, (opts.lc_batch,))] +
+                        [Tenant(f"be{i}", opts.workload, None, (opts.be_batch,))
+                         for i in range(k)], opts.profile, opts.gpu, step=5)
+                    lc_cap, be_cap = sized[0].thread_pct, min(s.thread_pct for s in sized[1:])
+                    sizing = "from the profile"
+                except Unsizable as exc:
+                    sizing = f"the profile gives no caps ({exc}); the 40% / 20% split"
+                    say(sizing)
+            say(f"noisy neighbour: gpuslice caps {lc_cap}% / {be_cap}%")
+            with _Mps(opts, root, "noisy-gpuslice") as env:
+                gs_rows = run_together(
+                    [_spec(opts, opts.lc_batch,
+                           {**env, "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(lc_cap)}, group)] +
+                    [_spec(opts, opts.be_batch,
+                           {**env, "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(be_cap)}, group)] * k,
+                    run_id)
+            be_mps = float(np.sum(_thr(mps_rows[1:])))
+            res["noisy"] = {"solo_p99_ms": round(solo_p99, 3), "caps": [lc_cap, be_cap],
+                            "sizing": sizing}
+            for name, rows in (("time-slicing", ts_rows), ("mps", mps_rows),
+                               ("gpuslice", gs_rows)):
+                res["noisy"][name] = {
+                    "lc_p99_ms": round(_p99(rows[0]), 3),
+                    "lc_p99_vs_solo": round(_p99(rows[0]) / solo_p99, 3),
+                    "be_rps": round(float(np.sum(_thr(rows[1:]))), 2),
+                    "be_vs_mps": round(float(np.sum(_thr(rows[1:]))) / be_mps, 3)}
+        if "memory" in opts.parts:
+            cap = {"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": f"0={opts.mem_cap_mib}M"}
+            say("memory cap: three replicas, none over its cap")
+            with _Mps(opts, root, "mem-a") as env:
+                before = _thr(run_together([_spec(opts, opts.batch, {**env, **cap}, 3)] * 3,
+                                           run_id))
+            say(f"memory cap: one replica allocates {opts.alloc_mib} MiB past its "
+                f"{opts.mem_cap_mib} MiB cap")
+            with _Mps(opts, root, "mem-b") as env:
+                rows = run_together([_spec(opts, opts.batch, {**env, **cap}, 3,
+                                           opts.alloc_mib)] +
+                                    [_spec(opts, opts.batch, {**env, **cap}, 3)] * 2, run_id,
+                                    errors_ok=True)
+            alloc = next((r["alloc"] for r in rows[0] if "alloc" in r), None)
+            after = _thr(rows[1:])
+            res["memory"] = {"cap_mib": opts.mem_cap_mib, "alloc_mib": opts.alloc_mib,
+                             "over_cap": alloc,
+                             "neighbours_rps_before": [round(x, 2) for x in before[1:]],
+                             "neighbours_rps_after": [round(x, 2) for x in after],
+                             "neighbours_ratio": round(float(np.sum(after))
+                                                       / float(np.sum(before[1:])), 3)}
+    return res
+
+
+def plot_sharing(res: dict[str, Any], png: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    if "throughput" in res:
+        modes = list(res["throughput"])
+        axes[0].bar(modes, [res["throughput"][m]["total_rps"] for m in modes])
+        axes[0].set_ylabel("requests/s, all replicas")
+        axes[0].set_title(f"{res['replicas']} x {res['workload']} batch {res['batch']}")
+        axes[0].tick_params(axis="x", labelrotation=20)
+    if "noisy" in res:
+        modes = ["time-slicing", "mps", "gpuslice"]
+        axes[1].bar(modes, [res["noisy"][m]["lc_p99_vs_solo"] for m in modes])
+        axes[1].axhline(1.1, color="grey", linestyle="--", linewidth=0.8)
+        axes[1].set_ylabel("latency-critical p99 / solo p99")
+        axes[1].set_title("noisy neighbour")
+    if res.get("fake_timer"):
+        fig.suptitle("fake timer: code path only, not GPU measurements")
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    return png
