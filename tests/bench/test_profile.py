@@ -84,3 +84,24 @@ def test_missing_pieces_are_named(tmp_path: Path, capsys) -> None:  # type: igno
     assert "PyTorch is not installed" in out or "error" in out
     assert main(["profile", "tiny", "--caps", "0,200", *FAKE]) == 2
     assert "--caps" in capsys.readouterr().err
+
+
+def test_the_planner_plans_with_mps_profiles(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    import json
+
+    import yaml
+
+    out = tmp_path / "p.csv"
+    for model in ("resnet50", "bert-base", "mobilenet-v3", "embedder"):
+        assert main(["profile", "tiny", "--name", model, "--out", str(out), "--caps",
+                     "10,15,20,30,50,60,100", "--batches", "1,2,4,8", "--procs", "1,2,3",
+                     "--fake-timer", f"{model}@H100-SXM", "--warmup-s", "0.05",
+                     "--window-s", "0.2"]) == 0
+    (tmp_path / "s.yaml").write_text(yaml.safe_dump({"services": [
+        {"name": "r", "model": "resnet50", "rate": 300, "slo_ms": 100},
+        {"name": "b", "model": "bert-base", "rate": 60, "slo_ms": 300}]}))
+    capsys.readouterr()
+    assert main(["plan", "--profiles", str(out), "--services", str(tmp_path / "s.yaml"),
+                 "--json", str(tmp_path / "plan.json")]) == 0
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert plan["valid"] and plan["gpus"] >= 1 and not plan["slo_violations"]

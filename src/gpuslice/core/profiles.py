@@ -84,3 +84,27 @@ def batch_latency(points: Sequence[ProfilePoint], batch: int) -> float:
     if i == len(sizes):
         raise ValidationError("batch", f"at most the largest measured batch {sizes[-1]}", batch)
     return ran[i][1]
+
+
+def mps_as_mig(profiles: ProfileSet, compute_slices: int = 7,
+               sizes: Sequence[int] = (1, 2, 3, 4, 7)) -> ProfileSet:
+    """``profiles`` with MIG-sized stand-ins for models measured only under MPS caps, so the
+    planner (which packs MIG slices) can plan with them: a slice of ``s`` compute slices takes
+    the point measured at the smallest cap >= s/``compute_slices`` of the GPU (a conservative
+    equivalence: the cap's SMs without MIG's memory isolation). Models that have MIG points
+    of their own on a GPU are left as they are."""
+    have_mig = {(p.model, p.gpu) for p in profiles.points if p.slice_kind == "mig"}
+    extra: list[ProfilePoint] = []
+    groups: dict[tuple[str, str, int, int], list[ProfilePoint]] = {}
+    for pt in profiles.points:
+        if pt.slice_kind == "mps" and (pt.model, pt.gpu) not in have_mig:
+            groups.setdefault((pt.model, pt.gpu, pt.batch, pt.procs), []).append(pt)
+    for (model, gpu, batch, procs), pts in groups.items():
+        by_cap = sorted(pts, key=lambda q: q.slice_size)
+        for s in sizes:
+            want = 100.0 * s / compute_slices
+            hit = next((q for q in by_cap if q.slice_size + 1e-9 >= want), None)
+            if hit is not None:
+                extra.append(ProfilePoint(model, gpu, "mig", s, batch, procs, hit.throughput,
+                                          hit.latency_s, hit.latency_p99_s))
+    return ProfileSet.of([*profiles.points, *extra])

@@ -135,7 +135,11 @@ def scenario_services(profiles_dir: Path, rate: Path | None, latency: Path | Non
 
 
 def load_profiles(path: Path) -> ProfileSet:
-    return read_profiles(path)
+    """Profiles from a ParvaGPU folder or a gpuslice CSV; models measured only under MPS caps
+    (``gpuslice profile`` on a GPU without MIG) get MIG-sized stand-ins the planner can pack."""
+    from gpuslice.core.profiles import mps_as_mig
+
+    return mps_as_mig(read_profiles(path))
 
 
 def to_json(run: PlanRun) -> dict[str, Any]:
