@@ -3,8 +3,9 @@ Inference Protocol v2 paths) and its size (batch size from a header or the JSON 
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
+
+import orjson
 
 from gpuslice.core.errors import ValidationError
 
@@ -44,8 +45,8 @@ def body_size(body: bytes, content_type: str) -> int:
     if not body or len(body) > MAX_SIZE_PARSE_BYTES or "json" not in content_type:
         return 1
     try:
-        doc = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
+        doc = orjson.loads(body)
+    except orjson.JSONDecodeError:  # a ValueError: bad JSON or bad UTF-8
         return 1
     if not isinstance(doc, dict):
         return 1

@@ -7,11 +7,11 @@ hot path pays nothing for them.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import IO
 
+import orjson
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -116,7 +116,7 @@ class AccessLog:
         }
         if rec.error:
             line["error"] = rec.error
-        self.stream.write(json.dumps(line, separators=(",", ":")) + "\n")
+        self.stream.write(orjson.dumps(line).decode() + "\n")
 
     def flush(self) -> None:
         self.stream.flush()
