@@ -7,7 +7,6 @@ import asyncio
 import contextlib
 import json
 import os
-import selectors
 import subprocess
 import sys
 import tempfile
@@ -18,6 +17,8 @@ from pathlib import Path
 
 import aiohttp
 import numpy as np
+
+from gpuslice.adapters.proc import wait_line
 
 PY = sys.executable
 
@@ -37,25 +38,6 @@ class Proc:
                 self.popen.wait(5)
 
 
-def _wait_line(p: subprocess.Popen[str], stream: str, key: str, timeout_s: float = 20.0) -> str:
-    f = p.stdout if stream == "stdout" else p.stderr
-    assert f is not None
-    sel = selectors.DefaultSelector()
-    sel.register(f, selectors.EVENT_READ)
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        if not sel.select(timeout=0.2):
-            if p.poll() is not None:
-                break
-            continue
-        line = f.readline()
-        if not line:
-            break
-        if key in line:
-            return line
-    raise RuntimeError(f"process {p.args!r} did not report {key!r}")
-
-
 def start_backend(name: str, service_ms: float, dist: str, concurrency: int, seed: int,
                   extra: Sequence[str] = ()) -> Proc:
     p = subprocess.Popen(
@@ -63,7 +45,7 @@ def start_backend(name: str, service_ms: float, dist: str, concurrency: int, see
          "--service-ms", str(service_ms), "--dist", dist, "--concurrency", str(concurrency),
          "--seed", str(seed), "--uvloop", *extra],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    line = _wait_line(p, "stdout", "ready")
+    line = wait_line(p, "ready")
     return Proc(p, int(line.split()[1]))
 
 
@@ -77,7 +59,7 @@ def start_router(config: dict[str, object], policy: str | None = None,
     if policy:
         args += ["--policy", policy]
     p = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    line = _wait_line(p, "stderr", "listening")
+    line = wait_line(p, "listening", stream="stderr")
     Path(path).unlink(missing_ok=True)
     return Proc(p, int(json.loads(line)["port"]))
 

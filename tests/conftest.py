@@ -20,3 +20,21 @@ def shared_data() -> Path:
             pytest.fail(reason + " -- required under CI=true")
         pytest.skip(reason)
     return found
+
+
+@pytest.fixture
+def gpu_with_mps() -> None:
+    """The GPU tier's precondition: nvidia-ml-py, torchvision, an NVIDIA GPU and the MPS
+    control tool; skipped (with the missing piece named) otherwise."""
+    import shutil
+
+    pytest.importorskip("pynvml")
+    pytest.importorskip("torchvision")
+    from gpuslice.adapters.nvml.port import NullNvml
+    from gpuslice.adapters.nvml.real import load
+
+    nv = load()
+    if isinstance(nv, NullNvml) or not nv.devices():
+        pytest.skip(f"no NVIDIA GPU here: {nv.why_empty()}")
+    if shutil.which("nvidia-cuda-mps-control") is None:
+        pytest.skip("nvidia-cuda-mps-control is not on PATH")

@@ -291,8 +291,8 @@ def _add_demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         "demo", help="every gpuslice component on this machine, on a simulated cluster",
         description="Bring up the real node agents (device plugin over gRPC), extender, "
         "planner and router on this machine, with the API server, kubelet, scheduler and GPUs "
-        "simulated; run a scripted scenario (plan, deploy, serve load, crash a replica, add a "
-        "node) and write a one-page HTML report.")
+        "simulated; run a scripted scenario (plan, deploy, serve load, crash a replica, re-slice "
+        "a GPU under load, add a node) and write a one-page HTML report.")
     d.add_argument("--out", type=Path, default=Path("demo-report"),
                    help="folder for index.html, summary.json and the plots (default "
                    "demo-report)")

@@ -4,7 +4,6 @@ and the GPU tier (the acceptance figures; skipped without an NVIDIA GPU)."""
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -56,17 +55,8 @@ def test_bad_options_are_refused() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.slow
-def test_sharing_on_a_real_gpu(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
-    pytest.importorskip("torchvision")
-    pytest.importorskip("pynvml")
-    from gpuslice.adapters.nvml.port import NullNvml
-    from gpuslice.adapters.nvml.real import load
-
-    nv = load()
-    if isinstance(nv, NullNvml) or not nv.devices():
-        pytest.skip(f"no NVIDIA GPU here: {nv.why_empty()}")
-    if shutil.which("nvidia-cuda-mps-control") is None:
-        pytest.skip("nvidia-cuda-mps-control is not on PATH")
+@pytest.mark.usefixtures("gpu_with_mps")
+def test_sharing_on_a_real_gpu(tmp_path: Path) -> None:
     assert main(["bench", "sharing", "--out", str(tmp_path), "--warmup-s", "3",
                  "--window-s", "8"]) == 0
     res = json.loads((tmp_path / "sharing.json").read_text())

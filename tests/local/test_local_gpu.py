@@ -4,7 +4,6 @@ Skips without an NVIDIA GPU, nvidia-cuda-mps-control, or PyTorch with torchvisio
 from __future__ import annotations
 
 import json
-import shutil
 import sys
 import time
 import urllib.request
@@ -18,17 +17,8 @@ from tests.local.test_local_mode import ROOT, cli
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
 
+@pytest.mark.usefixtures("gpu_with_mps")
 def test_three_models_as_mps_slices_of_one_gpu(tmp_path: Path) -> None:
-    pytest.importorskip("pynvml")
-    pytest.importorskip("torchvision")
-    from gpuslice.adapters.nvml.port import NullNvml
-    from gpuslice.adapters.nvml.real import load
-
-    nv = load()
-    if isinstance(nv, NullNvml) or not nv.devices():
-        pytest.skip(f"no NVIDIA GPU here: {nv.why_empty()}")
-    if shutil.which("nvidia-cuda-mps-control") is None:
-        pytest.skip("nvidia-cuda-mps-control is not on PATH")
     text = (ROOT / "examples" / "local" / "services.yaml").read_text()
     services = tmp_path / "services.yaml"
     services.write_text(text.replace("[python,", f"[{sys.executable},"))

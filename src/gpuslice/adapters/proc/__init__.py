@@ -26,24 +26,31 @@ def spawn(args: list[str], run_id: str, **kw: Any) -> subprocess.Popen[str]:
     return subprocess.Popen(wrapped, env=env, text=True, **kw)
 
 
-def read_ready(p: subprocess.Popen[str], timeout_s: float = 20.0) -> int:
-    """The port a fake replica prints as ``ready PORT``."""
-
-    assert p.stdout is not None
+def wait_line(p: subprocess.Popen[str], key: str, timeout_s: float = 20.0,
+              stream: str = "stdout") -> str:
+    """The first line of ``p``'s stdout (or stderr) that contains ``key``; raises when the
+    process ends or ``timeout_s`` passes first."""
+    f = p.stdout if stream == "stdout" else p.stderr
+    assert f is not None
     sel = selectors.DefaultSelector()
-    sel.register(p.stdout, selectors.EVENT_READ)
+    sel.register(f, selectors.EVENT_READ)
     end = time.monotonic() + timeout_s
     while time.monotonic() < end:
         if not sel.select(timeout=0.2):
             if p.poll() is not None:
                 break
             continue
-        line = p.stdout.readline()
-        if line.startswith("ready "):
-            return int(line.split()[1])
+        line = f.readline()
         if not line:
             break
-    raise GpusliceError(f"replica {p.args!r} did not start (exit status {p.poll()})")
+        if key in line:
+            return line
+    raise GpusliceError(f"process {p.args!r} did not report {key!r} (exit status {p.poll()})")
+
+
+def read_ready(p: subprocess.Popen[str], timeout_s: float = 20.0) -> int:
+    """The port a fake replica prints as ``ready PORT``."""
+    return int(wait_line(p, "ready ", timeout_s).split()[1])
 
 
 def terminate(p: subprocess.Popen[str] | None, timeout_s: float = 3.0) -> None:
