@@ -354,6 +354,13 @@ def _add_local_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser])
                     help="seconds over which throughput is measured (default 2)")
     st.add_argument("--json", action="store_true", help="print JSON")
     common(st, gpus=False)
+    sw = sub.add_parser("switch", help="local mode: switch to a slice profile (layout) now",
+                        description="Ask the running local mode for one of its services file's "
+                        "layouts now (replicas move one at a time without dropping requests), "
+                        "or with --auto go back to following the file's windows.")
+    sw.add_argument("layout", nargs="?")
+    sw.add_argument("--auto", action="store_true", help="follow the windows again")
+    common(sw, gpus=False)
     dn = sub.add_parser("down", help="local mode: stop replicas, router and MPS daemons")
     dn.add_argument("--timeout", type=float, default=20.0)
     common(dn, gpus=False)
@@ -456,7 +463,7 @@ def _status(args: argparse.Namespace, console: Console) -> int:
         admin = f"http://127.0.0.1:{st['router']['admin_port']}"
         rates = asyncio.run(replica_throughput(admin, args.window))
     for r in st["replicas"]:
-        r["throughput_rps"] = round(rates.get(r["name"], 0.0), 2)
+        r["throughput_rps"] = round(rates.get(r.get("router_name", r["name"]), 0.0), 2)
     if args.json:
         sys.stdout.write(json.dumps(st, indent=1) + "\n")
         return 0
@@ -473,8 +480,35 @@ def _status(args: argparse.Namespace, console: Console) -> int:
     console.print(t)
     gpus = sorted({(r["gpu_index"], r["gpu_uuid"]) for r in st["replicas"]})
     console.print("GPUs: " + ", ".join(f"{i} = {u}" for i, u in gpus), soft_wrap=True)
+    lay = st.get("layout") or {}
+    if lay.get("layouts"):
+        console.print(f"slice profile: {lay.get('active')} of {', '.join(lay['layouts'])}"
+                      f"{'; ' + lay['status'] if lay.get('status') else ''}", soft_wrap=True,
+                      highlight=False)
     for m in st.get("mps", []):
         console.print(f"MPS daemon for {m['uuid']}: pipe {m['pipe_dir']}", soft_wrap=True)
+    return 0
+
+
+def _switch(args: argparse.Namespace, console: Console) -> int:
+    from gpuslice.services.local import OVERRIDE_FILE, alive, default_state_dir, read_state
+
+    state_dir = args.state_dir or default_state_dir()
+    st = read_state(state_dir)
+    if st is None or not alive(int(st.get("pid", 0))):
+        raise ValidationError("--state-dir", "a running local mode", str(state_dir))
+    layouts = (st.get("layout") or {}).get("layouts") or []
+    target = state_dir / OVERRIDE_FILE
+    if args.auto:
+        target.unlink(missing_ok=True)
+        console.print("following the services file's windows again")
+        return 0
+    if args.layout not in layouts:
+        raise ValidationError("layout", f"one of {layouts} (or --auto)", args.layout)
+    tmp = target.with_suffix(".tmp")
+    tmp.write_text(args.layout)
+    tmp.replace(target)
+    console.print(f"asked for slice profile {args.layout}; gpuslice status shows the switch")
     return 0
 
 
@@ -840,6 +874,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _status(args, console)
         if args.command == "down":
             return _down(args, console)
+        if args.command == "switch":
+            return _switch(args, console)
         if args.command == "select":
             return _select(args, console)
         if args.command == "reconfig":

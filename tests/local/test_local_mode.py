@@ -11,9 +11,11 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -185,3 +187,81 @@ def test_bad_services_files_are_refused_with_the_field(tmp_path: Path, doc: obje
     f.write_text(json.dumps(doc))
     r = cli("up", str(f), "--state-dir", str(tmp_path / "st"), "--fake-gpus", "/nonexistent")
     assert r.returncode == 2 and text in r.stderr, r.stderr
+
+
+def test_switching_slice_profiles_under_load_drops_no_request(tmp_path: Path) -> None:
+    (tmp_path / "gpus.yaml").write_text("gpus:\n  - model: A100-80GB\n")
+    cmd = [sys.executable, str(SERVER), "--model", "tiny", "--port", "{port}"]
+    (tmp_path / "services.yaml").write_text(json.dumps({
+        "services": [{"name": "alpha", "command": cmd, "replicas": 2},
+                     {"name": "beta", "command": cmd}],
+        "layouts": {"day": {"alpha": {"compute": 40, "memory": "8G"},
+                            "beta": {"compute": 20}},
+                    "night": {"alpha": {"compute": 20, "memory": "4G"},
+                              "beta": {"compute": 60}},
+                    "huge": {"beta": {"compute": 90}, "alpha": {"compute": 40}}},
+        "default": "night"}))
+    state = tmp_path / "state"
+    mps = write_fake_mps(tmp_path / "mps-control")
+    r = cli("up", str(tmp_path / "services.yaml"), "--fake-gpus", str(tmp_path / "gpus.yaml"),
+            "--state-dir", str(state), "--port", "0", "--mps-binary", str(mps), "--detach")
+    assert r.returncode == 0, r.stdout + r.stderr
+    try:
+        st = _state(state)
+        assert st["layout"]["active"] == "night"
+        router = st["router"]["url"]
+        codes: list[int] = []
+        stop = threading.Event()
+
+        def load() -> None:
+            while not stop.is_set():
+                for svc in ("alpha", "beta"):
+                    req = urllib.request.Request(f"{router}/v2/models/{svc}/infer",
+                                                 data=b"{}", method="POST")
+                    try:
+                        with urllib.request.urlopen(req, timeout=10) as resp:
+                            codes.append(resp.status)
+                    except urllib.error.HTTPError as exc:
+                        codes.append(exc.code)
+
+        t = threading.Thread(target=load)
+        t.start()
+        try:
+            time.sleep(0.5)
+            assert cli("switch", "day", "--state-dir", str(state)).returncode == 0
+            assert wait_state(state, lambda s: s["layout"]["active"] == "day", 60), \
+                _state(state)["layout"]
+            time.sleep(0.5)
+        finally:
+            stop.set()
+            t.join()
+        assert codes and set(codes) == {200}, sorted(set(codes))
+        st = _state(state)
+        caps = {x["name"]: x["compute_pct"] for x in st["replicas"]}
+        assert caps == {"alpha-0": 40, "alpha-1": 40, "beta-0": 20}
+        port = next(x["port"] for x in st["replicas"] if x["name"] == "alpha-0")
+        env = _get(f"http://127.0.0.1:{port}/slice")
+        assert env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "40"
+        assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=8192M"
+        assert len(processes_of(st["run_id"])) == 3  # the old replicas are gone
+        # a layout that does not fit: reported, nothing changed
+        assert cli("switch", "huge", "--state-dir", str(state)).returncode == 0
+        assert wait_state(state, lambda s: "does not fit" in s["layout"]["status"], 20)
+        assert _state(state)["layout"]["active"] == "day"
+        assert cli("switch", "dusk", "--state-dir", str(state)).returncode == 2
+        assert cli("switch", "--auto", "--state-dir", str(state)).returncode == 0
+        assert wait_state(state, lambda s: s["layout"]["active"] == "night", 60)
+    finally:
+        cli("down", "--state-dir", str(state))
+
+
+def wait_state(state: Path, pred: Any, timeout_s: float) -> bool:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        try:
+            if pred(_state(state)):
+                return True
+        except (OSError, ValueError, KeyError):
+            pass
+        time.sleep(0.1)
+    return False

@@ -54,11 +54,13 @@ from gpuslice.core.errors import GpusliceError, ValidationError
 from gpuslice.core.local import (
     LocalGpu,
     LocalSlice,
+    NoRoom,
     SliceWant,
     parse_memory,
     parse_percent,
     place_local,
 )
+from gpuslice.core.reconfig import Window, minutes_of_day
 from gpuslice.core.routing_config import parse_router_config
 
 STATE_FILE = "state.json"
@@ -82,6 +84,33 @@ class LocalConfig:
     services: tuple[LocalService, ...]
     health_path: str = "/v2/health/ready"
     ready_timeout_s: float = 180.0
+    # local mode's slice profiles: layout -> service -> (compute %, memory MiB), with windows
+    layouts: Mapping[str, Mapping[str, tuple[int | None, int | None]]] = field(
+        default_factory=dict)
+    windows: tuple[Window, ...] = ()
+    default_layout: str | None = None
+
+    def wants(self, layout: str | None) -> list[SliceWant]:
+        """A slice request per replica, with ``layout``'s caps where it sets them."""
+        over = self.layouts.get(layout or "", {})
+        out: list[SliceWant] = []
+        for s in self.services:
+            pct, mem = over.get(s.name, (None, None))
+            out.extend(SliceWant(f"{s.name}-{i}", s.name,
+                                 pct if pct is not None else s.compute_pct,
+                                 mem if mem is not None else s.memory_mib, s.gpu)
+                       for i in range(s.replicas))
+        return out
+
+    def layout_at(self, minute_of_day: int, override: str | None) -> str | None:
+        if not self.layouts:
+            return None
+        if override is not None:
+            return override
+        for w in self.windows:
+            if w.contains(minute_of_day):
+                return w.layout
+        return self.default_layout
 
 
 def read_local_services(path: Path) -> LocalConfig:
@@ -137,7 +166,49 @@ def read_local_services(path: Path) -> LocalConfig:
         "/v2/health/ready"
     if not isinstance(health, str) or not health.startswith("/"):
         raise ValidationError(f"{path}: health_path", "a path starting with /", health)
-    return LocalConfig(tuple(out), health)
+    layouts, windows, default = _read_layouts(path, doc if isinstance(doc, dict) else {},
+                                              set(names))
+    return LocalConfig(tuple(out), health, layouts=layouts, windows=windows,
+                       default_layout=default)
+
+
+def _read_layouts(path: Path, doc: dict[str, Any], services: set[str]) -> tuple[
+        dict[str, dict[str, tuple[int | None, int | None]]], tuple[Window, ...], str | None]:
+    """``layouts: {NAME: {SERVICE: {compute, memory}}}``, ``windows: [{layout, start, end}]``
+    and ``default``: the same schedule as a SliceSchedule, with MPS caps for local mode."""
+    raw = doc.get("layouts")
+    if raw is None:
+        return {}, (), None
+    if not isinstance(raw, dict) or not raw:
+        raise ValidationError(f"{path}: layouts", "a mapping of layout names", raw)
+    layouts: dict[str, dict[str, tuple[int | None, int | None]]] = {}
+    for lname, per in raw.items():
+        where = f"{path}: layouts.{lname}"
+        if not isinstance(per, dict):
+            raise ValidationError(where, "a mapping of service names to compute/memory", per)
+        layouts[str(lname)] = {}
+        for svc, caps in per.items():
+            if svc not in services:
+                raise ValidationError(f"{where}.{svc}", f"one of {sorted(services)}", svc)
+            if not isinstance(caps, dict):
+                raise ValidationError(f"{where}.{svc}", "a mapping with compute and/or memory",
+                                      caps)
+            layouts[str(lname)][svc] = (
+                None if caps.get("compute") is None
+                else parse_percent(f"{where}.{svc}.compute", caps["compute"]),
+                None if caps.get("memory") is None
+                else parse_memory(f"{where}.{svc}.memory", caps["memory"]))
+    windows = []
+    for i, w in enumerate(doc.get("windows") or []):
+        where = f"{path}: windows[{i}]"
+        if not isinstance(w, dict) or w.get("layout") not in layouts:
+            raise ValidationError(f"{where}.layout", f"one of {sorted(layouts)}", w)
+        windows.append(Window(str(w["layout"]), minutes_of_day(f"{where}.start", w.get("start")),
+                              minutes_of_day(f"{where}.end", w.get("end"))))
+    default = doc.get("default", next(iter(layouts)))
+    if default not in layouts:
+        raise ValidationError(f"{path}: default", f"one of {sorted(layouts)}", default)
+    return layouts, tuple(windows), str(default)
 
 
 def local_gpus(nvml: NvmlPort) -> list[LocalGpu]:
@@ -214,6 +285,15 @@ class Replica:
     ready: bool = False
     next_start: float = 0.0
     started_at: float = 0.0
+    gen: int = 0  # the router knows it as "<replica>#<gen>"
+    draining: bool = False
+
+    @property
+    def router_name(self) -> str:
+        return f"{self.slice.replica}#{self.gen}"
+
+
+OVERRIDE_FILE = "layout-override"
 
 
 class LocalRuntime:
@@ -229,6 +309,10 @@ class LocalRuntime:
         self.router: Any = None
         self.events: list[str] = []
         self._session: aiohttp.ClientSession | None = None
+        self.layout: str | None = None  # the slice profile in force
+        self.layout_status = ""
+        self._blocked: str | None = None  # a layout that did not fit (until the wish changes)
+        self._gen = 0
 
     # -- state -------------------------------------------------------------------------------
 
@@ -239,12 +323,16 @@ class LocalRuntime:
                 "url": f"http://{self.host}:{self.router.port}",
                 "port": self.router.port, "admin_port": self.router.admin_port},
             "replicas": [{**asdict(r.slice), "name": r.slice.replica, "port": r.port,
+                          "router_name": r.router_name,
                           "pid": None if r.proc is None else r.proc.pid,
-                          "restarts": r.restarts, "status": r.status,
+                          "restarts": r.restarts,
+                          "status": "draining" if r.draining else r.status,
                           "log": str(self.dir / "logs" / f"{r.slice.replica}.log")}
                          for r in self.replicas],
             "mps": [{"uuid": u, "pipe_dir": str(d.pipe_dir), "log_dir": str(d.log_dir)}
                     for u, d in self.daemons.items()],
+            "layout": {"active": self.layout, "status": self.layout_status,
+                       "layouts": sorted(self.cfg.layouts)},
             "events": self.events[-50:],
         }
 
@@ -263,9 +351,7 @@ class LocalRuntime:
         gpus = local_gpus(self.nvml)
         if not gpus:
             raise GpusliceError(f"no GPU to run on: {self.nvml.why_empty() or 'none healthy'}")
-        wants = [SliceWant(f"{s.name}-{i}", s.name, s.compute_pct, s.memory_mib, s.gpu)
-                 for s in self.cfg.services for i in range(s.replicas)]
-        return place_local(gpus, wants)
+        return place_local(gpus, self.cfg.wants(self.layout))
 
     def _env(self, r: Replica) -> dict[str, str]:
         s = r.slice
@@ -306,9 +392,9 @@ class LocalRuntime:
     def router_config(self) -> Any:
         services = []
         for s in self.cfg.services:
-            reps = [{"name": r.slice.replica, "url": f"http://127.0.0.1:{r.port}",
+            reps = [{"name": r.router_name, "url": f"http://127.0.0.1:{r.port}",
                      "gpu": r.slice.gpu_uuid, "slice": f"{r.slice.compute_pct}%",
-                     "weight": r.slice.compute_pct}
+                     "weight": r.slice.compute_pct, "draining": r.draining}
                     for r in self.replicas if r.service is s and r.ready]
             svc: dict[str, Any] = {"name": s.name, "models": [s.name, s.model],
                                    "replicas": reps}
@@ -323,18 +409,16 @@ class LocalRuntime:
         from gpuslice.services.router import start_router
 
         self.dir.mkdir(parents=True, exist_ok=True)
+        (self.dir / OVERRIDE_FILE).unlink(missing_ok=True)
+        self.layout = self.wanted_layout()
+        if self.layout is not None:
+            self.note(f"slice profile {self.layout}")
         slices = self.plan()
         for sl in slices:
             self.note(f"{sl.replica}: GPU {sl.gpu_index} ({sl.gpu_uuid}), {sl.compute_pct}% "
                       f"compute, {sl.memory_mib} MiB")
-        if self.mps:
-            for uuid in sorted({sl.gpu_uuid for sl in slices}):
-                n = len(self.daemons)
-                d = MpsDaemon(uuid, self.dir / "mps" / f"g{n}", self.dir / "mps" / f"g{n}-log",
-                              binary=self.mps_binary)
-                await asyncio.get_running_loop().run_in_executor(None, d.start)
-                self.daemons[uuid] = d
-                self.note(f"MPS control daemon for {uuid} (pipe {d.pipe_dir})")
+        for uuid in sorted({sl.gpu_uuid for sl in slices}):
+            await self._ensure_daemon(uuid)
         by_name = {s.name: s for s in self.cfg.services}
         self.replicas = [Replica(sl, by_name[sl.service]) for sl in slices]
         self._session = aiohttp.ClientSession()
@@ -360,6 +444,88 @@ class LocalRuntime:
         self.note(f"router on http://{self.host}:{self.router.port} (admin port "
                   f"{self.router.admin_port})")
         self.write_state("running")
+
+    async def _ensure_daemon(self, uuid: str) -> None:
+        if not self.mps or uuid in self.daemons:
+            return
+        n = len(self.daemons)
+        d = MpsDaemon(uuid, self.dir / "mps" / f"g{n}", self.dir / "mps" / f"g{n}-log",
+                      binary=self.mps_binary)
+        await asyncio.get_running_loop().run_in_executor(None, d.start)
+        self.daemons[uuid] = d
+        self.note(f"MPS control daemon for {uuid} (pipe {d.pipe_dir})")
+
+    def wanted_layout(self) -> str | None:
+        """The override written by ``gpuslice switch``, else the window of now, else the
+        default (None without layouts)."""
+        raw = None
+        with contextlib.suppress(OSError):
+            raw = (self.dir / OVERRIDE_FILE).read_text().strip() or None
+        if raw is not None and raw not in self.cfg.layouts:
+            self.layout_status = f"unknown layout {raw!r} asked for; keeping {self.layout}"
+            raw = None
+        t = time.gmtime()
+        return self.cfg.layout_at(t.tm_hour * 60 + t.tm_min, raw)
+
+    async def transition(self, target: str) -> None:
+        """Move every replica whose slice differs under ``target`` to its new slice, one at a
+        time: start the new one, wait until it answers, let the old one drain in the router,
+        then stop it. A layout that does not fit changes nothing and is reported."""
+        try:
+            gpus = local_gpus(self.nvml)
+            new = {sl.replica: sl for sl in place_local(gpus, self.cfg.wants(target))}
+        except (NoRoom, ValidationError) as exc:
+            self._blocked = target
+            self.layout_status = f"layout {target} does not fit, nothing changed: {exc}"
+            self.note(self.layout_status)
+            self.write_state("running")
+            return
+        self.note(f"switching to slice profile {target}")
+        moved = 0
+        for old in [r for r in self.replicas if new[r.slice.replica] != r.slice]:
+            sl = new[old.slice.replica]
+            await self._ensure_daemon(sl.gpu_uuid)
+            self._gen += 1
+            rep = Replica(sl, old.service, gen=self._gen, log=old.log)
+            self._start(rep)
+            self.replicas.append(rep)
+            self.layout_status = f"switching to {target}: starting {rep.router_name}"
+            self.write_state("running")
+            deadline = time.monotonic() + self.cfg.ready_timeout_s
+            while not await self._probe(rep):
+                if time.monotonic() > deadline or (rep.proc and rep.proc.poll() is not None):
+                    terminate(rep.proc)
+                    self.replicas.remove(rep)
+                    self.layout_status = (f"switch to {target} stopped: {rep.router_name} did "
+                                          f"not become ready; {self.layout} stays")
+                    self.note(self.layout_status)
+                    self._blocked = target
+                    self.write_state("running")
+                    return
+                await asyncio.sleep(0.1)
+            rep.ready, rep.status = True, "running"
+            old.draining = True
+            self.router.router.apply(self.router_config())
+            await self._drained(old)
+            self.replicas.remove(old)
+            old.log = None  # the log file is the new replica's now
+            terminate(old.proc)
+            self.router.router.apply(self.router_config())
+            moved += 1
+        self.layout = target
+        self.layout_status = f"{target}: {moved} replica(s) moved"
+        self.note(self.layout_status)
+        self.write_state("running")
+
+    async def _drained(self, r: Replica, timeout_s: float = 60.0) -> None:
+        """Until the router has no request in flight on ``r``."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            svc = self.router.router.services.get(r.service.name)
+            i = None if svc is None else svc.index(r.router_name)
+            if i is None or svc.views[i].outstanding == 0:
+                return
+            await asyncio.sleep(0.05)
 
     async def _check(self, restart: bool = True) -> bool:
         """Probe and restart replicas; True when the set of ready replicas changed."""
@@ -393,6 +559,11 @@ class LocalRuntime:
                 if all(s.replicas for s in cfg.services):
                     self.router.router.apply(cfg)
                 self.write_state("running")
+            want = self.wanted_layout()
+            if want is not None and want not in (self.layout, self._blocked):
+                await self.transition(want)
+            elif want == self.layout:
+                self._blocked = None
 
     async def close(self) -> None:
         for r in self.replicas:
