@@ -137,7 +137,8 @@ def write_report(out: Path, result: dict[str, Any], samples: Sequence[Any],
         f"<b>{result['gpus_exclusive']}</b> whole GPUs with exclusive allocation. "
         f"Plan: {plan.get('gpus')} GPU(s) at cost {plan.get('cost_per_hour')}/h, "
         f"solved and replay-checked in {plan.get('seconds')} s. Replica killed: "
-        f"{html.escape(result.get('killed') or '-')}.</p>",
+        f"{html.escape(result.get('killed') or '-')}. Reconfiguration: "
+        f"{html.escape(_fmt(result.get('reconfig') or None))}.</p>",
         f"<img src='data:image/png;base64,{images[0]}' width='100%'>",
         "<h2>Latency per service and phase</h2>",
         _table(lat_rows, ["phase", "service", "sent", "ok", "rejected", "failed", "p50_ms",
