@@ -356,3 +356,21 @@ def test_cli_plan_shows_what_would_change_and_run_once_starts_it(tmp_path: Path,
     assert main(["reconfig", "plan", "--at", "25:00", "--fake-cluster",
                  str(tmp_path / "cluster.yaml")]) == 2
     assert "--at" in capsys.readouterr().err
+
+
+def test_a_gpu_with_mig_disabled_is_reported_and_never_touched(tmp_path: Path) -> None:
+    with cluster(tmp_path, nodes=1, gpus=2, replicas=2) as c:
+        c.add_node(NodeSpec("plain", ("A100-80GB",)))  # MIG-capable, MIG disabled
+        assert wait(lambda: "gpuslice.io/mig-layouts" in (next(
+            n for n in c.api.list_nodes() if n["metadata"]["name"] == "plain")["metadata"]
+            .get("annotations") or {}), 10)
+        c.api.replace_custom(PLURAL, schedule(override="batch"))
+        drive(ReconfigController(c.api), c,
+              lambda st: (st.get("summary") or {}).get("inTarget") == 2
+              and next(x for x in st["conditions"] if x["type"] == "Ready")["reason"]
+              == "Failed")
+        st = status(c)["gpus"]["GPU-plain-0"]
+        assert st["phase"] == "Failed" and "MIG mode is disabled" in st["message"]
+        ann = next(n for n in c.api.list_nodes()
+                   if n["metadata"]["name"] == "plain")["metadata"]["annotations"]
+        assert not ann.get(CORDONED_ANNOTATION) and "gpuslice.io/mig-desired" not in ann

@@ -177,7 +177,12 @@ class NodeAgent:
         changed = False
         for g in self.nvml.devices():
             model = catalog.lookup(g.model)
-            if not g.mig_enabled or model is None or model.mig is None:
+            if model is None or model.mig is None:
+                continue
+            if not g.mig_enabled:
+                report[g.uuid] = {"layout": "", "state": "disabled", "message":
+                                  "MIG mode is disabled on this GPU (enabling it is an "
+                                  "administrator's action)"}
                 continue
             geo = model.mig
             try:

@@ -179,6 +179,13 @@ class ReconfigController:
             g = active[0]
             self._advance(obj, status, gstat, g, want[g.uuid], current[g.uuid], nodes)
             return
+        for g in gpus:  # GPUs whose layout cannot be changed: said, never touched
+            rep = current[g.uuid]
+            why = None if rep.get("state") in ("success", "pending", "failed") else (
+                rep.get("message") or "the node agent reports no MIG layout for this GPU")
+            if why and (gstat.get(g.uuid) or {}).get("message") != why:
+                gstat[g.uuid] = {"node": g.node, "phase": "Failed", "to": target,
+                                 "message": why}
         todo = [g for g in gpus if current[g.uuid].get("layout") != want[g.uuid]
                 and (gstat.get(g.uuid) or {}).get("phase") != "Failed"]
         done = sum(1 for g in gpus if current[g.uuid].get("layout") == want[g.uuid])
