@@ -445,8 +445,9 @@ class ReconfigController:
 
 
 def _label_key(uuid: str) -> str:
-    """A label name part from a GPU UUID (63 characters at most)."""
-    return re.sub(r"[^A-Za-z0-9_.-]", "-", uuid)[-60:].strip("-_.")
+    """The GPU part of the label ``gpuslice.io/reconfig.<GPU>`` (a label name is at most 63
+    characters, alphanumeric at both ends)."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "-", uuid)[-(63 - len("reconfig.")):].strip("-_.")
 
 
 def _ready(pod: dict[str, Any]) -> bool:
