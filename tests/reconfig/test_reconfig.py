@@ -374,3 +374,14 @@ def test_a_gpu_with_mig_disabled_is_reported_and_never_touched(tmp_path: Path) -
         ann = next(n for n in c.api.list_nodes()
                    if n["metadata"]["name"] == "plain")["metadata"]["annotations"]
         assert not ann.get(CORDONED_ANNOTATION) and "gpuslice.io/mig-desired" not in ann
+
+
+def test_gpu_label_names_stay_valid_for_any_uuid() -> None:
+    import re
+
+    from gpuslice.services.reconfig import _label_key
+
+    for u in ("GPU-12345678-1234-1234-1234-123456789abc", "MIG-" + "x" * 80, "GPU-a/b:c"):
+        name = "reconfig." + _label_key(u)
+        assert len(name) <= 63 and re.fullmatch(r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?",
+                                                 name)
