@@ -3,10 +3,10 @@ the Open Inference Protocol paths, on the port local mode gives it.
 
     python examples/local/server.py --model resnet50 --port 8001
 
-Models: resnet50 and mobilenet_v3 (torchvision), encoder (a 6-layer transformer encoder, BERT
-base sized, plain PyTorch), and tiny (a NumPy matrix product: no PyTorch, for machines without a
-GPU). Endpoints: GET /v2/health/ready; POST /v2/models/<name>/infer runs one batch (size from the
-X-Batch-Size header, else --batch) and answers its latency; GET /slice shows the slice this
+Models: those of ``gpuslice profile`` (torchvision resnet50, mobilenet_v3, vit_b_16,
+efficientnet_b0; a BERT-base sized transformer encoder; tiny, a NumPy stand-in for machines
+without a GPU). Endpoints: GET /v2/health/ready; POST /v2/models/<name>/infer runs one batch
+(size from the X-Batch-Size header, else --batch) and answers its latency; GET /slice shows the slice this
 replica was given (CUDA_VISIBLE_DEVICES and the MPS caps local mode set); GET /alloc?mib=N
 allocates N MiB on the GPU and answers whether it fitted (the memory-cap check).
 """
@@ -29,60 +29,31 @@ SLICE_VARS = ("CUDA_VISIBLE_DEVICES", "CUDA_MPS_PIPE_DIRECTORY",
 
 
 class Model:
+    """A gpuslice benchmark workload (``gpuslice.bench.workloads``) behind a lock, timed."""
+
     def __init__(self, name: str, batch: int, device: str) -> None:
+        from gpuslice.bench.workloads import MissingPackage, make_workload
+        from gpuslice.core.errors import GpusliceError
+
         self.name, self.batch, self.device = name, batch, device
         self.lock = threading.Lock()
         self.held: list[Any] = []
-        if name == "tiny":
-            import numpy as np
-
-            self.np = np
-            self.w = np.random.default_rng(0).standard_normal((256, 256)).astype("float32")
-            return
         try:
-            import torch
-        except ImportError:
-            sys.exit(f"model {name} needs PyTorch: pip install torch torchvision "
-                     "(or use --model tiny)")
-        self.torch = torch
-        if name in ("resnet50", "mobilenet_v3"):
-            try:
-                import torchvision.models as tvm
-            except ImportError:
-                sys.exit(f"model {name} needs torchvision: pip install torchvision")
-            net = tvm.resnet50(weights=None) if name == "resnet50" else \
-                tvm.mobilenet_v3_large(weights=None)
-            self.shape: tuple[int, ...] = (3, 224, 224)
-        elif name == "encoder":
-            layer = torch.nn.TransformerEncoderLayer(768, 12, 3072, batch_first=True)
-            net = torch.nn.TransformerEncoder(layer, 6)
-            self.shape = (128, 768)
-        else:
-            sys.exit(f"unknown model {name}: resnet50, mobilenet_v3, encoder or tiny")
-        dtype = torch.float16 if device == "cuda" else torch.float32
-        self.net = net.eval().to(device=device, dtype=dtype)
-        self.dtype = dtype
+            self.workload = make_workload(name, device)
+        except (MissingPackage, GpusliceError) as exc:
+            sys.exit(f"model {name}: {exc}")
 
     def infer(self, batch: int) -> float:
         start = time.perf_counter()
         with self.lock:
-            if self.name == "tiny":
-                x = self.np.ones((batch, 256), dtype="float32")
-                for _ in range(20):
-                    x = self.np.tanh(x @ self.w)
-            else:
-                torch = self.torch
-                with torch.inference_mode():
-                    x = torch.randn((batch, *self.shape), device=self.device, dtype=self.dtype)
-                    self.net(x)
-                    if self.device == "cuda":
-                        torch.cuda.synchronize()
+            self.workload.run(batch)
         return time.perf_counter() - start
 
     def alloc(self, mib: int) -> dict[str, Any]:
         if self.name == "tiny":
             return {"allocated_mib": 0, "ok": False, "error": "no GPU in tiny mode"}
-        torch = self.torch
+        import torch
+
         try:
             self.held.append(torch.empty(mib * 1024 * 1024, dtype=torch.uint8,
                                          device=self.device))
