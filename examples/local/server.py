@@ -5,8 +5,10 @@ the Open Inference Protocol paths, on the port local mode gives it.
 
 Models: those of ``gpuslice profile`` (torchvision resnet50, mobilenet_v3, vit_b_16,
 efficientnet_b0; a BERT-base sized transformer encoder; tiny, a NumPy stand-in for machines
-without a GPU). Endpoints: GET /v2/health/ready; POST /v2/models/<name>/infer runs one batch
-(size from the X-Batch-Size header, else --batch) and answers its latency; GET /slice shows the slice this
+without a GPU).
+
+Endpoints: GET /v2/health/ready; POST /v2/models/<name>/infer runs one batch (size from the
+X-Batch-Size header, else --batch) and answers its latency; GET /slice shows the slice this
 replica was given (CUDA_VISIBLE_DEVICES and the MPS caps local mode set); GET /alloc?mib=N
 allocates N MiB on the GPU and answers whether it fitted (the memory-cap check).
 """
