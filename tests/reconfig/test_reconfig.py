@@ -385,3 +385,101 @@ def test_gpu_label_names_stay_valid_for_any_uuid() -> None:
         name = "reconfig." + _label_key(u)
         assert len(name) <= 63 and re.fullmatch(r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?",
                                                  name)
+
+
+class FakeReplicaSets:
+    """The ReplicaSet controller, as far as this test needs it: keeps ``replicas`` pods owned
+    by each ReplicaSet, creating one from its template when one goes (never adopting pods
+    without its pod-template-hash, as the real one)."""
+
+    def __init__(self, c: Cluster, sets: dict[str, int]) -> None:
+        self.c, self.sets = c, sets
+        self.made = 0
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._loop, daemon=True)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(0.05):
+            pods = self.c.api.list_pods()
+            for rs, n in self.sets.items():
+                mine = [p for p in pods if any(r.get("uid") == f"uid-{rs}" for r in
+                                               p["metadata"].get("ownerReferences") or [])]
+                for _ in range(n - len(mine)):
+                    self.made += 1
+                    pod = gpu_pod(f"{rs}-{self.made:03d}", service=rs.split("-")[0],
+                                  model="resnet50", milli=142, memory_mib=9000,
+                                  gpu_models="A100-80GB", batch=2)
+                    pod["metadata"]["labels"]["pod-template-hash"] = "abc123"
+                    pod["metadata"]["ownerReferences"] = [{
+                        "apiVersion": "apps/v1", "kind": "ReplicaSet", "name": rs,
+                        "uid": f"uid-{rs}", "controller": True}]
+                    self.c.api.add_pod(pod)
+
+    def __enter__(self) -> FakeReplicaSets:
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._t.join(5)
+
+
+def serving(c: Cluster, svc: str) -> int:
+    """Pods of ``svc`` that are ready and not draining: what the router sends requests to."""
+    return sum(1 for p in c.api.list_pods()
+               if (p["metadata"].get("labels") or {}).get("gpuslice.io/service") == svc
+               and (p.get("status") or {}).get("endpoint")
+               and (p["metadata"].get("annotations") or {}).get("gpuslice.io/draining")
+               != "true")
+
+
+def test_replicaset_pods_move_through_stand_ins_and_capacity_never_dips(
+        tmp_path: Path) -> None:
+    with cluster(tmp_path, nodes=2, gpus=2, replicas=0) as c, \
+            FakeReplicaSets(c, {"alpha-rs": 4, "beta-rs": 3}) as rs:
+        assert wait(lambda: serving(c, "alpha") == 4 and serving(c, "beta") == 3, 30)
+        lows = {"alpha": 4, "beta": 3}
+        stop = threading.Event()
+
+        def watch() -> None:
+            while not stop.is_set():
+                for svc, low in lows.items():
+                    lows[svc] = min(low, serving(c, svc))
+                time.sleep(0.02)
+
+        t = threading.Thread(target=watch)
+        t.start()
+        try:
+            c.api.replace_custom(PLURAL, schedule(override="batch"))
+            ctl = ReconfigController(c.api)
+            drive(ctl, c, lambda st: (st.get("summary") or {}).get("inTarget") == 4,
+                  timeout_s=120)
+        finally:
+            stop.set()
+            t.join()
+        assert lows == {"alpha": 4, "beta": 3}  # never fewer serving pods than before
+        assert any("waiting for the ReplicaSets" in line for line in ctl.log), ctl.log
+        pods = c.api.list_pods()
+        assert not [p for p in pods if not p["metadata"].get("ownerReferences")]  # stand-ins gone
+        assert wait(lambda: serving(c, "alpha") == 4 and serving(c, "beta") == 3, 20)
+        assert set(layouts(c).values()) == {BATCH}
+        assert rs.made > 7  # the ReplicaSets replaced the evicted pods
+
+
+def test_statefulset_pods_are_not_moved_and_the_gpu_waits(tmp_path: Path) -> None:
+    with cluster(tmp_path, nodes=1, gpus=2, replicas=0) as c:
+        pod = gpu_pod("db-0", service="alpha", model="resnet50", milli=142, memory_mib=9000,
+                      gpu_models="A100-80GB")
+        pod["metadata"]["ownerReferences"] = [{"apiVersion": "apps/v1", "kind": "StatefulSet",
+                                               "name": "db", "uid": "uid-db"}]
+        c.api.add_pod(pod)
+        assert wait(lambda: c.container_of("demo/db-0") is not None, 20)
+        c.api.replace_custom(PLURAL, schedule(override="batch"))
+        ctl = ReconfigController(c.api)
+        for _ in range(6):
+            ctl.step()
+            time.sleep(0.05)
+        st = status(c)
+        waiting = [g for g in st["gpus"].values() if g["phase"] == "Waiting"]
+        assert waiting and "managed by a StatefulSet" in waiting[0]["message"]
+        assert c.container_of("demo/db-0") is not None  # untouched

@@ -56,7 +56,7 @@ from gpuslice.core.reconfig import (
 from gpuslice.services.node_agent import MIG_DESIRED, MIG_LAYOUTS
 
 PLURAL = "sliceschedules"
-ACTIVE = ("Cordoned", "Moving", "Draining", "Applying", "RollingBack")
+ACTIVE = ("Cordoned", "Moving", "Draining", "Restoring", "Applying", "RollingBack")
 _SUFFIX = re.compile(r"-m\d+$")
 
 
@@ -237,6 +237,13 @@ class ReconfigController:
         if phase == "Cordoned":
             self._cordon(node, g.uuid, True)
             on_gpu = self._pods_on(g.uuid)
+            pods_now = self.api.list_pods()
+            owners = {_owner(p) for p in pods_now
+                      if _key(p) in on_gpu and _owner(p) is not None}
+            # ReplicaSets recreate the pods evicted from here; their stand-ins leave once the
+            # owner has as many ready pods again as now
+            st["owners"] = {uid: sum(1 for p in pods_now if _owner(p) == uid and _ready(p))
+                            for uid in sorted(o for o in owners if o is not None)}
             base = int(status.get("moves", 0))
             st["replacements"] = {
                 key: f"{key.split('/')[0]}/{_SUFFIX.sub('', key.split('/')[1])}-m{base + i}"
@@ -286,8 +293,38 @@ class ReconfigController:
             for old in olds:
                 ns, name = old.split("/", 1)
                 self.api.delete_pod(ns, name)
+            if st.get("owners"):
+                st["phase"] = "Restoring"
+                st["restoringSince"] = self.clock()
+                return self._put(obj, status, gstat, g, st, "drained; waiting for the "
+                                 "ReplicaSets to replace the evicted pods")
             st["phase"] = "Applying"
             return self._put(obj, status, gstat, g, st, "drained; applying the layout")
+        if phase == "Restoring":
+            everyone = self.api.list_pods()
+            stand_ins = [new for new in st["replacements"].values() if self._exists(new)]
+            restored = all(sum(1 for p in everyone if _owner(p) == uid and _ready(p)
+                           and _key(p) not in stand_ins) >= n
+                       for uid, n in st["owners"].items())
+            waited = self.clock() - float(st.get("restoringSince", self.clock()))
+            if not restored and waited < self.ready_timeout_s:
+                return None
+            if restored:  # the owners' own pods serve again: the stand-ins drain and leave
+                for new in stand_ins:
+                    self._mark_draining(new)
+                names = [x.split("/", 1)[1] for x in stand_ins]
+                left = self.router.outstanding(names) if self.router and names else 0
+                if names and (left is None or left > 0) and \
+                        waited < self.ready_timeout_s + self._drain_s(obj):
+                    return None
+                for new in stand_ins:
+                    ns, name = new.split("/", 1)
+                    self.api.delete_pod(ns, name)
+            else:
+                st["message"] = ("the ReplicaSets did not bring their pods back in time; the "
+                                 "stand-ins stay")
+            st["phase"] = "Applying"
+            return self._put(obj, status, gstat, g, st, "restored; applying the layout")
         if phase == "Applying":
             self._desire(node, g.uuid, want)
             if current.get("layout") == want and current.get("state") == "success":
@@ -369,6 +406,11 @@ class ReconfigController:
                     u[0] += share.milli
                     u[1] += share.memory_mib
             if g.uuid in a.gpu_uuids():
+                kinds = {r.get("kind") for r in p["metadata"].get("ownerReferences") or []}
+                if kinds - {"ReplicaSet"}:
+                    return (f"pod {a.namespace}/{a.pod} is managed by a "
+                            f"{'/'.join(sorted(str(k) for k in kinds - {'ReplicaSet'}))}, whose "
+                            "pods gpuslice does not move (their names are their identity)")
                 try:
                     req = pod_request(p)
                 except ValidationError:
@@ -450,6 +492,19 @@ def _label_key(uuid: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "-", uuid)[-(63 - len("reconfig.")):].strip("-_.")
 
 
+def _key(pod: dict[str, Any]) -> str:
+    meta = pod["metadata"]
+    return f"{meta.get('namespace', 'default')}/{meta['name']}"
+
+
+def _owner(pod: dict[str, Any]) -> str | None:
+    """The UID of the ReplicaSet that owns ``pod`` (None: a bare pod)."""
+    for ref in pod["metadata"].get("ownerReferences") or []:
+        if ref.get("kind") == "ReplicaSet" and ref.get("controller", True):
+            return str(ref.get("uid"))
+    return None
+
+
 def _ready(pod: dict[str, Any]) -> bool:
     st = pod.get("status") or {}
     return st.get("phase") == "Running" and any(
@@ -466,7 +521,10 @@ def _replacement(src: dict[str, Any], key: str) -> dict[str, Any]:
            if k not in (ANNOTATION, DRAINING_ANNOTATION)}
     ann["gpuslice.io/replaces"] = f"{meta.get('namespace', 'default')}/{meta['name']}"
     spec = {k: v for k, v in (src.get("spec") or {}).items() if k != "nodeName"}
+    # a ReplicaSet's pod: the stand-in keeps the labels Services select on, but not the
+    # ReplicaSet's own pod-template-hash, so the ReplicaSet neither adopts nor counts it
+    labels = {k: v for k, v in (meta.get("labels") or {}).items() if k != "pod-template-hash"}
     return {"apiVersion": "v1", "kind": "Pod",
-            "metadata": {"name": name, "namespace": ns, "labels": dict(meta.get("labels") or {}),
+            "metadata": {"name": name, "namespace": ns, "labels": labels,
                          "annotations": ann},
             "spec": spec}
