@@ -12,7 +12,11 @@ schedule.yaml``) and moves every GPU they select to the layout wanted now, one G
    every replacement runs and is ready.
 4. **Draining**: the old pods get ``gpuslice.io/draining``; routers stop sending them requests
    and let in-flight ones finish (the controller asks the router until none is outstanding, or
-   the drain timeout passes); then the old pods are deleted.
+   the drain timeout passes); then the old pods are evicted. A ReplicaSet's pod is moved
+   through a stand-in without the ReplicaSet's ``pod-template-hash`` (so it is neither adopted
+   nor counted); **Restoring** waits until the ReplicaSet has replaced the evicted pods and
+   they are ready, then the stand-ins drain and leave. Pods of other owners (a StatefulSet's:
+   their name is their identity) are not moved; the GPU waits and says why.
 5. **Applying**: the GPU's layout goes into the node's ``gpuslice.io/mig-desired``; the node
    agent applies it once the GPU has no client and reports it in ``gpuslice.io/mig-layouts``.
    A failure there leads to **RollingBack** (the last good layout asked for again) and then
