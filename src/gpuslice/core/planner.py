@@ -91,6 +91,16 @@ class Slot:
         return tuple(c.service for c in self.parts)
 
 
+def slice_share(slot: Slot, part: Config, compute_slices: int = 7) -> tuple[int, int]:
+    """(milli-GPU, MiB) that one process group of a planned slot asks for as an MPS slice: its
+    equal share of the MIG slice's compute (rounded down, so seven 1g slices fit one GPU's
+    1000) and of its memory."""
+    share = part.procs / max(part.colocated, part.procs)
+    milli = max(1, math.floor(1000 * slot.placement.profile.compute_slices / compute_slices
+                              * share))
+    return milli, int(slot.placement.profile.memory_mib * share)
+
+
 @dataclass(frozen=True, slots=True)
 class PlannedGpu:
     index: int

@@ -26,7 +26,7 @@ from gpuslice.adapters.kube.annotation import decode
 from gpuslice.adapters.proc import spawn
 from gpuslice.core.assignment import ANNOTATION
 from gpuslice.core.errors import GpusliceError
-from gpuslice.core.planner import FleetType, Plan, PlanOptions, Service
+from gpuslice.core.planner import FleetType, Plan, PlanOptions, Service, slice_share
 from gpuslice.core.replay import plan_and_check
 from gpuslice.core.speedmodel import MODELS, profiles
 from gpuslice.demo.cluster import (
@@ -135,9 +135,7 @@ def plan_pods(p: Plan) -> list[dict[str, Any]]:
     for g in p.gpus:
         for s in g.slots:
             for c in s.parts:
-                share = c.procs / max(c.colocated, c.procs)
-                milli = max(1, math.floor(1000 * s.placement.profile.compute_slices / 7 * share))
-                mem = int(s.placement.profile.memory_mib * share)
+                milli, mem = slice_share(s, c)
                 name = f"{c.service}-{n[c.service]}"
                 n[c.service] += 1
                 pods.append(gpu_pod(

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import json
-import math
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from gpuslice.core.planner import Plan
+from gpuslice.core.planner import Plan, slice_share
 
 
 def mig_parted(plan: Plan, gpus_per_node: int = 8) -> dict[str, Any]:
@@ -39,9 +38,7 @@ def manifests(plan: Plan, namespace: str = "default",
             for c in s.parts:
                 name = f"{c.service}-g{g.index}-{s.placement.profile.name.replace('.', '-')}" \
                     f"-{s.placement.start}"
-                # floor: seven 1g slices must fit in 1000 milli (seven rounded 143s do not)
-                milli = max(1, math.floor(1000 * s.placement.profile.compute_slices / total
-                                          * c.procs / max(c.colocated, c.procs)))
+                milli, _ = slice_share(s, c, total)
                 labels = {"app.kubernetes.io/name": c.service, "gpuslice.io/service": c.service}
                 docs.append({
                     "apiVersion": "apps/v1", "kind": "Deployment",
