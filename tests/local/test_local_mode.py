@@ -265,3 +265,39 @@ def wait_state(state: Path, pred: Any, timeout_s: float) -> bool:
             pass
         time.sleep(0.1)
     return False
+
+
+def test_a_switch_whose_new_replica_fails_rolls_back_to_the_old_layout(tmp_path: Path) -> None:
+    wrapper = tmp_path / "serve.py"
+    wrapper.write_text(
+        "import os, sys\n"
+        "if os.environ.get('GPUSLICE_SERVICE') == 'beta' and "
+        "os.environ.get('CUDA_MPS_ACTIVE_THREAD_PERCENTAGE') == '15':\n"
+        "    sys.exit('beta cannot run on 15%')\n"
+        f"os.execv(sys.executable, [sys.executable, {str(SERVER)!r}, *sys.argv[1:]])\n")
+    (tmp_path / "gpus.yaml").write_text("gpus:\n  - model: A100-80GB\n")
+    cmd = [sys.executable, str(wrapper), "--model", "tiny", "--port", "{port}"]
+    (tmp_path / "services.yaml").write_text(json.dumps({
+        "services": [{"name": "alpha", "command": cmd, "replicas": 2},
+                     {"name": "beta", "command": cmd}],
+        "layouts": {"night": {"alpha": {"compute": 20}, "beta": {"compute": 50}},
+                    "bad": {"alpha": {"compute": 30}, "beta": {"compute": 15}}},
+        "default": "night"}))
+    state = tmp_path / "state"
+    mps = write_fake_mps(tmp_path / "mps-control")
+    r = cli("up", str(tmp_path / "services.yaml"), "--fake-gpus", str(tmp_path / "gpus.yaml"),
+            "--state-dir", str(state), "--port", "0", "--mps-binary", str(mps), "--detach")
+    assert r.returncode == 0, r.stdout + r.stderr
+    try:
+        assert cli("switch", "bad", "--state-dir", str(state)).returncode == 0
+        assert wait_state(state, lambda s: "rolled back" in s["layout"]["status"], 60), \
+            _state(state)["layout"]
+        st = _state(state)
+        assert st["layout"]["active"] == "night"
+        assert "2 of 2 moved replica(s) rolled back" in st["layout"]["status"]
+        assert {x["name"]: x["compute_pct"] for x in st["replicas"]} == \
+            {"alpha-0": 20, "alpha-1": 20, "beta-0": 50}
+        assert all(x["status"] == "running" for x in st["replicas"])
+        assert len(processes_of(st["run_id"])) == 3
+    finally:
+        cli("down", "--state-dir", str(state))

@@ -469,8 +469,9 @@ class LocalRuntime:
 
     async def transition(self, target: str) -> None:
         """Move every replica whose slice differs under ``target`` to its new slice, one at a
-        time: start the new one, wait until it answers, let the old one drain in the router,
-        then stop it. A layout that does not fit changes nothing and is reported."""
+        time (:meth:`_replace`). A layout that does not fit changes nothing and is reported; a
+        replacement that never answers rolls the replicas already moved back to their old
+        slices, the same way, so the machine is left wholly in the old layout."""
         try:
             gpus = local_gpus(self.nvml)
             new = {sl.replica: sl for sl in place_local(gpus, self.cfg.wants(target))}
@@ -481,41 +482,53 @@ class LocalRuntime:
             self.write_state("running")
             return
         self.note(f"switching to slice profile {target}")
-        moved = 0
+        moved: list[tuple[LocalSlice, Replica]] = []  # (old slice, the replica now serving)
         for old in [r for r in self.replicas if new[r.slice.replica] != r.slice]:
-            sl = new[old.slice.replica]
-            await self._ensure_daemon(sl.gpu_uuid)
-            self._gen += 1
-            rep = Replica(sl, old.service, gen=self._gen, log=old.log)
-            self._start(rep)
-            self.replicas.append(rep)
-            self.layout_status = f"switching to {target}: starting {rep.router_name}"
+            self.layout_status = f"switching to {target}: replacing {old.slice.replica}"
             self.write_state("running")
-            deadline = time.monotonic() + self.cfg.ready_timeout_s
-            while not await self._probe(rep):
-                if time.monotonic() > deadline or (rep.proc and rep.proc.poll() is not None):
-                    terminate(rep.proc)
-                    self.replicas.remove(rep)
-                    self.layout_status = (f"switch to {target} stopped: {rep.router_name} did "
-                                          f"not become ready; {self.layout} stays")
-                    self.note(self.layout_status)
-                    self._blocked = target
-                    self.write_state("running")
-                    return
-                await asyncio.sleep(0.1)
-            rep.ready, rep.status = True, "running"
-            old.draining = True
-            self.router.router.apply(self.router_config())
-            await self._drained(old)
-            self.replicas.remove(old)
-            old.log = None  # the log file is the new replica's now
-            terminate(old.proc)
-            self.router.router.apply(self.router_config())
-            moved += 1
+            rep = await self._replace(old, new[old.slice.replica])
+            if rep is None:
+                back = 0
+                for was, now in reversed(moved):
+                    if await self._replace(now, was) is not None:
+                        back += 1
+                self._blocked = target
+                self.layout_status = (f"switch to {target} stopped: the new {old.slice.replica} "
+                                      f"did not become ready; {back} of {len(moved)} moved "
+                                      f"replica(s) rolled back, {self.layout} stays")
+                self.note(self.layout_status)
+                self.write_state("running")
+                return
+            moved.append((old.slice, rep))
         self.layout = target
-        self.layout_status = f"{target}: {moved} replica(s) moved"
+        self.layout_status = f"{target}: {len(moved)} replica(s) moved"
         self.note(self.layout_status)
         self.write_state("running")
+
+    async def _replace(self, old: Replica, sl: LocalSlice) -> Replica | None:
+        """Start a replica of ``old`` on ``sl``, wait until it answers, let ``old`` drain in
+        the router and stop it; None (``old`` untouched) when the new one never answers."""
+        await self._ensure_daemon(sl.gpu_uuid)
+        self._gen += 1
+        rep = Replica(sl, old.service, gen=self._gen, log=old.log)
+        self._start(rep)
+        self.replicas.append(rep)
+        deadline = time.monotonic() + self.cfg.ready_timeout_s
+        while not await self._probe(rep):
+            if time.monotonic() > deadline or (rep.proc and rep.proc.poll() is not None):
+                terminate(rep.proc)
+                self.replicas.remove(rep)
+                return None
+            await asyncio.sleep(0.1)
+        rep.ready, rep.status = True, "running"
+        old.draining = True
+        self.router.router.apply(self.router_config())
+        await self._drained(old)
+        self.replicas.remove(old)
+        old.log = None  # the log file is the new replica's now
+        terminate(old.proc)
+        self.router.router.apply(self.router_config())
+        return rep
 
     async def _drained(self, r: Replica, timeout_s: float = 60.0) -> None:
         """Until the router has no request in flight on ``r``."""
