@@ -190,22 +190,10 @@ def test_bad_services_files_are_refused_with_the_field(tmp_path: Path, doc: obje
 
 
 def test_switching_slice_profiles_under_load_drops_no_request(tmp_path: Path) -> None:
-    (tmp_path / "gpus.yaml").write_text("gpus:\n  - model: A100-80GB\n")
-    cmd = [sys.executable, str(SERVER), "--model", "tiny", "--port", "{port}"]
-    (tmp_path / "services.yaml").write_text(json.dumps({
-        "services": [{"name": "alpha", "command": cmd, "replicas": 2},
-                     {"name": "beta", "command": cmd}],
-        "layouts": {"day": {"alpha": {"compute": 40, "memory": "8G"},
-                            "beta": {"compute": 20}},
-                    "night": {"alpha": {"compute": 20, "memory": "4G"},
-                              "beta": {"compute": 60}},
-                    "huge": {"beta": {"compute": 90}, "alpha": {"compute": 40}}},
-        "default": "night"}))
-    state = tmp_path / "state"
-    mps = write_fake_mps(tmp_path / "mps-control")
-    r = cli("up", str(tmp_path / "services.yaml"), "--fake-gpus", str(tmp_path / "gpus.yaml"),
-            "--state-dir", str(state), "--port", "0", "--mps-binary", str(mps), "--detach")
-    assert r.returncode == 0, r.stdout + r.stderr
+    state = up_with_layouts(tmp_path, SERVER, {
+        "day": {"alpha": {"compute": 40, "memory": "8G"}, "beta": {"compute": 20}},
+        "night": {"alpha": {"compute": 20, "memory": "4G"}, "beta": {"compute": 60}},
+        "huge": {"beta": {"compute": 90}, "alpha": {"compute": 40}}})
     try:
         st = _state(state)
         assert st["layout"]["active"] == "night"
@@ -255,6 +243,24 @@ def test_switching_slice_profiles_under_load_drops_no_request(tmp_path: Path) ->
         cli("down", "--state-dir", str(state))
 
 
+def up_with_layouts(tmp_path: Path, server: Path, layouts: dict[str, Any]) -> Path:
+    """``gpuslice up --detach`` on one fake A100 with the MPS stand-in: services alpha (two
+    replicas) and beta of ``server`` (tiny model), with ``layouts`` and night as the default;
+    returns the state directory."""
+    (tmp_path / "gpus.yaml").write_text("gpus:\n  - model: A100-80GB\n")
+    cmd = [sys.executable, str(server), "--model", "tiny", "--port", "{port}"]
+    (tmp_path / "services.yaml").write_text(json.dumps({
+        "services": [{"name": "alpha", "command": cmd, "replicas": 2},
+                     {"name": "beta", "command": cmd}],
+        "layouts": layouts, "default": "night"}))
+    state = tmp_path / "state"
+    mps = write_fake_mps(tmp_path / "mps-control")
+    r = cli("up", str(tmp_path / "services.yaml"), "--fake-gpus", str(tmp_path / "gpus.yaml"),
+            "--state-dir", str(state), "--port", "0", "--mps-binary", str(mps), "--detach")
+    assert r.returncode == 0, r.stdout + r.stderr
+    return state
+
+
 def wait_state(state: Path, pred: Any, timeout_s: float) -> bool:
     end = time.monotonic() + timeout_s
     while time.monotonic() < end:
@@ -275,19 +281,9 @@ def test_a_switch_whose_new_replica_fails_rolls_back_to_the_old_layout(tmp_path:
         "os.environ.get('CUDA_MPS_ACTIVE_THREAD_PERCENTAGE') == '15':\n"
         "    sys.exit('beta cannot run on 15%')\n"
         f"os.execv(sys.executable, [sys.executable, {str(SERVER)!r}, *sys.argv[1:]])\n")
-    (tmp_path / "gpus.yaml").write_text("gpus:\n  - model: A100-80GB\n")
-    cmd = [sys.executable, str(wrapper), "--model", "tiny", "--port", "{port}"]
-    (tmp_path / "services.yaml").write_text(json.dumps({
-        "services": [{"name": "alpha", "command": cmd, "replicas": 2},
-                     {"name": "beta", "command": cmd}],
-        "layouts": {"night": {"alpha": {"compute": 20}, "beta": {"compute": 50}},
-                    "bad": {"alpha": {"compute": 30}, "beta": {"compute": 15}}},
-        "default": "night"}))
-    state = tmp_path / "state"
-    mps = write_fake_mps(tmp_path / "mps-control")
-    r = cli("up", str(tmp_path / "services.yaml"), "--fake-gpus", str(tmp_path / "gpus.yaml"),
-            "--state-dir", str(state), "--port", "0", "--mps-binary", str(mps), "--detach")
-    assert r.returncode == 0, r.stdout + r.stderr
+    state = up_with_layouts(tmp_path, wrapper, {
+        "night": {"alpha": {"compute": 20}, "beta": {"compute": 50}},
+        "bad": {"alpha": {"compute": 30}, "beta": {"compute": 15}}})
     try:
         assert cli("switch", "bad", "--state-dir", str(state)).returncode == 0
         assert wait_state(state, lambda s: "rolled back" in s["layout"]["status"], 60), \
