@@ -300,6 +300,8 @@ def _add_demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     d.add_argument("--seed", type=int, default=1)
     d.add_argument("--no-live", action="store_true",
                    help="print events line by line instead of a live display")
+    d.add_argument("--no-local-gpus", action="store_true",
+                   help="do not add this machine's NVIDIA GPUs (real NVML and MPS) as a node")
 
 
 def _demo(args: argparse.Namespace, console: Console) -> int:
@@ -312,7 +314,8 @@ def _demo(args: argparse.Namespace, console: Console) -> int:
 
     signal.signal(signal.SIGTERM, on_term)  # stop everything the demo started, as on Ctrl-C
     result = run_demo(DemoOptions(out=args.out, short=args.short, seed=args.seed,
-                                  live=False if args.no_live else None))
+                                  live=False if args.no_live else None,
+                                  local_gpus=not args.no_local_gpus))
     console.print(f"GPUs in use: {result['gpus_used']} (exclusive allocation: "
                   f"{result['gpus_exclusive']})")
     for name, s in result["latency_total"].items():

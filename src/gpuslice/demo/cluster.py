@@ -36,7 +36,7 @@ from gpuslice.adapters.kube.fake import FakeApiServer
 from gpuslice.adapters.kube.objects import GPU, pod_request
 from gpuslice.adapters.kubelet import deviceplugin_pb2 as pb
 from gpuslice.adapters.kubelet import deviceplugin_pb2_grpc as pbg
-from gpuslice.adapters.nvml.port import FakeNvml
+from gpuslice.adapters.nvml.port import FakeNvml, NvmlPort
 from gpuslice.adapters.proc import read_ready, spawn, terminate
 from gpuslice.core import catalog
 from gpuslice.core.assignment import ANNOTATION
@@ -444,7 +444,7 @@ def _bind_clock() -> str:
 @dataclass
 class DemoNode:
     spec: NodeSpec
-    nvml: FakeNvml
+    nvml: NvmlPort
     agent: NodeAgent
     kubelet: KubeletSim
     thread: threading.Thread
@@ -495,9 +495,14 @@ class Cluster:
         self.log.add("extender", f"serving filter/prioritize/bind on {self.extender_url}")
         self.scheduler = SchedulerSim(self.api, self.extender_url, self.log).start()
 
-    def add_node(self, spec: NodeSpec) -> DemoNode:
+    def add_node(self, spec: NodeSpec, real: NvmlPort | None = None,
+                 mps_binary: str = "nvidia-cuda-mps-control") -> DemoNode:
+        """A node of simulated GPUs from ``spec``, or, with ``real``, of the GPUs that NVML
+        port reports (this machine's): its node agent then starts real MPS daemons."""
         node_dir = self.root / spec.name
         node_dir.mkdir(parents=True)
+        if real is not None:
+            return self._start_node(spec, node_dir, real, None, mps_binary)
         gpus = []
         for i, m in enumerate(spec.gpus):
             model = catalog.lookup(m)
@@ -515,14 +520,21 @@ class Cluster:
                                   model.memory_mib, model.sms, model.compute_capability,
                                   spec.mig is not None, mig))
         nvml = FakeNvml(gpus)
+        return self._start_node(spec, node_dir, nvml, nvml, None)
+
+    def _start_node(self, spec: NodeSpec, node_dir: Path, nvml: NvmlPort,
+                    fake: FakeNvml | None, mps_binary: str | None) -> DemoNode:
+        gpus = nvml.devices()
         self.api.add_node({"apiVersion": "v1", "kind": "Node",
                            "metadata": {"name": spec.name, "labels": {}, "annotations": {}}})
         kubelet = KubeletSim(spec.name, node_dir, self.api, self.log, self.run_id,
                              {g.uuid: g.model for g in gpus}, runtime=self.runtime,
-                             nvml=nvml).start()
+                             nvml=fake).start()
         cfg = PluginConfig(spec.name, node_dir, self.key, replicas=10,
                            mps_pipe_dir=str(node_dir / "mps"))
-        agent = NodeAgent(cfg, nvml, self.api, quiet_s=30.0, poll_s=self.agent_poll_s)
+        agent = NodeAgent(cfg, nvml, self.api, quiet_s=30.0, poll_s=self.agent_poll_s,
+                          mps=mps_binary is not None,
+                          mps_binary=mps_binary or "nvidia-cuda-mps-control")
         thread = threading.Thread(target=agent.run, daemon=True, name=f"agent-{spec.name}")
         thread.start()
         if not kubelet.registered.wait(10):
@@ -530,7 +542,9 @@ class Cluster:
                                 f"{agent.problems}")
         node = DemoNode(spec, nvml, agent, kubelet, thread)
         self.nodes[spec.name] = node
-        self.log.add("node", f"{spec.name} joined: {len(gpus)} x {spec.gpus[0]}")
+        kind = "real NVML and MPS" if fake is None else "simulated"
+        self.log.add("node", f"{spec.name} joined: {len(gpus)} x "
+                     f"{gpus[0].model if gpus else '-'} ({kind})")
         return node
 
     def container_of(self, pod: str) -> tuple[DemoNode, Container] | None:

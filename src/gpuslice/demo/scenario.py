@@ -23,6 +23,7 @@ import aiohttp
 import numpy as np
 
 from gpuslice.adapters.kube.annotation import decode
+from gpuslice.adapters.nvml.port import NvmlPort
 from gpuslice.adapters.proc import spawn
 from gpuslice.core.assignment import ANNOTATION
 from gpuslice.core.errors import GpusliceError
@@ -59,6 +60,8 @@ class DemoOptions:
     seed: int = 1
     live: bool | None = None  # None: a live display when the output is a terminal
     workdir: Path | None = None
+    local_gpus: bool = True  # add this machine's NVIDIA GPUs (real NVML and MPS) as a node
+    mps_binary: str = "nvidia-cuda-mps-control"
 
     def seconds(self, full: float) -> float:
         return max(3.0, full / 5) if self.short else full
@@ -107,6 +110,18 @@ class DemoState:
 
 
 # ---- planning and deploying -------------------------------------------------------------------
+
+
+def local_nvml(log: EventLog) -> NvmlPort | None:
+    """This machine's GPUs through NVML, or None (said in the log) when it has none."""
+    from gpuslice.adapters.nvml.port import NullNvml
+    from gpuslice.adapters.nvml.real import load
+
+    nv = load()
+    if isinstance(nv, NullNvml) or not nv.devices():
+        log.add("node", f"no local NVIDIA GPU ({nv.why_empty()}): every GPU is simulated")
+        return None
+    return nv
 
 
 def plan_services(state: DemoState) -> Plan:
@@ -374,8 +389,14 @@ async def scenario(state: DemoState, display: Display) -> None:
     c = state.cluster
     state.phase("bring-up: node agents, device plugins, extender")
     c.log.add("run", f"run {c.run_id} in {c.root}")
+    loop = asyncio.get_running_loop()
     for spec in NODES:
-        await asyncio.get_running_loop().run_in_executor(None, c.add_node, spec)
+        await loop.run_in_executor(None, c.add_node, spec)
+    if o.local_gpus:
+        real = local_nvml(c.log)
+        if real is not None:
+            spec = NodeSpec("local", tuple(g.model for g in real.devices()))
+            await loop.run_in_executor(None, c.add_node, spec, real, o.mps_binary)
     c.start_extender()
     state.phase("plan: services and SLOs -> slices")
     state.plan = plan_services(state)
