@@ -289,7 +289,9 @@ def test_a_failed_layout_change_rolls_the_gpu_back_and_reopens_it(tmp_path: Path
         c.api.replace_custom(PLURAL, schedule(override="batch"))
         ctl = ReconfigController(c.api)
         drive(ctl, c, lambda st: (st.get("summary") or {}).get("inTarget") == 2
-              and (st.get("gpus") or {}).get(bad, {}).get("phase") == "Failed")
+              and (st.get("gpus") or {}).get(bad, {}).get("phase") == "Failed"
+              and next(x for x in st["conditions"] if x["type"] == "Ready")["reason"]
+              == "Failed")
         st = status(c)
         assert "injected failure" in st["gpus"][bad]["message"]
         assert layouts(c)[bad] == INFERENCE  # back to its last good layout
@@ -352,7 +354,7 @@ def test_cli_plan_shows_what_would_change_and_run_once_starts_it(tmp_path: Path,
     assert json.loads(capsys.readouterr().out)[0]["changes"] == []  # daytime: nothing to do
     assert main(["reconfig", "run", "--once", "--fake-cluster", str(tmp_path / "cluster.yaml"),
                  "--at", "23:00"]) == 0
-    assert "GPU-0 on n0: cordoned" in capsys.readouterr().out
+    assert "GPU-1 on n0: cordoned" in capsys.readouterr().out  # the empty GPU goes first
     assert main(["reconfig", "plan", "--at", "25:00", "--fake-cluster",
                  str(tmp_path / "cluster.yaml")]) == 2
     assert "--at" in capsys.readouterr().err
@@ -475,10 +477,8 @@ def test_statefulset_pods_are_not_moved_and_the_gpu_waits(tmp_path: Path) -> Non
         c.api.add_pod(pod)
         assert wait(lambda: c.container_of("demo/db-0") is not None, 20)
         c.api.replace_custom(PLURAL, schedule(override="batch"))
-        ctl = ReconfigController(c.api)
-        for _ in range(6):
-            ctl.step()
-            time.sleep(0.05)
+        drive(ReconfigController(c.api), c, lambda st: any(
+            g.get("phase") == "Waiting" for g in (st.get("gpus") or {}).values()))
         st = status(c)
         waiting = [g for g in st["gpus"].values() if g["phase"] == "Waiting"]
         assert waiting and "managed by a StatefulSet" in waiting[0]["message"]

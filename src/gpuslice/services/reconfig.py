@@ -198,7 +198,13 @@ class ReconfigController:
             self._save(obj, status, gstat, "Done" if done == len(gpus) else "Failed",
                        f"{done} of {len(gpus)} GPUs in layout {target}")
             return
-        g = todo[0]
+        # emptiest GPU first: the ones with no replica change at once, and the replicas of the
+        # busy ones then move onto GPUs already in the target layout (each replica moves once)
+        load: dict[str, int] = {}
+        for _, a in self._assignments():
+            for u in a.gpu_uuids():
+                load[u] = load.get(u, 0) + 1
+        g = min(todo, key=lambda x: (load.get(x.uuid, 0), x.node, x.uuid))
         why = self._no_room(g, gpus, nodes)
         if why is not None:
             gstat[g.uuid] = {"node": g.node, "phase": "Waiting", "to": target,
