@@ -565,8 +565,9 @@ def _reconfig(args: argparse.Namespace, console: Console) -> int:
 
     import yaml
 
+    from gpuslice.adapters.http.router_admin import HttpRouter
     from gpuslice.adapters.kube.fake import ClusterPort, load_fake_cluster
-    from gpuslice.services.reconfig import PLURAL, HttpRouter, ReconfigController
+    from gpuslice.services.reconfig import PLURAL, ReconfigController
 
     api: ClusterPort
     if args.fake_cluster is not None:

@@ -17,6 +17,7 @@ import aiohttp
 import numpy as np
 import pytest
 
+from gpuslice.adapters.http.router_admin import HttpRouter
 from gpuslice.adapters.kube.fake import ApiConflict
 from gpuslice.adapters.kube.objects import CORDONED_ANNOTATION
 from gpuslice.core.routing_config import parse_router_config
@@ -28,7 +29,7 @@ from gpuslice.demo.cluster import (
     gpu_pod,
     router_config_from_pods,
 )
-from gpuslice.services.reconfig import PLURAL, HttpRouter, ReconfigController
+from gpuslice.services.reconfig import PLURAL, ReconfigController
 from gpuslice.services.router import start_router
 
 pytestmark = pytest.mark.slow
@@ -38,14 +39,16 @@ SERVICES = [{"name": "alpha", "slo_ms": 300, "models": ["alpha"]},
             {"name": "beta", "slo_ms": 300, "models": ["beta"]}]
 
 
-def schedule(override: str | None = None) -> dict[str, Any]:
+def schedule(override: str | None = None, drain_s: float = 0.3) -> dict[str, Any]:
+    """A day/night SliceSchedule; without a router to ask, the controller waits ``drain_s``
+    for the old pods to drain."""
     return {"apiVersion": "gpuslice.io/v1alpha1", "kind": "SliceSchedule",
             "metadata": {"name": "day-night", "namespace": "gpuslice"},
             "spec": {"selector": {"gpuModels": ["A100-80GB"]},
                      "layouts": {"inference": {"mig": {"mig-devices": {"1g.10gb": 7}}},
                                  "batch": {"mig": {"mig-devices": {"7g.80gb": 1}}}},
                      "windows": [{"layout": "inference", "start": "08:00", "end": "20:00"}],
-                     "default": "batch", "override": override, "drainTimeoutSeconds": 20}}
+                     "default": "batch", "override": override, "drainTimeoutSeconds": drain_s}}
 
 
 @contextlib.contextmanager

@@ -453,7 +453,8 @@ async def scenario(state: DemoState, display: Display) -> None:
 async def reconfigure(state: DemoState) -> None:
     """Switch node h100-0's GPUs to one 7g instance each with a SliceSchedule, through the
     reconfiguration controller: the replicas on a GPU move to the other one first."""
-    from gpuslice.services.reconfig import PLURAL, HttpRouter, ReconfigController
+    from gpuslice.adapters.http.router_admin import HttpRouter
+    from gpuslice.services.reconfig import PLURAL, ReconfigController
 
     c = state.cluster
     c.api.replace_custom(PLURAL, {

@@ -36,8 +36,9 @@ import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
+from gpuslice.adapters.http.router_admin import RouterPort
 from gpuslice.adapters.kube.annotation import AnnotationError, decode
 from gpuslice.adapters.kube.fake import ApiConflict, ApiNotFound, ClusterPort
 from gpuslice.adapters.kube.objects import (
@@ -62,36 +63,6 @@ from gpuslice.services.node_agent import MIG_DESIRED, MIG_LAYOUTS
 PLURAL = "sliceschedules"
 ACTIVE = ("Cordoned", "Moving", "Draining", "Restoring", "Applying", "RollingBack")
 _SUFFIX = re.compile(r"-m\d+$")
-
-
-class RouterPort(Protocol):
-    def outstanding(self, replicas: list[str]) -> int | None:
-        """In-flight requests on these replicas, once the router has them all draining (or no
-        longer has them); None while it cannot tell yet."""
-        ...
-
-
-class HttpRouter:
-    """The router's admin ``/replicas`` over HTTP."""
-
-    def __init__(self, admin_url: str) -> None:
-        self.url = admin_url.rstrip("/")
-
-    def outstanding(self, replicas: list[str]) -> int | None:
-        import urllib.error
-        import urllib.request
-
-        try:
-            with urllib.request.urlopen(self.url + "/replicas", timeout=5) as r:
-                doc = json.loads(r.read())
-        except (OSError, ValueError, urllib.error.URLError):
-            return None
-        names = set(replicas)
-        mine = [x for svc in doc.values() for x in svc.get("replicas", [])
-                if x.get("name") in names]
-        if any(not x.get("draining") for x in mine):
-            return None  # the router has not seen the draining mark yet: it may still send
-        return sum(int(x.get("outstanding", 0)) for x in mine)
 
 
 @dataclass(frozen=True)
@@ -295,9 +266,10 @@ class ReconfigController:
             for old in olds:
                 self._mark_draining(old)
             names = [o.split("/", 1)[1] for o in olds]
-            left = self.router.outstanding(names) if self.router and names else 0
+            # no router to ask, or one that cannot tell yet: wait the drain timeout
+            left = self.router.outstanding(names) if self.router and names else (
+                None if names else 0)
             waited = self.clock() - float(st.get("drainingSince", self.clock()))
-            # a router that cannot tell: wait the drain timeout
             if olds and (left is None or left > 0) and waited < self._drain_s(obj):
                 return None
             for old in olds:
@@ -320,12 +292,16 @@ class ReconfigController:
             if not restored and waited < self.ready_timeout_s:
                 return None
             if restored:  # the owners' own pods serve again: the stand-ins drain and leave
-                for new in stand_ins:
-                    self._mark_draining(new)
+                if "standInsDraining" not in st:
+                    for new in stand_ins:
+                        self._mark_draining(new)
+                    st["standInsDraining"] = self.clock()
+                    return self._put(obj, status, gstat, g, st, "the ReplicaSets' pods are "
+                                     "ready; the stand-ins drain")
                 names = [x.split("/", 1)[1] for x in stand_ins]
-                left = self.router.outstanding(names) if self.router and names else 0
-                if names and (left is None or left > 0) and \
-                        waited < self.ready_timeout_s + self._drain_s(obj):
+                left = self.router.outstanding(names) if self.router and names else None
+                drained_for = self.clock() - float(st["standInsDraining"])
+                if names and (left is None or left > 0) and drained_for < self._drain_s(obj):
                     return None
                 for new in stand_ins:
                     ns, name = new.split("/", 1)

@@ -145,6 +145,21 @@ class KubeClient:
                                          meta["name"], obj)
         return out
 
+    def list_deployments(self, namespace: str) -> list[dict[str, Any]]:
+        api = self._client.AppsV1Api()
+        return [self._plain(d) for d in
+                self._call(api.list_namespaced_deployment, namespace).items]
+
+    def create_deployment(self, obj: dict[str, Any]) -> dict[str, Any]:
+        api = self._client.AppsV1Api()
+        ns = (obj.get("metadata") or {}).get("namespace", "default")
+        return self._plain(self._call(api.create_namespaced_deployment, ns, obj))
+
+    def delete_deployment(self, namespace: str, name: str) -> None:
+        api = self._client.AppsV1Api()
+        with contextlib.suppress(ApiNotFound):
+            self._call(api.delete_namespaced_deployment, name, namespace)
+
     def bind(self, namespace: str, name: str, uid: str, node: str) -> None:
         c = self._client
         body = c.V1Binding(

@@ -64,6 +64,9 @@ class ClusterPort(KubePort, Protocol):
     def list_custom(self, plural: str) -> list[dict[str, Any]]: ...
     def get_custom(self, plural: str, namespace: str, name: str) -> dict[str, Any]: ...
     def replace_custom(self, plural: str, obj: dict[str, Any]) -> dict[str, Any]: ...
+    def list_deployments(self, namespace: str) -> list[dict[str, Any]]: ...
+    def create_deployment(self, obj: dict[str, Any]) -> dict[str, Any]: ...
+    def delete_deployment(self, namespace: str, name: str) -> None: ...
 
 
 class FakeApiServer:
@@ -76,6 +79,7 @@ class FakeApiServer:
         self._nodes: dict[str, dict[str, Any]] = {}
         self._leases: dict[tuple[str, str], dict[str, Any]] = {}
         self._custom: dict[tuple[str, str, str], dict[str, Any]] = {}
+        self._deployments: dict[tuple[str, str], dict[str, Any]] = {}
 
     def get_lease(self, namespace: str, name: str) -> dict[str, Any] | None:
         with self._lock:
@@ -178,6 +182,31 @@ class FakeApiServer:
             o["metadata"]["resourceVersion"] = str(self._rv)
             self._custom[key] = o
             return copy.deepcopy(o)
+
+    # -- Deployments (no controller here: tests run a stand-in for the ReplicaSet controller) --
+
+    def list_deployments(self, namespace: str) -> list[dict[str, Any]]:
+        with self._lock:
+            return [copy.deepcopy(d) for (ns, _), d in self._deployments.items()
+                    if ns == namespace]
+
+    def create_deployment(self, obj: dict[str, Any]) -> dict[str, Any]:
+        meta = obj.get("metadata") or {}
+        key = (str(meta.get("namespace", "default")), str(meta.get("name")))
+        with self._lock:
+            if key in self._deployments:
+                raise ApiConflict(f"deployment {key[0]}/{key[1]} already exists")
+            d = copy.deepcopy(obj)
+            d.setdefault("metadata", {})["namespace"] = key[0]
+            d["metadata"].setdefault("uid", f"uid-deploy-{key[0]}-{key[1]}")
+            self._rv += 1
+            d["metadata"]["resourceVersion"] = str(self._rv)
+            self._deployments[key] = d
+            return copy.deepcopy(d)
+
+    def delete_deployment(self, namespace: str, name: str) -> None:
+        with self._lock:
+            self._deployments.pop((namespace, name), None)
 
     def delete_pod(self, namespace: str, name: str) -> None:
         with self._lock:
