@@ -638,6 +638,18 @@ def _add_replan_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser])
     r.add_argument("--seed", type=int, default=1)
     r.add_argument("--json", type=Path, help="write the new plan as JSON here")
     r.add_argument("--export", type=Path, help="write plan.json, mig-parted.yaml, manifests")
+    r.add_argument("--apply", action="store_true",
+                   help="apply the change to the cluster: added slices' Deployments first, "
+                   "ready, then the removed slices' pods drained and their Deployments deleted")
+    r.add_argument("--namespace", default="default", help="with --apply: the plan's namespace")
+    r.add_argument("--image", default="REPLACE-WITH-YOUR-MODEL-SERVER-IMAGE",
+                   help="with --apply: the model server image of the Deployments")
+    r.add_argument("--router-admin", help="with --apply: ask this router when the removed "
+                   "pods have drained (default: wait --drain-s)")
+    r.add_argument("--drain-s", type=float, default=60.0)
+    src = r.add_mutually_exclusive_group()
+    src.add_argument("--kubeconfig", help="with --apply: kubeconfig (default: in-cluster)")
+    src.add_argument("--fake-cluster", type=Path, help=argparse.SUPPRESS)
 
 
 def _replan(args: argparse.Namespace, console: Console) -> int:
@@ -693,6 +705,26 @@ def _replan(args: argparse.Namespace, console: Console) -> int:
         console.print(f"frees GPU(s) {', '.join(map(str, inc.freed_gpus))}")
     console.print(f"a full re-plan would use {full.n_gpus} GPUs and change "
                   f"{len(plan_diff(current, full))} slices", highlight=False)
+    if args.apply:
+        from gpuslice.adapters.http.router_admin import HttpRouter
+        from gpuslice.adapters.kube.fake import ClusterPort, load_fake_cluster
+        from gpuslice.planning.apply import apply_plan
+
+        if not all(r.ok for r in inc.replay):
+            raise ValidationError("--apply", "a re-plan whose replay meets every SLO",
+                                  [r.service for r in inc.replay if not r.ok])
+        api: ClusterPort
+        if args.fake_cluster is not None:
+            api = load_fake_cluster(args.fake_cluster)
+        else:
+            from gpuslice.adapters.kube.client import KubeClient
+
+            api = KubeClient(args.kubeconfig)
+        for line in apply_plan(api, current, inc.plan, namespace=args.namespace,
+                               image=args.image, drain_timeout_s=args.drain_s,
+                               router=HttpRouter(args.router_admin) if args.router_admin
+                               else None):
+            console.print(line, highlight=False)
     if args.json or args.export:
         doc = to_json(PlanRun(inc.plan, list(services), list(inc.replay), 0.0, 0.0, 1, {},
                               validate(inc.plan, services, opts.latency_factor), {}))

@@ -355,3 +355,24 @@ def test_a_bind_interrupted_after_the_annotation_can_be_retried_elsewhere() -> N
     assert sum(restarted.ledger.used_milli.values()) == 700
     assert all(u.startswith("GPU-b-") for u, m in restarted.ledger.used_milli.items() if m)
     assert api.get_pod("default", "big")["spec"]["nodeName"] == "b"
+
+
+def test_mig_isolation_is_refused_with_the_reason_not_a_500() -> None:
+    api = small_cluster()
+    p = pod("m", 429, model="A100-80GB")
+    p["metadata"]["annotations"]["gpuslice.io/isolation"] = "mig"
+    api.add_pod(p)
+
+    async def body(url: str, state: ExtenderState) -> None:
+        async with aiohttp.ClientSession() as s:
+            stored = api.get_pod("default", "m")
+            st, res = await post(s, url + "/filter", {"Pod": stored, "NodeNames": ["a", "b"]})
+            assert st == 200 and res["NodeNames"] == []
+            assert "does not yet" in res["FailedNodes"]["b"]
+            st, res = await post(s, url + "/bind", {"PodName": "m", "PodNamespace": "default",
+                                                    "PodUID": stored["metadata"]["uid"],
+                                                    "Node": "b"})
+            assert st == 200 and "isolation mig" in res["Error"]
+            assert not api.get_pod("default", "m").get("spec", {}).get("nodeName")
+
+    asyncio.run(serving(api, body))

@@ -38,7 +38,7 @@ def manifests(plan: Plan, namespace: str = "default",
             for c in s.parts:
                 name = f"{c.service}-g{g.index}-{s.placement.profile.name.replace('.', '-')}" \
                     f"-{s.placement.start}"
-                milli, _ = slice_share(s, c, total)
+                milli, mem = slice_share(s, c, total)
                 labels = {"app.kubernetes.io/name": c.service, "gpuslice.io/service": c.service}
                 docs.append({
                     "apiVersion": "apps/v1", "kind": "Deployment",
@@ -50,7 +50,10 @@ def manifests(plan: Plan, namespace: str = "default",
                             "metadata": {
                                 "labels": {**labels, "gpuslice.io/replica": name},
                                 "annotations": {
-                                    "gpuslice.io/isolation": "mig",
+                                    # the MIG slice's compute share and memory as
+                                    # an MPS slice (the extender names no MIG
+                                    # instance yet); the profile is kept for reference
+                                    "gpuslice.io/isolation": "mps",
                                     "gpuslice.io/gpu-model": g.gpu,
                                     "gpuslice.io/mig-profile": s.placement.profile.name,
                                     "gpuslice.io/mig-start": str(s.placement.start),
@@ -66,6 +69,7 @@ def manifests(plan: Plan, namespace: str = "default",
                                 "resources": {"limits": {
                                     "gpuslice.io/gpu": "1",
                                     "gpuslice.io/gpu-milli": str(milli),
+                                    "gpuslice.io/gpu-memory": str(mem),
                                 }},
                             }]},
                         },

@@ -43,6 +43,11 @@ from gpuslice.core.model import ClusterArrays, Gpu, Isolation, Node, SliceReques
 from gpuslice.core.policies import PlacementState, best_fit_gpu, exclusive_gpus, make_policy
 
 MAX_BODY = 8 * 1024 * 1024
+# the extender does not name MIG instances in assignments yet (the node agent's MIG strategies
+# "single" and "mixed" serve MIG instances without it)
+MIG_UNSUPPORTED = ("isolation mig needs the extender to name a MIG instance, which it does not "
+                   "yet: ask for isolation mps (a slice of the same compute share and memory), "
+                   "or use the node agent's --mig-strategy single/mixed resources")
 
 
 class LeaderElector:
@@ -234,6 +239,8 @@ class ExtenderState:
         req = pod_request(pod)
         if req is None:
             return names, {}
+        if req.isolation is Isolation.MIG:
+            return [], {n: MIG_UNSUPPORTED for n in names}
         g = self._gpu_only(req)
         a = self.inv.arrays
         ok = feasible(a, g)
@@ -305,6 +312,8 @@ class ExtenderState:
             return str(exc)
         if req is None:
             return f"pod {namespace}/{name} asks for no gpuslice resource"
+        if req.isolation is Isolation.MIG:
+            return f"pod {namespace}/{name}: {MIG_UNSUPPORTED}"
         i = self.inv.index.get(node)
         if i is None:
             return f"node {node} is unknown to gpuslice"
