@@ -357,22 +357,41 @@ def test_a_bind_interrupted_after_the_annotation_can_be_retried_elsewhere() -> N
     assert api.get_pod("default", "big")["spec"]["nodeName"] == "b"
 
 
-def test_mig_isolation_is_refused_with_the_reason_not_a_500() -> None:
-    api = small_cluster()
-    p = pod("m", 429, model="A100-80GB")
-    p["metadata"]["annotations"]["gpuslice.io/isolation"] = "mig"
-    api.add_pod(p)
+def test_mig_isolation_gets_a_named_instance_and_the_reasons_when_none_is_free() -> None:
+    api = FakeApiServer()
+    api.add_node(node("plain", "A100-80GB", 1))
+    inv = [{"uuid": "GPU-m0", "index": 0, "model": "A100-80GB", "memoryMiB": 81920,
+            "mig": [{"uuid": "MIG-a", "profile": "3g.40gb", "start": 4, "memoryMiB": 40192},
+                    {"uuid": "MIG-b", "profile": "4g.40gb", "start": 0, "memoryMiB": 40192}]}]
+    api.add_node({"apiVersion": "v1", "kind": "Node", "metadata": {
+        "name": "mig", "annotations": {"gpuslice.io/inventory": json.dumps(inv)}}})
+    for n in ("m1", "m2", "m3"):
+        p = pod(n, 429, model="A100-80GB")
+        p["metadata"]["annotations"]["gpuslice.io/isolation"] = "mig"
+        api.add_pod(p)
 
     async def body(url: str, state: ExtenderState) -> None:
         async with aiohttp.ClientSession() as s:
-            stored = api.get_pod("default", "m")
-            st, res = await post(s, url + "/filter", {"Pod": stored, "NodeNames": ["a", "b"]})
-            assert st == 200 and res["NodeNames"] == []
-            assert "does not yet" in res["FailedNodes"]["b"]
-            st, res = await post(s, url + "/bind", {"PodName": "m", "PodNamespace": "default",
-                                                    "PodUID": stored["metadata"]["uid"],
-                                                    "Node": "b"})
-            assert st == 200 and "isolation mig" in res["Error"]
-            assert not api.get_pod("default", "m").get("spec", {}).get("nodeName")
+            starts = []
+            for n in ("m1", "m2"):
+                stored = api.get_pod("default", n)
+                st, res = await post(s, url + "/filter", {"Pod": stored,
+                                                          "NodeNames": ["plain", "mig"]})
+                assert res["NodeNames"] == ["mig"]
+                assert "no MIG instance" in res["FailedNodes"]["plain"]
+                st, res = await post(s, url + "/bind", {
+                    "PodName": n, "PodNamespace": "default",
+                    "PodUID": stored["metadata"]["uid"], "Node": "mig"})
+                assert st == 200 and res["Error"] == "", res
+                a = decode(api.get_pod("default", n)["metadata"]["annotations"][ANNOTATION])
+                share = a.containers[0].gpus[0]
+                assert a.containers[0].mode.value == "mig" and share.uuid == "GPU-m0"
+                starts.append((share.mig_profile, share.mig_start))
+            # the tightest instance first (3g for a 3g-sized request), then the 4g
+            assert starts == [("3g.40gb", 4), ("4g.40gb", 0)]
+            stored = api.get_pod("default", "m3")
+            st, res = await post(s, url + "/filter", {"Pod": stored, "NodeNames": ["mig"]})
+            assert res["NodeNames"] == []
+            assert "no free MIG instance of >= 3g" in res["FailedNodes"]["mig"]
 
     asyncio.run(serving(api, body))

@@ -324,3 +324,41 @@ def test_mixed_mig_strategy_serves_one_resource_per_profile(tmp_path: Path) -> N
             kubelet.stop()
     single = PluginConfig("n1", Path("/tmp"), KEY, mig_strategy="single")
     assert len(DevicePlugin(single, nvml, FakeApiServer()).devices()) == 5
+
+
+def test_a_mig_assignment_sees_the_instance_it_names() -> None:
+    from gpuslice.core.devices import MigInstance
+
+    gpu = GpuDevice(0, "GPU-mig", "NVIDIA A100-80GB", "A100-80GB", 81920, mig_enabled=True,
+                    mig=(MigInstance("MIG-x-0", "4g.40gb", 0, 40192),
+                         MigInstance("MIG-x-4", "3g.40gb", 4, 40192)))
+    with tempfile.TemporaryDirectory(prefix="dp-") as d:
+        sock = Path(d)
+        api = FakeApiServer()
+        kubelet = Kubelet(sock).start()
+        server = PluginServer(DevicePlugin(PluginConfig("node-1", sock, KEY, replicas=2),
+                                           FakeNvml([gpu]), api))
+        server.start()
+        try:
+            assert kubelet.registered.wait(5)
+            p = api.add_pod({"metadata": {"name": "m", "namespace": "ml"}})
+            a = Assignment("ml", "m", p["metadata"]["uid"], "node-1", (ContainerAssignment(
+                "main", Mode.MIG, (GpuShare("GPU-mig", 428, 40192, "3g.40gb", 4),)),), "t1")
+            api.patch_pod_annotations("ml", "m", {"gpuslice.io/assignment": encode(sign(a, KEY))},
+                                      p["metadata"]["resourceVersion"])
+            r = allocate(kubelet.stub(), "GPU-mig::0")
+            assert r.envs["NVIDIA_VISIBLE_DEVICES"] == "MIG-x-4"
+            assert r.annotations["gpuslice.io/mode"] == "mig"
+            # an assignment naming an instance the GPU no longer has: refused, nothing held
+            p2 = api.add_pod({"metadata": {"name": "gone", "namespace": "ml"}})
+            b = Assignment("ml", "gone", p2["metadata"]["uid"], "node-1", (ContainerAssignment(
+                "main", Mode.MIG, (GpuShare("GPU-mig", 142, 9728, "1g.10gb", 6),)),), "t2")
+            api.patch_pod_annotations("ml", "gone",
+                                      {"gpuslice.io/assignment": encode(sign(b, KEY))},
+                                      p2["metadata"]["resourceVersion"])
+            with pytest.raises(grpc.RpcError) as exc:
+                allocate(kubelet.stub(), "GPU-mig::1")
+            assert "no MIG instance 1g.10gb@6" in (exc.value.details() or "")
+        finally:
+            server.stop()
+            kubelet.stop()

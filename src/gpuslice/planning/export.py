@@ -51,8 +51,8 @@ def manifests(plan: Plan, namespace: str = "default",
                                 "labels": {**labels, "gpuslice.io/replica": name},
                                 "annotations": {
                                     # the MIG slice's compute share and memory as
-                                    # an MPS slice (the extender names no MIG
-                                    # instance yet); the profile is kept for reference
+                                    # an MPS slice, on any GPU of the model; the
+                                    # planned profile is kept for reference
                                     "gpuslice.io/isolation": "mps",
                                     "gpuslice.io/gpu-model": g.gpu,
                                     "gpuslice.io/mig-profile": s.placement.profile.name,

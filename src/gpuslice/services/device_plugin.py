@@ -30,7 +30,7 @@ from gpuslice.adapters.kube.fake import KubePort
 from gpuslice.adapters.kubelet import deviceplugin_pb2 as pb
 from gpuslice.adapters.kubelet import deviceplugin_pb2_grpc as pbg
 from gpuslice.adapters.nvml.port import NvmlPort
-from gpuslice.core.assignment import ANNOTATION, Assignment, Mode, verify
+from gpuslice.core.assignment import ANNOTATION, Assignment, GpuShare, Mode, verify
 from gpuslice.core.errors import GpusliceError
 
 RESOURCE = "gpuslice.io/gpu"
@@ -195,7 +195,12 @@ class DevicePlugin(pbg.DevicePluginServicer):
                               f"GPUs {uuids} is waiting: was the pod scheduled by the gpuslice "
                               f"scheduler (schedulerName: gpuslice-scheduler)?")
                 raise AssertionError("abort raises")  # grpc's abort never returns
-            responses.append(self._response(a))
+            try:
+                responses.append(self._response(a))
+            except GpusliceError as exc:
+                self._unclaim(a)
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"{a.namespace}/{a.pod}: {exc}")
         return pb.AllocateResponse(container_responses=responses)
 
     def _claim(self, uuids: list[str]) -> Assignment | None:
@@ -217,9 +222,22 @@ class DevicePlugin(pbg.DevicePluginServicer):
             self._executed = [x for x in self._executed if (x.namespace, x.pod) !=
                               (a.namespace, a.pod)]
 
+    def _visible(self, share: GpuShare) -> str:
+        """What the container sees of a share: the GPU, or the MIG instance the assignment
+        names (by profile and start) on it."""
+        if not share.mig_profile:
+            return share.uuid
+        for g in self.nvml.devices():
+            if g.uuid == share.uuid:
+                for m in g.mig:
+                    if (m.profile, m.start) == (share.mig_profile, share.mig_start):
+                        return m.uuid
+        raise GpusliceError(f"GPU {share.uuid} has no MIG instance {share.mig_profile}@"
+                            f"{share.mig_start} (the layout changed since the assignment?)")
+
     def _response(self, a: Assignment) -> pb.ContainerAllocateResponse:
         c = a.containers[0]
-        gpus = [g.uuid for g in c.gpus]
+        gpus = [self._visible(g) for g in c.gpus]
         envs = {"NVIDIA_VISIBLE_DEVICES": ",".join(gpus),
                 "GPUSLICE_ASSIGNMENT": f"{a.namespace}/{a.pod}"}
         mounts = []

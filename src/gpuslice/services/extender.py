@@ -25,7 +25,13 @@ from gpuslice.adapters.kube.fake import ApiConflict, ApiNotFound, KubePort, Watc
 from gpuslice.adapters.kube.objects import (
     CORDONED_ANNOTATION as CORDONED,
 )
-from gpuslice.adapters.kube.objects import node_inventory, pod_key, pod_request
+from gpuslice.adapters.kube.objects import (
+    InventoryMig,
+    node_inventory,
+    pod_key,
+    pod_request,
+)
+from gpuslice.core import catalog
 from gpuslice.core.assignment import (
     ANNOTATION,
     Assignment,
@@ -43,11 +49,6 @@ from gpuslice.core.model import ClusterArrays, Gpu, Isolation, Node, SliceReques
 from gpuslice.core.policies import PlacementState, best_fit_gpu, exclusive_gpus, make_policy
 
 MAX_BODY = 8 * 1024 * 1024
-# the extender does not name MIG instances in assignments yet (the node agent's MIG strategies
-# "single" and "mixed" serve MIG instances without it)
-MIG_UNSUPPORTED = ("isolation mig needs the extender to name a MIG instance, which it does not "
-                   "yet: ask for isolation mps (a slice of the same compute share and memory), "
-                   "or use the node agent's --mig-strategy single/mixed resources")
 
 
 class LeaderElector:
@@ -103,6 +104,20 @@ class _Inventory:
     index: dict[str, int]
     uuids: list[list[str]]  # per node, GPU UUID by slot
     arrays: ClusterArrays
+    # per node: the MIG instances of its MIG-enabled GPUs, (GPU UUID, GPU model, instance)
+    mig: list[list[tuple[str, str, InventoryMig]]]
+
+
+@dataclass(frozen=True)
+class _MigWish:
+    slices: int  # compute slices at least
+    memory_mib: int
+    models: frozenset[str]
+
+
+def _mig_wish(req: SliceRequest) -> _MigWish:
+    """A MIG-isolated request: the compute slices its milli stands for (3g for 429), memory."""
+    return _MigWish(max(1, round(req.milli * 7 / 1000)), req.gpu_memory_mib, req.models)
 
 
 class ExtenderState:
@@ -135,6 +150,7 @@ class ExtenderState:
         nodes: list[Node] = []
         slots: list[GpuSlot] = []
         cordoned: set[str] = set()
+        migs: list[list[tuple[str, str, InventoryMig]]] = []
         for n in self.api.list_nodes():
             name = n["metadata"]["name"]
             raw = ((n["metadata"].get("annotations") or {}).get(CORDONED) or "")
@@ -146,6 +162,7 @@ class ExtenderState:
                 inv = []
             names.append(name)
             uuids.append([g.uuid for g in inv])
+            migs.append([(g.uuid, g.model, m) for g in inv for m in g.mig])
             nodes.append(Node(name, 0, 0, tuple(Gpu(j, g.model, g.memory_mib)
                                                 for j, g in enumerate(inv))))
             slots.extend(GpuSlot(g.uuid, name, g.memory_mib) for g in inv)
@@ -158,7 +175,7 @@ class ExtenderState:
         ledger, problems = Ledger.rebuild(slots, assignments)
         self.problems.extend(problems)
         arrays = build_arrays(nodes)
-        inv_ = _Inventory(names, {n: i for i, n in enumerate(names)}, uuids, arrays)
+        inv_ = _Inventory(names, {n: i for i, n in enumerate(names)}, uuids, arrays, migs)
         with self._lock:
             for key, a in list(getattr(self, "_in_flight", {}).items()):
                 if key not in ledger.owners:
@@ -240,7 +257,7 @@ class ExtenderState:
         if req is None:
             return names, {}
         if req.isolation is Isolation.MIG:
-            return [], {n: MIG_UNSUPPORTED for n in names}
+            return self._filter_mig(_mig_wish(req), names)
         g = self._gpu_only(req)
         a = self.inv.arrays
         ok = feasible(a, g)
@@ -278,11 +295,61 @@ class ExtenderState:
                     failed[n] += f"; {k} GPU(s) cordoned for reconfiguration"
         return keep, failed
 
+    # -- MIG instances named in assignments ------------------------------------------------
+
+    def _taken_mig(self) -> set[tuple[str, int]]:
+        """(GPU UUID, start) of the MIG instances that live assignments hold."""
+        held = list(self.ledger.owners.values()) + list(self._in_flight.values())
+        return {(g.uuid, g.mig_start) for a in held for c in a.containers for g in c.gpus
+                if g.mig_profile}
+
+    def _mig_fits(self, i: int, wish: _MigWish,
+                  taken: set[tuple[str, int]]) -> list[tuple[int, str, InventoryMig]]:
+        """Free instances of node ``i`` big enough for ``wish``: (compute slices, GPU, inst)."""
+        out = []
+        for gpu, model, m in self.inv.mig[i]:
+            known = catalog.lookup(model)
+            if known is None or known.mig is None or (gpu, m.start) in taken \
+                    or gpu in self.cordoned:
+                continue
+            if wish.models and model not in wish.models:
+                continue
+            size = known.mig.profile(m.profile).compute_slices
+            if size >= wish.slices and m.memory_mib >= wish.memory_mib:
+                out.append((size, gpu, m))
+        return sorted(out, key=lambda x: (x[0], x[2].memory_mib, x[1], x[2].start))
+
+    def _filter_mig(self, wish: _MigWish, names: list[str]
+                    ) -> tuple[list[str], dict[str, str]]:
+        taken = self._taken_mig()
+        keep: list[str] = []
+        failed: dict[str, str] = {}
+        for n in names:
+            i = self.inv.index.get(n)
+            if i is None:
+                failed[n] = "node unknown to gpuslice (no GPU inventory yet)"
+            elif not self.inv.mig[i]:
+                failed[n] = "node has no MIG instance (no MIG-enabled GPU)"
+            elif self._mig_fits(i, wish, taken):
+                keep.append(n)
+            else:
+                free = [m.profile for g, _, m in self.inv.mig[i] if (g, m.start) not in taken]
+                failed[n] = (f"no free MIG instance of >= {wish.slices}g with "
+                             f"{wish.memory_mib} MiB (free: {', '.join(free) or 'none'})")
+        return keep, failed
+
     def prioritize(self, pod: dict[str, Any], names: list[str]) -> list[tuple[str, int]]:
         req = pod_request(pod)
         known = [n for n in names if n in self.inv.index]
         if req is None or not known:
             return [(n, 0) for n in names]
+        if req.isolation is Isolation.MIG:  # the tightest free instance scores highest
+            wish, taken = _mig_wish(req), self._taken_mig()
+            out = []
+            for n in names:
+                fits = self._mig_fits(self.inv.index[n], wish, taken) if n in known else []
+                out.append((n, max(0, 10 - (fits[0][0] - wish.slices)) if fits else 0))
+            return out
         rows = np.array([self.inv.index[n] for n in known], dtype=np.int64)
         st = PlacementState.build(self.inv.arrays, None)
         ok = feasible(self.inv.arrays, self._gpu_only(req))[rows]
@@ -312,8 +379,7 @@ class ExtenderState:
             return str(exc)
         if req is None:
             return f"pod {namespace}/{name} asks for no gpuslice resource"
-        if req.isolation is Isolation.MIG:
-            return f"pod {namespace}/{name}: {MIG_UNSUPPORTED}"
+
         i = self.inv.index.get(node)
         if i is None:
             return f"node {node} is unknown to gpuslice"
@@ -328,13 +394,22 @@ class ExtenderState:
             self.pod_gone(namespace, name)
         g = self._gpu_only(req)
         with self._lock:
-            if not feasible(self.inv.arrays, g)[i]:
-                return "; ".join(explain(self.inv.arrays, g, i))
-            gpus = (best_fit_gpu(self.inv.arrays, g, i) if g.is_sharing
-                    else exclusive_gpus(self.inv.arrays, g, i))
             mode = _mode(req)
-            shares = tuple(GpuShare(self.inv.uuids[i][j], req.milli, req.gpu_memory_mib)
-                           for j in gpus)
+            if mode is Mode.MIG:
+                fits = self._mig_fits(i, _mig_wish(req), self._taken_mig())
+                if not fits:
+                    return self._filter_mig(_mig_wish(req), [node])[1][node]
+                size, gpu, inst = fits[0]
+                shares: tuple[GpuShare, ...] = (GpuShare(
+                    gpu, max(1, 1000 * size // 7), inst.memory_mib, inst.profile,
+                    inst.start),)
+            else:
+                if not feasible(self.inv.arrays, g)[i]:
+                    return "; ".join(explain(self.inv.arrays, g, i))
+                gpus = (best_fit_gpu(self.inv.arrays, g, i) if g.is_sharing
+                        else exclusive_gpus(self.inv.arrays, g, i))
+                shares = tuple(GpuShare(self.inv.uuids[i][j], req.milli, req.gpu_memory_mib)
+                               for j in gpus)
             containers = tuple(ContainerAssignment(c, mode, shares) for c in _gpu_containers(pod))
             a = sign(Assignment(namespace, name, uid, node, containers, self.clock()), self.key)
             try:

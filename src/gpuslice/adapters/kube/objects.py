@@ -120,11 +120,20 @@ def pod_request(pod: dict[str, Any]) -> SliceRequest | None:
 
 
 @dataclass(frozen=True, slots=True)
+class InventoryMig:
+    uuid: str
+    profile: str
+    start: int
+    memory_mib: int
+
+
+@dataclass(frozen=True, slots=True)
 class InventoryGpu:
     uuid: str
     index: int
     model: str
     memory_mib: int
+    mig: tuple[InventoryMig, ...] = ()
 
 
 def node_inventory(node: dict[str, Any]) -> list[InventoryGpu]:
@@ -144,8 +153,11 @@ def node_inventory(node: dict[str, Any]) -> list[InventoryGpu]:
     for i, item in enumerate(items):
         g = _dict(item, f"node {name}: inventory[{i}]")
         try:
+            migs = tuple(InventoryMig(str(m["uuid"]), str(m["profile"]), int(m["start"]),
+                                      int(m.get("memoryMiB", 0)))
+                         for m in g.get("mig") or [])
             out.append(InventoryGpu(str(g["uuid"]), int(g["index"]), str(g["model"]),
-                                    int(g.get("memoryMiB", 0))))
+                                    int(g.get("memoryMiB", 0)), migs))
         except (KeyError, TypeError, ValueError) as exc:
             raise ValidationError(f"node {name}: inventory[{i}]",
                                   "uuid, index, model and memoryMiB", str(exc)) from None
