@@ -9,7 +9,7 @@ import json
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +80,32 @@ def wait(pred: Any, timeout_s: float) -> bool:
     return False
 
 
+@contextlib.asynccontextmanager
+async def routed_pods(c: Cluster, services: list[dict[str, Any]]) -> AsyncIterator[Any]:
+    """The real router (HTTP, admin port) in front of the cluster's running pods, following
+    them as they come, go and drain (as it would follow EndpointSlices)."""
+    cfg = router_config_from_pods(c, services, health_interval_s=0.2)
+    app = await start_router(parse_router_config(cfg), admin_port=0)
+
+    async def follow() -> None:
+        last = cfg
+        while True:
+            await asyncio.sleep(0.05)
+            now = router_config_from_pods(c, services, health_interval_s=0.2)
+            if now != last and all(x["replicas"] for x in now["services"]):
+                app.router.apply(parse_router_config(now))
+                last = now
+
+    task = asyncio.create_task(follow())
+    try:
+        yield app
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await app.close()
+
+
 def layouts(c: Cluster) -> dict[str, str]:
     from gpuslice.core.catalog import lookup
     from gpuslice.core.mig import MigPlacement
@@ -123,76 +149,61 @@ def test_sixteen_gpus_switch_layouts_and_back_under_load(tmp_path: Path) -> None
         per_gpu: dict[str, list[float]] = {}
 
         async def go() -> None:
-            cfg = router_config_from_pods(c, SERVICES, health_interval_s=0.2)
-            app = await start_router(parse_router_config(cfg), admin_port=0)
-            stop = asyncio.Event()
+            async with routed_pods(c, SERVICES) as app:
+                stop = asyncio.Event()
 
-            async def follow() -> None:
-                last = cfg
-                while not stop.is_set():
-                    await asyncio.sleep(0.05)
-                    now = router_config_from_pods(c, SERVICES, health_interval_s=0.2)
-                    if now != last and all(s["replicas"] for s in now["services"]):
-                        app.router.apply(parse_router_config(now))
-                        last = now
+                async def load(session: aiohttp.ClientSession, svc: str, rate: float) -> None:
+                    rng = np.random.default_rng(len(svc))
+                    loop = asyncio.get_running_loop()
+                    nxt = loop.time()
+                    pending: set[asyncio.Task[None]] = set()
 
-            async def load(session: aiohttp.ClientSession, svc: str, rate: float) -> None:
-                rng = np.random.default_rng(len(svc))
-                loop = asyncio.get_running_loop()
-                nxt = loop.time()
-                pending: set[asyncio.Task[None]] = set()
+                    async def one() -> None:
+                        t0 = time.monotonic()
+                        try:
+                            async with session.post(f"http://127.0.0.1:{app.port}/v2/models/"
+                                                    f"{svc}/infer", data=b"{}") as r:
+                                await r.read()
+                                code = r.status
+                        except aiohttp.ClientError:
+                            code = 0
+                        samples.append((svc, time.monotonic() - t0, code))
 
-                async def one() -> None:
-                    t0 = time.monotonic()
-                    try:
-                        async with session.post(f"http://127.0.0.1:{app.port}/v2/models/"
-                                                f"{svc}/infer", data=b"{}") as r:
-                            await r.read()
-                            code = r.status
-                    except aiohttp.ClientError:
-                        code = 0
-                    samples.append((svc, time.monotonic() - t0, code))
+                    while not stop.is_set():
+                        nxt += float(rng.exponential(1 / rate))
+                        await asyncio.sleep(max(0.0, nxt - loop.time()))
+                        t = asyncio.create_task(one())
+                        pending.add(t)
+                        t.add_done_callback(pending.discard)
+                    await asyncio.gather(*pending)
 
-                while not stop.is_set():
-                    nxt += float(rng.exponential(1 / rate))
-                    await asyncio.sleep(max(0.0, nxt - loop.time()))
-                    t = asyncio.create_task(one())
-                    pending.add(t)
-                    t.add_done_callback(pending.discard)
-                await asyncio.gather(*pending)
+                ctl = ReconfigController(c.api, router=HttpRouter(f"http://127.0.0.1:"
+                                                                  f"{app.admin_port}"))
+                def drive() -> None:
+                    for target, layout in (("batch", BATCH), ("inference", INFERENCE)):
+                        if target == "inference":
+                            set_override(c, "inference")
+                        end = time.monotonic() + 180
+                        while time.monotonic() < end:
+                            ctl.step()
+                            st = status(c)
+                            if st.get("target") == target and \
+                                    (st.get("summary") or {}).get("inTarget") == 16:
+                                break
+                            time.sleep(0.05)
+                        for g in (st.get("gpus") or {}).values():
+                            if g.get("phase") == "Done" and "seconds" in g:
+                                per_gpu.setdefault(target, []).append(g["seconds"])
+                        assert all(v == layout for v in layouts(c).values()), layouts(c)
 
-            ctl = ReconfigController(c.api, router=HttpRouter(f"http://127.0.0.1:"
-                                                              f"{app.admin_port}"))
-            done = threading.Event()
-
-            def drive() -> None:
-                for target, layout in (("batch", BATCH), ("inference", INFERENCE)):
-                    if target == "inference":
-                        set_override(c, "inference")
-                    end = time.monotonic() + 180
-                    while time.monotonic() < end:
-                        ctl.step()
-                        st = status(c)
-                        if st.get("target") == target and \
-                                (st.get("summary") or {}).get("inTarget") == 16:
-                            break
-                        time.sleep(0.05)
-                    for g in (st.get("gpus") or {}).values():
-                        if g.get("phase") == "Done" and "seconds" in g:
-                            per_gpu.setdefault(target, []).append(g["seconds"])
-                    assert all(v == layout for v in layouts(c).values()), layouts(c)
-                done.set()
-
-            async with aiohttp.ClientSession() as session:
-                tasks = [asyncio.create_task(follow()),
-                         asyncio.create_task(load(session, "alpha", 80)),
-                         asyncio.create_task(load(session, "beta", 80))]
-                await asyncio.sleep(1.0)
-                await asyncio.get_running_loop().run_in_executor(None, drive)
-                await asyncio.sleep(0.5)
-                stop.set()
-                await asyncio.gather(*tasks)
-            await app.close()
+                async with aiohttp.ClientSession() as session:
+                    tasks = [asyncio.create_task(load(session, "alpha", 80)),
+                             asyncio.create_task(load(session, "beta", 80))]
+                    await asyncio.sleep(1.0)
+                    await asyncio.get_running_loop().run_in_executor(None, drive)
+                    await asyncio.sleep(0.5)
+                    stop.set()
+                    await asyncio.gather(*tasks)
 
         asyncio.run(go())
         codes = [code for _, _, code in samples]

@@ -16,12 +16,9 @@ import numpy as np
 from gpuslice.adapters.http.router_admin import HttpRouter
 from gpuslice.core.planner import FleetType, Plan, PlanOptions, Service
 from gpuslice.core.replay import plan_and_check, replan
-from gpuslice.core.routing_config import parse_router_config
 from gpuslice.core.speedmodel import profiles
-from gpuslice.demo.cluster import router_config_from_pods
 from gpuslice.planning.apply import REPLICA_LABEL, apply_plan
-from gpuslice.services.router import start_router
-from tests.reconfig.test_reconfig import cluster
+from tests.reconfig.test_reconfig import cluster, routed_pods
 
 NS = "ml"
 PROFILES = profiles(["A100-80GB"], ["resnet50", "bert-base"])
@@ -77,40 +74,30 @@ def test_a_replan_is_applied_adds_first_without_failing_a_request(tmp_path: Path
         codes: list[int] = []
 
         async def go() -> list[str]:
-            cfg = router_config_from_pods(c, ROUTED, health_interval_s=0.2)
-            app = await start_router(parse_router_config(cfg), admin_port=0)
-            stop = asyncio.Event()
+            async with routed_pods(c, ROUTED) as app:
+                stop = asyncio.Event()
 
-            async def follow() -> None:
-                last = cfg
-                while not stop.is_set():
-                    await asyncio.sleep(0.05)
-                    now = router_config_from_pods(c, ROUTED, health_interval_s=0.2)
-                    if now != last and all(s["replicas"] for s in now["services"]):
-                        app.router.apply(parse_router_config(now))
-                        last = now
+                async def load(session: aiohttp.ClientSession) -> None:
+                    while not stop.is_set():
+                        for svc in ("resnet50", "bert"):
+                            async with session.post(f"http://127.0.0.1:{app.port}/v2/models/"
+                                                    f"{svc}/infer", data=b"{}") as r:
+                                await r.read()
+                                codes.append(r.status)
+                        await asyncio.sleep(0.01)
 
-            async def load(session: aiohttp.ClientSession) -> None:
-                while not stop.is_set():
-                    for svc in ("resnet50", "bert"):
-                        async with session.post(f"http://127.0.0.1:{app.port}/v2/models/"
-                                                f"{svc}/infer", data=b"{}") as r:
-                            await r.read()
-                            codes.append(r.status)
-                    await asyncio.sleep(0.01)
-
-            async with aiohttp.ClientSession() as session:
-                tasks = [asyncio.create_task(follow()), asyncio.create_task(load(session))]
-                await asyncio.sleep(0.5)
-                router = HttpRouter(f"http://127.0.0.1:{app.admin_port}")
-                done = await asyncio.get_running_loop().run_in_executor(None, lambda: apply_plan(
-                    c.api, current, new, namespace=NS, router=router, ready_timeout_s=60,
-                    drain_timeout_s=20, poll_s=0.05))
-                await asyncio.sleep(0.5)
-                stop.set()
-                await asyncio.gather(*tasks)
-            await app.close()
-            return done
+                async with aiohttp.ClientSession() as session:
+                    tasks = [asyncio.create_task(load(session))]
+                    await asyncio.sleep(0.5)
+                    router = HttpRouter(f"http://127.0.0.1:{app.admin_port}")
+                    done = await asyncio.get_running_loop().run_in_executor(
+                        None, lambda: apply_plan(c.api, current, new, namespace=NS,
+                                                 router=router, ready_timeout_s=60,
+                                                 drain_timeout_s=20, poll_s=0.05))
+                    await asyncio.sleep(0.5)
+                    stop.set()
+                    await asyncio.gather(*tasks)
+                return done
 
         done = asyncio.run(go())
         assert codes and set(codes) == {200}, sorted(set(codes))
