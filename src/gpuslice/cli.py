@@ -95,7 +95,12 @@ def _build_parser() -> argparse.ArgumentParser:
                      "the shared data folder)")
     sim.add_argument("--no-plot", action="store_true", help="skip the PNG plot")
 
-    sub.add_parser("gpus", help="list the GPU catalogue")
+    g = sub.add_parser("gpus", help="list the GPU catalogue, or this machine's GPUs (--local)",
+                       description="Without options: the catalogue of GPU models the planner and "
+                       "extender know. --local: the GPUs NVML reports on this machine, with their "
+                       "MIG profiles and placements checked against the catalogue.")
+    g.add_argument("--local", action="store_true", help="this machine's GPUs, through NVML")
+    g.add_argument("--fake-gpus", type=Path, help="with --local: a fake NVML inventory (YAML)")
     m = sub.add_parser("mig", help="MIG geometry of a GPU model: maximal layouts, or check one")
     m.add_argument("model", help="GPU model, e.g. A100-80GB, H100-SXM, A30")
     m.add_argument("--layout", help="check a layout such as '3g.40gb@0,2g.20gb@4,1g.10gb@6'")
@@ -889,7 +894,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "simulate":
             return _simulate(args, console)
         if args.command == "gpus":
-            return _gpus(console)
+            return _local_gpus(args, console) if args.local else _gpus(console)
         if args.command == "mig":
             return _mig(args, console)
         if args.command == "plan":
@@ -1230,6 +1235,60 @@ def _gpus(console: Console) -> int:
         )
     console.print(table)
     return 0
+
+
+def _ranges(values: Sequence[int]) -> str:
+    """0,1,2,3,4,5,6 -> 0-6; 0,2,4 stays."""
+    runs: list[list[int]] = []
+    for v in sorted(values):
+        if runs and runs[-1][-1] == v - 1:
+            runs[-1].append(v)
+        else:
+            runs.append([v])
+    return ",".join(f"{r[0]}-{r[-1]}" if len(r) > 2 else ",".join(map(str, r)) for r in runs)
+
+
+def _local_gpus(args: argparse.Namespace, console: Console) -> int:
+    """What discovery sees: NVML's devices and MIG tables, and whether the catalogue agrees."""
+    nv = _local_nvml(args)
+    gpus = nv.devices()
+    if not gpus:
+        console.print(f"no GPU: {nv.why_empty()}", highlight=False)
+        return 1
+    console.print(f"driver {nv.driver_version()}", highlight=False)
+    disagree = 0
+    for gpu in gpus:
+        cc = ".".join(map(str, gpu.compute_capability)) if gpu.compute_capability else "-"
+        console.print(f"GPU {gpu.index}: {gpu.name} ({gpu.model}), {gpu.uuid}, "
+                      f"{gpu.memory_mib} MiB, {gpu.sms or '?'} SMs, CC {cc}, "
+                      f"MIG {'enabled' if gpu.mig_enabled else 'disabled'}", highlight=False)
+        for m in gpu.mig:
+            console.print(f"  instance {m.profile}@{m.start} {m.uuid}", highlight=False)
+        profiles = nv.mig_profiles(gpu.uuid)
+        if not profiles:
+            continue
+        table = Table(title=f"GPU {gpu.index}: MIG profiles as NVML reports them")
+        for col in ("profile", "ID", "compute", "memory slices", "MiB", "SMs", "max", "starts"):
+            table.add_column(col)
+        for p in sorted(profiles, key=lambda p: (p.compute_slices, p.memory_slices, p.name)):
+            table.add_row(p.name, str(p.profile_id), str(p.compute_slices),
+                          str(p.memory_slices), str(p.memory_mib), str(p.sms),
+                          str(p.max_instances), _ranges(p.starts))
+        console.print(table)
+        model = catalog.lookup(gpu.model)
+        known = {p.profile_id: p for p in model.mig.profiles} if model and model.mig else {}
+        diff = [p.name for p in profiles if known.get(p.profile_id) != p]
+        diff += [p.name for i, p in known.items() if i not in {q.profile_id for q in profiles}]
+        if not known:
+            console.print(f"  the catalogue has no MIG table for {gpu.name}: the planner and "
+                          "extender will not place MIG slices on it", highlight=False)
+        elif diff:
+            disagree += 1
+            console.print(f"  the catalogue's {gpu.model} table differs for: {', '.join(diff)}",
+                          highlight=False)
+        else:
+            console.print(f"  the catalogue's {gpu.model} table agrees", highlight=False)
+    return 1 if disagree else 0
 
 
 def _mig(args: argparse.Namespace, console: Console) -> int:

@@ -8,6 +8,7 @@ import pytest
 
 from gpuslice.adapters.nvml.port import FakeNvml, NullNvml
 from gpuslice.adapters.nvml.real import RealNvml, load
+from gpuslice.core import catalog
 from gpuslice.core.devices import inventory, node_labels
 from gpuslice.core.errors import ValidationError
 
@@ -100,3 +101,16 @@ def test_real_gpu_discovery() -> None:
     assert isinstance(nv, RealNvml)
     gpus = nv.devices()
     assert gpus and all(g.uuid.startswith("GPU-") and g.memory_mib > 0 for g in gpus)
+    for g in gpus:
+        profiles = nv.mig_profiles(g.uuid)  # read with MIG enabled or not
+        print(f"{g.index}: {g.name} ({g.model}) {g.memory_mib} MiB, {g.sms} SMs, CC "
+              f"{g.compute_capability}, MIG {'on' if g.mig_enabled else 'off'}, "
+              f"driver {nv.driver_version()}")
+        for p in profiles:
+            print(f"   {p.name:12} id {p.profile_id:2}  {p.compute_slices}g {p.memory_slices}m "
+                  f"{p.memory_mib} MiB {p.sms} SMs  max {p.max_instances}  starts {p.starts}")
+        model = catalog.lookup(g.model)
+        if model is not None and model.mig is not None:
+            assert sorted(profiles, key=lambda p: p.profile_id) == \
+                sorted(model.mig.profiles, key=lambda p: p.profile_id), \
+                f"the catalogue's MIG table for {g.model} differs from what NVML reports"

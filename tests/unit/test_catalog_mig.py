@@ -32,6 +32,13 @@ def test_mig_capability(name: str, mig_capable: bool, slices: int) -> None:
 def test_aliases_and_case_insensitive_lookup() -> None:
     assert catalog.lookup("nvidia h100 80gb hbm3") is catalog.lookup("H100-SXM")
     assert catalog.lookup("a100-sxm4-80gb") is catalog.lookup("A100-80GB")
+    # names exactly as NVML reports them on common nodes
+    for nvml_name, model in [("Tesla T4", "T4"), ("Tesla V100-SXM2-16GB", "V100M16"),
+                             ("Tesla V100-PCIE-32GB", "V100M32"),
+                             ("NVIDIA A100 80GB PCIe", "A100-80GB"), ("NVIDIA H200", "H200"),
+                             ("NVIDIA H100 PCIe", "H100-PCIE")]:
+        found = catalog.lookup(nvml_name)
+        assert found is not None and found.name == model, nvml_name
 
 
 def test_unknown_model_is_opaque_with_given_memory() -> None:

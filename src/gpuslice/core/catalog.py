@@ -148,9 +148,9 @@ _MODELS: tuple[GpuModel, ...] = (
     GpuModel("T4", 15360, 40, 65.0, None, (7, 5), mps=True, mps_limits=True,
              aliases=("Tesla-T4",)),
     GpuModel("V100M16", 16384, 80, 125.0, None, (7, 0), mps=True, mps_limits=True,
-             aliases=("V100-16GB", "V100-SXM2-16GB")),
+             aliases=("V100-16GB", "V100-SXM2-16GB", "V100-PCIE-16GB")),
     GpuModel("V100M32", 32768, 80, 125.0, None, (7, 0), mps=True, mps_limits=True,
-             aliases=("V100-32GB", "V100-SXM2-32GB")),
+             aliases=("V100-32GB", "V100-SXM2-32GB", "V100-PCIE-32GB")),
     GpuModel("A10", 24576, 72, 125.0, 125.0, (8, 6), mps=True, mps_limits=True),
     GpuModel("A30", 24576, 56, 165.0, 165.0, (8, 0), mps=True, mps_limits=True, mig=A30_MIG),
     GpuModel("L4", 24576, 58, 121.0, 121.0, (8, 9), mps=True, mps_limits=True),
@@ -158,7 +158,8 @@ _MODELS: tuple[GpuModel, ...] = (
     GpuModel("A100-40GB", 40960, 108, 312.0, 312.0, (8, 0), mps=True, mps_limits=True,
              aliases=("A100-SXM4-40GB", "A100-PCIE-40GB", "A100"), mig=A100_40_MIG),
     GpuModel("A100-80GB", 81920, 108, 312.0, 312.0, (8, 0), mps=True, mps_limits=True,
-             aliases=("A100-SXM4-80GB", "A100-PCIE-80GB", "A100M80"), mig=A100_80_MIG),
+             aliases=("A100-SXM4-80GB", "A100-PCIE-80GB", "A100-80GB-PCIE", "A100M80"),
+             mig=A100_80_MIG),
     GpuModel("H100-SXM", 81920, 132, 989.0, 989.0, (9, 0), mps=True, mps_limits=True,
              aliases=("H100-80GB-HBM3", "H100", "H100-SXM5-80GB"), mig=H100_SXM_MIG),
     GpuModel("H100-PCIE", 81920, 114, 756.0, 756.0, (9, 0), mps=True, mps_limits=True,
@@ -177,7 +178,8 @@ def _index(models: tuple[GpuModel, ...]) -> Mapping[str, GpuModel]:
 
 
 def _norm(name: str) -> str:
-    return name.strip().upper().replace(" ", "-").replace("_", "-").removeprefix("NVIDIA-")
+    key = name.strip().upper().replace(" ", "-").replace("_", "-")
+    return key.removeprefix("NVIDIA-").removeprefix("TESLA-")
 
 
 _BY_NAME = _index(_MODELS)

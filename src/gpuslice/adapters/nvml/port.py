@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Protocol
 
 from gpuslice.core import catalog
+from gpuslice.core.catalog import MigProfile
 from gpuslice.core.devices import GpuDevice, MigInstance
 from gpuslice.core.errors import GpusliceError, ValidationError
 from gpuslice.core.mig import parse_layout
@@ -44,6 +45,11 @@ class NvmlPort(Protocol):
         """(profile name, start) of the GPU instances on a MIG-enabled GPU."""
         ...
 
+    def mig_profiles(self, uuid: str) -> list[MigProfile]:
+        """The GPU-instance profiles and their possible placements as the driver reports them
+        (MIG enabled or not); [] for a GPU that is not MIG-capable."""
+        ...
+
     def destroy_instance(self, uuid: str, profile: str, start: int) -> None: ...
 
     def create_instance(self, uuid: str, profile: str, start: int) -> None: ...
@@ -74,6 +80,9 @@ class NullNvml:
         raise NvmlError(f"no GPU {uuid}: {self.reason}")
 
     def mig_layout(self, uuid: str) -> list[tuple[str, int]]:
+        raise NvmlError(f"no GPU {uuid}: {self.reason}")
+
+    def mig_profiles(self, uuid: str) -> list[MigProfile]:
         raise NvmlError(f"no GPU {uuid}: {self.reason}")
 
     def destroy_instance(self, uuid: str, profile: str, start: int) -> None:
@@ -182,6 +191,10 @@ class FakeNvml:
         if not g.mig_enabled:
             raise NvmlError(f"MIG mode is disabled on GPU {uuid}")
         return [(m.profile, m.start) for m in g.mig]
+
+    def mig_profiles(self, uuid: str) -> list[MigProfile]:
+        model = catalog.lookup(self._gpu(uuid).model)
+        return list(model.mig.profiles) if model and model.mig else []
 
     def destroy_instance(self, uuid: str, profile: str, start: int) -> None:
         g = self._gpu(uuid)

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from ctypes import byref, c_uint
 from typing import Any, TypeVar
 
 from gpuslice.adapters.nvml.port import HealthEvent, NullNvml, NvmlError, NvmlPort
 from gpuslice.core import catalog
+from gpuslice.core.catalog import MigProfile
 from gpuslice.core.devices import GpuDevice, MigInstance
 
 T = TypeVar("T")
@@ -40,11 +42,20 @@ def _explain(exc: Exception, what: str) -> NvmlError:
     return NvmlError(f"{what} failed: {exc}")
 
 
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
 class RealNvml:
+    """NVML through ``pynvml``. Array-returning calls follow the C API: the caller sizes the
+    array (from the profile's instance count) and passes it with a pointer to the count;
+    structures the C side reads (a placement) go by pointer."""
+
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._nvml: Any = None
         self._events: Any = None
+        self._profiles_of: dict[str, list[MigProfile]] = {}
 
     def _lib(self) -> Any:
         with self._lock:
@@ -69,8 +80,7 @@ class RealNvml:
 
     def driver_version(self) -> str:
         lib = self._lib()
-        v = self._call("nvmlSystemGetDriverVersion", lib.nvmlSystemGetDriverVersion)
-        return v.decode() if isinstance(v, bytes) else str(v)
+        return _text(self._call("nvmlSystemGetDriverVersion", lib.nvmlSystemGetDriverVersion))
 
     def why_empty(self) -> str:
         return "" if self.devices() else "NVML reports no GPU on this node"
@@ -80,39 +90,44 @@ class RealNvml:
         out: list[GpuDevice] = []
         for i in range(self._call("nvmlDeviceGetCount", lib.nvmlDeviceGetCount)):
             h = self._call("nvmlDeviceGetHandleByIndex", lib.nvmlDeviceGetHandleByIndex, i)
-            name = self._call("nvmlDeviceGetName", lib.nvmlDeviceGetName, h)
-            name = name.decode() if isinstance(name, bytes) else str(name)
-            uuid = self._call("nvmlDeviceGetUUID", lib.nvmlDeviceGetUUID, h)
-            uuid = uuid.decode() if isinstance(uuid, bytes) else str(uuid)
+            name = _text(self._call("nvmlDeviceGetName", lib.nvmlDeviceGetName, h))
+            uuid = _text(self._call("nvmlDeviceGetUUID", lib.nvmlDeviceGetUUID, h))
             mem = self._call("nvmlDeviceGetMemoryInfo", lib.nvmlDeviceGetMemoryInfo, h)
             cc = self._call("nvmlDeviceGetCudaComputeCapability",
                             lib.nvmlDeviceGetCudaComputeCapability, h)
             known = catalog.lookup(name)
             try:
-                mig_mode = lib.nvmlDeviceGetMigMode(h)[0] == 1
-            except Exception:  # not MIG-capable: NVML_ERROR_NOT_SUPPORTED
+                mig_mode = lib.nvmlDeviceGetMigMode(h)[0] == lib.NVML_DEVICE_MIG_ENABLE
+            except lib.NVMLError:  # not MIG-capable: NVML_ERROR_NOT_SUPPORTED
                 mig_mode = False
+            # NVML has no SM count outside MIG: the catalogue's, else the whole-GPU profile's
+            # (a lower bound: the A100's 7g profile has 98 of its 108 SMs)
+            whole = max(self._profiles(uuid, h), key=lambda p: p.compute_slices, default=None)
+            sms = known.sms if known else whole.sms if whole else None
             out.append(GpuDevice(
                 i, uuid, name, known.name if known else name, int(mem.total // (1024 * 1024)),
-                known.sms if known else None, (int(cc[0]), int(cc[1])), mig_mode,
-                self._mig_instances(lib, h) if mig_mode else (),
+                sms, (int(cc[0]), int(cc[1])), mig_mode,
+                self._mig_devices(lib, h) if mig_mode else (),
             ))
         return out
 
-    def _mig_instances(self, lib: Any, h: Any) -> tuple[MigInstance, ...]:
+    def _mig_devices(self, lib: Any, h: Any) -> tuple[MigInstance, ...]:
         out = []
         count = self._call("nvmlDeviceGetMaxMigDeviceCount", lib.nvmlDeviceGetMaxMigDeviceCount, h)
         for j in range(count):
             try:
                 m = lib.nvmlDeviceGetMigDeviceHandleByIndex(h, j)
-            except Exception:  # empty slot
+            except lib.NVMLError:  # NVML_ERROR_NOT_FOUND: an empty slot
                 continue
-            uuid = self._call("nvmlDeviceGetUUID", lib.nvmlDeviceGetUUID, m)
+            uuid = _text(self._call("nvmlDeviceGetUUID", lib.nvmlDeviceGetUUID, m))
             mem = self._call("nvmlDeviceGetMemoryInfo", lib.nvmlDeviceGetMemoryInfo, m)
-            name = self._call("nvmlDeviceGetName", lib.nvmlDeviceGetName, m)
-            text = name.decode() if isinstance(name, bytes) else str(name)
-            out.append(MigInstance(uuid.decode() if isinstance(uuid, bytes) else str(uuid),
-                                   text.split()[-1], -1, int(mem.total // (1024 * 1024))))
+            name = _text(self._call("nvmlDeviceGetName", lib.nvmlDeviceGetName, m))
+            try:  # the placement comes from the GPU instance the MIG device belongs to
+                gi = lib.nvmlDeviceGetGpuInstanceById(h, lib.nvmlDeviceGetGpuInstanceId(m))
+                start = int(lib.nvmlGpuInstanceGetInfo(gi).placement.start)
+            except lib.NVMLError:  # needs a privileged caller: placement unknown
+                start = -1
+            out.append(MigInstance(uuid, name.split()[-1], start, int(mem.total // (1024 * 1024))))
         return tuple(out)
 
     def _handle(self, uuid: str) -> Any:
@@ -132,57 +147,98 @@ class RealNvml:
         mem = self._call("nvmlDeviceGetMemoryInfo", lib.nvmlDeviceGetMemoryInfo, h)
         try:
             util = int(lib.nvmlDeviceGetUtilizationRates(h).gpu)
-        except Exception:  # not supported on MIG-enabled GPUs: report 0, memory still counts
+        except lib.NVMLError:  # not supported on MIG-enabled GPUs: 0, memory still counts
             util = 0
         return int(mem.used) // (1024 * 1024), util
 
-    def _profile_id(self, uuid: str, profile: str) -> int:
-        name = self._call("nvmlDeviceGetName", self._lib().nvmlDeviceGetName, self._handle(uuid))
-        model = catalog.lookup(name.decode() if isinstance(name, bytes) else str(name))
-        if model is None or model.mig is None:
-            raise NvmlError(f"GPU {uuid} ({name!r}) is not a MIG-capable model of the catalogue")
-        return model.mig.profile(profile).profile_id
+    def mig_profiles(self, uuid: str) -> list[MigProfile]:
+        return list(self._profiles(uuid, self._handle(uuid)))
+
+    def _profiles(self, uuid: str, h: Any) -> list[MigProfile]:
+        """The GPU-instance profiles NVML reports (with MIG enabled or not), with their possible
+        placements; [] for a GPU that is not MIG-capable. Static, so read once per GPU."""
+        if uuid in self._profiles_of:
+            return self._profiles_of[uuid]
+        lib = self._lib()
+        out: list[MigProfile] = []
+        for idx in range(lib.NVML_GPU_INSTANCE_PROFILE_COUNT):
+            try:
+                info = lib.nvmlDeviceGetGpuInstanceProfileInfo(h, idx)
+            except lib.NVMLError:  # NOT_SUPPORTED on this SKU, INVALID_ARGUMENT past the last
+                continue
+            count = c_uint(0)
+            self._call("nvmlDeviceGetGpuInstancePossiblePlacements",
+                       lib.nvmlDeviceGetGpuInstancePossiblePlacements, h, info.id, None,
+                       byref(count))
+            places = (lib.c_nvmlGpuInstancePlacement_t * max(count.value, 1))()
+            self._call("nvmlDeviceGetGpuInstancePossiblePlacements",
+                       lib.nvmlDeviceGetGpuInstancePossiblePlacements, h, info.id, places,
+                       byref(count))
+            got = [places[k] for k in range(count.value)]
+            out.append(MigProfile(
+                int(info.id), _text(info.name).removeprefix("MIG "), int(info.sliceCount),
+                int(got[0].size) if got else 0, int(info.memorySizeMB),
+                int(info.multiprocessorCount), int(info.instanceCount),
+                tuple(sorted(int(p.start) for p in got))))
+        self._profiles_of[uuid] = out
+        return out
+
+    def _profile(self, uuid: str, h: Any, name: str) -> MigProfile:
+        for p in self._profiles(uuid, h):
+            if p.name == name:
+                return p
+        have = ", ".join(p.name for p in self._profiles(uuid, h)) or "none: not MIG-capable"
+        raise NvmlError(f"GPU {uuid} has no MIG profile {name!r} (NVML lists {have})")
 
     def _instances(self, uuid: str) -> list[tuple[str, int, Any]]:
+        """(profile name, placement start, GPU-instance handle) of the GPU's instances."""
         lib = self._lib()
         h = self._handle(uuid)
-        name = self._call("nvmlDeviceGetName", lib.nvmlDeviceGetName, h)
-        model = catalog.lookup(name.decode() if isinstance(name, bytes) else str(name))
-        if model is None or model.mig is None:
-            return []
         out = []
-        for prof in model.mig.profiles:
-            try:
-                gis = lib.nvmlDeviceGetGpuInstances(h, prof.profile_id)
-            except Exception:  # profile not supported on this SKU
-                continue
-            for gi in gis:
-                info = self._call("nvmlGpuInstanceGetInfo", lib.nvmlGpuInstanceGetInfo, gi)
-                out.append((prof.name, int(info.placement.start), gi))
+        for prof in self._profiles(uuid, h):
+            handles = (lib.c_nvmlGpuInstance_t * max(prof.max_instances, 1))()
+            count = c_uint(len(handles))
+            self._call("nvmlDeviceGetGpuInstances", lib.nvmlDeviceGetGpuInstances, h,
+                       prof.profile_id, handles, byref(count))
+            for k in range(count.value):
+                info = self._call("nvmlGpuInstanceGetInfo", lib.nvmlGpuInstanceGetInfo,
+                                  handles[k])
+                out.append((prof.name, int(info.placement.start), handles[k]))
         return out
 
     def mig_layout(self, uuid: str) -> list[tuple[str, int]]:
         lib = self._lib()
         current, _pending = self._call("nvmlDeviceGetMigMode", lib.nvmlDeviceGetMigMode,
                                        self._handle(uuid))
-        if current != 1:
+        if current != lib.NVML_DEVICE_MIG_ENABLE:
             raise NvmlError(f"MIG mode is disabled on GPU {uuid}")
-        return [(p, s) for p, s, _ in self._instances(uuid)]
+        return sorted((p, s) for p, s, _ in self._instances(uuid))
+
+    def _compute_profiles(self, lib: Any, gi: Any) -> list[Any]:
+        """The compute-instance profiles a GPU instance accepts (shared engines)."""
+        out = []
+        for idx in range(lib.NVML_COMPUTE_INSTANCE_PROFILE_COUNT):
+            try:
+                out.append(lib.nvmlGpuInstanceGetComputeInstanceProfileInfo(
+                    gi, idx, lib.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED))
+            except lib.NVMLError:  # larger than this GPU instance, or not on this SKU
+                continue
+        return out
 
     def destroy_instance(self, uuid: str, profile: str, start: int) -> None:
         lib = self._lib()
         for p, s, gi in self._instances(uuid):
             if (p, s) != (profile, start):
                 continue
-            cis = []
-            for idx in range(8):  # compute instance profile indices
-                try:
-                    ci_info = lib.nvmlGpuInstanceGetComputeInstanceProfileInfo(gi, idx, 0)
-                    cis.extend(lib.nvmlGpuInstanceGetComputeInstances(gi, ci_info.id))
-                except Exception:  # no such compute profile on this instance
-                    continue
-            for ci in cis:
-                self._call("nvmlComputeInstanceDestroy", lib.nvmlComputeInstanceDestroy, ci)
+            for ci_prof in self._compute_profiles(lib, gi):  # compute instances go first
+                cis = (lib.c_nvmlComputeInstance_t * max(int(ci_prof.instanceCount), 8))()
+                count = c_uint(len(cis))
+                self._call("nvmlGpuInstanceGetComputeInstances",
+                           lib.nvmlGpuInstanceGetComputeInstances, gi, ci_prof.id, cis,
+                           byref(count))
+                for k in range(count.value):
+                    self._call("nvmlComputeInstanceDestroy", lib.nvmlComputeInstanceDestroy,
+                               cis[k])
             self._call("nvmlGpuInstanceDestroy", lib.nvmlGpuInstanceDestroy, gi)
             return
         raise NvmlError(f"GPU {uuid} has no {profile} instance at {start}")
@@ -190,24 +246,26 @@ class RealNvml:
     def create_instance(self, uuid: str, profile: str, start: int) -> None:
         lib = self._lib()
         h = self._handle(uuid)
-        pid = self._profile_id(uuid, profile)
-        raw = self._call("nvmlDeviceGetName", lib.nvmlDeviceGetName, h)
-        model = catalog.lookup(raw.decode() if isinstance(raw, bytes) else str(raw))
-        size = model.mig.profile(profile).memory_slices if model and model.mig else 1
-        placement = lib.c_nvmlGpuInstancePlacement_t()
-        placement.start, placement.size = start, size
-        gi = self._call("nvmlDeviceCreateGpuInstanceWithPlacement",
-                        lib.nvmlDeviceCreateGpuInstanceWithPlacement, h, pid, placement)
-        # one compute instance spanning the GPU instance (what nvidia-smi -cgi ... -C makes)
-        for idx in (4, 3, 2, 1, 0, 6, 5):  # the largest compute profile that the GI accepts
-            try:
-                ci_info = lib.nvmlGpuInstanceGetComputeInstanceProfileInfo(gi, idx, 0)
-                self._call("nvmlGpuInstanceCreateComputeInstance",
-                           lib.nvmlGpuInstanceCreateComputeInstance, gi, ci_info.id)
-                return
-            except Exception:  # profile larger than this GPU instance
-                continue
-        raise NvmlError(f"created {profile}@{start} on {uuid} but no compute instance fits it")
+        prof = self._profile(uuid, h, profile)
+        if start not in prof.starts:
+            raise NvmlError(f"{profile} cannot start at memory slice {start} on GPU {uuid} "
+                            f"(NVML allows {', '.join(map(str, prof.starts))})")
+        placement = lib.c_nvmlGpuInstancePlacement_t(start, prof.memory_slices)
+        gi = self._call(f"nvmlDeviceCreateGpuInstanceWithPlacement({profile}@{start})",
+                        lib.nvmlDeviceCreateGpuInstanceWithPlacement, h, prof.profile_id,
+                        byref(placement))
+        # one compute instance spanning the GPU instance (what nvidia-smi mig -cgi ... -C does)
+        fits = [c for c in self._compute_profiles(lib, gi)
+                if int(c.sliceCount) <= prof.compute_slices]
+        try:
+            if not fits:
+                raise NvmlError(f"NVML offers no compute-instance profile for {profile}")
+            whole = max(fits, key=lambda c: int(c.sliceCount))
+            self._call("nvmlGpuInstanceCreateComputeInstance",
+                       lib.nvmlGpuInstanceCreateComputeInstance, gi, whole.id)
+        except NvmlError:  # leave no GPU instance without a compute instance behind
+            self._call("nvmlGpuInstanceDestroy", lib.nvmlGpuInstanceDestroy, gi)
+            raise
 
     def events(self, timeout_s: float) -> list[HealthEvent]:
         lib = self._lib()
@@ -218,7 +276,7 @@ class RealNvml:
                 try:
                     lib.nvmlDeviceRegisterEvents(h, lib.nvmlEventTypeXidCriticalError,
                                                  self._events)
-                except Exception:  # some GPUs do not report XIDs: health stays polled
+                except lib.NVMLError:  # some GPUs do not report XIDs: health stays polled
                     continue
         try:
             data = lib.nvmlEventSetWait_v2(self._events, int(timeout_s * 1000))
@@ -226,8 +284,7 @@ class RealNvml:
             if "Timeout" in type(exc).__name__:
                 return []
             raise _explain(exc, "nvmlEventSetWait") from None
-        uuid = lib.nvmlDeviceGetUUID(data.device)
-        uuid = uuid.decode() if isinstance(uuid, bytes) else str(uuid)
+        uuid = _text(lib.nvmlDeviceGetUUID(data.device))
         return [HealthEvent(uuid, int(data.eventData), "XID critical error")]
 
 
