@@ -59,7 +59,8 @@ class Model:
         try:
             self.held.append(torch.empty(mib * 1024 * 1024, dtype=torch.uint8,
                                          device=self.device))
-            torch.cuda.synchronize()
+            if self.device.startswith("cuda"):
+                torch.cuda.synchronize()
             return {"allocated_mib": mib, "ok": True}
         except torch.OutOfMemoryError as exc:
             return {"allocated_mib": 0, "ok": False, "error": f"OutOfMemoryError: {exc}"}
@@ -83,7 +84,14 @@ def handler(model: Model) -> type[BaseHTTPRequestHandler]:
             elif self.path == "/slice":
                 self._send(200, {k: os.environ.get(k) for k in SLICE_VARS})
             elif self.path.startswith("/alloc?mib="):
-                self._send(200, model.alloc(int(self.path.split("=", 1)[1])))
+                raw = self.path.split("=", 1)[1]
+                if not raw.isdigit():
+                    self._send(400, {"error": f"mib: expected a whole number of MiB, got {raw!r}"})
+                    return
+                try:
+                    self._send(200, model.alloc(int(raw)))
+                except Exception as exc:  # a failed check is an answer, never a dead replica
+                    self._send(500, {"ok": False, "error": f"{type(exc).__name__}: {exc}"})
             else:
                 self._send(404, {"error": f"no route {self.path}"})
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -34,9 +36,37 @@ def test_three_models_as_mps_slices_of_one_gpu(tmp_path: Path) -> None:
                                          method="POST")
             with urllib.request.urlopen(req, timeout=60) as resp:
                 assert json.loads(resp.read())["latency_ms"] > 0
-        r = cli("status", "--state-dir", str(state), "--json", "--window", "2")
+        # status measures throughput while a closed loop per service keeps the slices busy
+        stop = threading.Event()
+
+        def load(svc: str) -> None:
+            while not stop.is_set():
+                req = urllib.request.Request(f"{router}/v2/models/{svc}/infer", data=b"{}",
+                                             method="POST")
+                try:
+                    with urllib.request.urlopen(req, timeout=60) as resp:
+                        resp.read()
+                except urllib.error.HTTPError as exc:  # 429: the router shed it (SLO)
+                    assert exc.code == 429, exc
+                    time.sleep(0.05)
+
+        loops = [threading.Thread(target=load, args=(svc,), daemon=True)
+                 for svc in ("resnet50", "mobilenet", "encoder")]
+        for t in loops:
+            t.start()
+        time.sleep(2)
+        try:
+            r = cli("status", "--state-dir", str(state), "--json", "--window", "3")
+            table = cli("status", "--state-dir", str(state), "--window", "3")
+        finally:
+            stop.set()
+            for t in loops:
+                t.join(timeout=60)
+        print(table.stdout)
         reps = json.loads(r.stdout)["replicas"]
-        assert {x["compute_pct"] for x in reps} == {40, 20, 30}
+        assert {(x["service"], x["compute_pct"], x["memory_mib"]) for x in reps} == \
+            {("resnet50", 40, 8192), ("mobilenet", 20, 4096), ("encoder", 30, 6144)}
+        assert all(x["throughput_rps"] > 0 for x in reps), reps
         assert len({x["gpu_uuid"] for x in reps}) == 1
         # the memory cap holds: resnet50's replica (8 GiB cap) cannot take 12 GiB
         port = next(x["port"] for x in reps if x["service"] == "resnet50")
