@@ -1,30 +1,102 @@
 #!/usr/bin/env bash
 # Everything that needs an NVIDIA GPU (issues 6, 7 and 8), in stages that each fit a 10-minute
-# device call: the GPU test tier, model profiles (resumable: a stage run again continues where
-# it stopped), and the sharing benchmark. Needs the project installed with PyTorch, torchvision
-# and nvidia-ml-py ('pip install ".[gpu]" torch torchvision') and nvidia-cuda-mps-control on
-# PATH. Never changes the GPU's mode: MPS daemons get private pipe and log directories and are
-# quit before each command ends. Results go to $OUT (default gpu-out/).
-#   bash benchmarks/gpu_tier.sh tests                        # about 2 minutes
-#   MODELS="resnet50 mobilenet_v3" bash benchmarks/gpu_tier.sh profile   # about 4 min a model
+# call on a lent GPU machine. Never changes the GPU's settings (no MIG or compute-mode change, no
+# reset): MPS daemons get private pipe and log directories and are quit before each stage ends.
+# Results go to $OUT (default gpu-out/); the profile stage is resumable (run it again and it
+# continues where it stopped, given the same profiles.csv).
+#
+# Needs python3 with PyTorch, torchvision and nvidia-ml-py, and nvidia-cuda-mps-control. A machine
+# without network access gets the rest as wheels: run `bash benchmarks/gpu_wheels.sh` first on
+# a machine with PyPI and bring the .whl/ folder along; this script installs it into /tmp/site.
+#
+#   bash benchmarks/gpu_tier.sh check      # what is there, what is missing (seconds)
+#   bash benchmarks/gpu_tier.sh tests      # the gpu test tier + the demo on the real GPU (~4 min)
+#   MODELS="resnet50 mobilenet_v3" bash benchmarks/gpu_tier.sh profile   # ~4 min a model
 #   MODELS="vit_b_16 encoder" bash benchmarks/gpu_tier.sh profile
-#   bash benchmarks/gpu_tier.sh sharing                      # about 5 minutes
+#   bash benchmarks/gpu_tier.sh sharing    # the sharing benchmark (~5 min)
+# PACK=FILE.tgz packs $OUT into one archive at the end (a lent machine returns few files).
+# A 30-minute budget fits three calls: `check tests`, `profile` (two models), then
+# `profile sharing` with the other two models and the profiles.csv of the first call.
 set -uo pipefail
+cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-out}
 MODELS=${MODELS:-resnet50 mobilenet_v3 vit_b_16 encoder}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,driver_version,memory.total,mig.mode.current --format=csv \
-    | tee "$OUT/device.txt"
-case "${1:-all}" in
-  tests|all)
-    python -m pytest -m gpu -s -p no:cacheprovider tests 2>&1 | tee "$OUT/gpu-tier.log" ;;&
-  profile|all)
-    for model in $MODELS; do
-        gpuslice profile "$model" --out "$OUT/profiles.csv" --caps 10,20,30,50,100 \
-            --batches 1,8,16,64 --procs 1,2,3 --warmup-s 1 --window-s 2 2>&1 | tail -3
-    done ;;&
-  sharing|all)
-    gpuslice bench sharing --profile "$OUT/profiles.csv" --out "$OUT" --warmup-s 2 \
-        --window-s 6 2>&1 | tee "$OUT/sharing.txt" ;;
-esac
+# the driver's tools live in different places on different images
+for d in /usr/local/nvidia/bin /usr/local/cuda/bin; do
+    [ -d "$d" ] && case ":$PATH:" in *":$d:"*) ;; *) PATH="$PATH:$d" ;; esac
+done
+export PATH
+if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl || { echo "installing .whl/ failed" >&2; exit 1; }
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+GS=(python3 -m gpuslice.cli)
+GPU_TESTS=(tests/nodeagent/test_nvml.py tests/nodeagent/test_mps.py
+           tests/nodeagent/test_gpu_tier.py tests/local/test_local_gpu.py
+           tests/bench/test_sharing.py)
+
+check() {
+    nvidia-smi --query-gpu=name,driver_version,memory.total,mig.mode.current,compute_mode \
+        --format=csv | tee "$OUT/device.txt"
+    python3 - <<'EOF' 2>&1 | tee "$OUT/check.txt"
+import importlib, shutil, sys
+missing = []
+for mod in ("torch", "torchvision", "pynvml", "grpc", "google.protobuf", "orjson", "aiohttp",
+            "numpy", "scipy", "matplotlib", "rich", "yaml", "prometheus_client", "pytest",
+            "pytest_timeout", "hypothesis", "gpuslice"):
+    try:
+        m = importlib.import_module(mod)
+        print(f"{mod:18} {getattr(m, '__version__', '')} {getattr(m, '__file__', '')}")
+    except Exception as exc:
+        missing.append(f"{mod} ({type(exc).__name__}: {exc})")
+try:  # the generated gRPC code checks the grpcio and protobuf versions it was made with
+    import gpuslice.adapters.kubelet.deviceplugin_pb2_grpc  # noqa: F401
+except Exception as exc:
+    missing.append(f"the device plugin's gRPC code ({exc})")
+try:
+    import torch
+    if not torch.cuda.is_available():
+        missing.append("a CUDA device for PyTorch")
+    else:
+        print("cuda", torch.version.cuda, torch.cuda.get_device_name(0))
+except ImportError:
+    pass
+for tool in ("nvidia-smi", "nvidia-cuda-mps-control"):
+    where = shutil.which(tool)
+    print(f"{tool:18} {where}") if where else missing.append(f"{tool} on PATH")
+if missing:
+    sys.exit("MISSING: " + "; ".join(missing))
+print("ready")
+EOF
+    local rc=${PIPESTATUS[0]}
+    "${GS[@]}" gpus --local 2>&1 | tee "$OUT/discovery.txt"
+    return "$rc"
+}
+
+status=0
+trap '[ -n "${PACK:-}" ] && tar czf "$PACK" -C "$OUT" .' EXIT
+for stage in "${@:-check}"; do
+    case "$stage" in
+      check)
+        check || status=1 ;;
+      tests)
+        python3 -m pytest -m gpu -s -p no:cacheprovider -rs "${GPU_TESTS[@]}" 2>&1 \
+            | tee "$OUT/gpu-tier.log"
+        "${GS[@]}" demo --short --no-live --out "$OUT/demo" 2>&1 | tail -60 \
+            | tee "$OUT/demo.txt" ;;
+      profile)
+        for model in $MODELS; do
+            "${GS[@]}" profile "$model" --out "$OUT/profiles.csv" --caps 10,20,30,50,100 \
+                --batches 1,8,16,64 --procs 1,2,3 --warmup-s 1 --window-s 2 2>&1 | tail -3
+        done ;;
+      sharing)
+        "${GS[@]}" bench sharing --profile "$OUT/profiles.csv" --out "$OUT" --warmup-s 2 \
+            --window-s 6 2>&1 | tee "$OUT/sharing.txt" ;;
+      *)
+        echo "unknown stage $stage (check, tests, profile, sharing)" >&2; status=2 ;;
+    esac
+done
+exit "$status"
