@@ -63,3 +63,42 @@ def test_real_mps_daemon_with_private_directories(tmp_path: Path) -> None:
         assert d.command("get_default_active_thread_percentage") == "25.0"
     finally:
         d.quit()
+
+
+def test_a_pipe_directory_too_long_for_unix_sockets_is_refused(tmp_path: Path) -> None:
+    deep = tmp_path / ("d" * 120)
+    d = MpsDaemon("GPU-x", deep / "pipe", deep / "log", binary="true")
+    with pytest.raises(MpsError, match="too long for its sockets"):
+        d.start(timeout_s=1)
+    assert not deep.exists()  # nothing made
+
+
+def test_start_does_not_wait_on_a_daemon_that_keeps_its_output_open(tmp_path: Path) -> None:
+    """The real tool forks a daemon; one that inherits the output pipes must not make start
+    wait for it (it would until the timeout, then report a failed start)."""
+    import time
+
+    real = write_fake_mps(tmp_path / "real-control")
+    tool = tmp_path / "mps-control"
+    tool.write_text(f"""#!/bin/sh
+if [ "$1" = "-d" ]; then
+    (sleep 30) &
+    exec {real} -d
+fi
+exec {real} "$@"
+""")
+    tool.chmod(0o755)
+    d = MpsDaemon("GPU-x", tmp_path / "pipe", tmp_path / "log", binary=str(tool))
+    t0 = time.monotonic()
+    d.start(timeout_s=10)
+    assert time.monotonic() - t0 < 5
+    d.quit()
+
+
+def test_a_daemon_that_dies_at_start_says_why(tmp_path: Path) -> None:
+    tool = tmp_path / "mps-control"
+    tool.write_text("#!/bin/sh\necho 'An instance of this daemon is already running' >&2\n")
+    tool.chmod(0o755)
+    d = MpsDaemon("GPU-x", tmp_path / "pipe", tmp_path / "log", binary=str(tool))
+    with pytest.raises(MpsError, match="it said: An instance of this daemon is already running"):
+        d.start(timeout_s=1)

@@ -16,6 +16,7 @@ from pathlib import Path
 from gpuslice.core.errors import GpusliceError
 
 CONTROL = "nvidia-cuda-mps-control"
+SOCKET_PATH_MAX = 107  # sun_path holds 108 bytes with the terminating NUL
 
 
 class MpsError(GpusliceError):
@@ -39,11 +40,21 @@ class MpsDaemon:
 
     def start(self, timeout_s: float = 10.0) -> None:
         """Start the daemon in the background and wait until it answers."""
+        # the daemon listens on unix sockets in the pipe directory; their paths are limited
+        longest = self.pipe_dir.resolve() / "control_privileged"
+        if len(str(longest).encode()) > SOCKET_PATH_MAX:
+            raise MpsError(f"MPS pipe directory {self.pipe_dir} is too long for its sockets "
+                           f"({len(str(longest).encode())} bytes for {longest.name}, at most "
+                           f"{SOCKET_PATH_MAX}): choose a shorter state or pipe directory")
         self.pipe_dir.mkdir(parents=True, exist_ok=True)
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        # the forked daemon may keep inherited pipes open: its start-up output goes to a file
+        err_path = self.log_dir / "start.err"
         try:
-            subprocess.run([self.binary, "-d"], env=self._env(), check=False,
-                           capture_output=True, timeout=timeout_s)
+            with open(err_path, "wb") as err:
+                subprocess.run([self.binary, "-d"], env=self._env(), check=False,
+                               stdin=subprocess.DEVNULL, stdout=err, stderr=err,
+                               timeout=timeout_s)
         except (OSError, subprocess.TimeoutExpired) as exc:
             raise MpsError(f"MPS daemon for {self.uuid} did not start: {exc} (is the NVIDIA "
                            f"driver with MPS installed and {self.binary} on PATH?)") from None
@@ -52,8 +63,10 @@ class MpsDaemon:
             if self.healthy():
                 return
             time.sleep(0.05)
+        said = err_path.read_text(errors="replace").strip()[-500:]
         raise MpsError(f"MPS daemon for {self.uuid} does not answer on {self.pipe_dir} "
-                       f"(see {self.log_dir / 'control.log'})")
+                       f"({'it said: ' + said + '; ' if said else ''}see "
+                       f"{self.log_dir / 'control.log'})")
 
     def command(self, text: str, timeout_s: float = 10.0) -> str:
         """Send one command; its output, or MpsError when the output says it failed."""
@@ -70,9 +83,11 @@ class MpsDaemon:
         return reply
 
     def healthy(self) -> bool:
+        """The daemon answers its health query with a percentage (as NVIDIA's plugin checks)."""
         try:
-            self.command("get_default_active_thread_percentage", timeout_s=2.0)
-        except MpsError:
+            reply = self.command("get_default_active_thread_percentage", timeout_s=2.0)
+            float(reply.split()[0])
+        except (MpsError, ValueError, IndexError):
             return False
         return True
 
