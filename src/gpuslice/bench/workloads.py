@@ -1,6 +1,7 @@
 """What a benchmark worker runs: one batch at a time of a model, timed.
 
-Built in: torchvision ``resnet50``, ``mobilenet_v3``, ``vit_b_16``, ``efficientnet_b0`` and a
+Built in: torchvision ``resnet50``, ``mobilenet_v3``, ``vit_b_16``, ``efficientnet_b0`` (and
+any other torchvision classification model by its name), timm models as ``timm:NAME``, a
 BERT-base sized transformer ``encoder`` (PyTorch, random weights, fp16 on CUDA), and ``tiny``
 (a NumPy matrix product, no GPU). Any other program can be profiled through one of two tiny
 protocols:
@@ -57,22 +58,36 @@ class TorchWorkload:
         self.torch = torch
         self.name = name
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        dtype = torch.float16 if self.device == "cuda" else torch.float32
-        if name in TORCHVISION:
+        self.cuda = self.device.startswith("cuda")
+        dtype = torch.float16 if self.cuda else torch.float32
+        self.shape: tuple[int, ...] = (3, 224, 224)
+        if name == "encoder":
+            layer = torch.nn.TransformerEncoderLayer(768, 12, 3072, batch_first=True)
+            net = torch.nn.TransformerEncoder(layer, 12)
+            self.shape = (128, 768)
+        elif name.startswith("timm:"):
+            try:
+                import timm
+            except ImportError:
+                raise MissingPackage(f"workload {name} needs timm: pip install timm") from None
+            try:
+                net = timm.create_model(name[5:], pretrained=False)
+            except RuntimeError as exc:  # timm: "Unknown model (...)"
+                raise GpusliceError(f"workload {name}: {exc}") from None
+            cfg = getattr(net, "pretrained_cfg", None) or getattr(net, "default_cfg", {})
+            self.shape = tuple(cfg.get("input_size", self.shape))
+        else:
             try:
                 import torchvision.models as tvm
             except ImportError:
                 raise MissingPackage(f"workload {name} needs torchvision: pip install "
                                      "torchvision") from None
-            net = getattr(tvm, TORCHVISION[name])(weights=None)
-            self.shape: tuple[int, ...] = (3, 224, 224)
-        elif name == "encoder":
-            layer = torch.nn.TransformerEncoderLayer(768, 12, 3072, batch_first=True)
-            net = torch.nn.TransformerEncoder(layer, 12)
-            self.shape = (128, 768)
-        else:
-            raise GpusliceError(f"workload: expected one of {', '.join(BUILTIN)}, cmd:... or "
-                                f"http://..., got {name!r}")
+            arch = TORCHVISION.get(name, name)
+            if arch not in tvm.list_models(module=tvm):
+                raise GpusliceError(f"workload: expected one of {', '.join(BUILTIN)}, another "
+                                    "torchvision classification model, timm:NAME, cmd:... or "
+                                    f"http://..., got {name!r}")
+            net = tvm.get_model(arch, weights=None)
         self.net = net.eval().to(device=self.device, dtype=dtype)
         self.dtype = dtype
         self._inputs: dict[int, Any] = {}
@@ -85,7 +100,7 @@ class TorchWorkload:
             self._inputs[batch] = x
         with torch.inference_mode():
             self.net(x)
-        if self.device == "cuda":
+        if self.cuda:
             torch.cuda.synchronize()
 
     def close(self) -> None:
