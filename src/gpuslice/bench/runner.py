@@ -1,5 +1,6 @@
 """Benchmark workers started together: each loads its workload and says ready; then all get GO
-at once (so co-located workers overlap), and each one's JSON lines are collected."""
+at once (so co-located workers overlap), each one's JSON lines are collected, and workers that
+finished first keep running (``holding``) until all have reported, then get STOP."""
 
 from __future__ import annotations
 
@@ -64,11 +65,15 @@ def run_together(specs: list[WorkerSpec], run_id: str,
             w.stdin.write("GO\n")
             w.stdin.flush()
         out: list[list[dict[str, object]]] = []
-        for w in workers:
+        holding = []
+        for w in workers:  # a worker done measuring keeps its load on while the others finish
             mine: list[dict[str, object]] = []
             while True:
                 doc = _read(w)
                 if doc.get("done"):
+                    break
+                if doc.get("holding"):
+                    holding.append(w)
                     break
                 if "error" in doc and not errors_ok:
                     raise GpusliceError(f"benchmark worker: {doc['error']}")
@@ -76,6 +81,13 @@ def run_together(specs: list[WorkerSpec], run_id: str,
                 if "error" in doc:
                     break
             out.append(mine)
+        for w in holding:
+            assert w.stdin is not None
+            w.stdin.write("STOP\n")
+            w.stdin.flush()
+        for w in holding:
+            while not _read(w).get("done"):
+                pass
         return out
     finally:
         for w in workers:

@@ -13,6 +13,11 @@ the GPU evenly among ``GPUSLICE_FAKE_PROCS`` processes and ``timeslice`` gives e
 GPU one turn in N; co-running processes slow each other 5% each. These are stand-ins to
 exercise the code, not claims about real GPUs.
 
+Workers that share a GPU finish their windows at slightly different times; so that none is
+measured running alone at the end, a real (not fake-timer) worker then says
+``{"holding": true}`` and keeps running batches of its last size until ``STOP`` arrives on stdin
+(the runner sends it once every worker has reported).
+
 ``--alloc-mib N`` then tries to allocate N MiB of GPU memory and reports
 ``{"alloc": {"ok": ..., "error": ...}}`` (the memory-cap check); with the fake timer the limit
 is the one in ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT``.
@@ -24,6 +29,7 @@ import argparse
 import json
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 
@@ -101,6 +107,24 @@ def allocate(args: argparse.Namespace) -> dict[str, object]:
         return {"ok": False, "mib": mib, "error": f"OutOfMemoryError: {str(exc)[:200]}"}
 
 
+def hold(run: Callable[[int], float], batch: int) -> int:
+    """Keep the GPU as busy as while measuring until the runner says STOP (or goes away);
+    the number of batches run meanwhile."""
+    stop = threading.Event()
+
+    def wait() -> None:
+        sys.stdin.readline()  # STOP, or end of file when the runner is gone
+        stop.set()
+
+    threading.Thread(target=wait, daemon=True).start()
+    print(json.dumps({"holding": True}), flush=True)
+    n = 0
+    while not stop.is_set():
+        run(batch)
+        n += 1
+    return n
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="one gpuslice benchmark worker")
     ap.add_argument("--workload", default="tiny")
@@ -124,6 +148,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(json.dumps(measure(run, b, args.warmup_s, args.window_s)), flush=True)
         if args.alloc_mib:
             print(json.dumps({"alloc": allocate(args)}), flush=True)
+        held = hold(run, batches[-1]) if not args.no_wait and not args.fake_timer and batches \
+            else 0
         close()
     except (GpusliceError, ValueError) as exc:
         print(json.dumps({"error": str(exc)}), flush=True)
@@ -131,7 +157,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as exc:  # a CUDA out-of-memory or a crash in the workload
         print(json.dumps({"error": f"{type(exc).__name__}: {exc}"}), flush=True)
         return 1
-    print(json.dumps({"done": True}), flush=True)
+    print(json.dumps({"done": True, "held_batches": held}), flush=True)
     return 0
 
 
