@@ -395,3 +395,61 @@ def test_mig_isolation_gets_a_named_instance_and_the_reasons_when_none_is_free()
             assert "no free MIG instance of >= 3g" in res["FailedNodes"]["mig"]
 
     asyncio.run(serving(api, body))
+
+
+def test_mps_slices_go_inside_mig_instances_of_a_mig_enabled_gpu() -> None:
+    """A MIG-enabled GPU has no whole-GPU device: MPS slices share its instances (best fit),
+    an instance with MPS tenants is not given to a MIG-isolated pod, and nothing asks for the
+    GPU whole."""
+    api = FakeApiServer()
+    inv = [{"uuid": "GPU-m0", "index": 0, "model": "A100-80GB", "memoryMiB": 81920,
+            "mig": [{"uuid": "MIG-3g", "profile": "3g.40gb", "start": 0, "memoryMiB": 40192},
+                    {"uuid": "MIG-2g", "profile": "2g.20gb", "start": 4, "memoryMiB": 19968},
+                    {"uuid": "MIG-1g", "profile": "1g.10gb", "start": 6, "memoryMiB": 9728}]}]
+    api.add_node({"apiVersion": "v1", "kind": "Node", "metadata": {
+        "name": "mig", "annotations": {"gpuslice.io/inventory": json.dumps(inv)}}})
+    api.add_node(node("plain", "T4", 1))
+    for n in ("s1", "s2"):
+        api.add_pod(pod(n, 200, model="A100-80GB"))
+    whole = pod("whole", 1000, model="A100-80GB")
+    big = pod("big", 600, model="A100-80GB")
+    mig3 = pod("mig3", 429, model="A100-80GB")
+    mig3["metadata"]["annotations"]["gpuslice.io/isolation"] = "mig"
+    for p in (whole, big, mig3):
+        api.add_pod(p)
+
+    async def body(url: str, state: ExtenderState) -> None:
+        async with aiohttp.ClientSession() as s:
+            placed = []
+            for n in ("s1", "s2"):
+                stored = api.get_pod("default", n)
+                st, res = await post(s, url + "/filter", {"Pod": stored, "NodeNames": ["mig"]})
+                assert res["NodeNames"] == ["mig"], res
+                st, res = await post(s, url + "/prioritize", {"Pod": stored,
+                                                              "NodeNames": ["mig"]})
+                assert res[0]["Score"] > 0
+                st, res = await post(s, url + "/bind", {
+                    "PodName": n, "PodNamespace": "default",
+                    "PodUID": stored["metadata"]["uid"], "Node": "mig"})
+                assert st == 200 and res["Error"] == "", res
+                a = decode(api.get_pod("default", n)["metadata"]["annotations"][ANNOTATION])
+                share = a.containers[0].gpus[0]
+                assert a.containers[0].mode.value == "mps" and share.milli == 200
+                placed.append((share.uuid, share.mig_profile, share.mig_start))
+            # 200 milli: the 2g (285) fits tightest; the second no longer fits there: the 3g
+            assert placed == [("GPU-m0", "2g.20gb", 4), ("GPU-m0", "3g.40gb", 0)]
+            for name, why in (("whole", "GPU 0 has 0 milli free"),
+                              ("big", "MPS inside MIG instances: none has 600 milli and 0 MiB "
+                                      "free (3g.40gb@0 (228 milli, 40192 MiB free), 2g.20gb@4 "
+                                      "(85 milli, 19968 MiB free), 1g.10gb@6"),
+                              ("mig3", "no free MIG instance of >= 3g")):
+                stored = api.get_pod("default", name)
+                st, res = await post(s, url + "/filter", {"Pod": stored, "NodeNames": ["mig"]})
+                assert res["NodeNames"] == [] and why in res["FailedNodes"]["mig"], res
+        # a restarted extender derives the same instance use from the assignments
+        again = ExtenderState(api, KEY, clock=clock)
+        rooms = {(r.profile, r.start): r for r in again._mig_rooms(0, frozenset())}
+        assert (rooms[("2g.20gb", 4)].used_milli, rooms[("3g.40gb", 0)].used_milli,
+                rooms[("1g.10gb", 6)].used_milli) == (200, 200, 0)
+
+    asyncio.run(serving(api, body))

@@ -362,3 +362,50 @@ def test_a_mig_assignment_sees_the_instance_it_names() -> None:
         finally:
             server.stop()
             kubelet.stop()
+
+
+def test_an_mps_slice_inside_a_mig_instance_gets_the_instances_daemon(tmp_path: Path) -> None:
+    """MPS inside MIG: the container sees the instance, its thread cap is its share of the
+    instance (200 milli of the GPU in a 3g of 7 is 47%), and the MPS daemon is the instance's
+    own, with its own pipe directory."""
+    from gpuslice.core.devices import MigInstance
+    from gpuslice.services.node_agent import NodeAgent
+    from tests.fake_mps import write_fake_mps
+
+    gpu = GpuDevice(0, "GPU-mig", "NVIDIA A100-80GB", "A100-80GB", 81920, mig_enabled=True,
+                    mig=(MigInstance("MIG-x-0", "3g.40gb", 0, 40192),
+                         MigInstance("MIG-x-4", "3g.40gb", 4, 40192)))
+    tool = write_fake_mps(tmp_path / "mps-control")
+    with tempfile.TemporaryDirectory(prefix="dp-") as d:
+        sock = Path(d)
+        api = FakeApiServer()
+        kubelet = Kubelet(sock).start()
+        cfg = PluginConfig("node-1", sock, KEY, replicas=4, mps_pipe_dir=str(tmp_path / "mps"))
+        agent = NodeAgent(cfg, FakeNvml([gpu]), api, mps=True, mps_binary=str(tool))
+        server = PluginServer(agent.plugin)
+        server.start()
+        try:
+            assert kubelet.registered.wait(5)
+            for name, milli, start, t in (("a", 200, 0, "t1"), ("b", 100, 4, "t2")):
+                p = api.add_pod({"metadata": {"name": name, "namespace": "ml"}})
+                a = Assignment("ml", name, p["metadata"]["uid"], "node-1", (ContainerAssignment(
+                    "main", Mode.MPS, (GpuShare("GPU-mig", milli, 8192, "3g.40gb", start),)),),
+                    t)
+                api.patch_pod_annotations("ml", name,
+                                          {"gpuslice.io/assignment": encode(sign(a, KEY))},
+                                          p["metadata"]["resourceVersion"])
+            ra = allocate(kubelet.stub(), "GPU-mig::0")
+            rb = allocate(kubelet.stub(), "GPU-mig::1")
+            assert ra.envs["NVIDIA_VISIBLE_DEVICES"] == "MIG-x-0"
+            assert ra.envs["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "47"
+            assert ra.envs["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=8192M"
+            assert rb.envs["NVIDIA_VISIBLE_DEVICES"] == "MIG-x-4"
+            assert rb.envs["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "23"
+            assert ra.mounts[0].host_path == str(tmp_path / "mps" / "MIG-x-0")
+            assert sorted(agent._mps) == ["MIG-x-0", "MIG-x-4"]  # one daemon per instance
+            assert (tmp_path / "mps" / "MIG-x-4" / "control").exists()
+        finally:
+            server.stop()
+            kubelet.stop()
+            agent.quit_mps()
+    assert not any((tmp_path / "mps").glob("*/control"))

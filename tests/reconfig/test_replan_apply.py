@@ -67,7 +67,7 @@ def test_a_replan_is_applied_adds_first_without_failing_a_request(tmp_path: Path
                              rng=np.random.default_rng(1)).plan
     less = [Service(s.name, s.model, s.rate * 0.4, s.slo_ms) for s in SERVICES]
     new = replan(PROFILES, current, less, rng=np.random.default_rng(2), fleet=FLEET).plan
-    with cluster(tmp_path, nodes=2, gpus=2, replicas=0) as c, FakeDeployments(c):
+    with cluster(tmp_path, nodes=2, gpus=2, replicas=0, mig=None) as c, FakeDeployments(c):
         first = apply_plan(c.api, Plan((), "gpus", 0, 0, "none"), current, namespace=NS,
                            ready_timeout_s=60, poll_s=0.05)
         assert any("ready" in line for line in first)

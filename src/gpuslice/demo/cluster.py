@@ -309,20 +309,37 @@ class KubeletSim(pbg.RegistrationServicer):
             self.log.add("error", f"{self.node}: Allocate for {key} executed the assignment of "
                          f"{envs['GPUSLICE_ASSIGNMENT']}")
         ann = pod["metadata"].get("annotations") or {}
-        uuids = envs.get("NVIDIA_VISIBLE_DEVICES", "").split(",")
-        gpu_model = self.gpu_models.get(uuids[0], "?")
+        uuids = [u for u in envs.get("NVIDIA_VISIBLE_DEVICES", "").split(",") if u]
+        seen = [self._device(u) for u in uuids] or [("", "?", 1.0, "")]
+        gpu_model, fraction = seen[0][1], seen[0][2]
         pct = int(envs.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "100"))
         model = str(ann.get(MODEL, "embedder"))
         batch = int(ann.get(BATCH, "1"))
-        ms = 1000 * service_time_s(model, gpu_model, pct / 100, batch)
+        share = fraction * pct / 100  # of the whole GPU: a MIG instance's part, then MPS's
+        ms = 1000 * service_time_s(model, gpu_model, share, batch)
         c = Container(key, str((pod["metadata"].get("labels") or {}).get(
-            "gpuslice.io/service", key)), model, gpu_model, 10 * pct, batch, ms, envs,
-            gpus=tuple(u for u in uuids if u))
+            "gpuslice.io/service", key)), model, gpu_model, round(1000 * share), batch, ms,
+            envs, gpus=tuple(g for g, _, _, _ in seen if g))
         self.containers[key] = c
         self._clients(c, +1)
         self._run(c)
-        self.log.add("kubelet", f"{self.node}: started {key} on {','.join(uuids)} "
-                     f"({gpu_model}, {pct}% of the SMs, batch {batch}: {ms:.1f} ms/batch)")
+        where = ",".join(f"{g} {inst}".strip() for g, _, _, inst in seen)
+        inside = f"{pct}% of {seen[0][3]}" if seen[0][3] else f"{pct}% of the SMs"
+        self.log.add("kubelet", f"{self.node}: started {key} on {where} "
+                     f"({gpu_model}, {inside}, batch {batch}: {ms:.1f} ms/batch)")
+
+    def _device(self, uuid: str) -> tuple[str, str, float, str]:
+        """(GPU UUID, model, part of the GPU, MIG instance) of a visible device: a GPU, or a
+        MIG instance of one (its compute slices' part of the GPU)."""
+        if uuid in self.gpu_models:
+            return uuid, self.gpu_models[uuid], 1.0, ""
+        for g in self.nvml.devices() if self.nvml is not None else []:
+            for m in g.mig:
+                known = catalog.lookup(g.model)
+                if m.uuid == uuid and known is not None and known.mig is not None:
+                    part = known.mig.profile(m.profile).compute_slices / known.mig.compute_slices
+                    return g.uuid, g.model, part, m.profile
+        return uuid, "?", 1.0, ''
 
     def _run(self, c: Container) -> None:
         c.started_at = time.monotonic()

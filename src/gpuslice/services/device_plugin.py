@@ -30,6 +30,7 @@ from gpuslice.adapters.kube.fake import KubePort
 from gpuslice.adapters.kubelet import deviceplugin_pb2 as pb
 from gpuslice.adapters.kubelet import deviceplugin_pb2_grpc as pbg
 from gpuslice.adapters.nvml.port import NvmlPort
+from gpuslice.core import catalog, migmps
 from gpuslice.core.assignment import ANNOTATION, Assignment, GpuShare, Mode, verify
 from gpuslice.core.errors import GpusliceError
 
@@ -183,8 +184,8 @@ class DevicePlugin(pbg.DevicePluginServicer):
             uuids = sorted({d.split("::")[0] for d in ids})
             a = self._claim(uuids)
             if a is not None and a.containers[0].mode is Mode.MPS and self.ensure_mps:
-                try:
-                    self.ensure_mps(a.containers[0].gpus[0].uuid)
+                try:  # the GPU's daemon, or the MIG instance's for a slice inside one
+                    self.ensure_mps(self._visible(a.containers[0].gpus[0]))
                 except GpusliceError as exc:
                     self._unclaim(a)
                     context.abort(grpc.StatusCode.UNAVAILABLE,
@@ -235,6 +236,18 @@ class DevicePlugin(pbg.DevicePluginServicer):
         raise GpusliceError(f"GPU {share.uuid} has no MIG instance {share.mig_profile}@"
                             f"{share.mig_start} (the layout changed since the assignment?)")
 
+    def _thread_pct(self, share: GpuShare) -> int:
+        """The MPS thread cap: milli/10 of the GPU, or inside a MIG instance that share of the
+        instance (214 milli of the GPU in a 3g of 7 is half the instance)."""
+        if not share.mig_profile:
+            return max(1, share.milli // 10)
+        model = next((catalog.lookup(g.model) for g in self.nvml.devices()
+                      if g.uuid == share.uuid), None)
+        if model is None or model.mig is None:
+            raise GpusliceError(f"GPU {share.uuid}: no MIG geometry for its model")
+        return migmps.thread_pct(share.milli, model.mig.profile(share.mig_profile).compute_slices,
+                                 model.mig.compute_slices)
+
     def _response(self, a: Assignment) -> pb.ContainerAllocateResponse:
         c = a.containers[0]
         gpus = [self._visible(g) for g in c.gpus]
@@ -244,7 +257,7 @@ class DevicePlugin(pbg.DevicePluginServicer):
         if c.mode is Mode.MPS:
             share = c.gpus[0]
             envs["CUDA_MPS_PIPE_DIRECTORY"] = MPS_PIPE_IN_CONTAINER
-            envs["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(max(1, share.milli // 10))
+            envs["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(self._thread_pct(share))
             if share.memory_mib:
                 envs["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = ",".join(
                     f"{i}={g.memory_mib}M" for i, g in enumerate(c.gpus))

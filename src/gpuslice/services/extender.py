@@ -31,7 +31,7 @@ from gpuslice.adapters.kube.objects import (
     pod_key,
     pod_request,
 )
-from gpuslice.core import catalog
+from gpuslice.core import catalog, migmps
 from gpuslice.core.assignment import (
     ANNOTATION,
     Assignment,
@@ -45,6 +45,7 @@ from gpuslice.core.errors import GpusliceError, ValidationError
 from gpuslice.core.fit import explain, feasible, gpu_ok
 from gpuslice.core.lease import LeaseAction, LeaseState, decide
 from gpuslice.core.ledger import Conflict, GpuSlot, Ledger
+from gpuslice.core.migmps import InstanceRoom
 from gpuslice.core.model import ClusterArrays, Gpu, Isolation, Node, SliceRequest, build_arrays
 from gpuslice.core.policies import PlacementState, best_fit_gpu, exclusive_gpus, make_policy
 
@@ -106,6 +107,8 @@ class _Inventory:
     arrays: ClusterArrays
     # per node: the MIG instances of its MIG-enabled GPUs, (GPU UUID, GPU model, instance)
     mig: list[list[tuple[str, str, InventoryMig]]]
+    # MIG-enabled GPUs: no whole-GPU slice; MPS slices go inside their instances
+    mig_gpus: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -151,6 +154,7 @@ class ExtenderState:
         slots: list[GpuSlot] = []
         cordoned: set[str] = set()
         migs: list[list[tuple[str, str, InventoryMig]]] = []
+        mig_gpus: set[str] = set()
         for n in self.api.list_nodes():
             name = n["metadata"]["name"]
             raw = ((n["metadata"].get("annotations") or {}).get(CORDONED) or "")
@@ -163,6 +167,7 @@ class ExtenderState:
             names.append(name)
             uuids.append([g.uuid for g in inv])
             migs.append([(g.uuid, g.model, m) for g in inv for m in g.mig])
+            mig_gpus.update(g.uuid for g in inv if g.mig_enabled)
             nodes.append(Node(name, 0, 0, tuple(Gpu(j, g.model, g.memory_mib)
                                                 for j, g in enumerate(inv))))
             slots.extend(GpuSlot(g.uuid, name, g.memory_mib) for g in inv)
@@ -175,7 +180,8 @@ class ExtenderState:
         ledger, problems = Ledger.rebuild(slots, assignments)
         self.problems.extend(problems)
         arrays = build_arrays(nodes)
-        inv_ = _Inventory(names, {n: i for i, n in enumerate(names)}, uuids, arrays, migs)
+        inv_ = _Inventory(names, {n: i for i, n in enumerate(names)}, uuids, arrays, migs,
+                          frozenset(mig_gpus))
         with self._lock:
             for key, a in list(getattr(self, "_in_flight", {}).items()):
                 if key not in ledger.owners:
@@ -207,8 +213,10 @@ class ExtenderState:
     def _refresh_row(self, i: int) -> None:
         a = self.inv.arrays
         for j, uuid in enumerate(self.inv.uuids[i]):
-            # a GPU cordoned for reconfiguration takes no new slice
-            milli, mem = (0, 0) if uuid in self.cordoned else self.ledger.free(uuid)
+            # a GPU cordoned for reconfiguration takes no new slice; a MIG-enabled one no
+            # whole-GPU slice (MPS slices go inside its instances: _mig_rooms)
+            milli, mem = (0, 0) if uuid in self.cordoned or uuid in self.inv.mig_gpus \
+                else self.ledger.free(uuid)
             a.gpu_free[i, j] = milli
             a.gpu_mem_free[i, j] = mem
 
@@ -289,11 +297,49 @@ class ExtenderState:
                 else:
                     failed[n] = (f"GPU {j} has {a.gpu_free[i, j]} milli free, pod needs "
                                  f"{g.milli} (the most free GPU of the node)")
+            if n in failed and i is not None and self.inv.mig[i] and _mode(req) is Mode.MPS:
+                if self._mig_room_for(i, req) is not None:
+                    del failed[n]
+                    keep.append(n)
+                    continue
+                rooms = self._mig_rooms(i, req.models)
+                failed[n] += (f"; MPS inside MIG instances: none has {req.milli} milli and "
+                              f"{req.gpu_memory_mib} MiB free"
+                              + (f" ({', '.join(map(str, rooms))})" if rooms else "")
+                              if req.gpus == 1 else "; MPS inside MIG takes one GPU per pod")
             if n in failed and i is not None:
                 k = sum(u in self.cordoned for u in self.inv.uuids[i])
                 if k:
                     failed[n] += f"; {k} GPU(s) cordoned for reconfiguration"
         return keep, failed
+
+    # -- MPS slices inside MIG instances ----------------------------------------------------
+
+    def _mig_rooms(self, i: int, models: frozenset[str]) -> list[InstanceRoom]:
+        """The MIG instances of node ``i`` with what live assignments hold of each."""
+        held = list(self.ledger.owners.values()) + list(self._in_flight.values())
+        use = migmps.usage(held)
+        out = []
+        for gpu, model, m in self.inv.mig[i]:
+            known = catalog.lookup(model)
+            if known is None or known.mig is None or gpu in self.cordoned \
+                    or (models and model not in models):
+                continue
+            try:
+                slices = known.mig.profile(m.profile).compute_slices
+            except ValidationError:  # a profile the catalogue does not know
+                continue
+            milli, mib, whole = use.get((gpu, m.start), (0, 0, False))
+            out.append(InstanceRoom(gpu, m.profile, m.start,
+                                    migmps.capacity_milli(slices, known.mig.compute_slices),
+                                    m.memory_mib, milli, mib, whole))
+        return out
+
+    def _mig_room_for(self, i: int, req: SliceRequest) -> InstanceRoom | None:
+        if req.gpus != 1 or _mode(req) is not Mode.MPS:
+            return None
+        return migmps.best_instance(self._mig_rooms(i, req.models), req.milli,
+                                    req.gpu_memory_mib)
 
     # -- MIG instances named in assignments ------------------------------------------------
 
@@ -353,6 +399,12 @@ class ExtenderState:
         rows = np.array([self.inv.index[n] for n in known], dtype=np.int64)
         st = PlacementState.build(self.inv.arrays, None)
         ok = feasible(self.inv.arrays, self._gpu_only(req))[rows]
+        in_mig: dict[str, int] = {}  # nodes that fit the pod only inside a MIG instance
+        for n, fits in zip(known, ok, strict=True):
+            room = None if fits else self._mig_room_for(self.inv.index[n], req)
+            if room is not None:  # the tighter the instance, the higher
+                in_mig[n] = max(1, 10 - round(10 * (room.free_milli - req.milli)
+                                              / room.capacity_milli))
         scores = np.zeros(len(known))
         if ok.any():
             scored = self.policy.score(st, self._gpu_only(req), rows[ok])
@@ -360,7 +412,7 @@ class ExtenderState:
             scaled = np.round(10 * (scored.scores - lo) / (hi - lo)) if hi > lo else \
                 np.full(len(scored.scores), 10.0)
             scores[np.flatnonzero(ok)] = scaled
-        by_name = dict(zip(known, scores.astype(int).tolist(), strict=True))
+        by_name = {**dict(zip(known, scores.astype(int).tolist(), strict=True)), **in_mig}
         return [(n, by_name.get(n, 0)) for n in names]
 
     def bind(self, namespace: str, name: str, uid: str, node: str) -> str:
@@ -403,13 +455,18 @@ class ExtenderState:
                 shares: tuple[GpuShare, ...] = (GpuShare(
                     gpu, max(1, 1000 * size // 7), inst.memory_mib, inst.profile,
                     inst.start),)
-            else:
-                if not feasible(self.inv.arrays, g)[i]:
-                    return "; ".join(explain(self.inv.arrays, g, i))
+            elif feasible(self.inv.arrays, g)[i]:
                 gpus = (best_fit_gpu(self.inv.arrays, g, i) if g.is_sharing
                         else exclusive_gpus(self.inv.arrays, g, i))
                 shares = tuple(GpuShare(self.inv.uuids[i][j], req.milli, req.gpu_memory_mib)
                                for j in gpus)
+            else:  # an MPS slice inside a MIG instance, or nowhere
+                room = self._mig_room_for(i, req)
+                if room is None:
+                    return self.filter(pod, [node])[1].get(node) or \
+                        "; ".join(explain(self.inv.arrays, g, i))
+                shares = (GpuShare(room.gpu, req.milli, req.gpu_memory_mib, room.profile,
+                                   room.start),)
             containers = tuple(ContainerAssignment(c, mode, shares) for c in _gpu_containers(pod))
             a = sign(Assignment(namespace, name, uid, node, containers, self.clock()), self.key)
             try:

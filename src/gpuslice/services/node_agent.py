@@ -215,6 +215,9 @@ class NodeAgent:
         if changed:
             for plugin in self.plugins:
                 plugin.changed()  # MIG strategies list instances: stream the new list
+            # the new instances reach the extender's inventory before the controller reads
+            # the layout report and reopens the GPU (MPS slices are placed inside instances)
+            self.publish()
         if report and report != self._layout_report:
             self.api.patch_node(self.cfg.node, {}, {MIG_LAYOUTS: json.dumps(report,
                                                                             sort_keys=True)})

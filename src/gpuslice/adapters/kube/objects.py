@@ -134,6 +134,7 @@ class InventoryGpu:
     model: str
     memory_mib: int
     mig: tuple[InventoryMig, ...] = ()
+    mig_enabled: bool = False  # then the GPU is usable only through its MIG instances
 
 
 def node_inventory(node: dict[str, Any]) -> list[InventoryGpu]:
@@ -157,7 +158,7 @@ def node_inventory(node: dict[str, Any]) -> list[InventoryGpu]:
                                       int(m.get("memoryMiB", 0)))
                          for m in g.get("mig") or [])
             out.append(InventoryGpu(str(g["uuid"]), int(g["index"]), str(g["model"]),
-                                    int(g.get("memoryMiB", 0)), migs))
+                                    int(g.get("memoryMiB", 0)), migs, "mig" in g))
         except (KeyError, TypeError, ValueError) as exc:
             raise ValidationError(f"node {name}: inventory[{i}]",
                                   "uuid, index, model and memoryMiB", str(exc)) from None
