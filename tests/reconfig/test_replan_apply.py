@@ -113,3 +113,37 @@ def test_a_replan_is_applied_adds_first_without_failing_a_request(tmp_path: Path
             time.sleep(0.05)
         assert len([p for p in c.api.list_pods() if p["metadata"]["namespace"] == NS]) == \
             len(names)
+
+
+def test_a_plan_on_gpus_in_its_mig_layouts_puts_every_slice_inside_an_instance(
+        tmp_path: Path) -> None:
+    """The planner's manifests on MIG-enabled GPUs in the plan's own layouts (what its
+    mig-parted config makes): each planned slice's pod fits an instance through the extender,
+    as an MPS slice inside it, and runs."""
+    import uuid
+
+    from gpuslice.adapters.kube.annotation import decode
+    from gpuslice.core.assignment import ANNOTATION
+    from gpuslice.demo.cluster import Cluster, EventLog, InProcessRuntime, NodeSpec
+
+    plan = plan_and_check(PROFILES, SERVICES, FLEET, PlanOptions(),
+                          rng=np.random.default_rng(1)).plan
+    c = Cluster(tmp_path, uuid.uuid4().hex[:8], b"plan-on-mig-key-0123456789ab", EventLog(),
+                runtime=InProcessRuntime(), agent_poll_s=0.05)
+    try:
+        for g in plan.gpus:
+            layout = ",".join(f"{s.placement.profile.name}@{s.placement.start}" for s in g.slots)
+            c.add_node(NodeSpec(f"n{g.index}", (g.gpu,), mig=layout))
+        c.start_extender()
+        with FakeDeployments(c):
+            done = apply_plan(c.api, Plan((), "gpus", 0, 0, "none"), plan, namespace=NS,
+                              ready_timeout_s=60, poll_s=0.05)
+        assert any("ready" in line for line in done), done
+        pods = [p for p in c.api.list_pods() if p["metadata"]["namespace"] == NS]
+        planned = sum(len(s.parts) for g in plan.gpus for s in g.slots)
+        assert len(pods) == planned
+        for p in pods:
+            share = decode(p["metadata"]["annotations"][ANNOTATION]).containers[0].gpus[0]
+            assert share.mig_profile, p["metadata"]["name"]  # inside an instance
+    finally:
+        c.stop()
