@@ -80,13 +80,30 @@ def test_grafana_dashboard_queries_metrics_the_code_exports() -> None:
     from gpuslice.services.node_agent import AgentMetrics
 
     dash = json.loads((ROOT / "deploy" / "grafana" / "gpuslice.json").read_text())
+    from gpuslice.adapters.kube.fake import FakeApiServer
+    from gpuslice.services.extender import ExtenderState
+    from gpuslice.services.extender_metrics import ExtenderMetrics
+
     exported = AgentMetrics().render().decode()
+    state = ExtenderState(FakeApiServer(), b"k" * 16, clock=lambda: "t")
+    extender = ExtenderMetrics(state)
+    for verb in ("filter", "bind"):  # labelled series appear once used
+        extender.seconds.labels(verb).observe(0.001)
+    extender.filtered(0, {"n": "node has no GPU"})
+    exported += extender.exposition().decode()
     router = (ROOT / "src" / "gpuslice" / "adapters" / "http" / "metrics.py").read_text()
     for panel in dash["panels"]:
         for target in panel["targets"]:
             for name in re.findall(r"gpuslice_[a-z_]+", target["expr"]):
                 base = re.sub(r"_(bucket|total|sum|count)$", "", name)
                 assert base in exported or f'"{base}"' in router, name
+            # the legend names only labels the query keeps (an aggregation keeps its "by")
+            labels = re.findall(r"\{\{(\w+)\}\}", target.get("legendFormat", ""))
+            aggs = re.findall(r"\b(?:sum|count|avg|min|max)\s*(?:by\s*\(([^)]*)\))?\s*\(",
+                              target["expr"])
+            if labels and aggs:
+                kept = {x.strip() for x in aggs[0].split(",") if x.strip()}
+                assert set(labels) <= kept, (panel["title"], labels, kept)
 
 
 def test_the_slice_schedule_crd_and_its_example() -> None:

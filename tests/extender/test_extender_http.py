@@ -453,3 +453,55 @@ def test_mps_slices_go_inside_mig_instances_of_a_mig_enabled_gpu() -> None:
                 rooms[("1g.10gb", 6)].used_milli) == (200, 200, 0)
 
     asyncio.run(serving(api, body))
+
+
+def test_metrics_show_latency_rejections_by_kind_binds_and_the_ledger() -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from gpuslice.services.extender_metrics import rejection_kind
+
+    api = small_cluster()  # a: 2 x T4, b: 2 x A100-80GB; pod "big" asks 700 milli
+    api.add_pod(pod("a100", 300, model="A100-80GB"))
+
+    async def body(url: str, state: ExtenderState) -> None:
+        async with aiohttp.ClientSession() as s:
+            big = api.get_pod("default", "big")
+            await post(s, url + "/filter", {"Pod": big, "NodeNames": ["a", "b", "zz"]})
+            await post(s, url + "/bind", {"PodName": "big", "PodNamespace": "default",
+                                          "PodUID": big["metadata"]["uid"], "Node": "b"})
+            await post(s, url + "/bind", {"PodName": "big", "PodNamespace": "default",
+                                          "PodUID": "wrong-uid", "Node": "b"})
+            a100 = api.get_pod("default", "a100")
+            await post(s, url + "/filter", {"Pod": a100, "NodeNames": ["a", "b"]})
+            await post(s, url + "/prioritize", {"Pod": a100, "NodeNames": ["b"]})
+            await post(s, url + "/filter", b"not json")
+            async with s.get(url + "/metrics") as r:
+                assert r.status == 200 and r.headers["Content-Type"].startswith("text/plain")
+                text = await r.text()
+        got: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+        for fam in text_string_to_metric_families(text):
+            for smp in fam.samples:
+                got[(smp.name, tuple(sorted(smp.labels.items())))] = smp.value
+        assert got[("gpuslice_extender_filter_nodes_total", (("result", "kept"),))] == 3
+        assert got[("gpuslice_extender_filter_nodes_total", (("result", "rejected"),))] == 2
+        assert got[("gpuslice_extender_rejections_total", (("kind", "no-inventory"),))] == 1
+        assert got[("gpuslice_extender_rejections_total", (("kind", "gpu-model"),))] == 1
+        assert got[("gpuslice_extender_binds_total", (("result", "bound"),))] == 1
+        assert got[("gpuslice_extender_binds_total", (("result", "refused"),))] == 1
+        assert got[("gpuslice_extender_bad_requests_total", (("verb", "filter"),))] == 1
+        assert got[("gpuslice_extender_request_seconds_count", (("verb", "filter"),))] == 3
+        assert got[("gpuslice_extender_request_seconds_count", (("verb", "prioritize"),))] == 1
+        assert got[("gpuslice_extender_node_allocated_milli", (("node", "b"),))] == 700
+        assert got[("gpuslice_extender_node_capacity_milli", (("node", "a"),))] == 2000
+        assert got[("gpuslice_extender_assignments", ())] == 1
+        assert got[("gpuslice_extender_leader", ())] == 1
+
+    asyncio.run(serving(api, body))
+    for reason, kind in [("GPU 1 has 2048 MiB free, pod needs 4096", "memory"),
+                         ("GPU 0 has 300 milli free, pod needs 700 (the most free GPU)",
+                          "compute"),
+                         ("1 of 2 GPUs free enough, pod needs 2", "gpu-count"),
+                         ("node has no GPU", "no-gpu"),
+                         ("no free MIG instance of >= 3g with 0 MiB (free: none)", "mig"),
+                         ("something new", "other")]:
+        assert rejection_kind(reason) == kind

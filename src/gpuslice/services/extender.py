@@ -12,6 +12,7 @@ assignments of live pods, so a restart loses nothing and doubles nothing.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +20,7 @@ from typing import Any
 import numpy as np
 import orjson
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from gpuslice.adapters.kube.annotation import AnnotationError, decode, encode
 from gpuslice.adapters.kube.fake import ApiConflict, ApiNotFound, KubePort, WatchEvent
@@ -48,6 +50,7 @@ from gpuslice.core.ledger import Conflict, GpuSlot, Ledger
 from gpuslice.core.migmps import InstanceRoom
 from gpuslice.core.model import ClusterArrays, Gpu, Isolation, Node, SliceRequest, build_arrays
 from gpuslice.core.policies import PlacementState, best_fit_gpu, exclusive_gpus, make_policy
+from gpuslice.services.extender_metrics import ExtenderMetrics
 
 MAX_BODY = 8 * 1024 * 1024
 
@@ -561,13 +564,31 @@ def _pod(args: dict[str, Any]) -> dict[str, Any]:
     return pod
 
 
-def make_app(state: ExtenderState) -> web.Application:
+def make_app(state: ExtenderState, metrics: ExtenderMetrics | None = None) -> web.Application:
+    m = metrics or ExtenderMetrics(state)
+
+    @web.middleware
+    async def timed(request: web.Request, handler: Any) -> web.StreamResponse:
+        verb = request.path.strip("/")
+        if verb not in ("filter", "prioritize", "bind"):
+            return await handler(request)  # type: ignore[no-any-return]
+        t0 = time.perf_counter()
+        try:
+            return await handler(request)  # type: ignore[no-any-return]
+        except web.HTTPBadRequest:
+            m.errors.labels(verb).inc()
+            raise
+        finally:
+            m.seconds.labels(verb).observe(time.perf_counter() - t0)
+
     async def filter_(request: web.Request) -> web.Response:
         args = await _json(request)
         try:
             names, objects = _names(args)
             keep, failed = state.filter(_pod(args), names)
+            m.filtered(len(keep), failed)
         except GpusliceError as exc:
+            m.errors.labels("filter").inc()
             return web.Response(body=orjson.dumps({
                 "Nodes": None, "NodeNames": None, "FailedNodes": {},
                 "FailedAndUnresolvableNodes": {}, "Error": str(exc)}),
@@ -588,6 +609,7 @@ def make_app(state: ExtenderState) -> web.Application:
             names, _ = _names(args)
             scores = state.prioritize(_pod(args), names)
         except GpusliceError as exc:
+            m.errors.labels("prioritize").inc()
             return _bad(str(exc))
         return web.Response(body=orjson.dumps([{"Host": h, "Score": s} for h, s in scores]),
                             content_type="application/json")
@@ -598,21 +620,27 @@ def make_app(state: ExtenderState) -> web.Application:
         for key in ("PodName", "PodNamespace", "PodUID", "Node"):
             value = args.get(key)
             if not isinstance(value, str) or not value:
+                m.errors.labels("bind").inc()
                 return web.Response(body=orjson.dumps({"Error": f"{key}: expected a string"}),
                                     content_type="application/json")
             fields[key] = value
         error = state.bind(fields["PodNamespace"], fields["PodName"], fields["PodUID"],
                            fields["Node"])
+        m.binds.labels("refused" if error else "bound").inc()
         return web.Response(body=orjson.dumps({"Error": error}), content_type="application/json")
 
     async def healthz(_: web.Request) -> web.Response:
         return web.Response(text="ok")
 
-    app = web.Application(client_max_size=MAX_BODY)
+    async def metrics_(_: web.Request) -> web.Response:
+        return web.Response(body=m.exposition(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    app = web.Application(client_max_size=MAX_BODY, middlewares=[timed])
     app.router.add_post("/filter", filter_)
     app.router.add_post("/prioritize", prioritize)
     app.router.add_post("/bind", bind)
     app.router.add_get("/healthz", healthz)
+    app.router.add_get("/metrics", metrics_)
     return app
 
 

@@ -1,0 +1,97 @@
+"""Prometheus metrics of the scheduler extender (``GET /metrics`` on its port), so that the
+control-plane path is not opaque: how long filter, prioritize and bind take, how many nodes
+filter rejects and why, how binds end, and what the ledger holds per node (read at scrape time
+from the extender's state, so nothing is counted twice)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from gpuslice.services.extender import ExtenderState
+
+# the first matching pattern names the kind of a filter rejection
+_KINDS = (
+    ("no-inventory", re.compile(r"^node unknown to gpuslice")),
+    ("no-gpu", re.compile(r"^node has no GPU")),
+    ("gpu-model", re.compile(r"^node has .* GPUs, pod accepts")),
+    ("gpu-count", re.compile(r"^\d+ of \d+ GPUs free enough")),
+    ("mig", re.compile(r"^(no free MIG instance|node has no MIG instance)")),
+    ("memory", re.compile(r"^GPU \d+ has \d+ MiB free")),
+    ("compute", re.compile(r"^GPU \d+ has \d+ milli free")),
+)
+BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+def rejection_kind(reason: str) -> str:
+    """A small, fixed set of label values for filter's per-node reasons."""
+    for kind, pattern in _KINDS:
+        if pattern.search(reason):
+            return kind
+    return "other"
+
+
+class _StateCollector(Collector):
+    def __init__(self, state: ExtenderState) -> None:
+        self.state = state
+
+    def collect(self) -> Iterator[Metric]:
+        st = self.state
+        inv, ledger = st.inv, st.ledger  # immutable snapshots: read once
+        allocated = GaugeMetricFamily("gpuslice_extender_node_allocated_milli",
+                                      "GPU share held by assignments, per node (milli)",
+                                      labels=["node"])
+        capacity = GaugeMetricFamily("gpuslice_extender_node_capacity_milli",
+                                     "GPU share of the node's published GPUs (milli)",
+                                     labels=["node"])
+        for name, uuids in zip(inv.names, inv.uuids, strict=True):
+            allocated.add_metric([name], sum(ledger.used_milli.get(u, 0) for u in uuids))
+            capacity.add_metric([name], 1000 * len(uuids))
+        yield allocated
+        yield capacity
+        yield GaugeMetricFamily("gpuslice_extender_assignments",
+                                "Live assignments in the ledger", value=len(ledger.owners))
+        yield GaugeMetricFamily("gpuslice_extender_cordoned_gpus",
+                                "GPUs cordoned for reconfiguration", value=len(st.cordoned))
+        yield GaugeMetricFamily("gpuslice_extender_problems",
+                                "Problems met since start (bad annotations, broken watches)",
+                                value=len(st.problems))
+        leader = 1 if st.elector is None or st.elector.leader else 0
+        yield GaugeMetricFamily("gpuslice_extender_leader",
+                                "1 when this replica binds (holds the lease, or runs alone)",
+                                value=leader)
+
+
+class ExtenderMetrics:
+    def __init__(self, state: ExtenderState) -> None:
+        self.registry = CollectorRegistry()
+        self.seconds = Histogram("gpuslice_extender_request_seconds",
+                                 "Time to answer a scheduler call", ["verb"],
+                                 registry=self.registry, buckets=BUCKETS)
+        self.nodes = Counter("gpuslice_extender_filter_nodes",
+                             "Nodes filter was asked about, by result", ["result"],
+                             registry=self.registry)
+        self.rejections = Counter("gpuslice_extender_rejections",
+                                  "Nodes filter rejected, by kind of reason", ["kind"],
+                                  registry=self.registry)
+        self.binds = Counter("gpuslice_extender_binds", "Bind calls, by result", ["result"],
+                             registry=self.registry)
+        self.errors = Counter("gpuslice_extender_bad_requests",
+                              "Calls refused as malformed, by verb", ["verb"],
+                              registry=self.registry)
+        self.registry.register(_StateCollector(state))
+
+    def filtered(self, kept: int, failed: dict[str, str]) -> None:
+        self.nodes.labels("kept").inc(kept)
+        self.nodes.labels("rejected").inc(len(failed))
+        for reason in failed.values():
+            self.rejections.labels(rejection_kind(reason)).inc()
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
