@@ -1190,6 +1190,8 @@ def _node_agent(args: argparse.Namespace, console: Console) -> int:
                   highlight=False)
     if not nvml.devices():
         console.print(f"[yellow]serving no device[/]: {nvml.why_empty()}", highlight=False)
+    for problem in agent.check_mig_tables():
+        console.print(f"[yellow]{problem}[/]", highlight=False)
     agent.run()
     for problem in agent.problems:
         console.print(f"[yellow]{problem}[/]", highlight=False)
@@ -1276,10 +1278,8 @@ def _local_gpus(args: argparse.Namespace, console: Console) -> int:
                           str(p.max_instances), _ranges(p.starts))
         console.print(table)
         model = catalog.lookup(gpu.model)
-        known = {p.profile_id: p for p in model.mig.profiles} if model and model.mig else {}
-        diff = [p.name for p in profiles if known.get(p.profile_id) != p]
-        diff += [p.name for i, p in known.items() if i not in {q.profile_id for q in profiles}]
-        if not known:
+        diff = catalog.mig_table_differences(model, profiles) if model and model.mig else []
+        if model is None or model.mig is None:
             console.print(f"  the catalogue has no MIG table for {gpu.name}: the planner and "
                           "extender will not place MIG slices on it", highlight=False)
         elif diff:

@@ -150,3 +150,21 @@ def test_gpus_local_shows_discovery_and_checks_the_catalogue(
     node.gpus[0].profiles[0] = (0, 19, "1g.10gb", 1, 1, 9000, 16, 7, (0, 1, 2, 3, 4, 5, 6))
     assert main(["gpus", "--local"]) == 1
     assert "H100-SXM table differs for: 1g.10gb" in capsys.readouterr().out
+
+
+def test_the_node_agent_says_when_the_drivers_mig_table_differs(node: FakeLibNvml) -> None:
+    from gpuslice.adapters.kube.fake import FakeApiServer
+    from gpuslice.services.device_plugin import PluginConfig
+    from gpuslice.services.node_agent import NodeAgent
+
+    agent = NodeAgent(PluginConfig("n1", "/tmp", b"k" * 16), RealNvml(), FakeApiServer())
+    assert agent.check_mig_tables() == []
+    node.gpus[1].profiles[4] = (2, 9, "3g.40gb", 3, 4, 40192, 42, 2, (0, 4, 6))
+    node.gpus[0].name = "NVIDIA H100 NVL"  # not in the catalogue
+    found = RealNvml()  # a fresh adapter: profile tables are read once per GPU
+    agent = NodeAgent(PluginConfig("n1", "/tmp", b"k" * 16), found, FakeApiServer())
+    problems = agent.check_mig_tables()
+    assert any("NVIDIA H100 NVL" in p and "no MIG table" in p for p in problems), problems
+    assert any("A100-80GB" in p and "differs from the catalogue's for 3g.40gb" in p
+               for p in problems), problems
+    assert agent.problems == problems

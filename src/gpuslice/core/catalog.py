@@ -13,7 +13,7 @@ Unknown models (the Alibaba trace's ``G2`` and ``G3``) are served as opaque mode
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from gpuslice.core.errors import ValidationError
@@ -183,6 +183,15 @@ def _norm(name: str) -> str:
 
 
 _BY_NAME = _index(_MODELS)
+
+
+def mig_table_differences(model: GpuModel, reported: Iterable[MigProfile]) -> list[str]:
+    """The GPU-instance profiles on which a driver's table (NVML's, with their placements)
+    and the catalogue's for ``model`` disagree, by name; [] when they agree."""
+    known = {p.profile_id: p for p in model.mig.profiles} if model.mig else {}
+    seen = {p.profile_id: p for p in reported}
+    return sorted({(seen.get(i) or known[i]).name for i in known.keys() | seen.keys()
+                   if known.get(i) != seen.get(i)})
 
 
 def known_models() -> tuple[GpuModel, ...]:

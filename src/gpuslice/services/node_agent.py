@@ -224,6 +224,30 @@ class NodeAgent:
             self._layout_report = report
         return report
 
+    def check_mig_tables(self) -> list[str]:
+        """MIG geometry comes from the catalogue (the extender and planner use it too): say so
+        when this driver's profile table differs for a GPU, or the catalogue lacks one."""
+        from gpuslice.core import catalog
+
+        found = []
+        for g in self.nvml.devices():
+            try:
+                reported = self.nvml.mig_profiles(g.uuid)
+            except NvmlError as exc:
+                found.append(f"GPU {g.index}: MIG profiles unreadable: {exc}")
+                continue
+            model = catalog.lookup(g.model)
+            if not reported:
+                continue
+            if model is None or model.mig is None:
+                found.append(f"GPU {g.index} ({g.name}): the driver lists MIG profiles but the "
+                             "catalogue has no MIG table for it; no MIG slice is placed there")
+            elif diff := catalog.mig_table_differences(model, reported):
+                found.append(f"GPU {g.index} ({g.model}): the driver's MIG table differs from "
+                             f"the catalogue's for {', '.join(diff)} (see gpuslice gpus --local)")
+        self.problems.extend(found)
+        return found
+
     def run(self) -> None:
         """Serve until :meth:`stop`: the device plugin, the node's labels, health."""
         if not self.nvml.devices():
