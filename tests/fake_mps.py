@@ -12,6 +12,9 @@ SCRIPT = r'''#!PYTHON
 import json, os, sys
 pipe = os.environ["CUDA_MPS_PIPE_DIRECTORY"]
 state = os.path.join(pipe, "fake-state.json")
+if os.environ.get("FAKE_MPS_LOG"):  # tests: which GPU each daemon was started for
+    with open(os.environ["FAKE_MPS_LOG"], "a") as log:
+        log.write(" ".join(sys.argv[1:]) + " " + os.environ.get("CUDA_VISIBLE_DEVICES", "-") + "\n")
 if sys.argv[1:] == ["-d"]:
     os.makedirs(pipe, exist_ok=True)
     json.dump({"pct": 100.0, "mem": None}, open(state, "w"))

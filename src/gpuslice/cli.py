@@ -812,6 +812,7 @@ def _add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     s.add_argument("--mem-cap-mib", type=int, default=4096)
     s.add_argument("--alloc-mib", type=int, default=6144)
     s.add_argument("--parts", default="throughput,noisy,memory")
+    s.add_argument("--device", type=int, default=0, help="GPU index (NVML) to run on")
     s.add_argument("--out", type=Path, default=Path("bench-out"))
     s.add_argument("--fake-timer", metavar="MODEL@GPU", help=argparse.SUPPRESS)
     s.add_argument("--mps-binary", default="nvidia-cuda-mps-control", help=argparse.SUPPRESS)
@@ -838,7 +839,8 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
         lc_batch=args.lc_batch, be_batch=args.be_batch, be_replicas=args.be_replicas,
         warmup_s=args.warmup_s, window_s=args.window_s, profile=prof, gpu=gpu,
         fake_timer=args.fake_timer, mps_binary=args.mps_binary, mem_cap_mib=args.mem_cap_mib,
-        alloc_mib=args.alloc_mib, parts=tuple(p.strip() for p in args.parts.split(",")))
+        alloc_mib=args.alloc_mib, parts=tuple(p.strip() for p in args.parts.split(",")),
+        device_index=args.device)
     res = run_sharing(opts, lambda text: console.print(f"[dim]{text}[/]"))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "sharing.json").write_text(json.dumps(res, indent=1))
@@ -860,7 +862,7 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
                   f"gpuslice caps {res['noisy']['caps']})")
         for col in ("mode", "LC p99 ms", "x solo", "BE req/s", "BE x MPS"):
             t.add_column(col, justify="right")
-        for m in ("time-slicing", "mps", "gpuslice"):
+        for m in ("time-slicing", "mps", "gpuslice-caps", "gpuslice"):
             v = res["noisy"][m]
             t.add_row(m, f"{v['lc_p99_ms']:.2f}", f"{v['lc_p99_vs_solo']:.2f}",
                       f"{v['be_rps']:.1f}", f"{v['be_vs_mps']:.2f}")

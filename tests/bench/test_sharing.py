@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from gpuslice.cli import main
+from gpuslice.core.errors import ValidationError
 
 FAKE = ["--fake-timer", "resnet50@H100-SXM", "--workload", "tiny", "--warmup-s", "0.2",
         "--window-s", "1"]
@@ -62,3 +63,29 @@ def test_sharing_on_a_real_gpu(tmp_path: Path) -> None:
     res = json.loads((tmp_path / "sharing.json").read_text())
     print(json.dumps(res, indent=1))
     assert res["memory"]["over_cap"]["ok"] is False
+
+
+def test_the_real_timer_path_runs_every_mode_on_the_chosen_gpu(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not the fake timer: the GPU comes from NVML (the real adapter over a fake
+    libnvidia-ml), every MPS daemon is started for that GPU's UUID, and the workers (the tiny
+    NumPy workload, timed for real) run each mode to the end."""
+    from gpuslice.bench.sharing import SharingOptions, run_sharing
+    from tests.fake_mps import write_fake_mps
+    from tests.nodeagent.libnvml_fake import FakeLibNvml, h100, t4
+
+    FakeLibNvml([t4("GPU-t4"), h100("GPU-h100")]).install(monkeypatch)
+    log = tmp_path / "mps.log"
+    monkeypatch.setenv("FAKE_MPS_LOG", str(log))
+    opts = SharingOptions(workload="tiny", replicas=3, batch=4, lc_batch=1, be_batch=8,
+                          be_replicas=2, warmup_s=0.05, window_s=0.2,
+                          mps_binary=str(write_fake_mps(tmp_path / "mps-control")),
+                          parts=("throughput", "noisy"), device_index=1)
+    res = run_sharing(opts)
+    assert res["gpu"] == "GPU-h100"
+    assert set(res["throughput"]) == {"exclusive-sequential", "time-slicing", "mps", "gpuslice"}
+    assert {"time-slicing", "mps", "gpuslice-caps", "gpuslice"} <= set(res["noisy"])
+    starts = [line.split() for line in log.read_text().splitlines() if line.startswith("-d")]
+    assert len(starts) == 5 and all(s[1] == "GPU-h100" for s in starts), starts
+    with pytest.raises(ValidationError, match="--device"):
+        run_sharing(SharingOptions(workload="tiny", device_index=7, parts=("throughput",)))

@@ -33,7 +33,8 @@ containers = st.lists(st.one_of(json_values, st.fixed_dictionaries({
 metadata = st.one_of(json_values, st.fixed_dictionaries({
     "name": st.text(max_size=8), "namespace": st.text(max_size=8),
     "annotations": st.dictionaries(
-        st.sampled_from(["gpuslice.io/gpu-model", "gpuslice.io/isolation", "x"]),
+        st.sampled_from(["gpuslice.io/gpu-model", "gpuslice.io/isolation",
+                         "gpuslice.io/priority", "x"]),
         st.one_of(st.text(max_size=10), json_values), max_size=3),
 }))
 pods = st.fixed_dictionaries({
@@ -74,3 +75,18 @@ def test_annotation_decoder_never_crashes(doc: Any) -> None:
         decode(json.dumps(doc))
     except AnnotationError as exc:
         assert str(exc)
+
+
+def test_a_pod_with_an_unknown_priority_is_refused_naming_the_annotation() -> None:
+    import pytest
+
+    from gpuslice.core.errors import ValidationError
+
+    pod = {"metadata": {"name": "p", "namespace": "ml",
+                        "annotations": {"gpuslice.io/priority": "urgent"}},
+           "spec": {"containers": [{"name": "c", "resources": {"limits": {
+               "gpuslice.io/gpu": "1", "gpuslice.io/gpu-milli": "300"}}}]}}
+    with pytest.raises(ValidationError, match=r"gpuslice\.io/priority.*best-effort"):
+        pod_request(pod)
+    pod["metadata"]["annotations"]["gpuslice.io/priority"] = "best-effort"  # type: ignore[index]
+    assert pod_request(pod) is not None

@@ -41,7 +41,7 @@ def setup(tmp_path: Path) -> Iterator[tuple[Path, list[str]]]:
         {"name": "alpha", "model": "tiny", "rate": 50, "slo_ms": 500, "command": cmd,
          "replicas": 2, "compute": 40, "memory": "8G"},
         {"name": "beta", "model": "tiny", "rate": 20, "slo_ms": 500, "command": cmd,
-         "compute": 30, "memory": "4G", "gpu": 1},
+         "compute": 30, "memory": "4G", "gpu": 1, "priority": "best-effort"},
     ]}))
     mps = write_fake_mps(tmp_path / "mps-control")
     state = tmp_path / "state"
@@ -77,6 +77,9 @@ def test_up_status_restart_select_and_down(setup: tuple[Path, list[str]]) -> Non
     assert env["CUDA_VISIBLE_DEVICES"] == reps["alpha-1"]["gpu_uuid"]
     assert env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "40"
     assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=8192M"
+    assert env["CUDA_MPS_CLIENT_PRIORITY"] is None  # normal: MPS's default
+    beta = _get(f"http://127.0.0.1:{reps['beta-0']['port']}/slice")
+    assert beta["CUDA_MPS_CLIENT_PRIORITY"] == "1"  # best-effort
     pipe = next(m["pipe_dir"] for m in st["mps"] if m["uuid"] == reps["alpha-1"]["gpu_uuid"])
     assert env["CUDA_MPS_PIPE_DIRECTORY"] == pipe and (Path(pipe) / "control").exists()
     # requests through the router, while status measures throughput per replica
@@ -179,6 +182,7 @@ def test_ctrl_c_while_replicas_start_stops_everything(tmp_path: Path) -> None:
     ({"services": [{"name": "a", "command": "x", "compute": 150}]}, "services[a].compute"),
     ({"services": [{"name": "a", "command": "x", "memory": "lots"}]}, "services[a].memory"),
     ({"services": [{"name": "a", "command": "x", "replicas": 0}]}, "services[a].replicas"),
+    ({"services": [{"name": "a", "command": "x", "priority": "vip"}]}, "services[a].priority"),
     ({"services": []}, "services"),
 ])
 def test_bad_services_files_are_refused_with_the_field(tmp_path: Path, doc: object,

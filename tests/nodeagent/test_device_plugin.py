@@ -409,3 +409,26 @@ def test_an_mps_slice_inside_a_mig_instance_gets_the_instances_daemon(tmp_path: 
             kubelet.stop()
             agent.quit_mps()
     assert not any((tmp_path / "mps").glob("*/control"))
+
+
+def test_a_best_effort_pod_runs_at_below_normal_mps_priority(env) -> None:  # type: ignore[no-untyped-def]
+    kubelet, _, _, api, _ = env
+    assign(api, "be", ["GPU-aaa"], milli=250)
+    pod = api.get_pod("ml", "be")
+    api.patch_pod_annotations("ml", "be", {"gpuslice.io/priority": "best-effort"},
+                              pod["metadata"]["resourceVersion"])
+    assign(api, "lc", ["GPU-bbb"], milli=250, t="t2")
+    pod = api.get_pod("ml", "lc")
+    api.patch_pod_annotations("ml", "lc", {"gpuslice.io/priority": "latency-critical"},
+                              pod["metadata"]["resourceVersion"])
+    be = allocate(kubelet.stub(), "GPU-aaa::0")
+    lc = allocate(kubelet.stub(), "GPU-bbb::0")
+    assert be.envs["CUDA_MPS_CLIENT_PRIORITY"] == "1"
+    assert "CUDA_MPS_CLIENT_PRIORITY" not in lc.envs  # normal is MPS's default
+    assign(api, "odd", ["GPU-aaa"], milli=250, t="t3")
+    pod = api.get_pod("ml", "odd")
+    api.patch_pod_annotations("ml", "odd", {"gpuslice.io/priority": "urgent"},
+                              pod["metadata"]["resourceVersion"])
+    with pytest.raises(grpc.RpcError) as exc:
+        allocate(kubelet.stub(), "GPU-aaa::1")
+    assert "gpuslice.io/priority: expected one of best-effort" in (exc.value.details() or "")

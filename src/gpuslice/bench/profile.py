@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from gpuslice.bench.runner import WorkerSpec, run_together
+from gpuslice.bench.runner import WorkerSpec, find_gpu, run_together
 from gpuslice.core.errors import GpusliceError, ValidationError
 from gpuslice.core.profiles import ProfilePoint
 
@@ -64,27 +64,12 @@ class Slice:
     label: str
 
 
-def _gpu(opts: ProfileOptions) -> tuple[str, str, list[Slice]]:
-    """(GPU model name, UUID, MIG slices that exist) of the GPU to profile."""
+def _gpu(opts: ProfileOptions) -> tuple[str, str, bool, list[Slice]]:
+    """(GPU model name, UUID, MIG enabled, MIG slices that exist) of the GPU to profile."""
     if opts.fake_timer:
         _, _, gpu = opts.fake_timer.partition("@")
-        return gpu or "H100-SXM", "GPU-fake", []
-    from gpuslice.adapters.nvml.port import NullNvml
-    from gpuslice.adapters.nvml.real import load
-
-    try:
-        import pynvml  # noqa: F401
-    except ImportError:
-        raise GpusliceError("nvidia-ml-py is not installed: pip install 'gpuslice[gpu]'") \
-            from None
-    nvml = load()
-    if isinstance(nvml, NullNvml) or not nvml.devices():
-        raise GpusliceError(f"no NVIDIA GPU to profile: {nvml.why_empty()}")
-    gpus = [g for g in nvml.devices() if g.index == opts.device_index]
-    if not gpus:
-        raise ValidationError("--device", f"a GPU index of {[g.index for g in nvml.devices()]}",
-                              opts.device_index)
-    g = gpus[0]
+        return gpu or "H100-SXM", "GPU-fake", False, []
+    g = find_gpu(opts.device_index)
     migs = []
     if g.mig_enabled and opts.mig:
         from gpuslice.core import catalog
@@ -97,7 +82,7 @@ def _gpu(opts: ProfileOptions) -> tuple[str, str, list[Slice]]:
             seen.add(m.profile)
             size = model.mig.profile(m.profile).compute_slices
             migs.append(Slice("mig", size, m.uuid, m.profile))
-    return g.model, g.uuid, migs
+    return g.model, g.uuid, g.mig_enabled, migs
 
 
 def _existing(path: Path) -> set[tuple[str, str, str, int, int, int]]:
@@ -121,10 +106,13 @@ def _run_config(opts: ProfileOptions, sl: Slice, procs: int, batches: list[int],
 def run_profile(opts: ProfileOptions,
                 progress: Callable[[str, int, int], None] | None = None) -> list[ProfilePoint]:
     """Measure every configuration not yet in ``opts.out``; returns the points measured now."""
-    gpu_model, gpu_uuid, migs = _gpu(opts)
+    gpu_model, gpu_uuid, mig_enabled, migs = _gpu(opts)
     name = opts.model_name or opts.workload
     done = _existing(opts.out)
-    slices = [Slice("mps", c, gpu_uuid, f"{c}% threads") for c in opts.caps] + migs
+    # a MIG-enabled GPU has no whole-GPU device for MPS caps: only its instances are measured
+    slices = [] if mig_enabled else [Slice("mps", c, gpu_uuid, f"{c}% threads")
+                                     for c in opts.caps]
+    slices += migs
     todo = []
     for sl in slices:
         for n in opts.procs:
@@ -139,7 +127,7 @@ def run_profile(opts: ProfileOptions,
     daemon = None
     with tempfile.TemporaryDirectory(prefix="gsp-") as tmp:
         try:
-            if not opts.fake_timer:
+            if not opts.fake_timer and not mig_enabled:
                 from gpuslice.adapters.mps import MpsDaemon
 
                 daemon = MpsDaemon(gpu_uuid, Path(tmp) / "pipe", Path(tmp) / "log",

@@ -10,7 +10,8 @@ import sys
 from dataclasses import dataclass, field
 
 from gpuslice.adapters.proc import spawn, terminate
-from gpuslice.core.errors import GpusliceError
+from gpuslice.core.devices import GpuDevice
+from gpuslice.core.errors import GpusliceError, ValidationError
 
 
 @dataclass(frozen=True)
@@ -92,3 +93,24 @@ def run_together(specs: list[WorkerSpec], run_id: str,
     finally:
         for w in workers:
             terminate(w)
+
+
+def find_gpu(index: int) -> GpuDevice:
+    """The local GPU of NVML index ``index``, or a clear error (no nvidia-ml-py, no GPU, no
+    such index)."""
+    try:
+        import pynvml  # noqa: F401
+    except ImportError:
+        raise GpusliceError("nvidia-ml-py is not installed: pip install 'gpuslice[gpu]'") \
+            from None
+    from gpuslice.adapters.nvml.port import NullNvml
+    from gpuslice.adapters.nvml.real import load
+
+    nvml = load()
+    if isinstance(nvml, NullNvml) or not nvml.devices():
+        raise GpusliceError(f"no NVIDIA GPU here: {nvml.why_empty()}")
+    found = [g for g in nvml.devices() if g.index == index]
+    if not found:
+        raise ValidationError("--device", f"a GPU index of {[g.index for g in nvml.devices()]}",
+                              index)
+    return found[0]

@@ -7,7 +7,9 @@
    one). Total throughput, its ratio to time-slicing, and the spread of per-replica throughput.
 2. **Noisy neighbour**: one latency-critical replica (batch 1) next to best-effort ones (large
    batch): its p99 against its p99 alone, and the best-effort throughput against uncapped MPS,
-   under time-slicing, uncapped MPS and gpuslice caps (sized for an SLO of 1.1 x the solo p99).
+   under time-slicing, uncapped MPS, gpuslice caps alone (sized for an SLO of 1.1 x the solo
+   p99) and gpuslice (those caps, and the best-effort replicas at below-normal MPS client
+   priority, as the device plugin gives pods marked best-effort).
 3. **Memory cap**: replicas under MPS with a pinned memory limit; one allocates past it and
    must get an out-of-memory error while the others' throughput stays as it was.
 
@@ -27,10 +29,12 @@ from typing import Any
 
 import numpy as np
 
-from gpuslice.bench.runner import WorkerSpec, run_together
+from gpuslice.bench.runner import WorkerSpec, find_gpu, run_together
 from gpuslice.core.errors import ValidationError
 from gpuslice.core.profiles import ProfileSet
 from gpuslice.core.sizing import Tenant, Unsizable, size_slices
+
+BELOW_NORMAL = "1"  # CUDA_MPS_CLIENT_PRIORITY: 0 normal, 1 below normal
 
 
 @dataclass(frozen=True)
@@ -50,6 +54,7 @@ class SharingOptions:
     mem_cap_mib: int = 4096
     alloc_mib: int = 6144
     parts: tuple[str, ...] = ("throughput", "noisy", "memory")
+    device_index: int = 0  # the GPU (NVML index) every mode runs on
 
     def __post_init__(self) -> None:
         if not 1 <= self.replicas <= 48:
@@ -62,22 +67,25 @@ class SharingOptions:
 
 
 class _Mps:
-    """A private MPS control daemon for one mode (none with the fake timer)."""
+    """A private MPS control daemon on the benchmark's GPU for one mode (none with the fake
+    timer)."""
 
-    def __init__(self, opts: SharingOptions, root: Path, name: str) -> None:
+    def __init__(self, opts: SharingOptions, root: Path, name: str, gpu_uuid: str) -> None:
         self.daemon: Any = None
+        self.gpu = gpu_uuid
         if opts.fake_timer:
             return
         from gpuslice.adapters.mps import MpsDaemon
 
-        self.daemon = MpsDaemon("bench", root / name / "pipe", root / name / "log",
+        self.daemon = MpsDaemon(gpu_uuid, root / name / "pipe", root / name / "log",
                                 binary=opts.mps_binary)
 
     def __enter__(self) -> dict[str, str]:
         if self.daemon is None:
             return {"GPUSLICE_FAKE_MODE": "mps"}
         self.daemon.start()
-        return {"CUDA_MPS_PIPE_DIRECTORY": str(self.daemon.pipe_dir),
+        return {"CUDA_VISIBLE_DEVICES": self.gpu,
+                "CUDA_MPS_PIPE_DIRECTORY": str(self.daemon.pipe_dir),
                 "CUDA_MPS_LOG_DIRECTORY": str(self.daemon.log_dir)}
 
     def __exit__(self, *exc: object) -> None:
@@ -114,17 +122,20 @@ def run_sharing(opts: SharingOptions,
     run_id = uuid.uuid4().hex[:12]
     res: dict[str, Any] = {"workload": opts.workload, "replicas": opts.replicas,
                            "batch": opts.batch, "fake_timer": bool(opts.fake_timer)}
-    timeslice = {"GPUSLICE_FAKE_MODE": "timeslice"} if opts.fake_timer else {}
+    gpu = "GPU-fake" if opts.fake_timer else find_gpu(opts.device_index).uuid
+    res["gpu"] = gpu
+    base = {} if opts.fake_timer else {"CUDA_VISIBLE_DEVICES": gpu}  # every mode, one GPU
+    timeslice = {"GPUSLICE_FAKE_MODE": "timeslice"} if opts.fake_timer else base
     with tempfile.TemporaryDirectory(prefix="gsb-") as tmp:
         root = Path(tmp)
         if "throughput" in opts.parts:
             n = opts.replicas
             say("exclusive: one replica alone")
-            solo = _thr(run_together([_spec(opts, opts.batch, {}, 1)], run_id))[0]
+            solo = _thr(run_together([_spec(opts, opts.batch, base, 1)], run_id))[0]
             say(f"time-slicing: {n} replicas")
             ts = _thr(run_together([_spec(opts, opts.batch, timeslice, n)] * n, run_id))
             say(f"MPS without limits: {n} replicas")
-            with _Mps(opts, root, "mps") as env:
+            with _Mps(opts, root, "mps", gpu) as env:
                 mps = _thr(run_together([_spec(opts, opts.batch, env, n)] * n, run_id))
             caps = even_caps(n)
             if opts.profile is not None:
@@ -133,7 +144,7 @@ def run_sharing(opts: SharingOptions,
                                     min_pct=1)
                 caps = [s.thread_pct for s in sized]
             say(f"gpuslice slices: {n} replicas at {caps}% threads")
-            with _Mps(opts, root, "gpuslice") as env:
+            with _Mps(opts, root, "gpuslice", gpu) as env:
                 gs = _thr(run_together([_spec(opts, opts.batch, {
                     **env, "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(c)}, n) for c in caps],
                     run_id))
@@ -148,14 +159,14 @@ def run_sharing(opts: SharingOptions,
         if "noisy" in opts.parts:
             k = opts.be_replicas
             say("noisy neighbour: the latency-critical replica alone")
-            solo_rows = run_together([_spec(opts, opts.lc_batch, {}, 1)], run_id)
+            solo_rows = run_together([_spec(opts, opts.lc_batch, base, 1)], run_id)
             solo_p99 = _p99(solo_rows[0])
             group = k + 1
             say("noisy neighbour: time-slicing")
             ts_rows = run_together([_spec(opts, opts.lc_batch, timeslice, group)] +
                                    [_spec(opts, opts.be_batch, timeslice, group)] * k, run_id)
             say("noisy neighbour: MPS without limits")
-            with _Mps(opts, root, "noisy-mps") as env:
+            with _Mps(opts, root, "noisy-mps", gpu) as env:
                 mps_rows = run_together([_spec(opts, opts.lc_batch, env, group)] +
                                         [_spec(opts, opts.be_batch, env, group)] * k, run_id)
             lc_cap, be_cap = 40, 20
@@ -171,19 +182,26 @@ def run_sharing(opts: SharingOptions,
                 except Unsizable as exc:
                     sizing = f"the profile gives no caps ({exc}); the 40% / 20% split"
                     say(sizing)
+            def capped(env: dict[str, str], be_priority: bool) -> list[list[dict[str, object]]]:
+                lc = {**env, "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(lc_cap)}
+                be = {**env, "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(be_cap)}
+                if be_priority:  # best-effort work yields to the latency-critical replica's
+                    be["CUDA_MPS_CLIENT_PRIORITY"] = BELOW_NORMAL
+                return run_together([_spec(opts, opts.lc_batch, lc, group)] +
+                                    [_spec(opts, opts.be_batch, be, group)] * k, run_id)
+
             say(f"noisy neighbour: gpuslice caps {lc_cap}% / {be_cap}%")
-            with _Mps(opts, root, "noisy-gpuslice") as env:
-                gs_rows = run_together(
-                    [_spec(opts, opts.lc_batch,
-                           {**env, "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(lc_cap)}, group)] +
-                    [_spec(opts, opts.be_batch,
-                           {**env, "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(be_cap)}, group)] * k,
-                    run_id)
+            with _Mps(opts, root, "noisy-caps", gpu) as env:
+                caps_rows = capped(env, be_priority=False)
+            say(f"noisy neighbour: gpuslice caps {lc_cap}% / {be_cap}%, best-effort at "
+                "below-normal MPS client priority")
+            with _Mps(opts, root, "noisy-gpuslice", gpu) as env:
+                gs_rows = capped(env, be_priority=True)
             be_mps = float(np.sum(_thr(mps_rows[1:])))
             res["noisy"] = {"solo_p99_ms": round(solo_p99, 3), "caps": [lc_cap, be_cap],
                             "sizing": sizing}
             for name, rows in (("time-slicing", ts_rows), ("mps", mps_rows),
-                               ("gpuslice", gs_rows)):
+                               ("gpuslice-caps", caps_rows), ("gpuslice", gs_rows)):
                 res["noisy"][name] = {
                     "lc_p99_ms": round(_p99(rows[0]), 3),
                     "lc_p99_vs_solo": round(_p99(rows[0]) / solo_p99, 3),
@@ -192,12 +210,12 @@ def run_sharing(opts: SharingOptions,
         if "memory" in opts.parts:
             cap = {"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": f"0={opts.mem_cap_mib}M"}
             say("memory cap: three replicas, none over its cap")
-            with _Mps(opts, root, "mem-a") as env:
+            with _Mps(opts, root, "mem-a", gpu) as env:
                 before = _thr(run_together([_spec(opts, opts.batch, {**env, **cap}, 3)] * 3,
                                            run_id))
             say(f"memory cap: one replica allocates {opts.alloc_mib} MiB past its "
                 f"{opts.mem_cap_mib} MiB cap")
-            with _Mps(opts, root, "mem-b") as env:
+            with _Mps(opts, root, "mem-b", gpu) as env:
                 rows = run_together([_spec(opts, opts.batch, {**env, **cap}, 3,
                                            opts.alloc_mib)] +
                                     [_spec(opts, opts.batch, {**env, **cap}, 3)] * 2, run_id,
@@ -227,7 +245,8 @@ def plot_sharing(res: dict[str, Any], png: Path) -> Path:
         axes[0].set_title(f"{res['replicas']} x {res['workload']} batch {res['batch']}")
         axes[0].tick_params(axis="x", labelrotation=20)
     if "noisy" in res:
-        modes = ["time-slicing", "mps", "gpuslice"]
+        modes = [m for m in ("time-slicing", "mps", "gpuslice-caps", "gpuslice")
+                 if m in res["noisy"]]
         axes[1].bar(modes, [res["noisy"][m]["lc_p99_vs_solo"] for m in modes])
         axes[1].axhline(1.1, color="grey", linestyle="--", linewidth=0.8)
         axes[1].set_ylabel("latency-critical p99 / solo p99")

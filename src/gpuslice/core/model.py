@@ -24,6 +24,11 @@ BoolArray = npt.NDArray[np.bool_]
 FloatArray = npt.NDArray[np.float64]
 
 
+# A slice's priority among its GPU's MPS clients: best-effort work runs at below-normal MPS
+# client priority (CUDA_MPS_CLIENT_PRIORITY=1), so a latency-critical neighbour's goes first.
+PRIORITIES = {"best-effort": "1", "latency-critical": "0", "normal": "0"}
+
+
 class Isolation(StrEnum):
     """How a slice is isolated from its neighbours on a GPU."""
 

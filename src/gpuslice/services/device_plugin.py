@@ -27,12 +27,14 @@ import grpc
 
 from gpuslice.adapters.kube.annotation import AnnotationError, decode
 from gpuslice.adapters.kube.fake import KubePort
+from gpuslice.adapters.kube.objects import PRIORITY_ANNOTATION
 from gpuslice.adapters.kubelet import deviceplugin_pb2 as pb
 from gpuslice.adapters.kubelet import deviceplugin_pb2_grpc as pbg
 from gpuslice.adapters.nvml.port import NvmlPort
 from gpuslice.core import catalog, migmps
 from gpuslice.core.assignment import ANNOTATION, Assignment, GpuShare, Mode, verify
 from gpuslice.core.errors import GpusliceError
+from gpuslice.core.model import PRIORITIES
 
 RESOURCE = "gpuslice.io/gpu"
 HEALTHY, UNHEALTHY = "Healthy", "Unhealthy"
@@ -68,6 +70,7 @@ class DevicePlugin(pbg.DevicePluginServicer):
         self._claimed: set[tuple[str, str]] = set()  # (namespace, pod) already executed
         self._executed: list[Assignment] = []
         self._claim_lock = threading.Lock()
+        self._priority: dict[tuple[str, str], str] = {}  # pod -> its priority annotation
 
     def executed(self) -> list[Assignment]:
         """The assignments Allocate has executed so far."""
@@ -124,8 +127,10 @@ class DevicePlugin(pbg.DevicePluginServicer):
             yield pb.ListAndWatchResponse(devices=self.devices())
 
     def _pending(self) -> list[Assignment]:
-        """Verified assignments for this node not executed yet, oldest first."""
+        """Verified assignments for this node not executed yet, oldest first (and each one's
+        pod's priority annotation, for Allocate)."""
         out = []
+        priority: dict[tuple[str, str], str] = {}
         for p in self.api.list_pods():
             meta = p.get("metadata") or {}
             text = (meta.get("annotations") or {}).get(ANNOTATION)
@@ -139,7 +144,10 @@ class DevicePlugin(pbg.DevicePluginServicer):
                 continue
             if (a.namespace, a.pod) in self._claimed:
                 continue
+            priority[(a.namespace, a.pod)] = str(
+                (meta.get("annotations") or {}).get(PRIORITY_ANNOTATION, "normal"))
             out.append(a)
+        self._priority = priority
         return sorted(out, key=lambda a: (a.bind_time, a.namespace, a.pod))
 
     def GetPreferredAllocation(self, request: pb.PreferredAllocationRequest,
@@ -261,6 +269,12 @@ class DevicePlugin(pbg.DevicePluginServicer):
             if share.memory_mib:
                 envs["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = ",".join(
                     f"{i}={g.memory_mib}M" for i, g in enumerate(c.gpus))
+            priority = self._priority.get((a.namespace, a.pod), "normal")
+            if priority not in PRIORITIES:
+                raise GpusliceError(f"{PRIORITY_ANNOTATION}: expected one of "
+                                    f"{', '.join(PRIORITIES)}, got {priority!r}")
+            if PRIORITIES[priority] != "0":
+                envs["CUDA_MPS_CLIENT_PRIORITY"] = PRIORITIES[priority]
             mounts.append(pb.Mount(container_path=MPS_PIPE_IN_CONTAINER,
                                    host_path=os.path.join(self.cfg.mps_pipe_dir, gpus[0]),
                                    read_only=False))

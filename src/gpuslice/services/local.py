@@ -60,6 +60,7 @@ from gpuslice.core.local import (
     parse_percent,
     place_local,
 )
+from gpuslice.core.model import PRIORITIES
 from gpuslice.core.reconfig import Window, minutes_of_day
 from gpuslice.core.routing_config import parse_router_config
 
@@ -77,6 +78,7 @@ class LocalService:
     memory_mib: int | None = None
     gpu: str | None = None
     env: Mapping[str, str] = field(default_factory=dict)
+    priority: str = "normal"  # best-effort: below-normal MPS client priority
 
 
 @dataclass(frozen=True)
@@ -149,6 +151,10 @@ def read_local_services(path: Path) -> LocalConfig:
         env = raw.get("env") or {}
         if not isinstance(env, dict):
             raise ValidationError(f"{where}.env", "a mapping of variable names to values", env)
+        priority = raw.get("priority", "normal")
+        if priority not in PRIORITIES:
+            raise ValidationError(f"{where}.priority", f"one of {', '.join(PRIORITIES)}",
+                                  priority)
         out.append(LocalService(
             name=name, command=tuple(str(c) for c in cmd), replicas=replicas,
             model=str(raw.get("model", name)),
@@ -158,7 +164,7 @@ def read_local_services(path: Path) -> LocalConfig:
             memory_mib=None if raw.get("memory") is None
             else parse_memory(f"{where}.memory", raw["memory"]),
             gpu=None if raw.get("gpu") is None else str(raw["gpu"]),
-            env={str(k): str(v) for k, v in env.items()}))
+            env={str(k): str(v) for k, v in env.items()}, priority=priority))
     names = [s.name for s in out]
     if len(set(names)) != len(names):
         raise ValidationError(f"{path}: services", "distinct service names", names)
@@ -363,6 +369,8 @@ class LocalRuntime:
                        CUDA_MPS_LOG_DIRECTORY=str(d.log_dir),
                        CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=str(s.compute_pct),
                        CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=f"0={s.memory_mib}M")
+            if PRIORITIES[r.service.priority] != "0":
+                env["CUDA_MPS_CLIENT_PRIORITY"] = PRIORITIES[r.service.priority]
         return env
 
     def _start(self, r: Replica) -> None:

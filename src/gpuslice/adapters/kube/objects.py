@@ -16,13 +16,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpuslice.core.errors import ValidationError
-from gpuslice.core.model import Isolation, SliceRequest
+from gpuslice.core.model import PRIORITIES, Isolation, SliceRequest
 
 GPU = "gpuslice.io/gpu"
 GPU_MILLI = "gpuslice.io/gpu-milli"
 GPU_MEMORY = "gpuslice.io/gpu-memory"
 MODEL_ANNOTATION = "gpuslice.io/gpu-model"
 ISOLATION_ANNOTATION = "gpuslice.io/isolation"
+# best-effort, latency-critical or normal (the default): see core.model.PRIORITIES
+PRIORITY_ANNOTATION = "gpuslice.io/priority"
 INVENTORY_ANNOTATION = "gpuslice.io/inventory"
 # GPUs (comma-separated UUIDs) the reconfiguration controller closed to new slices
 CORDONED_ANNOTATION = "gpuslice.io/cordoned-gpus"
@@ -114,6 +116,10 @@ def pod_request(pod: dict[str, Any]) -> SliceRequest | None:
     if gpus > 1 and milli != 1000:
         raise ValidationError(f"{where}: {GPU_MILLI}", "1000 when more than one GPU is requested",
                               milli)
+    priority = str(ann.get(PRIORITY_ANNOTATION, "normal"))
+    if priority not in PRIORITIES:
+        raise ValidationError(f"{where}: {PRIORITY_ANNOTATION}", f"one of {', '.join(PRIORITIES)}",
+                              priority)
     return SliceRequest(gpus=gpus, milli=milli, cpu_milli=int(cpu), memory_mib=int(mem),
                         gpu_memory_mib=memory, models=models, isolation=iso,
                         name=f"{ns}/{name}")
