@@ -29,6 +29,16 @@ def node(name: str, model: str, gpus: int = 8) -> dict[str, Any]:
             "metadata": {"name": name, "annotations": {"gpuslice.io/inventory": json.dumps(inv)}}}
 
 
+def mig_node(name: str, instances: list[tuple[str, str, int, int]]) -> dict[str, Any]:
+    """A node with one MIG-enabled A100-80GB (GPU-m0) holding ``instances``: (UUID, profile,
+    start, MiB)."""
+    inv = [{"uuid": "GPU-m0", "index": 0, "model": "A100-80GB", "memoryMiB": 81920,
+            "mig": [{"uuid": u, "profile": p, "start": st, "memoryMiB": mib}
+                    for u, p, st, mib in instances]}]
+    return {"apiVersion": "v1", "kind": "Node",
+            "metadata": {"name": name, "annotations": {"gpuslice.io/inventory": json.dumps(inv)}}}
+
+
 def pod(name: str, milli: int = 500, gpus: int = 1, model: str = "",
         ns: str = "default") -> dict[str, Any]:
     ann = {"gpuslice.io/gpu-model": model} if model else {}
@@ -360,11 +370,7 @@ def test_a_bind_interrupted_after_the_annotation_can_be_retried_elsewhere() -> N
 def test_mig_isolation_gets_a_named_instance_and_the_reasons_when_none_is_free() -> None:
     api = FakeApiServer()
     api.add_node(node("plain", "A100-80GB", 1))
-    inv = [{"uuid": "GPU-m0", "index": 0, "model": "A100-80GB", "memoryMiB": 81920,
-            "mig": [{"uuid": "MIG-a", "profile": "3g.40gb", "start": 4, "memoryMiB": 40192},
-                    {"uuid": "MIG-b", "profile": "4g.40gb", "start": 0, "memoryMiB": 40192}]}]
-    api.add_node({"apiVersion": "v1", "kind": "Node", "metadata": {
-        "name": "mig", "annotations": {"gpuslice.io/inventory": json.dumps(inv)}}})
+    api.add_node(mig_node("mig", [("MIG-a", "3g.40gb", 4, 40192), ("MIG-b", "4g.40gb", 0, 40192)]))
     for n in ("m1", "m2", "m3"):
         p = pod(n, 429, model="A100-80GB")
         p["metadata"]["annotations"]["gpuslice.io/isolation"] = "mig"
@@ -402,12 +408,8 @@ def test_mps_slices_go_inside_mig_instances_of_a_mig_enabled_gpu() -> None:
     an instance with MPS tenants is not given to a MIG-isolated pod, and nothing asks for the
     GPU whole."""
     api = FakeApiServer()
-    inv = [{"uuid": "GPU-m0", "index": 0, "model": "A100-80GB", "memoryMiB": 81920,
-            "mig": [{"uuid": "MIG-3g", "profile": "3g.40gb", "start": 0, "memoryMiB": 40192},
-                    {"uuid": "MIG-2g", "profile": "2g.20gb", "start": 4, "memoryMiB": 19968},
-                    {"uuid": "MIG-1g", "profile": "1g.10gb", "start": 6, "memoryMiB": 9728}]}]
-    api.add_node({"apiVersion": "v1", "kind": "Node", "metadata": {
-        "name": "mig", "annotations": {"gpuslice.io/inventory": json.dumps(inv)}}})
+    api.add_node(mig_node("mig", [("MIG-3g", "3g.40gb", 0, 40192), ("MIG-2g", "2g.20gb", 4, 19968),
+                                  ("MIG-1g", "1g.10gb", 6, 9728)]))
     api.add_node(node("plain", "T4", 1))
     for n in ("s1", "s2"):
         api.add_pod(pod(n, 200, model="A100-80GB"))
