@@ -40,8 +40,10 @@ def mig_node(name: str, instances: list[tuple[str, str, int, int]]) -> dict[str,
 
 
 def pod(name: str, milli: int = 500, gpus: int = 1, model: str = "",
-        ns: str = "default") -> dict[str, Any]:
+        ns: str = "default", isolation: str = "") -> dict[str, Any]:
     ann = {"gpuslice.io/gpu-model": model} if model else {}
+    if isolation:
+        ann["gpuslice.io/isolation"] = isolation
     return {"apiVersion": "v1", "kind": "Pod",
             "metadata": {"name": name, "namespace": ns, "annotations": ann},
             "spec": {"containers": [{"name": "main", "resources": {
@@ -372,9 +374,7 @@ def test_mig_isolation_gets_a_named_instance_and_the_reasons_when_none_is_free()
     api.add_node(node("plain", "A100-80GB", 1))
     api.add_node(mig_node("mig", [("MIG-a", "3g.40gb", 4, 40192), ("MIG-b", "4g.40gb", 0, 40192)]))
     for n in ("m1", "m2", "m3"):
-        p = pod(n, 429, model="A100-80GB")
-        p["metadata"]["annotations"]["gpuslice.io/isolation"] = "mig"
-        api.add_pod(p)
+        api.add_pod(pod(n, 429, model="A100-80GB", isolation="mig"))
 
     async def body(url: str, state: ExtenderState) -> None:
         async with aiohttp.ClientSession() as s:
@@ -413,12 +413,9 @@ def test_mps_slices_go_inside_mig_instances_of_a_mig_enabled_gpu() -> None:
     api.add_node(node("plain", "T4", 1))
     for n in ("s1", "s2"):
         api.add_pod(pod(n, 200, model="A100-80GB"))
-    whole = pod("whole", 1000, model="A100-80GB")
-    big = pod("big", 600, model="A100-80GB")
-    mig3 = pod("mig3", 429, model="A100-80GB")
-    mig3["metadata"]["annotations"]["gpuslice.io/isolation"] = "mig"
-    for p in (whole, big, mig3):
-        api.add_pod(p)
+    api.add_pod(pod("whole", 1000, model="A100-80GB"))
+    api.add_pod(pod("big", 600, model="A100-80GB"))
+    api.add_pod(pod("mig3", 429, model="A100-80GB", isolation="mig"))
 
     async def body(url: str, state: ExtenderState) -> None:
         async with aiohttp.ClientSession() as s:
