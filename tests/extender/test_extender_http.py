@@ -79,6 +79,18 @@ async def post(session: aiohttp.ClientSession, url: str, doc: Any) -> tuple[int,
             return r.status, text
 
 
+async def bound(session: aiohttp.ClientSession, url: str, api: FakeApiServer,
+                pod_obj: dict[str, Any], node_name: str) -> Any:
+    """Bind over HTTP (it must succeed); the assignment written on the pod."""
+    meta = pod_obj["metadata"]
+    st, res = await post(session, url + "/bind", {
+        "PodName": meta["name"], "PodNamespace": meta["namespace"], "PodUID": meta["uid"],
+        "Node": node_name})
+    assert st == 200 and res["Error"] == "", res
+    return decode(api.get_pod(meta["namespace"], meta["name"])["metadata"]["annotations"]
+                  [ANNOTATION])
+
+
 def small_cluster() -> FakeApiServer:
     api = FakeApiServer()
     api.add_node(node("a", "T4", 2))
@@ -381,22 +393,18 @@ def test_mig_isolation_gets_a_named_instance_and_the_reasons_when_none_is_free()
             starts = []
             for n in ("m1", "m2"):
                 stored = api.get_pod("default", n)
-                st, res = await post(s, url + "/filter", {"Pod": stored,
+                _st, res = await post(s, url + "/filter", {"Pod": stored,
                                                           "NodeNames": ["plain", "mig"]})
                 assert res["NodeNames"] == ["mig"]
                 assert "no MIG instance" in res["FailedNodes"]["plain"]
-                st, res = await post(s, url + "/bind", {
-                    "PodName": n, "PodNamespace": "default",
-                    "PodUID": stored["metadata"]["uid"], "Node": "mig"})
-                assert st == 200 and res["Error"] == "", res
-                a = decode(api.get_pod("default", n)["metadata"]["annotations"][ANNOTATION])
+                a = await bound(s, url, api, stored, "mig")
                 share = a.containers[0].gpus[0]
                 assert a.containers[0].mode.value == "mig" and share.uuid == "GPU-m0"
                 starts.append((share.mig_profile, share.mig_start))
             # the tightest instance first (3g for a 3g-sized request), then the 4g
             assert starts == [("3g.40gb", 4), ("4g.40gb", 0)]
             stored = api.get_pod("default", "m3")
-            st, res = await post(s, url + "/filter", {"Pod": stored, "NodeNames": ["mig"]})
+            _, res = await post(s, url + "/filter", {"Pod": stored, "NodeNames": ["mig"]})
             assert res["NodeNames"] == []
             assert "no free MIG instance of >= 3g" in res["FailedNodes"]["mig"]
 
@@ -422,16 +430,12 @@ def test_mps_slices_go_inside_mig_instances_of_a_mig_enabled_gpu() -> None:
             placed = []
             for n in ("s1", "s2"):
                 stored = api.get_pod("default", n)
-                st, res = await post(s, url + "/filter", {"Pod": stored, "NodeNames": ["mig"]})
+                _st, res = await post(s, url + "/filter", {"Pod": stored, "NodeNames": ["mig"]})
                 assert res["NodeNames"] == ["mig"], res
-                st, res = await post(s, url + "/prioritize", {"Pod": stored,
+                _st, res = await post(s, url + "/prioritize", {"Pod": stored,
                                                               "NodeNames": ["mig"]})
                 assert res[0]["Score"] > 0
-                st, res = await post(s, url + "/bind", {
-                    "PodName": n, "PodNamespace": "default",
-                    "PodUID": stored["metadata"]["uid"], "Node": "mig"})
-                assert st == 200 and res["Error"] == "", res
-                a = decode(api.get_pod("default", n)["metadata"]["annotations"][ANNOTATION])
+                a = await bound(s, url, api, stored, "mig")
                 share = a.containers[0].gpus[0]
                 assert a.containers[0].mode.value == "mps" and share.milli == 200
                 placed.append((share.uuid, share.mig_profile, share.mig_start))
@@ -443,7 +447,7 @@ def test_mps_slices_go_inside_mig_instances_of_a_mig_enabled_gpu() -> None:
                                       "(85 milli, 19968 MiB free), 1g.10gb@6"),
                               ("mig3", "no free MIG instance of >= 3g")):
                 stored = api.get_pod("default", name)
-                st, res = await post(s, url + "/filter", {"Pod": stored, "NodeNames": ["mig"]})
+                _, res = await post(s, url + "/filter", {"Pod": stored, "NodeNames": ["mig"]})
                 assert res["NodeNames"] == [] and why in res["FailedNodes"]["mig"], res
         # a restarted extender derives the same instance use from the assignments
         again = ExtenderState(api, KEY, clock=clock)
