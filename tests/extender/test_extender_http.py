@@ -424,6 +424,10 @@ def test_mps_slices_go_inside_mig_instances_of_a_mig_enabled_gpu() -> None:
     api.add_pod(pod("whole", 1000, model="A100-80GB"))
     api.add_pod(pod("big", 600, model="A100-80GB"))
     api.add_pod(pod("mig3", 429, model="A100-80GB", isolation="mig"))
+    planned = pod("planned", 100, model="A100-80GB")
+    planned["metadata"]["annotations"]["gpuslice.io/mig-profile"] = "3g.40gb"
+    api.add_pod(planned)
+    api.add_pod(pod("unplanned", 130, model="A100-80GB"))
 
     async def body(url: str, state: ExtenderState) -> None:
         async with aiohttp.ClientSession() as s:
@@ -449,11 +453,17 @@ def test_mps_slices_go_inside_mig_instances_of_a_mig_enabled_gpu() -> None:
                 stored = api.get_pod("default", name)
                 _, res = await post(s, url + "/filter", {"Pod": stored, "NodeNames": ["mig"]})
                 assert res["NodeNames"] == [] and why in res["FailedNodes"]["mig"], res
+            # a slice the planner sized for a 3g goes to a 3g with room (best fit alone would
+            # take the 1g); another to the tightest that fits
+            for name, want in (("planned", ("3g.40gb", 0)), ("unplanned", ("1g.10gb", 6))):
+                a = await bound(s, url, api, api.get_pod("default", name), "mig")
+                share = a.containers[0].gpus[0]
+                assert (share.mig_profile, share.mig_start) == want
         # a restarted extender derives the same instance use from the assignments
         again = ExtenderState(api, KEY, clock=clock)
         rooms = {(r.profile, r.start): r for r in again._mig_rooms(0, frozenset())}
         assert (rooms[("2g.20gb", 4)].used_milli, rooms[("3g.40gb", 0)].used_milli,
-                rooms[("1g.10gb", 6)].used_milli) == (200, 200, 0)
+                rooms[("1g.10gb", 6)].used_milli) == (200, 300, 130)
 
     asyncio.run(serving(api, body))
 

@@ -28,6 +28,7 @@ from gpuslice.adapters.kube.objects import (
     CORDONED_ANNOTATION as CORDONED,
 )
 from gpuslice.adapters.kube.objects import (
+    MIG_PROFILE_ANNOTATION,
     InventoryMig,
     node_inventory,
     pod_key,
@@ -338,11 +339,16 @@ class ExtenderState:
                                     m.memory_mib, milli, mib, whole))
         return out
 
-    def _mig_room_for(self, i: int, req: SliceRequest) -> InstanceRoom | None:
+    def _mig_room_for(self, i: int, req: SliceRequest,
+                      profile: str = "") -> InstanceRoom | None:
+        """The instance of node ``i`` for an MPS slice: the tightest of the planned
+        ``profile`` when one has room, else the tightest of any profile."""
         if req.gpus != 1 or _mode(req) is not Mode.MPS:
             return None
-        return migmps.best_instance(self._mig_rooms(i, req.models), req.milli,
-                                    req.gpu_memory_mib)
+        rooms = self._mig_rooms(i, req.models)
+        planned = [r for r in rooms if r.profile == profile]
+        return migmps.best_instance(planned, req.milli, req.gpu_memory_mib) or \
+            migmps.best_instance(rooms, req.milli, req.gpu_memory_mib)
 
     # -- MIG instances named in assignments ------------------------------------------------
 
@@ -464,7 +470,9 @@ class ExtenderState:
                 shares = tuple(GpuShare(self.inv.uuids[i][j], req.milli, req.gpu_memory_mib)
                                for j in gpus)
             else:  # an MPS slice inside a MIG instance, or nowhere
-                room = self._mig_room_for(i, req)
+                planned = str(((pod.get("metadata") or {}).get("annotations") or {})
+                              .get(MIG_PROFILE_ANNOTATION, ""))
+                room = self._mig_room_for(i, req, planned)
                 if room is None:
                     return self.filter(pod, [node])[1].get(node) or \
                         "; ".join(explain(self.inv.arrays, g, i))

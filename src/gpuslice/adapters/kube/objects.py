@@ -25,6 +25,9 @@ MODEL_ANNOTATION = "gpuslice.io/gpu-model"
 ISOLATION_ANNOTATION = "gpuslice.io/isolation"
 # best-effort, latency-critical or normal (the default): see core.model.PRIORITIES
 PRIORITY_ANNOTATION = "gpuslice.io/priority"
+# the MIG profile a planned slice was sized for (the planner's manifests): on a MIG-enabled GPU
+# the extender prefers an instance of that profile for the pod's MPS slice
+MIG_PROFILE_ANNOTATION = "gpuslice.io/mig-profile"
 INVENTORY_ANNOTATION = "gpuslice.io/inventory"
 # GPUs (comma-separated UUIDs) the reconfiguration controller closed to new slices
 CORDONED_ANNOTATION = "gpuslice.io/cordoned-gpus"
