@@ -37,6 +37,7 @@ def test_the_critical_replica_gets_the_smallest_cap_that_holds_its_slo() -> None
     assert sum(s.thread_pct for s in out) <= 100
     assert {s.thread_pct for s in be} == {be[0].thread_pct}  # same model: an even split
     assert all(s.batch == 16 for s in be)  # best effort takes the most throughput
+    assert lc.priority == "latency-critical" and {s.priority for s in be} == {"best-effort"}
 
 
 def test_best_effort_replicas_share_what_is_left_by_throughput() -> None:

@@ -31,10 +31,9 @@ import numpy as np
 
 from gpuslice.bench.runner import WorkerSpec, find_gpu, run_together
 from gpuslice.core.errors import ValidationError
+from gpuslice.core.model import PRIORITIES
 from gpuslice.core.profiles import ProfileSet
 from gpuslice.core.sizing import Tenant, Unsizable, size_slices
-
-BELOW_NORMAL = "1"  # CUDA_MPS_CLIENT_PRIORITY: 0 normal, 1 below normal
 
 
 @dataclass(frozen=True)
@@ -186,7 +185,7 @@ def run_sharing(opts: SharingOptions,
                 lc = {**env, "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(lc_cap)}
                 be = {**env, "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(be_cap)}
                 if be_priority:  # best-effort work yields to the latency-critical replica's
-                    be["CUDA_MPS_CLIENT_PRIORITY"] = BELOW_NORMAL
+                    be["CUDA_MPS_CLIENT_PRIORITY"] = PRIORITIES["best-effort"]
                 return run_together([_spec(opts, opts.lc_batch, lc, group)] +
                                     [_spec(opts, opts.be_batch, be, group)] * k, run_id)
 

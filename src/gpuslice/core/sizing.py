@@ -11,7 +11,9 @@ percentage and a batch size so that
 - the percentage left is split among the best-effort replicas to maximise their total
   throughput (a knapsack over the profile's caps, interpolated linearly between measured caps),
   each best-effort replica getting at least ``min_pct``;
-- caps add up to at most 100, so latency-critical replicas are never out-competed.
+- caps add up to at most 100, so latency-critical replicas are never out-competed;
+- best-effort replicas run at below-normal MPS client priority (:attr:`SliceSize.priority`),
+  so a latency-critical neighbour's kernels go first.
 
 Profiles are :class:`ProfilePoint` with ``slice_kind == "mps"`` and ``slice_size`` = thread %
 (``gpuslice profile`` writes them). Pure: no I/O, no clock.
@@ -50,6 +52,12 @@ class SliceSize:
     throughput: float  # requests/s predicted
     p99_ms: float  # predicted batch latency (p99 where profiled)
     critical: bool
+
+    @property
+    def priority(self) -> str:
+        """The MPS client priority (``core.model.PRIORITIES``): best-effort replicas yield to
+        latency-critical ones next to them."""
+        return "latency-critical" if self.critical else "best-effort"
 
 
 def _points(profiles: ProfileSet, model: str, gpu: str, procs: int,
