@@ -64,6 +64,12 @@ def test_demo_runs_the_whole_scenario_and_writes_its_report(tmp_path: Path) -> N
     assert "fits no node" in out  # the pending job's reasons were shown
     # the H100 that held the replicas was re-sliced under load: they moved first
     assert s["reconfig"]["moves"] >= 6 and len(s["reconfig"]["seconds_per_gpu"]) == 2
+    # on the MIG-enabled H100s the replicas are MPS slices inside MIG instances (after the
+    # re-slicing: the 7g), never whole-GPU slices
+    on_h100 = [x for x in placed.values() if x["node"] == "h100-0"]
+    assert on_h100 and all(x["mode"] == "mps" and x["mig_instance"] == "7g.80gb@0"
+                           for x in on_h100), on_h100
+    assert "<td>7g.80gb@0</td>" in html
     assert f"GPUs in use: {s['gpus_used']}" in out
 
 

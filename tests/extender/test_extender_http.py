@@ -445,7 +445,9 @@ def test_mps_slices_go_inside_mig_instances_of_a_mig_enabled_gpu() -> None:
                 placed.append((share.uuid, share.mig_profile, share.mig_start))
             # 200 milli: the 2g (285) fits tightest; the second no longer fits there: the 3g
             assert placed == [("GPU-m0", "2g.20gb", 4), ("GPU-m0", "3g.40gb", 0)]
-            for name, why in (("whole", "GPU 0 has 0 milli free"),
+            for name, why in (("whole", "GPU 0 has 0 milli free, pod needs 1000 (the most free "
+                                        "GPU of the node); 1 GPU(s) MIG-enabled: no whole-GPU "
+                                        "exclusive slice there"),
                               ("big", "MPS inside MIG instances: none has 600 milli and 0 MiB "
                                       "free (3g.40gb@0 (228 milli, 40192 MiB free), 2g.20gb@4 "
                                       "(85 milli, 19968 MiB free), 1g.10gb@6"),

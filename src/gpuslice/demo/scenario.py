@@ -513,6 +513,9 @@ def summary(state: DemoState) -> dict[str, Any]:
             "gpu_model": found[1].gpu_model if found else None,
             "milli": shares[0].milli, "memory_mib": shares[0].memory_mib,
             "mode": a.containers[0].mode.value,
+            # the MIG instance an MPS slice (or a MIG-isolated pod) lives in
+            "mig_instance": f"{shares[0].mig_profile}@{shares[0].mig_start}"
+            if shares[0].mig_profile else None,
             "score": c.scheduler.placed.get(key, (None, None))[1] if c.scheduler else None,
             "service_ms": round(found[1].service_ms, 2) if found else None,
             "batch": found[1].batch if found else None,

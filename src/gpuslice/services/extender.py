@@ -312,6 +312,10 @@ class ExtenderState:
                               + (f" ({', '.join(map(str, rooms))})" if rooms else "")
                               if req.gpus == 1 else "; MPS inside MIG takes one GPU per pod")
             if n in failed and i is not None:
+                k = sum(u in self.inv.mig_gpus for u in self.inv.uuids[i])
+                if k and _mode(req) is not Mode.MPS:
+                    failed[n] += (f"; {k} GPU(s) MIG-enabled: no whole-GPU {_mode(req).value} "
+                                  "slice there, only MPS slices inside their instances")
                 k = sum(u in self.cordoned for u in self.inv.uuids[i])
                 if k:
                     failed[n] += f"; {k} GPU(s) cordoned for reconfiguration"
