@@ -49,8 +49,10 @@ def status(api: KubePort, key: bytes | None, console: Console) -> int:
             continue
         for c in a.containers:
             for share in c.gpus:
+                where = f" in {share.mig_profile}@{share.mig_start}" if share.mig_profile \
+                    else ""
                 by_gpu[share.uuid].append((f"{a.namespace}/{a.pod}", share.milli,
-                                           share.memory_mib, c.mode.value))
+                                           share.memory_mib, c.mode.value + where))
     table = Table(title="gpuslice: GPU allocation")
     for col in ("node", "GPU", "model", "used milli", "free milli", "free MiB", "pods"):
         table.add_column(col)
@@ -60,7 +62,9 @@ def status(api: KubePort, key: bytes | None, console: Console) -> int:
             milli = sum(h[1] for h in held)
             mem = sum(h[2] for h in held)
             pods = ", ".join(f"{pod} ({m} {mode})" for pod, m, _, mode in held) or "-"
-            table.add_row(n["metadata"]["name"], f"{g.index} {g.uuid}", g.model, str(milli),
+            model = f"{g.model} (MIG: {', '.join(f'{m.profile}@{m.start}' for m in g.mig)})" \
+                if g.mig_enabled else g.model
+            table.add_row(n["metadata"]["name"], f"{g.index} {g.uuid}", model, str(milli),
                           str(1000 - milli), str(g.memory_mib - mem) if g.memory_mib else "-",
                           pods)
     console.print(table)
