@@ -500,3 +500,26 @@ def test_statefulset_pods_are_not_moved_and_the_gpu_waits(tmp_path: Path) -> Non
         waiting = [g for g in st["gpus"].values() if g["phase"] == "Waiting"]
         assert waiting and "managed by a StatefulSet" in waiting[0]["message"]
         assert c.container_of("demo/db-0") is not None  # untouched
+
+
+def test_room_is_judged_per_mig_instance_as_the_extender_places_slices(tmp_path: Path) -> None:
+    """On MIG-enabled GPUs MPS slices go inside instances: 400 milli free on a GPU in four
+    small instances is no room for a 200-milli replica. Both GPUs wait and nothing changes
+    (judged per GPU, the controller would cordon one and leave its replacement pending)."""
+    layout = "2g.20gb@0,2g.20gb@2,2g.20gb@4,1g.10gb@6"
+    with cluster(tmp_path, nodes=1, gpus=2, replicas=0, mig=layout) as c:
+        for k in range(4):
+            c.api.add_pod(gpu_pod(f"p-{k}", service="alpha", model="resnet50", milli=200,
+                                  memory_mib=9000, gpu_models="A100-80GB", batch=2))
+        assert wait(lambda: all(c.container_of(f"demo/p-{k}") for k in range(4)), 30), \
+            c.log.tail(10)
+        c.api.replace_custom(PLURAL, schedule(override="batch"))
+        ctl = ReconfigController(c.api)
+        for _ in range(5):
+            ctl.step()
+        st = status(c)
+        assert all(g["phase"] == "Waiting" for g in st["gpus"].values()), st["gpus"]
+        ready = next(x for x in st["conditions"] if x["type"] == "Ready")
+        assert "no room elsewhere for demo/p-" in ready["message"], ready
+        ann = c.api.list_nodes()[0]["metadata"].get("annotations") or {}
+        assert not ann.get(CORDONED_ANNOTATION) and "gpuslice.io/mig-desired" not in ann

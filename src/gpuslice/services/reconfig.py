@@ -44,9 +44,11 @@ from gpuslice.adapters.kube.fake import ApiConflict, ApiNotFound, ClusterPort
 from gpuslice.adapters.kube.objects import (
     CORDONED_ANNOTATION,
     DRAINING_ANNOTATION,
+    InventoryGpu,
     node_inventory,
     pod_request,
 )
+from gpuslice.core import catalog, migmps
 from gpuslice.core.assignment import ANNOTATION, Assignment
 from gpuslice.core.errors import GpusliceError, ValidationError
 from gpuslice.core.reconfig import (
@@ -407,6 +409,7 @@ class ReconfigController:
         if not needs:
             return None
         cordoned = {u for n in nodes.values() for u in self._ann(n, CORDONED_ANNOTATION)}
+        in_mig = migmps.usage(a for _, a in self._assignments())
         rooms = []
         for n in nodes.values():
             try:
@@ -416,10 +419,32 @@ class ReconfigController:
             for x in inv:
                 if x.uuid == g.uuid or x.uuid in cordoned:
                     continue
+                if x.mig_enabled:  # as the extender places them: MPS slices inside instances
+                    rooms.extend(self._instance_rooms(x, n["metadata"]["name"], in_mig))
+                    continue
                 u = used.get(x.uuid, [0, 0])
                 rooms.append(GpuRoom(x.uuid, n["metadata"]["name"], x.model, 1000 - u[0],
                                      x.memory_mib - u[1]))
         return room_for(needs, rooms)
+
+    @staticmethod
+    def _instance_rooms(x: InventoryGpu, node: str,
+                        in_mig: dict[tuple[str, int], tuple[int, int, bool]]) -> list[GpuRoom]:
+        """The room each MIG instance of a MIG-enabled GPU has for MPS slices (none in one
+        held whole by a MIG-isolated pod)."""
+        model = catalog.lookup(x.model)
+        if model is None or model.mig is None:
+            return []
+        out = []
+        for m in x.mig:
+            milli, mib, whole = in_mig.get((x.uuid, m.start), (0, 0, False))
+            if whole:
+                continue
+            cap = migmps.capacity_milli(model.mig.profile(m.profile).compute_slices,
+                                        model.mig.compute_slices)
+            out.append(GpuRoom(f"{x.uuid} {m.profile}@{m.start}", node, x.model, cap - milli,
+                               m.memory_mib - mib))
+        return out
 
     def _cordon(self, node: dict[str, Any], uuid: str, on: bool) -> None:
         name = node["metadata"]["name"]
