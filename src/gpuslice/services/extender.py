@@ -113,6 +113,7 @@ class _Inventory:
     mig: list[list[tuple[str, str, InventoryMig]]]
     # MIG-enabled GPUs: no whole-GPU slice; MPS slices go inside their instances
     mig_gpus: frozenset[str] = frozenset()
+    mig_rows: frozenset[int] = frozenset()  # nodes with a MIG-enabled GPU
 
 
 @dataclass(frozen=True)
@@ -144,6 +145,8 @@ class ExtenderState:
         self.problems: list[str] = []
         # binds reserved in the ledger whose annotation may not be visible in a re-list yet
         self._in_flight: dict[tuple[str, str], Assignment] = {}
+        self._mig_use_of: tuple[Ledger, dict[tuple[str, int], tuple[int, int, bool]]] | None = \
+            None
         self.elector: LeaderElector | None = None  # set when replicas elect a binder
         self.cordoned: set[str] = set()
         self.rebuild()
@@ -159,6 +162,7 @@ class ExtenderState:
         cordoned: set[str] = set()
         migs: list[list[tuple[str, str, InventoryMig]]] = []
         mig_gpus: set[str] = set()
+        mig_rows: set[int] = set()
         for n in self.api.list_nodes():
             name = n["metadata"]["name"]
             raw = ((n["metadata"].get("annotations") or {}).get(CORDONED) or "")
@@ -172,6 +176,8 @@ class ExtenderState:
             uuids.append([g.uuid for g in inv])
             migs.append([(g.uuid, g.model, m) for g in inv for m in g.mig])
             mig_gpus.update(g.uuid for g in inv if g.mig_enabled)
+            if any(g.mig_enabled for g in inv):
+                mig_rows.add(len(names) - 1)
             nodes.append(Node(name, 0, 0, tuple(Gpu(j, g.model, g.memory_mib)
                                                 for j, g in enumerate(inv))))
             slots.extend(GpuSlot(g.uuid, name, g.memory_mib) for g in inv)
@@ -185,7 +191,7 @@ class ExtenderState:
         self.problems.extend(problems)
         arrays = build_arrays(nodes)
         inv_ = _Inventory(names, {n: i for i, n in enumerate(names)}, uuids, arrays, migs,
-                          frozenset(mig_gpus))
+                          frozenset(mig_gpus), frozenset(mig_rows))
         with self._lock:
             for key, a in list(getattr(self, "_in_flight", {}).items()):
                 if key not in ledger.owners:
@@ -278,6 +284,7 @@ class ExtenderState:
         n_fit = fits.sum(axis=1)
         best = np.argmax(np.where(a.gpu_present, a.gpu_free, -1), axis=1)
         allowed = a.model_mask(g.models)
+        mode = _mode(req)
         keep: list[str] = []
         failed: dict[str, str] = {}
         for n in names:
@@ -301,7 +308,7 @@ class ExtenderState:
                 else:
                     failed[n] = (f"GPU {j} has {a.gpu_free[i, j]} milli free, pod needs "
                                  f"{g.milli} (the most free GPU of the node)")
-            if n in failed and i is not None and self.inv.mig[i] and _mode(req) is Mode.MPS:
+            if n in failed and i is not None and i in self.inv.mig_rows and mode is Mode.MPS:
                 if self._mig_room_for(i, req) is not None:
                     del failed[n]
                     keep.append(n)
@@ -311,11 +318,10 @@ class ExtenderState:
                               f"{req.gpu_memory_mib} MiB free"
                               + (f" ({', '.join(map(str, rooms))})" if rooms else "")
                               if req.gpus == 1 else "; MPS inside MIG takes one GPU per pod")
-            if n in failed and i is not None:
+            if n in failed and i is not None and i in self.inv.mig_rows and mode is not Mode.MPS:
                 k = sum(u in self.inv.mig_gpus for u in self.inv.uuids[i])
-                if k and _mode(req) is not Mode.MPS:
-                    failed[n] += (f"; {k} GPU(s) MIG-enabled: no whole-GPU {_mode(req).value} "
-                                  "slice there, only MPS slices inside their instances")
+                failed[n] += (f"; {k} GPU(s) MIG-enabled: no whole-GPU {mode.value} slice "
+                              "there, only MPS slices inside their instances")
                 k = sum(u in self.cordoned for u in self.inv.uuids[i])
                 if k:
                     failed[n] += f"; {k} GPU(s) cordoned for reconfiguration"
@@ -323,10 +329,20 @@ class ExtenderState:
 
     # -- MPS slices inside MIG instances ----------------------------------------------------
 
+    def _mig_use(self) -> dict[tuple[str, int], tuple[int, int, bool]]:
+        """What assignments hold of each MIG instance, from the ledger (which holds in-flight
+        binds too); derived once per ledger value, which a bind or a pod's end replaces."""
+        led = self.ledger
+        cached = self._mig_use_of
+        if cached is None or cached[0] is not led:
+            cached = self._mig_use_of = (led, migmps.usage(led.owners.values()))
+        return cached[1]
+
     def _mig_rooms(self, i: int, models: frozenset[str]) -> list[InstanceRoom]:
         """The MIG instances of node ``i`` with what live assignments hold of each."""
-        held = list(self.ledger.owners.values()) + list(self._in_flight.values())
-        use = migmps.usage(held)
+        if not self.inv.mig[i]:
+            return []
+        use = self._mig_use()
         out = []
         for gpu, model, m in self.inv.mig[i]:
             known = catalog.lookup(model)
@@ -413,11 +429,12 @@ class ExtenderState:
         st = PlacementState.build(self.inv.arrays, None)
         ok = feasible(self.inv.arrays, self._gpu_only(req))[rows]
         in_mig: dict[str, int] = {}  # nodes that fit the pod only inside a MIG instance
-        for n, fits in zip(known, ok, strict=True):
-            room = None if fits else self._mig_room_for(self.inv.index[n], req)
-            if room is not None:  # the tighter the instance, the higher
-                in_mig[n] = max(1, 10 - round(10 * (room.free_milli - req.milli)
-                                              / room.capacity_milli))
+        if self.inv.mig_rows and req.gpus == 1 and _mode(req) is Mode.MPS:
+            for k in np.flatnonzero(~ok):
+                room = self._mig_room_for(int(rows[k]), req)
+                if room is not None:  # the tighter the instance, the higher
+                    in_mig[known[k]] = max(1, 10 - round(10 * (room.free_milli - req.milli)
+                                                         / room.capacity_milli))
         scores = np.zeros(len(known))
         if ok.any():
             scored = self.policy.score(st, self._gpu_only(req), rows[ok])
