@@ -2,7 +2,7 @@
 # Everything that needs an NVIDIA GPU (issues 6, 7 and 8), in stages that each fit a 10-minute
 # call on a lent GPU machine. Never changes the GPU's settings (no MIG or compute-mode change, no
 # reset): MPS daemons get private pipe and log directories and are quit before each stage ends.
-# Results go to $OUT (default gpu-out/); the profile stage is resumable (run it again and it
+# Results go to $RESULTS (default gpu-out/); the profile stage is resumable (run it again and it
 # continues where it stopped, given the same profiles.csv).
 #
 # Needs python3 with PyTorch, torchvision and nvidia-ml-py, and nvidia-cuda-mps-control. A machine
@@ -14,14 +14,17 @@
 #   MODELS="resnet50 mobilenet_v3" bash benchmarks/gpu_tier.sh profile   # ~4 min a model
 #   MODELS="vit_b_16 encoder" bash benchmarks/gpu_tier.sh profile
 #   bash benchmarks/gpu_tier.sh sharing    # the sharing benchmark (~5 min)
-# PACK=FILE.tgz packs $OUT into one archive at the end (a lent machine returns few files).
+# PACK=FILE.tgz packs $RESULTS into one archive at the end (a lent machine returns few files).
 # A 30-minute budget fits three calls: `check tests`, `profile` (two models), then
-# `profile sharing` with the other two models and the profiles.csv of the first call.
+# `profile sharing` with the other two models and the profiles.csv of the first call (carried
+# back as gpu-out/profiles.csv). With this workplace's device tool, which sets OUT to the
+# folder that comes back, and carry [".whl"] (plus "gpu-out" for the third call):
+#   PACK=$OUT/gpu.tgz bash benchmarks/gpu_tier.sh check tests
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-gpu-out}
+RESULTS=${RESULTS:-gpu-out}
 MODELS=${MODELS:-resnet50 mobilenet_v3 vit_b_16 encoder}
-mkdir -p "$OUT"
+mkdir -p "$RESULTS"
 export PYTHONUNBUFFERED=1
 # the driver's tools live in different places on different images
 for d in /usr/local/nvidia/bin /usr/local/cuda/bin; do
@@ -40,8 +43,8 @@ GPU_TESTS=(tests/nodeagent/test_nvml.py tests/nodeagent/test_mps.py
 
 check() {
     nvidia-smi --query-gpu=name,driver_version,memory.total,mig.mode.current,compute_mode \
-        --format=csv | tee "$OUT/device.txt"
-    python3 - <<'EOF' 2>&1 | tee "$OUT/check.txt"
+        --format=csv | tee "$RESULTS/device.txt"
+    python3 - <<'EOF' 2>&1 | tee "$RESULTS/check.txt"
 import importlib, shutil, sys
 missing = []
 for mod in ("torch", "torchvision", "pynvml", "grpc", "google.protobuf", "orjson", "aiohttp",
@@ -72,29 +75,29 @@ if missing:
 print("ready")
 EOF
     local rc=${PIPESTATUS[0]}
-    "${GS[@]}" gpus --local 2>&1 | tee "$OUT/discovery.txt"
+    "${GS[@]}" gpus --local 2>&1 | tee "$RESULTS/discovery.txt"
     return "$rc"
 }
 
 status=0
-trap '[ -n "${PACK:-}" ] && tar czf "$PACK" -C "$OUT" .' EXIT
+trap '[ -n "${PACK:-}" ] && tar czf "$PACK" -C "$RESULTS" .' EXIT
 for stage in "${@:-check}"; do
     case "$stage" in
       check)
         check || status=1 ;;
       tests)
         python3 -m pytest -m gpu -s -p no:cacheprovider -rs "${GPU_TESTS[@]}" 2>&1 \
-            | tee "$OUT/gpu-tier.log"
-        "${GS[@]}" demo --short --no-live --out "$OUT/demo" 2>&1 | tail -60 \
-            | tee "$OUT/demo.txt" ;;
+            | tee "$RESULTS/gpu-tier.log"
+        "${GS[@]}" demo --short --no-live --out "$RESULTS/demo" 2>&1 | tail -60 \
+            | tee "$RESULTS/demo.txt" ;;
       profile)
         for model in $MODELS; do
-            "${GS[@]}" profile "$model" --out "$OUT/profiles.csv" --caps 10,20,30,50,100 \
+            "${GS[@]}" profile "$model" --out "$RESULTS/profiles.csv" --caps 10,20,30,50,100 \
                 --batches 1,8,16,64 --procs 1,2,3 --warmup-s 1 --window-s 2 2>&1 | tail -3
         done ;;
       sharing)
-        "${GS[@]}" bench sharing --profile "$OUT/profiles.csv" --out "$OUT" --warmup-s 2 \
-            --window-s 6 2>&1 | tee "$OUT/sharing.txt" ;;
+        "${GS[@]}" bench sharing --profile "$RESULTS/profiles.csv" --out "$RESULTS" --warmup-s 2 \
+            --window-s 6 2>&1 | tee "$RESULTS/sharing.txt" ;;
       *)
         echo "unknown stage $stage (check, tests, profile, sharing)" >&2; status=2 ;;
     esac
