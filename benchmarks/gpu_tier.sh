@@ -5,9 +5,10 @@
 # Results go to $RESULTS (default gpu-out/); the profile stage is resumable (run it again and it
 # continues where it stopped, given the same profiles.csv).
 #
-# Needs python3 with PyTorch, torchvision and nvidia-ml-py, and nvidia-cuda-mps-control. A machine
-# without network access gets the rest as wheels: run `bash benchmarks/gpu_wheels.sh` first on
-# a machine with PyPI and bring the .whl/ folder along; this script installs it into /tmp/site.
+# Needs python3 with PyTorch, torchvision and nvidia-ml-py, and nvidia-cuda-mps-control; the
+# project runs from src/. A machine without network access gets the missing dependencies as
+# wheels: run `bash benchmarks/gpu_wheels.sh` first on a machine with PyPI and bring the .whl/
+# folder along; this script installs it into /tmp/site.
 #
 #   bash benchmarks/gpu_tier.sh check      # what is there, what is missing (seconds)
 #   bash benchmarks/gpu_tier.sh tests      # the gpu test tier + the demo on the real GPU (~4 min)
@@ -36,6 +37,8 @@ if compgen -G ".whl/*.whl" >/dev/null; then
         --target /tmp/site .whl/*.whl || { echo "installing .whl/ failed" >&2; exit 1; }
     export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
+# the project runs from this checkout (workers and replicas inherit the path)
+export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
 GS=(python3 -m gpuslice.cli)
 GPU_TESTS=(tests/nodeagent/test_nvml.py tests/nodeagent/test_mps.py
            tests/nodeagent/test_gpu_tier.py tests/local/test_local_gpu.py
