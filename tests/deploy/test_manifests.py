@@ -55,6 +55,15 @@ def test_scheduler_profile_uses_the_extender_without_touching_the_default_schedu
     assert [p["schedulerName"] for p in cfg["profiles"]] == ["gpuslice-scheduler"]
     ext = cfg["extenders"][0]
     assert ext["nodeCacheCapable"] is True and ext["bindVerb"] == "bind"
+    # every verb the scheduler is told to call is a route the extender serves
+    from gpuslice.adapters.kube.fake import FakeApiServer
+    from gpuslice.services.extender import ExtenderState, make_app
+
+    app = make_app(ExtenderState(FakeApiServer(), b"k" * 16, clock=lambda: "t"))
+    served = {r.resource.canonical.strip("/") for r in app.router.routes()
+              if r.method == "POST" and r.resource is not None}
+    verbs = {ext[k] for k in ("filterVerb", "prioritizeVerb", "preemptVerb", "bindVerb")}
+    assert verbs <= served, (verbs, served)
     managed = {m["name"]: m["ignoredByScheduler"] for m in ext["managedResources"]}
     assert managed == {"gpuslice.io/gpu": False, "gpuslice.io/gpu-milli": True,
                        "gpuslice.io/gpu-memory": True}

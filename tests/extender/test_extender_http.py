@@ -520,3 +520,48 @@ def test_metrics_show_latency_rejections_by_kind_binds_and_the_ledger() -> None:
                          ("no free MIG instance of >= 3g with 0 MiB (free: none)", "mig"),
                          ("something new", "other")]:
         assert rejection_kind(reason) == kind
+
+
+def test_preempt_keeps_only_the_victims_the_gpu_share_needs() -> None:
+    api = FakeApiServer()
+    api.add_node(node("a", "A100-80GB", 2))
+    api.add_node(node("b", "A100-80GB", 1))
+    for name, milli in (("low1", 500), ("low2", 300), ("low3", 400), ("low4", 600),
+                        ("low5", 1000)):
+        api.add_pod(pod(name, milli))
+    api.add_pod(pod("urgent", 600))
+
+    async def body(url: str, state: ExtenderState) -> None:
+        uid = {}
+        async with aiohttp.ClientSession() as s:
+            for name, where in (("low1", "a"), ("low2", "a"), ("low3", "a"), ("low4", "a"),
+                                ("low5", "b")):
+                a = await bound(s, url, api, api.get_pod("default", name), where)
+                uid[name] = a.pod_uid
+            urgent = api.get_pod("default", "urgent")
+            meta = {"a": {"Pods": [{"UID": uid[n]} for n in ("low1", "low2", "low3", "low4")]
+                          + [{"UID": "cpu-only-pod"}], "NumPDBViolations": 1},
+                    "b": {"Pods": [], "NumPDBViolations": 0},
+                    "zz": {"Pods": [{"UID": "x"}], "NumPDBViolations": 0}}
+            st, res = await post(s, url + "/preempt", {"Pod": urgent,
+                                                       "NodeNameToMetaVictims": meta})
+            assert st == 200, res
+            # on a, sparing the smallest shares first, only low4 (GPU 1's 600) must go, with
+            # the victim the scheduler chose for CPU; b frees nothing without victims; zz is
+            # unknown
+            assert res == {"NodeNameToMetaVictims": {"a": {
+                "Pods": [{"UID": uid["low4"]}, {"UID": "cpu-only-pod"}],
+                "NumPDBViolations": 1}}}
+            full = {"b": {"Pods": [api.get_pod("default", "low5")], "NumPDBViolations": 0}}
+            st, res = await post(s, url + "/preempt", {"Pod": urgent, "NodeNameToVictims": full})
+            assert res["NodeNameToMetaVictims"] == {
+                "b": {"Pods": [{"UID": uid["low5"]}], "NumPDBViolations": 0}}
+            st, res = await post(s, url + "/preempt", {"Pod": urgent,
+                                                       "NodeNameToMetaVictims": ["a"]})
+            assert st == 400 and "NodeNameToMetaVictims" in str(res)
+            st, res = await post(s, url + "/preempt", {"Pod": urgent, "NodeNameToMetaVictims": {
+                "a": {"Pods": [{"name": "no uid"}]}}})
+            assert st == 400 and "pods with their UID" in str(res)
+        assert sum(state.ledger.used_milli.values()) == 2800  # preempt changed nothing
+
+    asyncio.run(serving(api, body))

@@ -338,11 +338,13 @@ class ExtenderState:
             cached = self._mig_use_of = (led, migmps.usage(led.owners.values()))
         return cached[1]
 
-    def _mig_rooms(self, i: int, models: frozenset[str]) -> list[InstanceRoom]:
-        """The MIG instances of node ``i`` with what live assignments hold of each."""
+    def _mig_rooms(self, i: int, models: frozenset[str],
+                   use: dict[tuple[str, int], tuple[int, int, bool]] | None = None
+                   ) -> list[InstanceRoom]:
+        """The MIG instances of node ``i`` with what live assignments (or ``use``) hold."""
         if not self.inv.mig[i]:
             return []
-        use = self._mig_use()
+        use = self._mig_use() if use is None else use
         out = []
         for gpu, model, m in self.inv.mig[i]:
             known = catalog.lookup(model)
@@ -444,6 +446,63 @@ class ExtenderState:
             scores[np.flatnonzero(ok)] = scaled
         by_name = {**dict(zip(known, scores.astype(int).tolist(), strict=True)), **in_mig}
         return [(n, by_name.get(n, 0)) for n in names]
+
+    # -- preemption ---------------------------------------------------------------------------
+
+    def _fits_with(self, i: int, req: SliceRequest, led: Ledger) -> bool:
+        """Whether ``req`` fits node ``i``'s GPUs if the ledger were ``led``."""
+        mode = _mode(req)
+        if mode is Mode.MIG:
+            taken = {(g.uuid, g.mig_start) for a in led.owners.values() for c in a.containers
+                     for g in c.gpus if g.mig_profile}
+            return bool(self._mig_fits(i, _mig_wish(req), taken))
+        trial = self.inv.arrays.copy()
+        for j, uuid in enumerate(self.inv.uuids[i]):
+            milli, mem = (0, 0) if uuid in self.cordoned or uuid in self.inv.mig_gpus \
+                else led.free(uuid)
+            trial.gpu_free[i, j] = milli
+            trial.gpu_mem_free[i, j] = mem
+        if feasible(trial, self._gpu_only(req))[i]:
+            return True
+        if mode is Mode.MPS and req.gpus == 1 and i in self.inv.mig_rows:
+            rooms = self._mig_rooms(i, req.models, migmps.usage(led.owners.values()))
+            return migmps.best_instance(rooms, req.milli, req.gpu_memory_mib) is not None
+        return False
+
+    def preempt(self, pod: dict[str, Any],
+                victims: dict[str, list[str]]) -> dict[str, list[str]]:
+        """The scheduler's candidate victims per node (pod UIDs), cut to what the pod needs on
+        the GPU side: a node where even all its victims free too little GPU share is dropped;
+        elsewhere victims that hold no gpuslice share stay (the scheduler chose them for CPU
+        or memory), and of those that do, as few go as will make room (the smallest shares
+        are spared first). Reads the ledger; changes nothing."""
+        req = pod_request(pod)
+        if req is None:
+            return victims
+        by_uid = {a.pod_uid: a for a in self.ledger.owners.values()}
+        out: dict[str, list[str]] = {}
+        for node, uids in victims.items():
+            i = self.inv.index.get(node)
+            if i is None:
+                continue
+            on_gpu = [by_uid[u] for u in uids if u in by_uid and by_uid[u].node == node]
+            led = self.ledger
+            for a in on_gpu:
+                led = led.release(a.namespace, a.pod)
+            if not self._fits_with(i, req, led):
+                continue
+            spared: set[str] = set()
+            for a in sorted(on_gpu, key=lambda a: (sum(g.milli for c in a.containers
+                                                       for g in c.gpus), a.pod)):
+                try:
+                    kept = led.reserve(a)
+                except Conflict:
+                    continue
+                if self._fits_with(i, req, kept):
+                    led = kept
+                    spared.add(a.pod_uid)
+            out[node] = [u for u in uids if u not in spared]
+        return out
 
     def bind(self, namespace: str, name: str, uid: str, node: str) -> str:
         """Bind the pod; returns an error message, or "" on success."""
@@ -586,6 +645,34 @@ def _names(args: dict[str, Any]) -> tuple[list[str], dict[str, dict[str, Any]] |
     return list(by_name), by_name
 
 
+def _victims(args: dict[str, Any]) -> tuple[dict[str, list[str]], dict[str, int]]:
+    """Victim pod UIDs per node and the PDB violations counted for them, from either form the
+    scheduler sends (``NodeNameToMetaVictims`` with UIDs, or ``NodeNameToVictims`` with pods)."""
+    meta = args.get("NodeNameToMetaVictims")
+    full = args.get("NodeNameToVictims")
+    raw, key = (meta, "NodeNameToMetaVictims") if meta is not None else \
+        (full, "NodeNameToVictims")
+    if not isinstance(raw, dict):
+        raise ValidationError(key, "a map of node name to victims", type(raw).__name__)
+    victims: dict[str, list[str]] = {}
+    pdb: dict[str, int] = {}
+    for node, v in raw.items():
+        pods = v.get("Pods") if isinstance(v, dict) else None
+        if not isinstance(pods, list):
+            raise ValidationError(f"{key}.{node}.Pods", "a list of pods", type(pods).__name__)
+        uids = []
+        for p in pods:
+            uid = (p.get("UID") if meta is not None else (p.get("metadata") or {}).get("uid")) \
+                if isinstance(p, dict) else None
+            if not isinstance(uid, str) or not uid:
+                raise ValidationError(f"{key}.{node}.Pods[]", "pods with their UID", p)
+            uids.append(uid)
+        victims[node] = uids
+        n = v.get("NumPDBViolations", 0)
+        pdb[node] = n if isinstance(n, int) and not isinstance(n, bool) else 0
+    return victims, pdb
+
+
 def _pod(args: dict[str, Any]) -> dict[str, Any]:
     pod = args.get("Pod")
     if not isinstance(pod, dict):
@@ -599,7 +686,7 @@ def make_app(state: ExtenderState, metrics: ExtenderMetrics | None = None) -> we
     @web.middleware
     async def timed(request: web.Request, handler: Any) -> web.StreamResponse:
         verb = request.path.strip("/")
-        if verb not in ("filter", "prioritize", "bind"):
+        if verb not in ("filter", "prioritize", "bind", "preempt"):
             return await handler(request)  # type: ignore[no-any-return]
         t0 = time.perf_counter()
         try:
@@ -658,6 +745,18 @@ def make_app(state: ExtenderState, metrics: ExtenderMetrics | None = None) -> we
         m.binds.labels("refused" if error else "bound").inc()
         return web.Response(body=orjson.dumps({"Error": error}), content_type="application/json")
 
+    async def preempt(request: web.Request) -> web.Response:
+        args = await _json(request)
+        try:
+            victims, pdb = _victims(args)
+            kept = state.preempt(_pod(args), victims)
+        except GpusliceError as exc:
+            m.errors.labels("preempt").inc()
+            return _bad(str(exc))
+        return web.Response(body=orjson.dumps({"NodeNameToMetaVictims": {
+            node: {"Pods": [{"UID": u} for u in uids], "NumPDBViolations": pdb.get(node, 0)}
+            for node, uids in kept.items()}}), content_type="application/json")
+
     async def healthz(_: web.Request) -> web.Response:
         return web.Response(text="ok")
 
@@ -668,6 +767,7 @@ def make_app(state: ExtenderState, metrics: ExtenderMetrics | None = None) -> we
     app.router.add_post("/filter", filter_)
     app.router.add_post("/prioritize", prioritize)
     app.router.add_post("/bind", bind)
+    app.router.add_post("/preempt", preempt)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/metrics", metrics_)
     return app
