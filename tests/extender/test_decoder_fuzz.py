@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from gpuslice.adapters.kube.annotation import AnnotationError, decode
 from gpuslice.adapters.kube.objects import pod_request
 from gpuslice.core.errors import GpusliceError
-from gpuslice.services.extender import _names
+from gpuslice.services.extender import _names, _victims
 
 scalars = st.one_of(st.none(), st.booleans(), st.integers(-10**6, 10**6),
                     st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=12))
@@ -90,3 +90,20 @@ def test_a_pod_with_an_unknown_priority_is_refused_naming_the_annotation() -> No
         pod_request(pod)
     pod["metadata"]["annotations"]["gpuslice.io/priority"] = "best-effort"  # type: ignore[index]
     assert pod_request(pod) is not None
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(
+    st.sampled_from(["NodeNameToMetaVictims", "NodeNameToVictims", "x"]),
+    st.one_of(json_values, st.dictionaries(
+        st.text(max_size=4),
+        st.one_of(json_values, st.fixed_dictionaries({"Pods": json_values})), max_size=2)),
+    max_size=2))
+def test_victims_decoding_never_crashes(args: dict[str, Any]) -> None:
+    try:
+        victims, pdb = _victims(args)
+    except GpusliceError as exc:
+        assert str(exc)
+        return
+    assert all(isinstance(u, str) and u for uids in victims.values() for u in uids)
+    assert set(pdb) == set(victims)
