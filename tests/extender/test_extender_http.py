@@ -565,3 +565,20 @@ def test_preempt_keeps_only_the_victims_the_gpu_share_needs() -> None:
         assert sum(state.ledger.used_milli.values()) == 2800  # preempt changed nothing
 
     asyncio.run(serving(api, body))
+
+
+def test_a_cordoned_gpu_takes_no_new_slice_and_the_reason_says_so() -> None:
+    api = FakeApiServer()
+    n = node("a", "T4", 1)
+    n["metadata"]["annotations"]["gpuslice.io/cordoned-gpus"] = "GPU-a-0"
+    api.add_node(n)
+    api.add_pod(pod("p", 300))
+
+    async def body(url: str, state: ExtenderState) -> None:
+        async with aiohttp.ClientSession() as s:
+            _, res = await post(s, url + "/filter", {"Pod": api.get_pod("default", "p"),
+                                                     "NodeNames": ["a"]})
+            assert res["NodeNames"] == []
+            assert "1 GPU(s) cordoned for reconfiguration" in res["FailedNodes"]["a"]
+
+    asyncio.run(serving(api, body))

@@ -322,6 +322,7 @@ class ExtenderState:
                 k = sum(u in self.inv.mig_gpus for u in self.inv.uuids[i])
                 failed[n] += (f"; {k} GPU(s) MIG-enabled: no whole-GPU {mode.value} slice "
                               "there, only MPS slices inside their instances")
+            if n in failed and i is not None:
                 k = sum(u in self.cordoned for u in self.inv.uuids[i])
                 if k:
                     failed[n] += f"; {k} GPU(s) cordoned for reconfiguration"
