@@ -70,7 +70,7 @@ class DevicePlugin(pbg.DevicePluginServicer):
         self._claimed: set[tuple[str, str]] = set()  # (namespace, pod) already executed
         self._executed: list[Assignment] = []
         self._claim_lock = threading.Lock()
-        self._priority: dict[tuple[str, str], str] = {}  # pod -> its priority annotation
+        self._claimed_priority: dict[tuple[str, str], str] = {}  # read when claimed
 
     def executed(self) -> list[Assignment]:
         """The assignments Allocate has executed so far."""
@@ -127,8 +127,11 @@ class DevicePlugin(pbg.DevicePluginServicer):
             yield pb.ListAndWatchResponse(devices=self.devices())
 
     def _pending(self) -> list[Assignment]:
-        """Verified assignments for this node not executed yet, oldest first (and each one's
-        pod's priority annotation, for Allocate)."""
+        """Verified assignments for this node not executed yet, oldest first."""
+        return self._pending_with_priority()[0]
+
+    def _pending_with_priority(self) -> tuple[list[Assignment], dict[tuple[str, str], str]]:
+        """:meth:`_pending`, and each one's pod's priority annotation (for Allocate)."""
         out = []
         priority: dict[tuple[str, str], str] = {}
         for p in self.api.list_pods():
@@ -147,8 +150,7 @@ class DevicePlugin(pbg.DevicePluginServicer):
             priority[(a.namespace, a.pod)] = str(
                 (meta.get("annotations") or {}).get(PRIORITY_ANNOTATION, "normal"))
             out.append(a)
-        self._priority = priority
-        return sorted(out, key=lambda a: (a.bind_time, a.namespace, a.pod))
+        return sorted(out, key=lambda a: (a.bind_time, a.namespace, a.pod)), priority
 
     def GetPreferredAllocation(self, request: pb.PreferredAllocationRequest,
                                context: Any) -> pb.PreferredAllocationResponse:
@@ -213,7 +215,8 @@ class DevicePlugin(pbg.DevicePluginServicer):
         return pb.AllocateResponse(container_responses=responses)
 
     def _claim(self, uuids: list[str]) -> Assignment | None:
-        for a in self._pending():
+        pending, priority = self._pending_with_priority()
+        for a in pending:
             if sorted(a.gpu_uuids()) != uuids:
                 continue
             with self._claim_lock:
@@ -221,6 +224,7 @@ class DevicePlugin(pbg.DevicePluginServicer):
                 if key in self._claimed:
                     continue
                 self._claimed.add(key)
+                self._claimed_priority[key] = priority.get(key, "normal")
                 self._executed.append(a)
             return a
         return None
@@ -228,6 +232,7 @@ class DevicePlugin(pbg.DevicePluginServicer):
     def _unclaim(self, a: Assignment) -> None:
         with self._claim_lock:
             self._claimed.discard((a.namespace, a.pod))
+            self._claimed_priority.pop((a.namespace, a.pod), None)
             self._executed = [x for x in self._executed if (x.namespace, x.pod) !=
                               (a.namespace, a.pod)]
 
@@ -258,6 +263,7 @@ class DevicePlugin(pbg.DevicePluginServicer):
 
     def _response(self, a: Assignment) -> pb.ContainerAllocateResponse:
         c = a.containers[0]
+        priority = self._claimed_priority.pop((a.namespace, a.pod), "normal")
         gpus = [self._visible(g) for g in c.gpus]
         envs = {"NVIDIA_VISIBLE_DEVICES": ",".join(gpus),
                 "GPUSLICE_ASSIGNMENT": f"{a.namespace}/{a.pod}"}
@@ -269,7 +275,6 @@ class DevicePlugin(pbg.DevicePluginServicer):
             if share.memory_mib:
                 envs["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = ",".join(
                     f"{i}={g.memory_mib}M" for i, g in enumerate(c.gpus))
-            priority = self._priority.get((a.namespace, a.pod), "normal")
             if priority not in PRIORITIES:
                 raise GpusliceError(f"{PRIORITY_ANNOTATION}: expected one of "
                                     f"{', '.join(PRIORITIES)}, got {priority!r}")
