@@ -17,6 +17,7 @@ class MakeNode:
     _free: list[int] = field(default_factory=list)
     _cpu_free: int | None = None
     _mem_free: int | None = None
+    _gpu_mem_used: list[int] = field(default_factory=list)
 
     def gpus(self, model: str, count: int) -> MakeNode:
         self._model = model
@@ -27,6 +28,11 @@ class MakeNode:
         """Milli already used on GPU 0, 1, ... (the rest stay free)."""
         for i, u in enumerate(milli_used):
             self._free[i] = 1000 - u
+        return self
+
+    def gpu_mem_used(self, *mib_used: int) -> MakeNode:
+        """MiB of GPU memory already used on GPU 0, 1, ..."""
+        self._gpu_mem_used = list(mib_used)
         return self
 
     def cpu(self, milli: int, free: int | None = None) -> MakeNode:
@@ -42,7 +48,9 @@ class MakeNode:
         if self._model is not None:
             known = lookup(self._model)
             mib = known.memory_mib if known else 0
-            gpus = tuple(Gpu(i, self._model, mib, milli_free=f) for i, f in enumerate(self._free))
+            used = self._gpu_mem_used + [0] * (len(self._free) - len(self._gpu_mem_used))
+            gpus = tuple(Gpu(i, self._model, mib, milli_free=f, memory_free_mib=mib - u)
+                         for i, (f, u) in enumerate(zip(self._free, used, strict=True)))
         return Node(self.name, self._cpu, self._mem, gpus, self._cpu_free, self._mem_free)
 
 
@@ -64,6 +72,10 @@ class MakeReq:
 
     def gpu_mem(self, mib: int) -> MakeReq:
         return MakeReq(replace(self.req, gpu_memory_mib=mib))
+
+    def memory_share(self) -> MakeReq:
+        """No GPU memory named: milli/1000 of each GPU's memory (the pod contract's default)."""
+        return MakeReq(replace(self.req, memory_share=True))
 
     def models(self, *names: str) -> MakeReq:
         return MakeReq(replace(self.req, models=frozenset(names)))

@@ -442,15 +442,18 @@ def test_mps_slices_go_inside_mig_instances_of_a_mig_enabled_gpu() -> None:
                 a = await bound(s, url, api, stored, "mig")
                 share = a.containers[0].gpus[0]
                 assert a.containers[0].mode.value == "mps" and share.milli == 200
+                # no gpu-memory named: its share of the instance's memory (200 of 285 or 428)
+                assert share.memory_mib in (200 * 19968 // 285, 200 * 40192 // 428)
                 placed.append((share.uuid, share.mig_profile, share.mig_start))
             # 200 milli: the 2g (285) fits tightest; the second no longer fits there: the 3g
             assert placed == [("GPU-m0", "2g.20gb", 4), ("GPU-m0", "3g.40gb", 0)]
             for name, why in (("whole", "GPU 0 has 0 milli free, pod needs 1000 (the most free "
                                         "GPU of the node); 1 GPU(s) MIG-enabled: no whole-GPU "
                                         "exclusive slice there"),
-                              ("big", "MPS inside MIG instances: none has 600 milli and 0 MiB "
-                                      "free (3g.40gb@0 (228 milli, 40192 MiB free), 2g.20gb@4 "
-                                      "(85 milli, 19968 MiB free), 1g.10gb@6"),
+                              ("big", "MPS inside MIG instances: none has 600 milli and its "
+                                      "share of the memory free (3g.40gb@0 (228 milli, 21411 "
+                                      "MiB free), 2g.20gb@4 (85 milli, 5956 MiB free), "
+                                      "1g.10gb@6"),
                               ("mig3", "no free MIG instance of >= 3g")):
                 stored = api.get_pod("default", name)
                 _, res = await post(s, url + "/filter", {"Pod": stored, "NodeNames": ["mig"]})
@@ -582,3 +585,39 @@ def test_a_cordoned_gpu_takes_no_new_slice_and_the_reason_says_so() -> None:
             assert "1 GPU(s) cordoned for reconfiguration" in res["FailedNodes"]["a"]
 
     asyncio.run(serving(api, body))
+
+
+def test_a_pod_naming_no_gpu_memory_takes_its_share_of_the_gpus() -> None:
+    """The contract's default: milli/1000 of the GPU's memory, accounted in the ledger (so
+    memory cannot be oversubscribed) and written in the assignment (the device plugin turns it
+    into the MPS pinned-memory cap)."""
+    api = FakeApiServer()
+    api.add_node(node("a", "T4", 1))  # 16384 MiB
+    big_mem = pod("big-mem", 200)
+    big_mem["spec"]["containers"][0]["resources"]["limits"]["gpuslice.io/gpu-memory"] = "14000"
+    api.add_pod(big_mem)
+    api.add_pod(pod("plain", 250))
+
+    async def body(url: str, state: ExtenderState) -> None:
+        async with aiohttp.ClientSession() as s:
+            a = await bound(s, url, api, api.get_pod("default", "big-mem"), "a")
+            assert a.containers[0].gpus[0].memory_mib == 14000
+            plain = api.get_pod("default", "plain")
+            _, res = await post(s, url + "/filter", {"Pod": plain, "NodeNames": ["a"]})
+            # 250 milli of 16384 MiB is 4096 MiB; 2384 are left
+            assert res["NodeNames"] == [] and \
+                "GPU 0 has 2384 MiB free, pod needs 4096" in res["FailedNodes"]["a"], res
+        again = ExtenderState(api, KEY, clock=clock)
+        assert again.ledger.free("GPU-a-0") == (800, 2384)
+
+    asyncio.run(serving(api, body))
+    api2 = FakeApiServer()
+    api2.add_node(node("a", "T4", 1))
+    api2.add_pod(pod("plain", 250))
+
+    async def body2(url: str, state: ExtenderState) -> None:
+        async with aiohttp.ClientSession() as s:
+            a = await bound(s, url, api2, api2.get_pod("default", "plain"), "a")
+            assert a.containers[0].gpus[0].memory_mib == 4096
+
+    asyncio.run(serving(api2, body2))

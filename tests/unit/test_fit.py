@@ -30,6 +30,12 @@ CASES = [
     ("CPU-only task on a CPU node", MakeNode("n"), MakeReq().cpu(1000), True, None),
     ("GPU memory short", MakeNode("n").gpus("T4", 1), MakeReq().share(100).gpu_mem(20000),
      False, "MiB free, pod needs 20000"),
+    ("memory by share fits", MakeNode("n").gpus("T4", 1).gpu_mem_used(10000),
+     MakeReq().share(300).memory_share(), True, None),  # 300 of 15360 MiB: 4608 <= 5360
+    ("memory by share short", MakeNode("n").gpus("T4", 1).gpu_mem_used(12000),
+     MakeReq().share(300).memory_share(), False, "GPU 0 has 3360 MiB free, pod needs 4608"),
+    ("no memory named, none checked (trace replays)",
+     MakeNode("n").gpus("T4", 1).gpu_mem_used(15000), MakeReq().share(300), True, None),
     ("MIG needs a MIG-capable model", MakeNode("n").gpus("T4", 1),
      MakeReq().share(300).isolation(Isolation.MIG), False, "cannot provide mig"),
     ("MIG on an A100", MakeNode("n").gpus("A100-80GB", 1),

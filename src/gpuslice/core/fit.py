@@ -42,6 +42,8 @@ def gpu_ok(arrays: ClusterArrays, req: SliceRequest) -> BoolArray:
     ok = arrays.gpu_present & (arrays.gpu_free >= req.milli)
     if req.gpu_memory_mib > 0:
         ok &= arrays.gpu_mem_free >= req.gpu_memory_mib
+    elif req.memory_share:  # milli/1000 of each GPU's own memory
+        ok &= arrays.gpu_mem_free >= req.milli * arrays.gpu_mem_cap // 1000
     return np.asarray(ok)
 
 
@@ -94,7 +96,8 @@ def explain(arrays: ClusterArrays, req: SliceRequest, node: int) -> list[str]:
                 out.append(f"GPU {j} has {free} milli free, pod needs {req.milli}")
             else:
                 mem = int(arrays.gpu_mem_free[node, j])
-                out.append(f"GPU {j} has {mem} MiB free, pod needs {req.gpu_memory_mib}")
+                need = req.memory_on(int(arrays.gpu_mem_cap[node, j]))
+                out.append(f"GPU {j} has {mem} MiB free, pod needs {need}")
         out.append(f"{int(fits.sum())} of {count} GPUs fit, pod needs {req.gpus}")
     return out
 

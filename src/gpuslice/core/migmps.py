@@ -68,12 +68,21 @@ def usage(assignments: Iterable[Assignment]) -> dict[tuple[str, int], tuple[int,
     return out
 
 
+def memory_share(milli: int, room: InstanceRoom) -> int:
+    """A slice's share of an instance's memory: its milli of the instance's milli."""
+    return min(room.memory_mib, milli * room.memory_mib // room.capacity_milli)
+
+
 def best_instance(rooms: Iterable[InstanceRoom], milli: int,
-                  memory_mib: int) -> InstanceRoom | None:
+                  memory_mib: int | None) -> InstanceRoom | None:
     """The instance where a slice fits tightest (least compute, then memory, left over), so
-    that big instances stay free for big slices; None when none has room."""
-    fits = [r for r in rooms if r.free_milli >= milli and r.free_mib >= memory_mib]
+    that big instances stay free for big slices; None when none has room. ``memory_mib`` None:
+    the slice takes its share of the instance's memory (:func:`memory_share`)."""
+    def need(r: InstanceRoom) -> int:
+        return memory_share(milli, r) if memory_mib is None else memory_mib
+
+    fits = [r for r in rooms if r.free_milli >= milli and r.free_mib >= need(r)]
     if not fits:
         return None
-    return min(fits, key=lambda r: (r.free_milli - milli, r.free_mib - memory_mib, r.gpu,
+    return min(fits, key=lambda r: (r.free_milli - milli, r.free_mib - need(r), r.gpu,
                                     r.start))

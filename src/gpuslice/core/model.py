@@ -105,8 +105,10 @@ class SliceRequest:
     """What one pod (or container group) asks for.
 
     ``gpus`` physical GPUs, each giving ``milli`` (1..1000) of its compute and ``gpu_memory_mib``
-    of its memory (0: implied by milli); ``cpu_milli`` and ``memory_mib`` of the node; the GPU
-    models it accepts (empty: any) and the isolation it wants.
+    of its memory; ``cpu_milli`` and ``memory_mib`` of the node; the GPU models it accepts
+    (empty: any) and the isolation it wants. With ``gpu_memory_mib`` 0, ``memory_share`` says
+    the pod takes milli/1000 of each GPU's memory (the contract's default for a pod that names
+    none); without it (trace replays), memory is not checked.
     """
 
     gpus: int = 0
@@ -117,6 +119,13 @@ class SliceRequest:
     models: frozenset[str] = frozenset()
     isolation: Isolation = Isolation.ANY
     name: str = ""
+    memory_share: bool = False
+
+    def memory_on(self, gpu_memory_mib: int) -> int:
+        """MiB this request takes of a GPU with ``gpu_memory_mib`` (0: not accounted)."""
+        if self.gpu_memory_mib or not self.memory_share:
+            return self.gpu_memory_mib
+        return self.milli * gpu_memory_mib // MILLI
 
     def __post_init__(self) -> None:
         where = f"request {self.name}: " if self.name else "request: "

@@ -268,7 +268,7 @@ class ExtenderState:
     def _gpu_only(req: SliceRequest) -> SliceRequest:
         # CPU and memory are kube-scheduler's own fit; the extender judges GPUs only
         return SliceRequest(req.gpus, req.milli, 0, 0, req.gpu_memory_mib, req.models,
-                            req.isolation, req.name)
+                            req.isolation, req.name, req.memory_share)
 
     def filter(self, pod: dict[str, Any], names: list[str]) -> tuple[list[str], dict[str, str]]:
         req = pod_request(pod)
@@ -304,7 +304,7 @@ class ExtenderState:
                 j = int(best[i])
                 if a.gpu_free[i, j] >= g.milli:
                     failed[n] = (f"GPU {j} has {a.gpu_mem_free[i, j]} MiB free, pod needs "
-                                 f"{g.gpu_memory_mib}")
+                                 f"{g.memory_on(int(a.gpu_mem_cap[i, j]))}")
                 else:
                     failed[n] = (f"GPU {j} has {a.gpu_free[i, j]} milli free, pod needs "
                                  f"{g.milli} (the most free GPU of the node)")
@@ -314,8 +314,10 @@ class ExtenderState:
                     keep.append(n)
                     continue
                 rooms = self._mig_rooms(i, req.models)
+                mem = f"{req.gpu_memory_mib} MiB" if req.gpu_memory_mib or not req.memory_share \
+                    else "its share of the memory"
                 failed[n] += (f"; MPS inside MIG instances: none has {req.milli} milli and "
-                              f"{req.gpu_memory_mib} MiB free"
+                              f"{mem} free"
                               + (f" ({', '.join(map(str, rooms))})" if rooms else "")
                               if req.gpus == 1 else "; MPS inside MIG takes one GPU per pod")
             if n in failed and i is not None and i in self.inv.mig_rows and mode is not Mode.MPS:
@@ -370,8 +372,9 @@ class ExtenderState:
             return None
         rooms = self._mig_rooms(i, req.models)
         planned = [r for r in rooms if r.profile == profile]
-        return migmps.best_instance(planned, req.milli, req.gpu_memory_mib) or \
-            migmps.best_instance(rooms, req.milli, req.gpu_memory_mib)
+        share = None if req.memory_share and not req.gpu_memory_mib else req.gpu_memory_mib
+        return migmps.best_instance(planned, req.milli, share) or \
+            migmps.best_instance(rooms, req.milli, share)
 
     # -- MIG instances named in assignments ------------------------------------------------
 
@@ -467,7 +470,8 @@ class ExtenderState:
             return True
         if mode is Mode.MPS and req.gpus == 1 and i in self.inv.mig_rows:
             rooms = self._mig_rooms(i, req.models, migmps.usage(led.owners.values()))
-            return migmps.best_instance(rooms, req.milli, req.gpu_memory_mib) is not None
+            share = None if req.memory_share and not req.gpu_memory_mib else req.gpu_memory_mib
+            return migmps.best_instance(rooms, req.milli, share) is not None
         return False
 
     def preempt(self, pod: dict[str, Any],
@@ -548,8 +552,9 @@ class ExtenderState:
             elif feasible(self.inv.arrays, g)[i]:
                 gpus = (best_fit_gpu(self.inv.arrays, g, i) if g.is_sharing
                         else exclusive_gpus(self.inv.arrays, g, i))
-                shares = tuple(GpuShare(self.inv.uuids[i][j], req.milli, req.gpu_memory_mib)
-                               for j in gpus)
+                cap = self.inv.arrays.gpu_mem_cap
+                shares = tuple(GpuShare(self.inv.uuids[i][j], req.milli,
+                                        req.memory_on(int(cap[i, j]))) for j in gpus)
             else:  # an MPS slice inside a MIG instance, or nowhere
                 planned = str(((pod.get("metadata") or {}).get("annotations") or {})
                               .get(MIG_PROFILE_ANNOTATION, ""))
@@ -557,7 +562,7 @@ class ExtenderState:
                 if room is None:
                     return self.filter(pod, [node])[1].get(node) or \
                         "; ".join(explain(self.inv.arrays, g, i))
-                shares = (GpuShare(room.gpu, req.milli, req.gpu_memory_mib, room.profile,
+                shares = (GpuShare(room.gpu, req.milli, _memory_in(req, room), room.profile,
                                    room.start),)
             containers = tuple(ContainerAssignment(c, mode, shares) for c in _gpu_containers(pod))
             a = sign(Assignment(namespace, name, uid, node, containers, self.clock()), self.key)
@@ -586,6 +591,14 @@ class ExtenderState:
                 self.pod_gone(namespace, name)
             return f"pod {namespace}/{name}: {exc}"
         return ""
+
+
+def _memory_in(req: SliceRequest, room: InstanceRoom) -> int:
+    """MiB an MPS slice takes inside a MIG instance: what the pod names, else its share of the
+    instance's memory (its milli of the instance's)."""
+    if req.gpu_memory_mib or not req.memory_share:
+        return req.gpu_memory_mib
+    return migmps.memory_share(req.milli, room)
 
 
 def _mode(req: SliceRequest) -> Mode:

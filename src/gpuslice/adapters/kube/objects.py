@@ -123,9 +123,10 @@ def pod_request(pod: dict[str, Any]) -> SliceRequest | None:
     if priority not in PRIORITIES:
         raise ValidationError(f"{where}: {PRIORITY_ANNOTATION}", f"one of {', '.join(PRIORITIES)}",
                               priority)
+    # a pod that names no GPU memory takes milli/1000 of its GPU's (the contract's default)
     return SliceRequest(gpus=gpus, milli=milli, cpu_milli=int(cpu), memory_mib=int(mem),
                         gpu_memory_mib=memory, models=models, isolation=iso,
-                        name=f"{ns}/{name}")
+                        name=f"{ns}/{name}", memory_share=memory == 0)
 
 
 @dataclass(frozen=True, slots=True)
