@@ -220,15 +220,16 @@ class ExtenderState:
             return None
         return a
 
+    def _open_free(self, uuid: str, led: Ledger) -> tuple[int, int]:
+        """(milli, MiB) GPU ``uuid`` offers whole-GPU slices under ledger ``led``: none when it
+        is cordoned for reconfiguration, or MIG-enabled (MPS slices go inside its instances:
+        :meth:`_mig_rooms`)."""
+        return (0, 0) if uuid in self.cordoned or uuid in self.inv.mig_gpus else led.free(uuid)
+
     def _refresh_row(self, i: int) -> None:
         a = self.inv.arrays
         for j, uuid in enumerate(self.inv.uuids[i]):
-            # a GPU cordoned for reconfiguration takes no new slice; a MIG-enabled one no
-            # whole-GPU slice (MPS slices go inside its instances: _mig_rooms)
-            milli, mem = (0, 0) if uuid in self.cordoned or uuid in self.inv.mig_gpus \
-                else self.ledger.free(uuid)
-            a.gpu_free[i, j] = milli
-            a.gpu_mem_free[i, j] = mem
+            a.gpu_free[i, j], a.gpu_mem_free[i, j] = self._open_free(uuid, self.ledger)
 
     def apply(self, event: WatchEvent) -> None:
         """Follow a watch event: a node change re-reads the inventory; a pod that is deleted or
@@ -314,8 +315,8 @@ class ExtenderState:
                     keep.append(n)
                     continue
                 rooms = self._mig_rooms(i, req.models)
-                mem = f"{req.gpu_memory_mib} MiB" if req.gpu_memory_mib or not req.memory_share \
-                    else "its share of the memory"
+                wish = _memory_wish(req)
+                mem = "its share of the memory" if wish is None else f"{wish} MiB"
                 failed[n] += (f"; MPS inside MIG instances: none has {req.milli} milli and "
                               f"{mem} free"
                               + (f" ({', '.join(map(str, rooms))})" if rooms else "")
@@ -372,9 +373,8 @@ class ExtenderState:
             return None
         rooms = self._mig_rooms(i, req.models)
         planned = [r for r in rooms if r.profile == profile]
-        share = None if req.memory_share and not req.gpu_memory_mib else req.gpu_memory_mib
-        return migmps.best_instance(planned, req.milli, share) or \
-            migmps.best_instance(rooms, req.milli, share)
+        return migmps.best_instance(planned, req.milli, _memory_wish(req)) or \
+            migmps.best_instance(rooms, req.milli, _memory_wish(req))
 
     # -- MIG instances named in assignments ------------------------------------------------
 
@@ -462,16 +462,12 @@ class ExtenderState:
             return bool(self._mig_fits(i, _mig_wish(req), taken))
         trial = self.inv.arrays.copy()
         for j, uuid in enumerate(self.inv.uuids[i]):
-            milli, mem = (0, 0) if uuid in self.cordoned or uuid in self.inv.mig_gpus \
-                else led.free(uuid)
-            trial.gpu_free[i, j] = milli
-            trial.gpu_mem_free[i, j] = mem
+            trial.gpu_free[i, j], trial.gpu_mem_free[i, j] = self._open_free(uuid, led)
         if feasible(trial, self._gpu_only(req))[i]:
             return True
         if mode is Mode.MPS and req.gpus == 1 and i in self.inv.mig_rows:
             rooms = self._mig_rooms(i, req.models, migmps.usage(led.owners.values()))
-            share = None if req.memory_share and not req.gpu_memory_mib else req.gpu_memory_mib
-            return migmps.best_instance(rooms, req.milli, share) is not None
+            return migmps.best_instance(rooms, req.milli, _memory_wish(req)) is not None
         return False
 
     def preempt(self, pod: dict[str, Any],
@@ -593,12 +589,16 @@ class ExtenderState:
         return ""
 
 
+def _memory_wish(req: SliceRequest) -> int | None:
+    """MiB an MPS slice asks of a MIG instance: what the pod names, or None for its share of
+    the instance's memory (its milli of the instance's)."""
+    return None if req.memory_share and not req.gpu_memory_mib else req.gpu_memory_mib
+
+
 def _memory_in(req: SliceRequest, room: InstanceRoom) -> int:
-    """MiB an MPS slice takes inside a MIG instance: what the pod names, else its share of the
-    instance's memory (its milli of the instance's)."""
-    if req.gpu_memory_mib or not req.memory_share:
-        return req.gpu_memory_mib
-    return migmps.memory_share(req.milli, room)
+    """MiB an MPS slice takes inside ``room``."""
+    wish = _memory_wish(req)
+    return migmps.memory_share(req.milli, room) if wish is None else wish
 
 
 def _mode(req: SliceRequest) -> Mode:
