@@ -97,6 +97,11 @@ def t4(uuid: str = "GPU-t4-0000") -> FakeGpu:
     return FakeGpu("Tesla T4", uuid, 15360, (7, 5))
 
 
+def _int(arg: Any) -> int:
+    """A C unsigned int argument: pynvml passes some as c_uint, some as Python ints."""
+    return arg if isinstance(arg, int) else int(arg.value)
+
+
 def _set(ref: Any, value: int) -> None:
     ref._obj.value = value
 
@@ -301,7 +306,7 @@ class FakeLibNvml:
             return INVALID
         if not g.mig:
             return NOT_SUPPORTED
-        want = gi_id if isinstance(gi_id, int) else gi_id.value
+        want = _int(gi_id)
         if want not in g.gis:
             return NOT_FOUND
         _set_handle(gi, self.GI + self.gpus.index(g) * 64 + want)
@@ -311,7 +316,7 @@ class FakeLibNvml:
         g = self._gpu(h)
         if g is None:
             return INVALID
-        idx = index if isinstance(index, int) else index.value
+        idx = _int(index)
         if idx >= n.NVML_GPU_INSTANCE_PROFILE_COUNT - 1:
             return INVALID
         for p in g.profiles:
@@ -337,7 +342,7 @@ class FakeLibNvml:
         g = self._gpu(h)
         if g is None:
             return INVALID
-        p = self._profile(g, pid if isinstance(pid, int) else pid.value)
+        p = self._profile(g, _int(pid))
         if p is None:
             return INVALID
         starts = p[8]
@@ -358,7 +363,7 @@ class FakeLibNvml:
             return INVALID
         if not g.mig:
             return NOT_SUPPORTED
-        want = pid if isinstance(pid, int) else pid.value
+        want = _int(pid)
         gis = [gi for gi in sorted(g.gis.values(), key=lambda x: x.start)
                if gi.profile_id == want]
         if arr is None or len(arr) < len(gis):
@@ -388,7 +393,7 @@ class FakeLibNvml:
         if not g.mig:
             return NOT_SUPPORTED
         pl = _pointee(placement, n.c_nvmlGpuInstancePlacement_t)
-        p = self._profile(g, pid if isinstance(pid, int) else pid.value)
+        p = self._profile(g, _int(pid))
         if p is None or pl.start not in p[8] or pl.size != p[4]:
             return INVALID
         mine = set(range(pl.start, pl.start + pl.size))
@@ -419,7 +424,7 @@ class FakeLibNvml:
         found = self._gi(gi)
         if found is None:
             return INVALID
-        idx = index if isinstance(index, int) else index.value
+        idx = _int(index)
         slices = _CI_SLICES.get(idx)
         if slices is None or slices > found[1].slices:
             return NOT_SUPPORTED
@@ -432,7 +437,7 @@ class FakeLibNvml:
         if found is None:
             return INVALID
         g, inst = found
-        want = ci_pid if isinstance(ci_pid, int) else ci_pid.value
+        want = _int(ci_pid)
         slices = _CI_SLICES.get(want)
         used = sum(_CI_SLICES[c] for c in inst.cis.values())
         if slices is None or used + slices > inst.slices:
@@ -448,7 +453,7 @@ class FakeLibNvml:
         if found is None:
             return INVALID
         g, inst = found
-        want = ci_pid if isinstance(ci_pid, int) else ci_pid.value
+        want = _int(ci_pid)
         cis = [c for c, p in sorted(inst.cis.items()) if p == want]
         if arr is None or len(arr) < len(cis):
             return INSUFFICIENT_SIZE if arr is not None else INVALID
