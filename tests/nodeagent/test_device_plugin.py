@@ -432,3 +432,24 @@ def test_a_best_effort_pod_runs_at_below_normal_mps_priority(env) -> None:  # ty
     with pytest.raises(grpc.RpcError) as exc:
         allocate(kubelet.stub(), "GPU-aaa::1")
     assert "gpuslice.io/priority: expected one of best-effort" in (exc.value.details() or "")
+
+
+def test_after_an_agent_restart_running_pods_are_not_allocated_again(env) -> None:  # type: ignore[no-untyped-def]
+    """A restarted agent remembers nothing it executed; the pods already running on a GPU
+    must not be taken for the one being admitted (oldest first would pick them)."""
+    _, plugin, server, api, sock_dir = env
+    assign(api, "old", ["GPU-aaa"], milli=600, t="t1")
+    api.set_pod_status("ml", "old", {"phase": "Running"})
+    assign(api, "new", ["GPU-aaa"], milli=200, t="t2")
+    fresh = DevicePlugin(plugin.cfg, plugin.nvml, api)  # as a restarted agent's plugin
+    assert [a.pod for a in fresh._pending()] == ["new"]
+    server.stop()
+    restarted = PluginServer(fresh)
+    restarted.start()
+    try:
+        r = allocate(pbg.DevicePluginStub(grpc.insecure_channel(
+            f"unix://{sock_dir / plugin.cfg.endpoint}")), "GPU-aaa::0")
+        assert r.envs["GPUSLICE_ASSIGNMENT"] == "ml/new"
+        assert r.envs["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "20"
+    finally:
+        restarted.stop()

@@ -139,6 +139,10 @@ class DevicePlugin(pbg.DevicePluginServicer):
             text = (meta.get("annotations") or {}).get(ANNOTATION)
             if not text:
                 continue
+            # the kubelet allocates devices while admitting a pod, never for one already
+            # running or finished: after an agent restart those are not waiting for Allocate
+            if (p.get("status") or {}).get("phase") not in (None, "", "Pending"):
+                continue
             try:
                 a = decode(text)
             except AnnotationError:
