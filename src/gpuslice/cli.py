@@ -168,6 +168,9 @@ def _build_parser() -> argparse.ArgumentParser:
     na.add_argument("--no-mps", action="store_true",
                     help="do not start MPS control daemons (MPS slices then share the GPU "
                     "without caps)")
+    na.add_argument("--quit-mps-on-exit", action="store_true",
+                    help="quit the MPS daemons when the agent stops (default: leave them to "
+                    "the pods using them; a restarted agent adopts them)")
     na.add_argument("--mps-pipe-dir", default="/run/gpuslice/mps",
                     help="host directory of the MPS pipe directories")
     nsrc = na.add_mutually_exclusive_group()
@@ -1178,7 +1181,8 @@ def _node_agent(args: argparse.Namespace, console: Console) -> int:
                        mps_pipe_dir=args.mps_pipe_dir, mig_strategy=args.mig_strategy)
     # a fake inventory has no real GPU behind it: no MPS daemons to start
     agent = NodeAgent(cfg, nvml, api, quiet_s=args.quiet,
-                      mps=not args.no_mps and args.fake is None)
+                      mps=not args.no_mps and args.fake is None,
+                      quit_mps_on_stop=args.quit_mps_on_exit)
     signal.signal(signal.SIGTERM, lambda *_: agent.stop())
     if args.metrics != "off":
         from prometheus_client import start_http_server

@@ -102,3 +102,35 @@ def test_a_daemon_that_dies_at_start_says_why(tmp_path: Path) -> None:
     d = MpsDaemon("GPU-x", tmp_path / "pipe", tmp_path / "log", binary=str(tool))
     with pytest.raises(MpsError, match="it said: An instance of this daemon is already running"):
         d.start(timeout_s=1)
+
+
+def test_a_restarted_agent_adopts_the_mps_daemon_its_pods_still_use(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """In a cluster the daemons outlive the agent (running pods are their clients): stopping
+    the agent leaves them, and the next agent adopts them instead of starting another."""
+    from gpuslice.adapters.kube.fake import FakeApiServer
+    from gpuslice.adapters.nvml.port import FakeNvml
+    from gpuslice.core.devices import GpuDevice
+    from gpuslice.services.device_plugin import PluginConfig
+    from gpuslice.services.node_agent import NodeAgent
+
+    log = tmp_path / "mps.log"
+    monkeypatch.setenv("FAKE_MPS_LOG", str(log))
+    tool = write_fake_mps(tmp_path / "mps-control")
+    nvml = FakeNvml([GpuDevice(0, "GPU-a", "NVIDIA T4", "T4", 15360)])
+    cfg = PluginConfig("n1", tmp_path, b"k" * 16, mps_pipe_dir=str(tmp_path / "mps"))
+
+    def agent() -> NodeAgent:
+        return NodeAgent(cfg, nvml, FakeApiServer(), mps=True, mps_binary=str(tool),
+                         quit_mps_on_stop=False)
+
+    first = agent()
+    first.ensure_mps("GPU-a")
+    first.stop()
+    assert (tmp_path / "mps" / "GPU-a" / "control").exists()  # still serving its clients
+    second = agent()
+    second.ensure_mps("GPU-a")
+    starts = [line for line in log.read_text().splitlines() if line.startswith("-d")]
+    assert len(starts) == 1  # adopted, not started again
+    second.quit_mps()
+    assert not (tmp_path / "mps" / "GPU-a" / "control").exists()

@@ -67,8 +67,11 @@ class NodeAgent:
     def __init__(self, cfg: PluginConfig, nvml: NvmlPort, api: KubePort, *,
                  quiet_s: float = 60.0, clock: Callable[[], float] = time.monotonic,
                  mps: bool = False, mps_binary: str = "nvidia-cuda-mps-control",
-                 poll_s: float = 1.0) -> None:
+                 poll_s: float = 1.0, quit_mps_on_stop: bool = True) -> None:
         self.poll_s = poll_s
+        # in a cluster the MPS daemons outlive the agent: running pods are their clients, and
+        # a restarted agent adopts them (ensure_mps finds them healthy)
+        self.quit_mps_on_stop = quit_mps_on_stop
         self._layout_report: dict[str, dict[str, str]] = {}
         self.mps_binary = mps_binary
         self.cfg, self.nvml, self.api = cfg, nvml, api
@@ -105,7 +108,8 @@ class NodeAgent:
 
     def ensure_mps(self, uuid: str) -> None:
         """The MPS control daemon of GPU ``uuid`` is running (started on first use, with its
-        own pipe directory ``<mps_pipe_dir>/<uuid>`` that Allocate mounts into the pod)."""
+        own pipe directory ``<mps_pipe_dir>/<uuid>`` that Allocate mounts into the pod; one a
+        previous agent left running there is adopted)."""
         with self._mps_lock:
             d = self._mps.get(uuid)
             if d is None:
@@ -271,4 +275,5 @@ class NodeAgent:
         self._stop.set()
         for server in self.servers:
             server.stop()
-        self.quit_mps()
+        if self.quit_mps_on_stop:
+            self.quit_mps()
