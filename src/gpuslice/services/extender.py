@@ -624,9 +624,12 @@ def _gpu_containers(pod: dict[str, Any]) -> list[str]:
 # -- HTTP ------------------------------------------------------------------------------------
 
 
+def _answer(doc: Any, status: int = 200) -> web.Response:
+    return web.Response(status=status, body=orjson.dumps(doc), content_type="application/json")
+
+
 def _bad(message: str, status: int = 400) -> web.Response:
-    return web.Response(status=status, body=orjson.dumps({"Error": message}),
-                        content_type="application/json")
+    return _answer({"Error": message}, status)
 
 
 async def _json(request: web.Request) -> dict[str, Any]:
@@ -719,10 +722,8 @@ def make_app(state: ExtenderState, metrics: ExtenderMetrics | None = None) -> we
             m.filtered(len(keep), failed)
         except GpusliceError as exc:
             m.errors.labels("filter").inc()
-            return web.Response(body=orjson.dumps({
-                "Nodes": None, "NodeNames": None, "FailedNodes": {},
-                "FailedAndUnresolvableNodes": {}, "Error": str(exc)}),
-                content_type="application/json")
+            return _answer({"Nodes": None, "NodeNames": None, "FailedNodes": {},
+                            "FailedAndUnresolvableNodes": {}, "Error": str(exc)})
         result: dict[str, Any] = {"FailedNodes": failed, "FailedAndUnresolvableNodes": {},
                                   "Error": ""}
         if objects is None:
@@ -731,7 +732,7 @@ def make_app(state: ExtenderState, metrics: ExtenderMetrics | None = None) -> we
             result.update(NodeNames=None,
                           Nodes={"apiVersion": "v1", "kind": "NodeList",
                                  "items": [objects[n] for n in keep]})
-        return web.Response(body=orjson.dumps(result), content_type="application/json")
+        return _answer(result)
 
     async def prioritize(request: web.Request) -> web.Response:
         args = await _json(request)
@@ -741,8 +742,7 @@ def make_app(state: ExtenderState, metrics: ExtenderMetrics | None = None) -> we
         except GpusliceError as exc:
             m.errors.labels("prioritize").inc()
             return _bad(str(exc))
-        return web.Response(body=orjson.dumps([{"Host": h, "Score": s} for h, s in scores]),
-                            content_type="application/json")
+        return _answer([{"Host": h, "Score": s} for h, s in scores])
 
     async def bind(request: web.Request) -> web.Response:
         args = await _json(request)
@@ -751,13 +751,12 @@ def make_app(state: ExtenderState, metrics: ExtenderMetrics | None = None) -> we
             value = args.get(key)
             if not isinstance(value, str) or not value:
                 m.errors.labels("bind").inc()
-                return web.Response(body=orjson.dumps({"Error": f"{key}: expected a string"}),
-                                    content_type="application/json")
+                return _answer({"Error": f"{key}: expected a string"})
             fields[key] = value
         error = state.bind(fields["PodNamespace"], fields["PodName"], fields["PodUID"],
                            fields["Node"])
         m.binds.labels("refused" if error else "bound").inc()
-        return web.Response(body=orjson.dumps({"Error": error}), content_type="application/json")
+        return _answer({"Error": error})
 
     async def preempt(request: web.Request) -> web.Response:
         args = await _json(request)
@@ -767,9 +766,9 @@ def make_app(state: ExtenderState, metrics: ExtenderMetrics | None = None) -> we
         except GpusliceError as exc:
             m.errors.labels("preempt").inc()
             return _bad(str(exc))
-        return web.Response(body=orjson.dumps({"NodeNameToMetaVictims": {
+        return _answer({"NodeNameToMetaVictims": {
             node: {"Pods": [{"UID": u} for u in uids], "NumPDBViolations": pdb.get(node, 0)}
-            for node, uids in kept.items()}}), content_type="application/json")
+            for node, uids in kept.items()}})
 
     async def healthz(_: web.Request) -> web.Response:
         return web.Response(text="ok")
