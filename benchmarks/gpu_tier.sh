@@ -82,8 +82,13 @@ EOF
     return "$rc"
 }
 
+# packed after every step, so a call stopped at its time limit still returns what was measured
+pack() {
+    [ -n "${PACK:-}" ] || return 0
+    tar czf "$PACK.part" -C "$RESULTS" . && mv "$PACK.part" "$PACK"
+}
 status=0
-trap '[ -n "${PACK:-}" ] && tar czf "$PACK" -C "$RESULTS" .' EXIT
+trap pack EXIT
 for stage in "${@:-check}"; do
     case "$stage" in
       check)
@@ -96,7 +101,9 @@ for stage in "${@:-check}"; do
       profile)
         for model in $MODELS; do
             "${GS[@]}" profile "$model" --out "$RESULTS/profiles.csv" --caps 10,20,30,50,100 \
-                --batches 1,8,16,64 --procs 1,2,3 --warmup-s 1 --window-s 2 2>&1 | tail -3
+                --batches 1,8,16,64 --procs 1,2,3 --warmup-s 1 --window-s 2 2>&1 \
+                | tee "$RESULTS/profile-$model.log" | tail -3
+            pack
         done ;;
       sharing)
         "${GS[@]}" bench sharing --profile "$RESULTS/profiles.csv" --out "$RESULTS" --warmup-s 2 \
@@ -104,5 +111,6 @@ for stage in "${@:-check}"; do
       *)
         echo "unknown stage $stage (check, tests, profile, sharing)" >&2; status=2 ;;
     esac
+    pack
 done
 exit "$status"
