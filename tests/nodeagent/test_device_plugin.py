@@ -358,7 +358,18 @@ def test_a_mig_assignment_sees_the_instance_it_names() -> None:
                                       p2["metadata"]["resourceVersion"])
             with pytest.raises(grpc.RpcError) as exc:
                 allocate(kubelet.stub(), "GPU-mig::1")
-            assert "no MIG instance 1g.10gb@6" in (exc.value.details() or "")
+            assert "passed over, as they can no longer be executed: ml/gone: GPU GPU-mig has " \
+                "no MIG instance 1g.10gb@6" in (exc.value.details() or "")
+            # the stale assignment is older, but a newer one that can run is not held up by it
+            p3 = api.add_pod({"metadata": {"name": "next", "namespace": "ml"}})
+            c = Assignment("ml", "next", p3["metadata"]["uid"], "node-1", (ContainerAssignment(
+                "main", Mode.MIG, (GpuShare("GPU-mig", 571, 40192, "4g.40gb", 0),)),), "t3")
+            api.patch_pod_annotations("ml", "next",
+                                      {"gpuslice.io/assignment": encode(sign(c, KEY))},
+                                      p3["metadata"]["resourceVersion"])
+            r = allocate(kubelet.stub(), "GPU-mig::1")
+            assert r.envs["GPUSLICE_ASSIGNMENT"] == "ml/next"
+            assert r.envs["NVIDIA_VISIBLE_DEVICES"] == "MIG-x-0"
         finally:
             server.stop()
             kubelet.stop()

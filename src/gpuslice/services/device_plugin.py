@@ -196,7 +196,7 @@ class DevicePlugin(pbg.DevicePluginServicer):
                     annotations={"gpuslice.io/mode": "mig"}))
                 continue
             uuids = sorted({d.split("::")[0] for d in ids})
-            a = self._claim(uuids)
+            a, stale = self._claim(uuids)
             if a is not None and a.containers[0].mode is Mode.MPS and self.ensure_mps:
                 try:  # the GPU's daemon, or the MIG instance's for a slice inside one
                     self.ensure_mps(self._visible(a.containers[0].gpus[0]))
@@ -205,10 +205,12 @@ class DevicePlugin(pbg.DevicePluginServicer):
                     context.abort(grpc.StatusCode.UNAVAILABLE,
                                   f"MPS for {a.namespace}/{a.pod}: {exc}")
             if a is None:
+                why = (f"; passed over, as they can no longer be executed: {'; '.join(stale)}"
+                       if stale else "")
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                               f"no verified gpuslice assignment for node {self.cfg.node} on "
                               f"GPUs {uuids} is waiting: was the pod scheduled by the gpuslice "
-                              f"scheduler (schedulerName: gpuslice-scheduler)?")
+                              f"scheduler (schedulerName: gpuslice-scheduler)?{why}")
                 raise AssertionError("abort raises")  # grpc's abort never returns
             try:
                 responses.append(self._response(a))
@@ -218,11 +220,22 @@ class DevicePlugin(pbg.DevicePluginServicer):
                               f"{a.namespace}/{a.pod}: {exc}")
         return pb.AllocateResponse(container_responses=responses)
 
-    def _claim(self, uuids: list[str]) -> Assignment | None:
+    def _claim(self, uuids: list[str]) -> tuple[Assignment | None, list[str]]:
+        """The oldest waiting assignment on these GPUs that can be executed, taken; and why
+        older ones were passed over (their MIG instance is gone: a layout changed after the
+        bind). One that can never run must not hold up the pods behind it."""
         pending, priority = self._pending_with_priority()
+        stale: list[str] = []
         for a in pending:
             if sorted(a.gpu_uuids()) != uuids:
                 continue
+            if any(g.mig_profile for g in a.containers[0].gpus):
+                try:
+                    for g in a.containers[0].gpus:
+                        self._visible(g)
+                except GpusliceError as exc:
+                    stale.append(f"{a.namespace}/{a.pod}: {exc}")
+                    continue
             with self._claim_lock:
                 key = (a.namespace, a.pod)
                 if key in self._claimed:
@@ -230,8 +243,8 @@ class DevicePlugin(pbg.DevicePluginServicer):
                 self._claimed.add(key)
                 self._claimed_priority[key] = priority.get(key, "normal")
                 self._executed.append(a)
-            return a
-        return None
+            return a, stale
+        return None, stale
 
     def _unclaim(self, a: Assignment) -> None:
         with self._claim_lock:
