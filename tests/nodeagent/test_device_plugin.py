@@ -90,12 +90,18 @@ def env() -> Iterator[tuple[Kubelet, DevicePlugin, PluginServer, FakeApiServer, 
 
 
 def assign(api: FakeApiServer, pod: str, uuids: list[str], milli: int = 300,
-           mem: int = 8192, node: str = "node-1", key: bytes = KEY, t: str = "t1") -> None:
+           mem: int = 8192, node: str = "node-1", key: bytes = KEY, t: str = "t1", *,
+           mode: Mode | None = None, mig: tuple[str, int] | None = None,
+           annotations: dict[str, str] | None = None) -> None:
+    """A pod in namespace ml with a signed assignment of ``uuids`` (inside MIG instance
+    ``mig`` = (profile, start) when given), plus any other ``annotations``."""
     p = api.add_pod({"metadata": {"name": pod, "namespace": "ml"}})
-    mode = Mode.MPS if milli < 1000 else Mode.EXCLUSIVE
+    mode = mode or (Mode.MPS if milli < 1000 else Mode.EXCLUSIVE)
+    profile, start = mig or ("", -1)
     a = Assignment("ml", pod, p["metadata"]["uid"], node, (ContainerAssignment(
-        "main", mode, tuple(GpuShare(u, milli, mem) for u in uuids)),), t)
-    api.patch_pod_annotations("ml", pod, {"gpuslice.io/assignment": encode(sign(a, key))},
+        "main", mode, tuple(GpuShare(u, milli, mem, profile, start) for u in uuids)),), t)
+    api.patch_pod_annotations("ml", pod, {"gpuslice.io/assignment": encode(sign(a, key)),
+                                          **(annotations or {})},
                               p["metadata"]["resourceVersion"])
 
 
@@ -341,32 +347,20 @@ def test_a_mig_assignment_sees_the_instance_it_names() -> None:
         server.start()
         try:
             assert kubelet.registered.wait(5)
-            p = api.add_pod({"metadata": {"name": "m", "namespace": "ml"}})
-            a = Assignment("ml", "m", p["metadata"]["uid"], "node-1", (ContainerAssignment(
-                "main", Mode.MIG, (GpuShare("GPU-mig", 428, 40192, "3g.40gb", 4),)),), "t1")
-            api.patch_pod_annotations("ml", "m", {"gpuslice.io/assignment": encode(sign(a, KEY))},
-                                      p["metadata"]["resourceVersion"])
+            assign(api, "m", ["GPU-mig"], 428, 40192, mode=Mode.MIG, mig=("3g.40gb", 4))
             r = allocate(kubelet.stub(), "GPU-mig::0")
             assert r.envs["NVIDIA_VISIBLE_DEVICES"] == "MIG-x-4"
             assert r.annotations["gpuslice.io/mode"] == "mig"
             # an assignment naming an instance the GPU no longer has: refused, nothing held
-            p2 = api.add_pod({"metadata": {"name": "gone", "namespace": "ml"}})
-            b = Assignment("ml", "gone", p2["metadata"]["uid"], "node-1", (ContainerAssignment(
-                "main", Mode.MIG, (GpuShare("GPU-mig", 142, 9728, "1g.10gb", 6),)),), "t2")
-            api.patch_pod_annotations("ml", "gone",
-                                      {"gpuslice.io/assignment": encode(sign(b, KEY))},
-                                      p2["metadata"]["resourceVersion"])
+            assign(api, "gone", ["GPU-mig"], 142, 9728, t="t2", mode=Mode.MIG,
+                   mig=("1g.10gb", 6))
             with pytest.raises(grpc.RpcError) as exc:
                 allocate(kubelet.stub(), "GPU-mig::1")
             assert "passed over, as they can no longer be executed: ml/gone: GPU GPU-mig has " \
                 "no MIG instance 1g.10gb@6" in (exc.value.details() or "")
             # the stale assignment is older, but a newer one that can run is not held up by it
-            p3 = api.add_pod({"metadata": {"name": "next", "namespace": "ml"}})
-            c = Assignment("ml", "next", p3["metadata"]["uid"], "node-1", (ContainerAssignment(
-                "main", Mode.MIG, (GpuShare("GPU-mig", 571, 40192, "4g.40gb", 0),)),), "t3")
-            api.patch_pod_annotations("ml", "next",
-                                      {"gpuslice.io/assignment": encode(sign(c, KEY))},
-                                      p3["metadata"]["resourceVersion"])
+            assign(api, "next", ["GPU-mig"], 571, 40192, t="t3", mode=Mode.MIG,
+                   mig=("4g.40gb", 0))
             r = allocate(kubelet.stub(), "GPU-mig::1")
             assert r.envs["GPUSLICE_ASSIGNMENT"] == "ml/next"
             assert r.envs["NVIDIA_VISIBLE_DEVICES"] == "MIG-x-0"
@@ -398,13 +392,7 @@ def test_an_mps_slice_inside_a_mig_instance_gets_the_instances_daemon(tmp_path: 
         try:
             assert kubelet.registered.wait(5)
             for name, milli, start, t in (("a", 200, 0, "t1"), ("b", 100, 4, "t2")):
-                p = api.add_pod({"metadata": {"name": name, "namespace": "ml"}})
-                a = Assignment("ml", name, p["metadata"]["uid"], "node-1", (ContainerAssignment(
-                    "main", Mode.MPS, (GpuShare("GPU-mig", milli, 8192, "3g.40gb", start),)),),
-                    t)
-                api.patch_pod_annotations("ml", name,
-                                          {"gpuslice.io/assignment": encode(sign(a, KEY))},
-                                          p["metadata"]["resourceVersion"])
+                assign(api, name, ["GPU-mig"], milli, 8192, t=t, mig=("3g.40gb", start))
             ra = allocate(kubelet.stub(), "GPU-mig::0")
             rb = allocate(kubelet.stub(), "GPU-mig::1")
             assert ra.envs["NVIDIA_VISIBLE_DEVICES"] == "MIG-x-0"
@@ -424,22 +412,16 @@ def test_an_mps_slice_inside_a_mig_instance_gets_the_instances_daemon(tmp_path: 
 
 def test_a_best_effort_pod_runs_at_below_normal_mps_priority(env) -> None:  # type: ignore[no-untyped-def]
     kubelet, _, _, api, _ = env
-    assign(api, "be", ["GPU-aaa"], milli=250)
-    pod = api.get_pod("ml", "be")
-    api.patch_pod_annotations("ml", "be", {"gpuslice.io/priority": "best-effort"},
-                              pod["metadata"]["resourceVersion"])
-    assign(api, "lc", ["GPU-bbb"], milli=250, t="t2")
-    pod = api.get_pod("ml", "lc")
-    api.patch_pod_annotations("ml", "lc", {"gpuslice.io/priority": "latency-critical"},
-                              pod["metadata"]["resourceVersion"])
+    assign(api, "be", ["GPU-aaa"], milli=250,
+           annotations={"gpuslice.io/priority": "best-effort"})
+    assign(api, "lc", ["GPU-bbb"], milli=250, t="t2",
+           annotations={"gpuslice.io/priority": "latency-critical"})
     be = allocate(kubelet.stub(), "GPU-aaa::0")
     lc = allocate(kubelet.stub(), "GPU-bbb::0")
     assert be.envs["CUDA_MPS_CLIENT_PRIORITY"] == "1"
     assert "CUDA_MPS_CLIENT_PRIORITY" not in lc.envs  # normal is MPS's default
-    assign(api, "odd", ["GPU-aaa"], milli=250, t="t3")
-    pod = api.get_pod("ml", "odd")
-    api.patch_pod_annotations("ml", "odd", {"gpuslice.io/priority": "urgent"},
-                              pod["metadata"]["resourceVersion"])
+    assign(api, "odd", ["GPU-aaa"], milli=250, t="t3",
+           annotations={"gpuslice.io/priority": "urgent"})
     with pytest.raises(grpc.RpcError) as exc:
         allocate(kubelet.stub(), "GPU-aaa::1")
     assert "gpuslice.io/priority: expected one of best-effort" in (exc.value.details() or "")
