@@ -11,7 +11,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import aiohttp
 import numpy as np
@@ -406,41 +406,56 @@ def test_gpu_label_names_stay_valid_for_any_uuid() -> None:
                                                  name)
 
 
-class FakeReplicaSets:
-    """The ReplicaSet controller, as far as this test needs it: keeps ``replicas`` pods owned
-    by each ReplicaSet, creating one from its template when one goes (never adopting pods
-    without its pod-template-hash, as the real one)."""
+class FakeController:
+    """A stand-in for a Kubernetes controller: :meth:`reconcile` every 50 ms on a thread, from
+    entering the ``with`` block to leaving it."""
 
-    def __init__(self, c: Cluster, sets: dict[str, int]) -> None:
-        self.c, self.sets = c, sets
-        self.made = 0
+    def __init__(self, c: Cluster) -> None:
+        self.c = c
         self._stop = threading.Event()
         self._t = threading.Thread(target=self._loop, daemon=True)
 
+    def reconcile(self) -> None:
+        raise NotImplementedError
+
     def _loop(self) -> None:
         while not self._stop.wait(0.05):
-            pods = self.c.api.list_pods()
-            for rs, n in self.sets.items():
-                mine = [p for p in pods if any(r.get("uid") == f"uid-{rs}" for r in
-                                               p["metadata"].get("ownerReferences") or [])]
-                for _ in range(n - len(mine)):
-                    self.made += 1
-                    pod = gpu_pod(f"{rs}-{self.made:03d}", service=rs.split("-")[0],
-                                  model="resnet50", milli=142, memory_mib=9000,
-                                  gpu_models="A100-80GB", batch=2)
-                    pod["metadata"]["labels"]["pod-template-hash"] = "abc123"
-                    pod["metadata"]["ownerReferences"] = [{
-                        "apiVersion": "apps/v1", "kind": "ReplicaSet", "name": rs,
-                        "uid": f"uid-{rs}", "controller": True}]
-                    self.c.api.add_pod(pod)
+            self.reconcile()
 
-    def __enter__(self) -> FakeReplicaSets:
+    def __enter__(self) -> Self:
         self._t.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._t.join(5)
+
+
+class FakeReplicaSets(FakeController):
+    """The ReplicaSet controller, as far as this test needs it: keeps ``replicas`` pods owned
+    by each ReplicaSet, creating one from its template when one goes (never adopting pods
+    without its pod-template-hash, as the real one)."""
+
+    def __init__(self, c: Cluster, sets: dict[str, int]) -> None:
+        super().__init__(c)
+        self.sets = sets
+        self.made = 0
+
+    def reconcile(self) -> None:
+        pods = self.c.api.list_pods()
+        for rs, n in self.sets.items():
+            mine = [p for p in pods if any(r.get("uid") == f"uid-{rs}" for r in
+                                           p["metadata"].get("ownerReferences") or [])]
+            for _ in range(n - len(mine)):
+                self.made += 1
+                pod = gpu_pod(f"{rs}-{self.made:03d}", service=rs.split("-")[0],
+                              model="resnet50", milli=142, memory_mib=9000,
+                              gpu_models="A100-80GB", batch=2)
+                pod["metadata"]["labels"]["pod-template-hash"] = "abc123"
+                pod["metadata"]["ownerReferences"] = [{
+                    "apiVersion": "apps/v1", "kind": "ReplicaSet", "name": rs,
+                    "uid": f"uid-{rs}", "controller": True}]
+                self.c.api.add_pod(pod)
 
 
 def serving(c: Cluster, svc: str) -> int:

@@ -5,10 +5,8 @@ ones drained and deleted, with no failed request under load."""
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 import numpy as np
@@ -18,7 +16,7 @@ from gpuslice.core.planner import FleetType, Plan, PlanOptions, Service
 from gpuslice.core.replay import plan_and_check, replan
 from gpuslice.core.speedmodel import profiles
 from gpuslice.planning.apply import REPLICA_LABEL, apply_plan
-from tests.reconfig.test_reconfig import cluster, routed_pods
+from tests.reconfig.test_reconfig import FakeController, cluster, routed_pods
 
 NS = "ml"
 PROFILES = profiles(["A100-80GB"], ["resnet50", "bert-base"])
@@ -27,39 +25,25 @@ FLEET = [FleetType("A100-80GB")]
 ROUTED = [{"name": s.name, "slo_ms": 2000, "models": [s.name]} for s in SERVICES]
 
 
-class FakeDeployments:
+class FakeDeployments(FakeController):
     """The Deployment and ReplicaSet controllers as far as these tests need them: one pod per
     Deployment from its template, and a deleted Deployment's pods deleted."""
 
-    def __init__(self, c: Any) -> None:
-        self.c = c
-        self._stop = threading.Event()
-        self._t = threading.Thread(target=self._loop, daemon=True)
-
-    def _loop(self) -> None:
-        while not self._stop.wait(0.05):
-            deps = {d["metadata"]["name"]: d for d in self.c.api.list_deployments(NS)}
-            pods = [p for p in self.c.api.list_pods() if p["metadata"]["namespace"] == NS]
-            have = {(p["metadata"].get("labels") or {}).get(REPLICA_LABEL) for p in pods}
-            for name, d in deps.items():
-                if name not in have:
-                    tpl = d["spec"]["template"]
-                    self.c.api.add_pod({"apiVersion": "v1", "kind": "Pod", "metadata": {
-                        "name": f"{name}-x", "namespace": NS,
-                        "labels": dict(tpl["metadata"]["labels"]),
-                        "annotations": dict(tpl["metadata"].get("annotations") or {})},
-                        "spec": dict(tpl["spec"])})
-            for p in pods:
-                if (p["metadata"].get("labels") or {}).get(REPLICA_LABEL) not in deps:
-                    self.c.api.delete_pod(NS, p["metadata"]["name"])
-
-    def __enter__(self) -> FakeDeployments:
-        self._t.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._t.join(5)
+    def reconcile(self) -> None:
+        deps = {d["metadata"]["name"]: d for d in self.c.api.list_deployments(NS)}
+        pods = [p for p in self.c.api.list_pods() if p["metadata"]["namespace"] == NS]
+        have = {(p["metadata"].get("labels") or {}).get(REPLICA_LABEL) for p in pods}
+        for name, d in deps.items():
+            if name not in have:
+                tpl = d["spec"]["template"]
+                self.c.api.add_pod({"apiVersion": "v1", "kind": "Pod", "metadata": {
+                    "name": f"{name}-x", "namespace": NS,
+                    "labels": dict(tpl["metadata"]["labels"]),
+                    "annotations": dict(tpl["metadata"].get("annotations") or {})},
+                    "spec": dict(tpl["spec"])})
+        for p in pods:
+            if (p["metadata"].get("labels") or {}).get(REPLICA_LABEL) not in deps:
+                self.c.api.delete_pod(NS, p["metadata"]["name"])
 
 
 def test_a_replan_is_applied_adds_first_without_failing_a_request(tmp_path: Path) -> None:
