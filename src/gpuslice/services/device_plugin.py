@@ -134,7 +134,7 @@ class DevicePlugin(pbg.DevicePluginServicer):
         """:meth:`_pending`, and each one's pod's priority annotation (for Allocate)."""
         out = []
         priority: dict[tuple[str, str], str] = {}
-        for p in self.api.list_pods():
+        for p in self.api.list_pods(node=self.cfg.node):
             meta = p.get("metadata") or {}
             text = (meta.get("annotations") or {}).get(ANNOTATION)
             if not text:

@@ -14,8 +14,9 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-from gpuslice.adapters.kube.fake import KubePort
+from gpuslice.adapters.kube.fake import ApiNotFound, KubePort
 from gpuslice.adapters.mps import MpsDaemon
 from gpuslice.adapters.nvml.port import NvmlError, NvmlPort
 from gpuslice.core.devices import inventory, node_labels
@@ -169,9 +170,11 @@ class NodeAgent:
         from gpuslice.core.mig import MigPlacement, layout_changes, parse_layout
         from gpuslice.core.reconfig import layout_text
 
-        node = next((n for n in self.api.list_nodes()
-                     if n["metadata"]["name"] == self.cfg.node), None)
-        ann = ((node or {}).get("metadata") or {}).get("annotations") or {}
+        try:  # its own node only (RBAC: nodes get, not list)
+            node: dict[str, Any] = self.api.get_node(self.cfg.node)
+        except ApiNotFound:
+            node = {}
+        ann = (node.get("metadata") or {}).get("annotations") or {}
         try:
             desired = json.loads(ann.get(MIG_DESIRED) or "{}")
         except ValueError:

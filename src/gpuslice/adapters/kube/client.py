@@ -5,13 +5,15 @@ because its generated API covers every call we need (pod binding subresource inc
 same semantics as kubectl, and its kubeconfig / in-cluster loading is the reference one; the
 extender is synchronous per request, so the async clients bring nothing here.
 
-Optimistic concurrency: the assignment patch carries the pod's ``resourceVersion``; the API
+Patches are maps, which the client sends as strategic-merge patches (a list would be a JSON
+patch). Optimistic concurrency: the assignment patch carries the pod's ``resourceVersion``; the API
 server answers 409 when the pod changed since it was read, which becomes :class:`ApiConflict`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Any
 
 from gpuslice.adapters.kube.fake import ApiConflict, ApiNotFound, WatchEvent
@@ -19,79 +21,117 @@ from gpuslice.core.errors import GpusliceError
 
 
 class KubeClient:
-    def __init__(self, kubeconfig: str | None = None, context: str | None = None) -> None:
+    """Every call goes through one ApiClient built from this client's own configuration (the
+    Kubernetes client's loaders otherwise write a process-wide default, which the next client
+    loaded in the same process would replace), with a request timeout so that a hung API
+    server is an error, not a stuck thread."""
+
+    def __init__(self, kubeconfig: str | None = None, context: str | None = None,
+                 timeout_s: float = 30.0) -> None:
         try:
             from kubernetes import client, config
         except ImportError:
             raise GpusliceError(
                 "the Kubernetes client is not installed: pip install 'gpuslice[kube]'"
             ) from None
+        cfg = client.Configuration()
         try:
             if kubeconfig is None:
-                config.load_incluster_config()
+                config.load_incluster_config(client_configuration=cfg)
             else:
-                config.load_kube_config(config_file=kubeconfig, context=context)
+                config.load_kube_config(config_file=kubeconfig, context=context,
+                                        client_configuration=cfg)
         except Exception as exc:  # the client raises several unrelated types here
             raise GpusliceError(f"cannot load the Kubernetes configuration: {exc}") from None
-        self._api = client.CoreV1Api()
         self._client = client
+        self._api_client = client.ApiClient(cfg)
+        self._api = client.CoreV1Api(self._api_client)
+        self._apps = client.AppsV1Api(self._api_client)
+        self._leases = client.CoordinationV1Api(self._api_client)
+        self._custom = client.CustomObjectsApi(self._api_client)
+        self.timeout_s = timeout_s
+        self._followers: list[_Follower] | None = None
+        self._queue: Any = None
+        self._generation = 0
 
     def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        from kubernetes.client.rest import ApiException
+        import urllib3
+        from kubernetes.client.exceptions import ApiException
 
+        kwargs.setdefault("_request_timeout", self.timeout_s)
         try:
             return fn(*args, **kwargs)
         except ApiException as exc:
+            message = _status_message(exc)
             if exc.status == 404:
-                raise ApiNotFound(str(exc.reason)) from None
+                raise ApiNotFound(message) from None
             if exc.status == 409:
-                raise ApiConflict(str(exc.reason)) from None
-            raise GpusliceError(f"API server: {exc.status} {exc.reason}") from None
+                raise ApiConflict(message) from None
+            raise GpusliceError(f"API server: {exc.status} {message}") from None
+        except urllib3.exceptions.HTTPError as exc:  # refused, timed out, connection lost
+            raise GpusliceError(f"API server unreachable: {exc}") from None
 
     def _plain(self, obj: Any) -> dict[str, Any]:
-        out: dict[str, Any] = self._api.api_client.sanitize_for_serialization(obj)
+        out: dict[str, Any] = self._api_client.sanitize_for_serialization(obj)
         return out
 
     def watch(self, since: str, timeout_s: float) -> tuple[list[WatchEvent], str]:
-        """Pod events for up to ``timeout_s`` (nodes change rarely: the periodic re-read covers
-        them). An expired resourceVersion (410) raises, and the caller re-reads everything."""
-        from kubernetes import watch
+        """Pod and node events, as they come: both watches stay open in background threads
+        (:class:`_Follower`) and this hands over what they queued, waiting up to ``timeout_s``
+        for the first. ``since=""`` (re)starts them from now; any other value continues. A
+        broken watch (an expired resourceVersion, 410, or the server gone) raises once, and
+        the caller re-reads everything and starts again with ``""``."""
+        import queue
 
-        if not since:
-            since = self._call(self._api.list_pod_for_all_namespaces,
-                               limit=1).metadata.resource_version
+        if not since or self._followers is None:
+            self.close()
+            self._generation += 1
+            q: queue.Queue[WatchEvent | GpusliceError] = queue.Queue()
+            self._queue = q
+            self._followers = [
+                _Follower(self, self._api.list_pod_for_all_namespaces, "Pod", q),
+                _Follower(self, self._api.list_node, "Node", q)]
+            for f in self._followers:
+                f.start()
         events: list[WatchEvent] = []
-        w = watch.Watch()
-        start = since
-        raws = self._call(lambda: list(w.stream(
-            self._api.list_pod_for_all_namespaces, resource_version=start,
-            timeout_seconds=max(1, int(timeout_s)), _request_timeout=timeout_s + 5)))
-        for raw in raws:
-            if raw["type"] == "ERROR":
-                raise GpusliceError(f"watch error: {raw['object']}")
-            obj = self._plain(raw["object"])
-            since = obj["metadata"]["resourceVersion"]
-            events.append(WatchEvent(raw["type"], "Pod", obj))
-        return events, since
+        items: list[WatchEvent | GpusliceError] = []
+        try:
+            items.append(self._queue.get(timeout=max(0.0, timeout_s)))
+            while True:
+                items.append(self._queue.get_nowait())
+        except queue.Empty:
+            pass
+        for item in items:
+            if isinstance(item, GpusliceError):
+                self.close()
+                raise item
+            events.append(item)
+        return events, f"watching-{self._generation}"
+
+    def close(self) -> None:
+        """Stop the background watches (their threads end with their current stream)."""
+        for f in self._followers or []:
+            f.stop.set()
+        self._followers = None
 
     def get_lease(self, namespace: str, name: str) -> dict[str, Any] | None:
-        api = self._client.CoordinationV1Api()
         try:
-            return self._plain(self._call(api.read_namespaced_lease, name, namespace))
+            return self._plain(self._call(self._leases.read_namespaced_lease, name, namespace))
         except ApiNotFound:
             return None
 
     def put_lease(self, namespace: str, name: str, spec: dict[str, Any],
                   resource_version: str | None) -> dict[str, Any]:
-        api = self._client.CoordinationV1Api()
         body = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
                 "metadata": {"name": name, "namespace": namespace,
                              **({"resourceVersion": resource_version}
                                 if resource_version else {})},
                 "spec": spec}
         if resource_version is None:
-            return self._plain(self._call(api.create_namespaced_lease, namespace, body))
-        return self._plain(self._call(api.replace_namespaced_lease, name, namespace, body))
+            return self._plain(self._call(self._leases.create_namespaced_lease, namespace,
+                                          body))
+        return self._plain(self._call(self._leases.replace_namespaced_lease, name, namespace,
+                                      body))
 
     def patch_node(self, name: str, labels: dict[str, str],
                    annotations: dict[str, str]) -> None:
@@ -101,8 +141,14 @@ class KubeClient:
     def list_nodes(self) -> list[dict[str, Any]]:
         return [self._plain(n) for n in self._call(self._api.list_node).items]
 
-    def list_pods(self) -> list[dict[str, Any]]:
-        return [self._plain(p) for p in self._call(self._api.list_pod_for_all_namespaces).items]
+    def get_node(self, name: str) -> dict[str, Any]:
+        return self._plain(self._call(self._api.read_node, name))
+
+    def list_pods(self, node: str | None = None) -> list[dict[str, Any]]:
+        """Every pod, or (``node``) the pods bound to that node, selected by the API server."""
+        kw = {"field_selector": f"spec.nodeName={node}"} if node is not None else {}
+        return [self._plain(p) for p in
+                self._call(self._api.list_pod_for_all_namespaces, **kw).items]
 
     def get_pod(self, namespace: str, name: str) -> dict[str, Any]:
         return self._plain(self._call(self._api.read_namespaced_pod, name, namespace))
@@ -126,46 +172,92 @@ class KubeClient:
 
     # gpuslice's custom objects: group gpuslice.io, version v1alpha1, namespaced
     def list_custom(self, plural: str) -> list[dict[str, Any]]:
-        api = self._client.CustomObjectsApi()
-        out = self._call(api.list_cluster_custom_object, "gpuslice.io", "v1alpha1", plural)
+        out = self._call(self._custom.list_cluster_custom_object, "gpuslice.io", "v1alpha1",
+                         plural)
         return list(out.get("items", []))
 
     def get_custom(self, plural: str, namespace: str, name: str) -> dict[str, Any]:
-        api = self._client.CustomObjectsApi()
-        out: dict[str, Any] = self._call(api.get_namespaced_custom_object, "gpuslice.io",
-                                         "v1alpha1", namespace, plural, name)
+        out: dict[str, Any] = self._call(self._custom.get_namespaced_custom_object,
+                                         "gpuslice.io", "v1alpha1", namespace, plural, name)
         return out
 
     def replace_custom(self, plural: str, obj: dict[str, Any]) -> dict[str, Any]:
         """Replace the object's status (the controller owns it; the spec is the user's)."""
-        api = self._client.CustomObjectsApi()
         meta = obj["metadata"]
-        out: dict[str, Any] = self._call(api.replace_namespaced_custom_object_status,
+        out: dict[str, Any] = self._call(self._custom.replace_namespaced_custom_object_status,
                                          "gpuslice.io", "v1alpha1", meta["namespace"], plural,
                                          meta["name"], obj)
         return out
 
     def list_deployments(self, namespace: str) -> list[dict[str, Any]]:
-        api = self._client.AppsV1Api()
         return [self._plain(d) for d in
-                self._call(api.list_namespaced_deployment, namespace).items]
+                self._call(self._apps.list_namespaced_deployment, namespace).items]
 
     def create_deployment(self, obj: dict[str, Any]) -> dict[str, Any]:
-        api = self._client.AppsV1Api()
         ns = (obj.get("metadata") or {}).get("namespace", "default")
-        return self._plain(self._call(api.create_namespaced_deployment, ns, obj))
+        return self._plain(self._call(self._apps.create_namespaced_deployment, ns, obj))
 
     def delete_deployment(self, namespace: str, name: str) -> None:
-        api = self._client.AppsV1Api()
         with contextlib.suppress(ApiNotFound):
-            self._call(api.delete_namespaced_deployment, name, namespace)
+            self._call(self._apps.delete_namespaced_deployment, name, namespace)
 
     def bind(self, namespace: str, name: str, uid: str, node: str) -> None:
+        """The pod's ``binding`` subresource, as kube-scheduler binds (RBAC: pods/binding)."""
         c = self._client
         body = c.V1Binding(
             metadata=c.V1ObjectMeta(name=name, namespace=namespace, uid=uid),
             target=c.V1ObjectReference(api_version="v1", kind="Node", name=node),
         )
-        # the generated client fails to deserialise the Binding it gets back; the call succeeded
-        self._call(self._api.create_namespaced_binding, namespace, body,
+        # the generated client fails to deserialise the Status it gets back; the call succeeded
+        self._call(self._api.create_namespaced_pod_binding, name, namespace, body,
                    _preload_content=False)
+
+
+class _Follower(threading.Thread):
+    """One resource's watch held open: lists the current resourceVersion, streams from it in
+    windows of :attr:`WINDOW_S`, resumes each window from the last event seen, and queues the
+    events; a broken stream queues one error and the thread ends (the caller starts anew)."""
+
+    WINDOW_S = 50
+
+    def __init__(self, client: KubeClient, list_fn: Any, kind: str, out: Any) -> None:
+        super().__init__(daemon=True, name=f"watch-{kind.lower()}")
+        self.client, self.list_fn, self.kind, self.out = client, list_fn, kind, out
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        from kubernetes import watch
+        from kubernetes.client.exceptions import ApiException
+
+        c = self.client
+        try:
+            rv = c._call(self.list_fn, limit=1).metadata.resource_version
+            while not self.stop.is_set():
+                w = watch.Watch()
+                for raw in c._call(w.stream, self.list_fn, resource_version=rv,
+                                   timeout_seconds=self.WINDOW_S,
+                                   _request_timeout=self.WINDOW_S + c.timeout_s):
+                    obj = c._plain(raw["object"])
+                    rv = obj["metadata"]["resourceVersion"]
+                    if self.stop.is_set():
+                        w.stop()
+                        break
+                    self.out.put(WatchEvent(raw["type"], self.kind, obj))
+        except Exception as exc:  # any broken stream: the caller re-reads and starts anew
+            if isinstance(exc, ApiException):
+                why = f"{exc.status} {_status_message(exc)}"
+            else:
+                why = str(exc) if isinstance(exc, GpusliceError) else repr(exc)
+            if not self.stop.is_set():
+                self.out.put(GpusliceError(f"{self.kind.lower()} watch: {why}"))
+
+
+def _status_message(exc: Any) -> str:
+    """The API server's own message from the Status body of an error, else the HTTP reason."""
+    import json
+
+    try:
+        status = json.loads(exc.body or "")
+        return f"{status.get('reason') or exc.reason}: {status['message']}"
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return str(exc.reason)

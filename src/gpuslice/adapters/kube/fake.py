@@ -37,17 +37,23 @@ class WatchEvent:
 
 class KubePort(Protocol):
     def watch(self, since: str, timeout_s: float) -> tuple[list[WatchEvent], str]:
-        """Events after resourceVersion ``since`` (waiting up to ``timeout_s`` for the first),
-        and the resourceVersion to continue from. ``since=""`` starts from now."""
+        """Pod and node events after ``since`` (waiting up to ``timeout_s`` for the first), and
+        the token to continue from (opaque: this fake's resourceVersion; the real client's
+        watches stay open between calls). ``since=""`` starts from now. A watch that broke
+        (an expired resourceVersion) raises, and the caller re-reads and starts again."""
         ...
 
     def list_nodes(self) -> list[dict[str, Any]]: ...
+    def get_node(self, name: str) -> dict[str, Any]: ...
     def patch_node(self, name: str, labels: dict[str, str],
                    annotations: dict[str, str]) -> None: ...
     def get_lease(self, namespace: str, name: str) -> dict[str, Any] | None: ...
     def put_lease(self, namespace: str, name: str, spec: dict[str, Any],
                   resource_version: str | None) -> dict[str, Any]: ...
-    def list_pods(self) -> list[dict[str, Any]]: ...
+    def list_pods(self, node: str | None = None) -> list[dict[str, Any]]:
+        """Every pod, or (``node``) those bound to that node (a ``spec.nodeName`` field
+        selector, evaluated by the API server)."""
+        ...
     def get_pod(self, namespace: str, name: str) -> dict[str, Any]: ...
     def patch_pod_annotations(self, namespace: str, name: str, annotations: dict[str, str],
                               resource_version: str) -> dict[str, Any]: ...
@@ -218,6 +224,13 @@ class FakeApiServer:
         with self._lock:
             return copy.deepcopy(list(self._nodes.values()))
 
+    def get_node(self, name: str) -> dict[str, Any]:
+        with self._lock:
+            n = self._nodes.get(name)
+            if n is None:
+                raise ApiNotFound(f"node {name} not found")
+            return copy.deepcopy(n)
+
     def patch_node(self, name: str, labels: dict[str, str],
                    annotations: dict[str, str]) -> None:
         with self._lock:
@@ -229,9 +242,11 @@ class FakeApiServer:
             meta.setdefault("annotations", {}).update(annotations)
             self._bump(n)
 
-    def list_pods(self) -> list[dict[str, Any]]:
+    def list_pods(self, node: str | None = None) -> list[dict[str, Any]]:
         with self._lock:
-            return copy.deepcopy(list(self._pods.values()))
+            return copy.deepcopy([p for p in self._pods.values()
+                                  if node is None or (p.get("spec") or {}).get("nodeName", "")
+                                  == node])
 
     def get_pod(self, namespace: str, name: str) -> dict[str, Any]:
         with self._lock:

@@ -1,0 +1,256 @@
+"""KubeClient, on the official Kubernetes client, against kube-apiserver's REST API over HTTP
+(tests/kube/rest_fake.py): paths, verbs, media types, error codes, watches and RBAC."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("kubernetes", reason="the Kubernetes client (gpuslice[kube]) is needed")
+
+from gpuslice.adapters.kube.client import KubeClient
+from gpuslice.adapters.kube.fake import ApiConflict, ApiNotFound
+from gpuslice.core.errors import GpusliceError
+from tests.kube.rest_fake import RestApiServer
+
+EXTENDER = "sa:gpuslice-system:gpuslice-extender"
+NODE_AGENT = "sa:gpuslice-system:gpuslice-node-agent"
+RECONFIG = "sa:gpuslice-system:gpuslice-reconfig"
+
+
+@pytest.fixture
+def rest() -> Iterator[RestApiServer]:
+    server = RestApiServer().start()
+    yield server
+    server.stop()
+
+
+def client(rest: RestApiServer, tmp_path: Path, token: str = "admin") -> KubeClient:
+    path = rest.kubeconfig(tmp_path / f"kubeconfig-{token.replace(':', '-')}", token)
+    return KubeClient(str(path))
+
+
+def pod(name: str, ns: str = "ml", node: str = "", **annotations: str) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": ns, "annotations": dict(annotations)},
+            "spec": {"containers": [{"name": "main", "image": "registry.local/model:1"}],
+                     **({"nodeName": node} if node else {})}}
+
+
+def node(name: str) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Node",
+            "metadata": {"name": name, "labels": {"kubernetes.io/hostname": name}}}
+
+
+def test_pods_and_nodes_read_and_patched_with_optimistic_concurrency(
+        rest: RestApiServer, tmp_path: Path) -> None:
+    rest.add_node(node("n1"))
+    rest.add_pod(pod("a", node="n1", keep="yes"))
+    rest.add_pod(pod("b"))
+    api = client(rest, tmp_path)
+    assert sorted(p["metadata"]["name"] for p in api.list_pods()) == ["a", "b"]
+    assert [p["metadata"]["name"] for p in api.list_pods(node="n1")] == ["a"]
+    a = api.get_pod("ml", "a")
+    assert a["spec"]["containers"][0]["image"] == "registry.local/model:1"
+    out = api.patch_pod_annotations("ml", "a", {"gpuslice.io/x": "1"},
+                                    a["metadata"]["resourceVersion"])
+    assert out["metadata"]["annotations"] == {"keep": "yes", "gpuslice.io/x": "1"}
+    with pytest.raises(ApiConflict):  # written from a stale read
+        api.patch_pod_annotations("ml", "a", {"gpuslice.io/x": "2"},
+                                  a["metadata"]["resourceVersion"])
+    with pytest.raises(ApiNotFound):
+        api.get_pod("ml", "nope")
+    api.patch_node("n1", {"nvidia.com/gpu.count": "2"}, {"gpuslice.io/inventory": "[]"})
+    meta = api.list_nodes()[0]["metadata"]
+    assert meta["labels"] == {"kubernetes.io/hostname": "n1", "nvidia.com/gpu.count": "2"}
+    assert meta["annotations"] == {"gpuslice.io/inventory": "[]"}
+    patches = {ct for _, verb, _, ct in rest.requests if verb == "PATCH"}
+    assert patches == {"application/strategic-merge-patch+json"}, patches
+
+
+def test_leases_create_renew_and_refuse_a_stale_writer(rest: RestApiServer,
+                                                       tmp_path: Path) -> None:
+    api = client(rest, tmp_path)
+    assert api.get_lease("gpuslice-system", "gpuslice-extender") is None
+    spec = {"holderIdentity": "a", "leaseDurationSeconds": 15,
+            "renewTime": "2026-11-23T01:00:00.000000Z", "leaseTransitions": 0}
+    first = api.put_lease("gpuslice-system", "gpuslice-extender", spec, None)
+    with pytest.raises(ApiConflict):  # created meanwhile by someone else
+        api.put_lease("gpuslice-system", "gpuslice-extender", spec, None)
+    got = api.get_lease("gpuslice-system", "gpuslice-extender")
+    assert got is not None and got["spec"]["holderIdentity"] == "a"
+    # the client reads MicroTime into a datetime; the extender parses what comes back
+    from datetime import datetime
+
+    assert datetime.fromisoformat(got["spec"]["renewTime"].replace("Z", "+00:00")).year == 2026
+    api.put_lease("gpuslice-system", "gpuslice-extender", dict(spec, holderIdentity="b"),
+                  first["metadata"]["resourceVersion"])
+    with pytest.raises(ApiConflict):
+        api.put_lease("gpuslice-system", "gpuslice-extender", spec,
+                      first["metadata"]["resourceVersion"])
+
+
+def test_watch_hands_over_pod_and_node_events_as_they_come_and_a_410_raises(
+        rest: RestApiServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpuslice.adapters.kube import client as kube_client
+
+    monkeypatch.setattr(kube_client._Follower, "WINDOW_S", 1)  # short stream windows
+    api = client(rest, tmp_path)
+    events, since = api.watch("", 0.5)
+    assert events == [] and since
+    threading.Timer(0.3, lambda: rest.add_pod(pod("late"))).start()
+    threading.Timer(0.4, lambda: rest.add_node(node("n9"))).start()
+    seen: list[tuple[str, str, str]] = []
+    t0 = time.monotonic()
+    while len(seen) < 2 and time.monotonic() - t0 < 10:
+        events, since = api.watch(since, 5.0)
+        seen += [(e.type, e.kind, e.obj["metadata"]["name"]) for e in events]
+    assert time.monotonic() - t0 < 3  # handed over as they come, not at the timeout
+    assert sorted(seen) == [("ADDED", "Node", "n9"), ("ADDED", "Pod", "late")]
+    rest.delete_pod("ml", "late")
+    events, since = api.watch(since, 5.0)
+    assert [(e.type, e.kind) for e in events] == [("DELETED", "Pod")]
+    time.sleep(1.5)  # a new stream window starts from the last event's resourceVersion
+    rest.add_pod(pod("after-window"))
+    events, since = api.watch(since, 5.0)
+    assert [e.obj["metadata"]["name"] for e in events] == ["after-window"]
+    rest.patch_node("n9", {"x": "y"}, {})  # the pod watch is now behind the latest version
+    rest.compacted = int(rest.current_rv())  # and etcd compacted past where it is
+    with pytest.raises(GpusliceError, match="410"):
+        for _ in range(10):
+            api.watch(since, 1.0)
+    events, since = api.watch("", 0.2)  # the caller re-reads, then starts again
+    rest.compacted = 0
+    rest.add_pod(pod("fresh"))
+    events, _ = api.watch(since, 5.0)
+    assert [e.obj["metadata"]["name"] for e in events] == ["fresh"]
+    api.close()
+
+
+def test_create_bind_evict_and_their_refusals(rest: RestApiServer, tmp_path: Path) -> None:
+    rest.add_node(node("n1"))
+    api = client(rest, tmp_path)
+    bad = pod("x")
+    del bad["spec"]["containers"][0]["image"]
+    with pytest.raises(GpusliceError, match="422"):
+        api.create_pod(bad)
+    made = api.create_pod(pod("x"))
+    assert made["status"]["phase"] == "Pending" and made["metadata"]["uid"]
+    with pytest.raises(ApiConflict):
+        api.create_pod(pod("x"))
+    with pytest.raises(ApiConflict):  # the pod was replaced: another UID
+        api.bind("ml", "x", "some-other-uid", "n1")
+    api.bind("ml", "x", made["metadata"]["uid"], "n1")
+    assert rest.get_pod("ml", "x")["spec"]["nodeName"] == "n1"
+    with pytest.raises(ApiConflict):
+        api.bind("ml", "x", made["metadata"]["uid"], "n1")
+    rest.disruption_blocked.add(("ml", "x"))
+    with pytest.raises(GpusliceError, match="429"):
+        api.delete_pod("ml", "x")
+    rest.disruption_blocked.clear()
+    api.delete_pod("ml", "x")
+    api.delete_pod("ml", "x")  # gone already: nothing to do
+    assert rest.list_pods() == []
+
+
+def test_custom_object_status_and_deployments(rest: RestApiServer, tmp_path: Path) -> None:
+    rest.replace_custom("sliceschedules", {
+        "apiVersion": "gpuslice.io/v1alpha1", "kind": "SliceSchedule",
+        "metadata": {"name": "day-night", "namespace": "gpuslice"},
+        "spec": {"layouts": {"batch": {"mig": {"mig-devices": {"7g.80gb": 1}}}}}})
+    api = client(rest, tmp_path)
+    [obj] = api.list_custom("sliceschedules")
+    assert api.get_custom("sliceschedules", "gpuslice", "day-night") == obj
+    changed = dict(obj, spec={"layouts": {}}, status={"target": "batch"})
+    out = api.replace_custom("sliceschedules", changed)
+    assert out["status"] == {"target": "batch"} and out["spec"] == obj["spec"]  # status only
+    with pytest.raises(ApiConflict):
+        api.replace_custom("sliceschedules", dict(obj, status={"target": "x"}))
+    deployment = {"apiVersion": "apps/v1", "kind": "Deployment",
+                  "metadata": {"name": "svc", "namespace": "ml"},
+                  "spec": {"selector": {"matchLabels": {"app": "svc"}}, "template": {
+                      "metadata": {"labels": {"app": "svc"}},
+                      "spec": {"containers": [{"name": "m", "image": "i"}]}}}}
+    api.create_deployment(deployment)
+    assert [d["metadata"]["name"] for d in api.list_deployments("ml")] == ["svc"]
+    api.delete_deployment("ml", "svc")
+    api.delete_deployment("ml", "svc")
+    assert api.list_deployments("ml") == []
+
+
+def test_clients_with_different_credentials_keep_them(rest: RestApiServer,
+                                                      tmp_path: Path) -> None:
+    """Two clients in one process (the tests, or a tool holding two contexts) must not share
+    one global configuration: each call goes out with its own client's token."""
+    agent = client(rest, tmp_path, NODE_AGENT)
+    client(rest, tmp_path, EXTENDER)
+    rest.add_node(node("n1"))
+    agent.patch_node("n1", {"a": "b"}, {})
+    assert rest.requests[-1][0] == NODE_AGENT
+    with pytest.raises(GpusliceError, match="403"):  # the node agent has no lease rights
+        agent.get_lease("gpuslice-system", "gpuslice-extender")
+    assert rest.requests[-1][0] == NODE_AGENT
+
+
+def test_bad_credentials_and_configuration_are_clear_errors(rest: RestApiServer,
+                                                            tmp_path: Path) -> None:
+    with pytest.raises(GpusliceError, match="401"):
+        client(rest, tmp_path, "sa:gpuslice-system:nobody").list_nodes()
+    missing = tmp_path / "no-such-kubeconfig"
+    with pytest.raises(GpusliceError, match="Kubernetes configuration"):
+        KubeClient(str(missing))
+
+
+@pytest.mark.parametrize("token,calls", [
+    (EXTENDER, ["list_nodes", "list_pods", "get_pod", "patch_pod", "bind", "watch", "lease"]),
+    (NODE_AGENT, ["list_pods_node", "get_node", "patch_node"]),
+    (RECONFIG, ["list_custom", "replace_custom", "list_pods", "get_pod", "patch_pod",
+                "create_pod", "delete_pod", "patch_node", "list_nodes"]),
+])
+def test_each_service_account_may_make_the_calls_its_component_makes(
+        rest: RestApiServer, tmp_path: Path, token: str, calls: list[str]) -> None:
+    """The deploy/base RBAC against each component's calls, verb by verb."""
+    rest.add_node(node("n1"))
+    target = rest.add_pod(pod("p", node=""))
+    rest.replace_custom("sliceschedules", {
+        "apiVersion": "gpuslice.io/v1alpha1", "kind": "SliceSchedule",
+        "metadata": {"name": "s", "namespace": "gpuslice"}, "spec": {"layouts": {"x": {}}}})
+    api = client(rest, tmp_path, token)
+    for call in calls:
+        if call == "list_nodes":
+            api.list_nodes()
+        elif call == "list_pods":
+            api.list_pods()
+        elif call == "list_pods_node":
+            api.list_pods(node="n1")
+        elif call == "get_node":
+            api.get_node("n1")
+        elif call == "get_pod":
+            api.get_pod("ml", "p")
+        elif call == "patch_pod":
+            cur = rest.get_pod("ml", "p")
+            api.patch_pod_annotations("ml", "p", {"k": "v"}, cur["metadata"]["resourceVersion"])
+        elif call == "bind":
+            api.bind("ml", "p", target["metadata"]["uid"], "n1")
+        elif call == "watch":
+            api.watch("", 0.5)
+        elif call == "lease":
+            api.put_lease("gpuslice-system", "gpuslice-extender", {"holderIdentity": "x"}, None)
+            api.get_lease("gpuslice-system", "gpuslice-extender")
+        elif call == "patch_node":
+            api.patch_node("n1", {"l": "v"}, {"a": "v"})
+        elif call == "list_custom":
+            api.list_custom("sliceschedules")
+        elif call == "replace_custom":
+            [obj] = api.list_custom("sliceschedules")
+            api.replace_custom("sliceschedules", dict(obj, status={"target": "x"}))
+        elif call == "create_pod":
+            api.create_pod(pod("q"))
+        elif call == "delete_pod":
+            api.delete_pod("ml", "q")
+    assert rest.denied == []
