@@ -14,7 +14,7 @@ import pytest
 from aiohttp import web
 
 from gpuslice.adapters.kube.annotation import decode
-from gpuslice.adapters.kube.fake import FakeApiServer
+from gpuslice.adapters.kube.fake import FakeApiServer, WatchEvent
 from gpuslice.core.assignment import ANNOTATION, verify
 from gpuslice.services.extender import ExtenderState, make_app
 
@@ -330,6 +330,31 @@ def test_watch_events_keep_the_ledger_current() -> None:
     assert sum(other.ledger.used_milli.values()) == 0
     none, same = api.watch(since, 0.05)  # nothing new: waits, then returns empty
     assert none == [] and same == since
+
+
+def test_node_events_re_read_only_when_gpu_inventory_or_cordon_change() -> None:
+    """The kubelet updates its node's status every few minutes, other controllers patch
+    labels: thousands of nodes must not each trigger a full re-read; a node that joins, leaves
+    or publishes a new inventory must, once per batch."""
+    api = small_cluster()
+    state = ExtenderState(api, KEY, clock=clock)
+    reads = []
+    real = api.list_nodes
+    api.list_nodes = lambda: reads.append(1) or real()  # type: ignore[method-assign]
+    _, since = api.watch("", 0.0)
+    api.patch_node("a", {"topology.kubernetes.io/zone": "z1"}, {"kubelet/heartbeat": "1"})
+    events, since = api.watch(since, 1.0)
+    state.apply_all(events)
+    assert reads == []
+    api.add_node(node("c", "H100-SXM", 4))
+    api.patch_node("b", {}, {"gpuslice.io/cordoned-gpus": "GPU-b-0"})
+    events, since = api.watch(since, 1.0)
+    assert [e.kind for e in events] == ["Node", "Node"]
+    state.apply_all(events)
+    assert len(reads) == 1
+    assert "c" in state.inv.index and "GPU-b-0" in state.cordoned
+    state.apply(WatchEvent("DELETED", "Node", api.get_node("c")))
+    assert len(reads) == 2
 
 
 def test_only_the_lease_holder_binds_and_a_standby_takes_over() -> None:

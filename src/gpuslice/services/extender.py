@@ -28,6 +28,7 @@ from gpuslice.adapters.kube.objects import (
     CORDONED_ANNOTATION as CORDONED,
 )
 from gpuslice.adapters.kube.objects import (
+    INVENTORY_ANNOTATION,
     MIG_PROFILE_ANNOTATION,
     InventoryMig,
     node_inventory,
@@ -103,6 +104,12 @@ class LeaderElector:
         return self.leader
 
 
+def _node_mark(node: dict[str, Any]) -> tuple[str, str]:
+    """What of a node the extender follows: its GPU inventory and its cordoned GPUs."""
+    ann = (node.get("metadata") or {}).get("annotations") or {}
+    return (str(ann.get(INVENTORY_ANNOTATION, "")), str(ann.get(CORDONED, "")))
+
+
 @dataclass(frozen=True)
 class _Inventory:
     names: list[str]
@@ -149,6 +156,7 @@ class ExtenderState:
             None
         self.elector: LeaderElector | None = None  # set when replicas elect a binder
         self.cordoned: set[str] = set()
+        self._node_marks: dict[str, tuple[str, str]] = {}  # what of each node we follow
         self.rebuild()
 
     # -- state --------------------------------------------------------------------------------
@@ -163,8 +171,10 @@ class ExtenderState:
         migs: list[list[tuple[str, str, InventoryMig]]] = []
         mig_gpus: set[str] = set()
         mig_rows: set[int] = set()
+        marks: dict[str, tuple[str, str]] = {}
         for n in self.api.list_nodes():
             name = n["metadata"]["name"]
+            marks[name] = _node_mark(n)
             raw = ((n["metadata"].get("annotations") or {}).get(CORDONED) or "")
             cordoned.update(u.strip() for u in raw.split(",") if u.strip())
             try:
@@ -202,6 +212,7 @@ class ExtenderState:
             self.inv = inv_
             self.ledger = ledger
             self.cordoned = cordoned
+            self._node_marks = marks
             for i in range(len(names)):
                 self._refresh_row(i)
 
@@ -232,11 +243,14 @@ class ExtenderState:
             a.gpu_free[i, j], a.gpu_mem_free[i, j] = self._open_free(uuid, self.ledger)
 
     def apply(self, event: WatchEvent) -> None:
-        """Follow a watch event: a node change re-reads the inventory; a pod that is deleted or
-        finished gives its share back; a verified assignment seen on a pod (written by another
-        extender replica, or before a restart) is taken if the ledger does not hold it yet."""
+        """Follow a watch event: a node that joins, leaves, or changes its GPU inventory or
+        cordon re-reads everything (other node changes, the kubelet's status updates above all,
+        are passed over); a pod that is deleted or finished gives its share back; a verified
+        assignment seen on a pod (written by another extender replica, or before a restart) is
+        taken if the ledger does not hold it yet."""
         if event.kind == "Node":
-            self.rebuild()
+            if self._node_changed(event):
+                self.rebuild()
             return
         ns, name = pod_key(event.obj)
         phase = (event.obj.get("status") or {}).get("phase")
@@ -254,6 +268,22 @@ class ExtenderState:
                 return
             if a.node in self.inv.index:
                 self._refresh_row(self.inv.index[a.node])
+
+    def apply_all(self, events: list[WatchEvent]) -> None:
+        """:meth:`apply` for a batch: at most one re-read, whatever the number of nodes that
+        changed, then the pod events."""
+        if any(ev.kind == "Node" and self._node_changed(ev) for ev in events):
+            self.rebuild()
+        for ev in events:
+            if ev.kind != "Node":
+                self.apply(ev)
+
+    def _node_changed(self, event: WatchEvent) -> bool:
+        name = str((event.obj.get("metadata") or {}).get("name", ""))
+        before = self._node_marks.get(name)
+        if event.type == "DELETED":
+            return before is not None
+        return before != _node_mark(event.obj)
 
     def pod_gone(self, namespace: str, name: str) -> None:
         """A pod was deleted or finished: give its share back."""
@@ -848,8 +878,7 @@ async def serve(state: ExtenderState, host: str, port: int, ssl_context: Any = N
                 events, since = [], ""
                 await asyncio.sleep(1.0)
                 await loop.run_in_executor(None, state.rebuild)
-            for ev in events:
-                state.apply(ev)
+            state.apply_all(events)
             if time.monotonic() - last >= resync_s:
                 await loop.run_in_executor(None, state.rebuild)
                 last = time.monotonic()
