@@ -53,11 +53,12 @@ def schedule(override: str | None = None, drain_s: float = 0.3) -> dict[str, Any
 
 @contextlib.contextmanager
 def cluster(tmp_path: Path, nodes: int, gpus: int, replicas: int,
-            mig: str | None = INFERENCE) -> Iterator[Cluster]:
+            mig: str | None = INFERENCE, **over: Any) -> Iterator[Cluster]:
     """A100-80GB nodes in ``mig`` layout (None: MIG disabled), ``replicas`` MPS pods of alpha
-    and beta (inside MIG instances when MIG is enabled)."""
+    and beta (inside MIG instances when MIG is enabled); ``over``: other Cluster fields (its
+    API server, the components' clients)."""
     c = Cluster(tmp_path, uuid.uuid4().hex[:8], b"reconfig-test-key-0123456789", EventLog(),
-                runtime=InProcessRuntime(), agent_poll_s=0.05)
+                runtime=InProcessRuntime(), agent_poll_s=0.05, **over)
     try:
         for i in range(nodes):
             c.add_node(NodeSpec(f"n{i}", ("A100-80GB",) * gpus, mig=mig))

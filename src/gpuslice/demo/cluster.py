@@ -24,6 +24,7 @@ import time
 import urllib.error
 import urllib.request
 import zlib
+from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,7 +33,7 @@ from typing import Any, Protocol
 import grpc
 
 from gpuslice.adapters.kube.annotation import decode
-from gpuslice.adapters.kube.fake import FakeApiServer
+from gpuslice.adapters.kube.fake import FakeApiServer, KubePort
 from gpuslice.adapters.kube.objects import GPU, pod_request
 from gpuslice.adapters.kubelet import deviceplugin_pb2 as pb
 from gpuslice.adapters.kubelet import deviceplugin_pb2_grpc as pbg
@@ -481,13 +482,19 @@ class Cluster:
     scheduler: SchedulerSim | None = None
     runtime: Runtime = field(default_factory=ProcessRuntime)
     agent_poll_s: float = 1.0
+    # the API client each component uses ("extender", "node-agent"), by default ``api``
+    # itself; a test gives each its own client with its own credentials
+    clients: Callable[[str], KubePort] | None = None
     _ext_loop: asyncio.AbstractEventLoop | None = None
     _ext_thread: threading.Thread | None = None
+
+    def client(self, component: str) -> KubePort:
+        return self.api if self.clients is None else self.clients(component)
 
     def start_extender(self, policy: str = "bestfit") -> None:
         from gpuslice.services.extender import ExtenderState, serve
 
-        state = ExtenderState(self.api, self.key, policy=policy,
+        state = ExtenderState(self.client("extender"), self.key, policy=policy,
                               clock=_bind_clock)
         loop = asyncio.new_event_loop()
         ready = threading.Event()
@@ -549,7 +556,8 @@ class Cluster:
                              nvml=fake).start()
         cfg = PluginConfig(spec.name, node_dir, self.key, replicas=10,
                            mps_pipe_dir=str(node_dir / "mps"))
-        agent = NodeAgent(cfg, nvml, self.api, quiet_s=30.0, poll_s=self.agent_poll_s,
+        agent = NodeAgent(cfg, nvml, self.client("node-agent"), quiet_s=30.0,
+                          poll_s=self.agent_poll_s,
                           mps=mps_binary is not None,
                           mps_binary=mps_binary or "nvidia-cuda-mps-control")
         thread = threading.Thread(target=agent.run, daemon=True, name=f"agent-{spec.name}")
