@@ -11,8 +11,9 @@ official Kubernetes client, is exercised through real HTTP:
 - patches only in the patch media types, a JSON patch must be a list, a strategic-merge or
   merge patch merges maps and a ``null`` deletes; ``metadata.resourceVersion`` in a patch or a
   replace is a precondition (409);
-- pod creation checks (a name, containers with name and image, no resourceVersion, the
-  namespace of the path); ``status.phase`` Pending, a fresh ``uid``;
+- creation checks (a name, no resourceVersion, the namespace of the path; pods and
+  Deployments against the Kubernetes 1.32 schema, and a pod's containers need an image); a
+  new pod gets ``status.phase`` Pending and a fresh ``uid``;
 - watches: ``?watch=true`` streams one JSON event per line (chunked) until ``timeoutSeconds``,
   from after ``resourceVersion`` (``""``/``"0"``: ADDED for what exists, then changes); a
   resourceVersion older than :attr:`RestApiServer.compacted` gets the ERROR event with code 410
@@ -310,6 +311,7 @@ class RestApiServer(FakeApiServer):
                 return 200, self._list("DeploymentList", self.list_deployments(ns))
             if key[2:] == ("POST", True, False, ""):
                 self._check_create(body, ns)
+                self._check_schema(body, "Deployment", "apps/v1")
                 return 201, self.create_deployment(body)
             if key[2:] == ("DELETE", True, True, ""):
                 if not any(d["metadata"]["name"] == name for d in self.list_deployments(ns)):
@@ -369,6 +371,19 @@ class RestApiServer(FakeApiServer):
                          "status": "Success", "code": 201}
         raise HttpError(405, "MethodNotAllowed", f"the fake serves no {method} here")
 
+    @staticmethod
+    def _check_schema(body: dict[str, Any], kind: str, api_version: str) -> None:
+        """The object against the Kubernetes 1.32 OpenAPI schema (what the API server's
+        decoding and validation would refuse: unknown fields, wrong types)."""
+        import kubernetes_validate
+
+        doc = dict(body, kind=body.get("kind") or kind,
+                   apiVersion=body.get("apiVersion") or api_version)
+        try:
+            kubernetes_validate.validate(doc, "1.32", strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            raise HttpError(422, "Invalid", f"{kind} is invalid: {exc}") from None
+
     def _check_create(self, body: dict[str, Any], ns: str) -> dict[str, Any]:
         meta = body.get("metadata")
         if not isinstance(meta, dict) or not meta.get("name"):
@@ -385,6 +400,7 @@ class RestApiServer(FakeApiServer):
 
     def _create_pod(self, ns: str, body: dict[str, Any]) -> dict[str, Any]:
         meta = self._check_create(body, ns)
+        self._check_schema(body, "Pod", "v1")
         containers = (body.get("spec") or {}).get("containers") or []
         if not containers:
             raise HttpError(422, "Invalid", f'Pod "{meta["name"]}" is invalid: '

@@ -49,5 +49,7 @@ def test_schedule_admit_and_reconfigure_through_the_kubernetes_client(
         drive(ctl, c, lambda st: (st.get("summary") or {}).get("inTarget") == 4, timeout_s=90)
         consistent(c, BATCH, 4)
     assert rest.denied == []
-    agent_lists = [q for q in rest.requests if q[0].endswith("node-agent") and q[1] == "GET"]
-    assert agent_lists
+    calls = {(w.split(":")[-1], verb, path.split("/")[-1]) for w, verb, path, _ in rest.requests}
+    # replacements created (schema-checked), old pods evicted, status written, nodes cordoned
+    assert {("gpuslice-reconfig", "POST", "pods"), ("gpuslice-reconfig", "POST", "eviction"),
+            ("gpuslice-reconfig", "PUT", "status"), ("gpuslice-reconfig", "PATCH", "n0")} <= calls
