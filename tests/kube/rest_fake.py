@@ -132,7 +132,8 @@ def strategic_merge(target: dict[str, Any], patch: dict[str, Any]) -> None:
 class RestApiServer(FakeApiServer):
     """:class:`FakeApiServer` with kube-apiserver's REST API on 127.0.0.1 (see module doc)."""
 
-    def __init__(self, rbac: Rbac | None = None) -> None:
+    def __init__(self, rbac: Rbac | None = None, tls: tuple[Path, Path] | None = None) -> None:
+        """``tls``: (certificate, key) PEM files to serve HTTPS, as a cluster does."""
         super().__init__()
         self.rbac = rbac or Rbac()
         self.compacted = 0  # watches from a resourceVersion below this get 410 Gone
@@ -155,6 +156,14 @@ class RestApiServer(FakeApiServer):
 
         self._http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self._http.daemon_threads = True
+        self.scheme = "http"
+        if tls is not None:
+            import ssl
+
+            ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            ctx.load_cert_chain(str(tls[0]), str(tls[1]))
+            self._http.socket = ctx.wrap_socket(self._http.socket, server_side=True)
+            self.scheme = "https"
         self.port = self._http.server_address[1]
         self._thread = threading.Thread(target=self._http.serve_forever, daemon=True)
 
@@ -171,11 +180,14 @@ class RestApiServer(FakeApiServer):
         self._http.shutdown()
         self._http.server_close()
 
-    def kubeconfig(self, path: Path, token: str = "admin") -> Path:
-        """A kubeconfig for this server and ``token`` (context ``fake``)."""
+    def kubeconfig(self, path: Path, token: str = "admin", ca: Path | None = None) -> Path:
+        """A kubeconfig for this server and ``token`` (context ``fake``; ``ca``: the CA file
+        that verifies an HTTPS server)."""
+        cluster: dict[str, Any] = {"server": f"{self.scheme}://127.0.0.1:{self.port}"}
+        if ca is not None:
+            cluster["certificate-authority"] = str(ca)
         doc = {"apiVersion": "v1", "kind": "Config", "current-context": "fake",
-               "clusters": [{"name": "fake", "cluster": {
-                   "server": f"http://127.0.0.1:{self.port}"}}],
+               "clusters": [{"name": "fake", "cluster": cluster}],
                "users": [{"name": "u", "user": {"token": token}}],
                "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "u"}}]}
         path.write_text(yaml.safe_dump(doc))
@@ -213,9 +225,10 @@ class RestApiServer(FakeApiServer):
         h.wfile.write(data)
 
     def _authenticate(self, header: str) -> str:
-        if not header.startswith("Bearer "):
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not token:  # the scheme is case-insensitive
             raise HttpError(401, "Unauthorized", "Unauthorized")
-        token = header[len("Bearer "):]
+        token = token.strip()
         if token == "admin":
             return token
         parts = token.split(":")

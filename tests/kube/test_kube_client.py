@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import shutil
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -254,3 +256,38 @@ def test_each_service_account_may_make_the_calls_its_component_makes(
         elif call == "delete_pod":
             api.delete_pod("ml", "q")
     assert rest.denied == []
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl CLI not installed")
+def test_in_cluster_configuration_over_https_verifies_the_server(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """How the extender and node agent run in a cluster: no kubeconfig, the service account's
+    token and CA from the pod's mounted files and the API server from the environment."""
+    from kubernetes.config import incluster_config
+
+    for name in ("ca", "other"):
+        subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days",
+                        "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+                        "-keyout", str(tmp_path / f"{name}.key"), "-out",
+                        str(tmp_path / f"{name}.crt")], check=True, capture_output=True)
+    rest = RestApiServer(tls=(tmp_path / "ca.crt", tmp_path / "ca.key")).start()
+    try:
+        rest.add_node(node("n1"))
+        (tmp_path / "token").write_text(NODE_AGENT)
+        monkeypatch.setattr(incluster_config, "SERVICE_TOKEN_FILENAME", str(tmp_path / "token"))
+        monkeypatch.setattr(incluster_config, "SERVICE_CERT_FILENAME", str(tmp_path / "ca.crt"))
+        monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "127.0.0.1")
+        monkeypatch.setenv("KUBERNETES_SERVICE_PORT", str(rest.port))
+        api = KubeClient()
+        assert api.get_node("n1")["metadata"]["name"] == "n1"
+        assert rest.requests[-1][0] == NODE_AGENT  # the mounted token went with the call
+        # a server the mounted CA did not sign is refused, with the reason
+        monkeypatch.setattr(incluster_config, "SERVICE_CERT_FILENAME",
+                            str(tmp_path / "other.crt"))
+        with pytest.raises(GpusliceError, match=r"unreachable.*(CERTIFICATE|certificate)"):
+            KubeClient().get_node("n1")
+        monkeypatch.delenv("KUBERNETES_SERVICE_HOST")
+        with pytest.raises(GpusliceError, match="Kubernetes configuration"):
+            KubeClient()
+    finally:
+        rest.stop()
