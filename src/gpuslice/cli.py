@@ -148,9 +148,11 @@ def _build_parser() -> argparse.ArgumentParser:
     ma.add_argument("--config", required=True, help="the config name inside the file")
     ma.add_argument("--dry-run", action="store_true", help="show the changes, change nothing")
     ma.add_argument("--fake", type=Path, help="fake NVML: a YAML GPU inventory")
-    ma.add_argument("--node", help="label this node with the progress (needs --fake-cluster "
-                    "or in-cluster access)")
-    ma.add_argument("--fake-cluster", type=Path, help="YAML with 'nodes' (for trying it out)")
+    ma.add_argument("--node", help="label this node with the progress (in-cluster access, "
+                    "--kubeconfig or --fake-cluster)")
+    msrc = ma.add_mutually_exclusive_group()
+    msrc.add_argument("--kubeconfig", help="kubeconfig file (default: in-cluster config)")
+    msrc.add_argument("--fake-cluster", type=Path, help="YAML with 'nodes' (for trying it out)")
     na.add_argument("--node", help="this node's name (default $NODE_NAME)")
     na.add_argument("--key-file", type=Path, required=True,
                     help="file holding the HMAC key shared with the extender")
@@ -1214,7 +1216,8 @@ def _mig_apply(args: argparse.Namespace, console: Console) -> int:
     nvml: NvmlPort = FakeNvml.from_yaml(args.fake, args.node or "node") if args.fake else load()
     api: KubePort | None = None
     if args.node:
-        api = load_fake_cluster(args.fake_cluster) if args.fake_cluster else KubeClient()
+        api = (load_fake_cluster(args.fake_cluster) if args.fake_cluster
+               else KubeClient(args.kubeconfig))
     report = MigExecutor(nvml, api, args.node or "").apply(read_config(args.file), args.config,
                                                           dry_run=args.dry_run)
     for uuid, changes in report.changes.items():

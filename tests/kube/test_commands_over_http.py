@@ -118,3 +118,25 @@ def test_node_agent_and_leader_elected_extenders_as_deployed(rest: RestApiServer
                 outs.append(out.decode(errors="replace"))
             kubelet.stop()
     assert rest.denied == [], outs
+
+
+def test_mig_apply_reports_progress_as_node_labels_through_the_client(
+        rest: RestApiServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import yaml
+
+    from gpuslice.cli import main
+    from tests.nodeagent.test_mig_executor import CONFIG
+
+    rest.add_node({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "n1"}})
+    (tmp_path / "inv.yaml").write_text('gpus:\n  - model: H100-SXM\n    mig: "7g.80gb@0"\n')
+    (tmp_path / "mp.yaml").write_text(yaml.safe_dump(CONFIG))
+    kubeconfig = rest.kubeconfig(tmp_path / "agent.kubeconfig",
+                                 "sa:gpuslice-system:gpuslice-node-agent")
+    assert main(["mig-apply", str(tmp_path / "mp.yaml"), "--config", "all-1g.10gb", "--fake",
+                 str(tmp_path / "inv.yaml"), "--node", "n1", "--kubeconfig",
+                 str(kubeconfig)]) == 0
+    assert "state: success" in capsys.readouterr().out
+    labels = rest.get_node("n1")["metadata"]["labels"]
+    assert labels["nvidia.com/mig.config"] == "all-1g.10gb"
+    assert labels["nvidia.com/mig.config.state"] == "success"
+    assert rest.denied == []
