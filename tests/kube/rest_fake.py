@@ -22,6 +22,7 @@ official Kubernetes client, is exercised through real HTTP:
   evictions (a pod listed in :attr:`RestApiServer.disruption_blocked` gets 429 as a
   PodDisruptionBudget gives), the ``status`` subresource of the custom objects (the spec
   stays; the CRD's schema lives in deploy/base);
+- outages: while :attr:`RestApiServer.down` is set every call gets 503 and open watches end;
 - RBAC: a bearer token ``sa:<namespace>:<name>`` is that ServiceAccount, allowed what the
   ClusterRoles, Roles and their bindings in ``deploy/base`` grant it (verbs from the request as
   the API server derives them: get, list, watch, create, update, patch, delete); the token
@@ -140,6 +141,7 @@ class RestApiServer(FakeApiServer):
         self.disruption_blocked: set[tuple[str, str]] = set()
         self.requests: list[tuple[str, str, str, str]] = []  # (who, verb, path, content type)
         self.denied: list[str] = []
+        self.down = threading.Event()  # set: an outage, every call gets 503, watches end
         self._stop = threading.Event()
         rest = self
 
@@ -206,6 +208,8 @@ class RestApiServer(FakeApiServer):
         raw = h.rfile.read(length) if length else b""
         ctype = (h.headers.get("Content-Type") or "").split(";")[0].strip()
         try:
+            if self.down.is_set():
+                raise HttpError(503, "ServiceUnavailable", "the API server is down (test)")
             who = self._authenticate(h.headers.get("Authorization") or "")
             self.requests.append((who, h.command, url.path, ctype))
             status, body = self._route(h, who, h.command, url.path, query, raw, ctype)
@@ -575,7 +579,7 @@ class RestApiServer(FakeApiServer):
                 h.wfile.write(b"0\r\n\r\n")
                 return 0, None
             deadline = time.monotonic() + timeout
-            while not self._stop.is_set():
+            while not self._stop.is_set() and not self.down.is_set():
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break

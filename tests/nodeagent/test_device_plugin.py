@@ -95,7 +95,8 @@ def assign(api: FakeApiServer, pod: str, uuids: list[str], milli: int = 300,
            annotations: dict[str, str] | None = None) -> None:
     """A pod in namespace ml bound to ``node`` with a signed assignment of ``uuids`` (inside
     MIG instance ``mig`` = (profile, start) when given), plus any other ``annotations``."""
-    p = api.add_pod({"metadata": {"name": pod, "namespace": "ml"}, "spec": {"nodeName": node}})
+    p = api.add_pod({"metadata": {"name": pod, "namespace": "ml"},
+                     "spec": {"nodeName": node, "containers": [{"name": "main", "image": "m"}]}})
     mode = mode or (Mode.MPS if milli < 1000 else Mode.EXCLUSIVE)
     profile, start = mig or ("", -1)
     a = Assignment("ml", pod, p["metadata"]["uid"], node, (ContainerAssignment(

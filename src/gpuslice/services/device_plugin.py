@@ -54,6 +54,9 @@ class PluginConfig:
     mig_strategy: str = "none"
     mig_profile: str = ""  # with "mixed": the profile this plugin serves
     resource: str = RESOURCE
+    # how long Allocate keeps asking an API server that does not answer before it fails the
+    # admission (the kubelet sets no deadline on Allocate; a failed one fails the pod)
+    api_retry_s: float = 10.0
 
 
 class DevicePlugin(pbg.DevicePluginServicer):
@@ -130,11 +133,26 @@ class DevicePlugin(pbg.DevicePluginServicer):
         """Verified assignments for this node not executed yet, oldest first."""
         return self._pending_with_priority()[0]
 
+    def _pods_here(self) -> list[dict[str, Any]]:
+        """The pods bound to this node, asking again (up to ``api_retry_s``, backing off) while
+        the API server does not answer: a brief outage must not fail admissions."""
+        deadline = time.monotonic() + self.cfg.api_retry_s
+        wait_s = 0.1
+        while True:
+            try:
+                return self.api.list_pods(node=self.cfg.node)
+            except GpusliceError as exc:
+                if time.monotonic() + wait_s > deadline:
+                    raise GpusliceError(f"the API server is not answering, so the pods waiting "
+                                        f"for this node's GPUs cannot be read: {exc}") from None
+                time.sleep(wait_s)
+                wait_s = min(2.0, 2 * wait_s)
+
     def _pending_with_priority(self) -> tuple[list[Assignment], dict[tuple[str, str], str]]:
         """:meth:`_pending`, and each one's pod's priority annotation (for Allocate)."""
         out = []
         priority: dict[tuple[str, str], str] = {}
-        for p in self.api.list_pods(node=self.cfg.node):
+        for p in self._pods_here():
             meta = p.get("metadata") or {}
             text = (meta.get("annotations") or {}).get(ANNOTATION)
             if not text:
@@ -158,7 +176,10 @@ class DevicePlugin(pbg.DevicePluginServicer):
 
     def GetPreferredAllocation(self, request: pb.PreferredAllocationRequest,
                                context: Any) -> pb.PreferredAllocationResponse:
-        pending = self._pending()
+        try:
+            pending = self._pending()
+        except GpusliceError:
+            pending = []  # no steer: the kubelet's own choice, and Allocate says what failed
         out = []
         for creq in request.container_requests:
             available = list(creq.available_deviceIDs)
@@ -196,7 +217,10 @@ class DevicePlugin(pbg.DevicePluginServicer):
                     annotations={"gpuslice.io/mode": "mig"}))
                 continue
             uuids = sorted({d.split("::")[0] for d in ids})
-            a, stale = self._claim(uuids)
+            try:
+                a, stale = self._claim(uuids)
+            except GpusliceError as exc:
+                context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
             if a is not None and a.containers[0].mode is Mode.MPS and self.ensure_mps:
                 try:  # the GPU's daemon, or the MIG instance's for a slice inside one
                     self.ensure_mps(self._visible(a.containers[0].gpus[0]))

@@ -868,20 +868,26 @@ async def serve(state: ExtenderState, host: str, port: int, ssl_context: Any = N
 
     electing = asyncio.create_task(elect()) if state.elector is not None else None
     since = ""
+    stale = False  # events were missed (a broken watch): re-read before following again
     last = time.monotonic()
+    backoff_s = 1.0
     try:
         while True:
+            # an outage of the API server leaves filter and prioritize answering from the
+            # last view (binds fail on their own); the loop retries with backoff, never exits
             try:
-                events, since = await loop.run_in_executor(None, state.api.watch, since, 5.0)
-            except GpusliceError as exc:  # a broken watch: start again from a full re-read
+                events, since = await loop.run_in_executor(
+                    None, state.api.watch, since, 0.0 if stale else 5.0)
+                if stale or time.monotonic() - last >= resync_s:
+                    await loop.run_in_executor(None, state.rebuild)
+                    stale, last = False, time.monotonic()
+                state.apply_all(events)
+                backoff_s = 1.0
+            except GpusliceError as exc:  # start the watch again, then re-read everything
                 state.problems.append(f"watch: {exc}")
-                events, since = [], ""
-                await asyncio.sleep(1.0)
-                await loop.run_in_executor(None, state.rebuild)
-            state.apply_all(events)
-            if time.monotonic() - last >= resync_s:
-                await loop.run_in_executor(None, state.rebuild)
-                last = time.monotonic()
+                since, stale = "", True
+                await asyncio.sleep(backoff_s)
+                backoff_s = min(30.0, 2 * backoff_s)
     finally:
         if electing is not None:
             electing.cancel()

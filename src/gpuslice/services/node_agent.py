@@ -9,6 +9,7 @@ is healthy again, without restarting the agent.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -90,6 +91,17 @@ class NodeAgent:
         self._stop = threading.Event()
         self.problems: list[str] = []
         self.metrics = AgentMetrics()
+        # the node labels and inventory to publish, until the API server takes them: retried
+        # with backoff (an outage must not leave the extender without this node's GPUs)
+        self._unpublished = False
+        self._publish_at = 0.0
+        self._publish_backoff_s = 0.0
+        self.max_backoff_s = 30.0
+
+    def _problem(self, text: str) -> None:
+        """Note a problem, once while it recurs (an outage must not grow the list each pass)."""
+        if text not in self.problems[-10:]:
+            self.problems.append(text)
 
     def update_metrics(self) -> None:
         held: dict[str, tuple[int, int]] = {}
@@ -128,11 +140,25 @@ class NodeAgent:
                 except GpusliceError as exc:
                     self.problems.append(str(exc))
 
-    def publish(self) -> None:
-        """Inventory annotation (healthy GPUs) and GFD labels on this node."""
+    def publish(self) -> bool:
+        """Inventory annotation (healthy GPUs) and GFD labels on this node. When the API server
+        refuses or is not answering, the agent tries again on its next passes, backing off up to
+        :attr:`max_backoff_s`, with what is current then. Returns whether it was published."""
         gpus = [g for g in self.nvml.devices() if g.uuid not in self._last_error]
         labels = node_labels(self.nvml.devices(), self.nvml.driver_version())
-        self.api.patch_node(self.cfg.node, labels, {INVENTORY: json.dumps(inventory(gpus))})
+        try:
+            self.api.patch_node(self.cfg.node, labels, {INVENTORY: json.dumps(inventory(gpus))})
+        except GpusliceError as exc:
+            self._unpublished = True
+            self._publish_backoff_s = min(self.max_backoff_s,
+                                          max(self.poll_s, 2 * self._publish_backoff_s))
+            self._publish_at = time.monotonic() + self._publish_backoff_s
+            self._problem(f"publishing node labels (retrying, backing off up to "
+                          f"{self.max_backoff_s:g} s): {exc}")
+            return False
+        self._unpublished = False
+        self._publish_backoff_s = 0.0
+        return True
 
     def health_step(self, timeout_s: float) -> None:
         """Take NVML events for up to ``timeout_s``; recover GPUs that stayed quiet."""
@@ -170,10 +196,10 @@ class NodeAgent:
         from gpuslice.core.mig import MigPlacement, layout_changes, parse_layout
         from gpuslice.core.reconfig import layout_text
 
-        try:  # its own node only (RBAC: nodes get, not list)
-            node: dict[str, Any] = self.api.get_node(self.cfg.node)
-        except ApiNotFound:
-            node = {}
+        node: dict[str, Any] = {}
+        if any(g.mig_enabled for g in self.nvml.devices()):  # else no layout to be asked for
+            with contextlib.suppress(ApiNotFound):  # its own node (RBAC: nodes get, not list)
+                node = self.api.get_node(self.cfg.node)
         ann = (node.get("metadata") or {}).get("annotations") or {}
         try:
             desired = json.loads(ann.get(MIG_DESIRED) or "{}")
@@ -223,9 +249,10 @@ class NodeAgent:
             for plugin in self.plugins:
                 plugin.changed()  # MIG strategies list instances: stream the new list
             # the new instances reach the extender's inventory before the controller reads
-            # the layout report and reopens the GPU (MPS slices are placed inside instances)
+            # the layout report and reopens the GPU (MPS slices are placed inside instances):
+            # no report while the inventory is not published
             self.publish()
-        if report and report != self._layout_report:
+        if report and report != self._layout_report and not self._unpublished:
             self.api.patch_node(self.cfg.node, {}, {MIG_LAYOUTS: json.dumps(report,
                                                                             sort_keys=True)})
             self._layout_report = report
@@ -262,17 +289,16 @@ class NodeAgent:
         for server in self.servers:
             server.start()
             self.problems.extend(server.errors)
-        try:
-            self.publish()
-        except GpusliceError as exc:
-            self.problems.append(f"publishing node labels: {exc}")
+        self.publish()
         while not self._stop.is_set():
             self.health_step(self.poll_s)
+            if self._unpublished and time.monotonic() >= self._publish_at:
+                self.publish()
             self.update_metrics()
             try:
                 self.reconcile_layouts()
             except GpusliceError as exc:
-                self.problems.append(f"MIG layouts: {exc}")
+                self._problem(f"MIG layouts: {exc}")
 
     def stop(self) -> None:
         self._stop.set()
