@@ -5,7 +5,6 @@ pods/binding subresource, the reconfiguration controller moves GPUs to another M
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,13 +18,6 @@ from tests.kube.rest_fake import RestApiServer
 from tests.reconfig.test_reconfig import BATCH, cluster, consistent, drive, schedule
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture
-def rest() -> Iterator[RestApiServer]:
-    server = RestApiServer().start()
-    yield server
-    server.stop()
 
 
 def test_schedule_admit_and_reconfigure_through_the_kubernetes_client(

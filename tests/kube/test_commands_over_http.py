@@ -5,16 +5,12 @@ HTTP calls."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -24,26 +20,13 @@ from gpuslice.adapters.kube.annotation import decode
 from gpuslice.core.assignment import ANNOTATION
 from gpuslice.services.device_plugin import wait_for
 from tests.extender.test_extender_cli import free_port
+from tests.kube.helpers import post_json as post
 from tests.kube.rest_fake import RestApiServer
 from tests.nodeagent.test_device_plugin import Kubelet, allocate
 
 pytestmark = pytest.mark.slow
 KEY = "commands-over-http-key-0123456789"
 LEASE = "gpuslice-system/gpuslice-extender"
-
-
-@pytest.fixture
-def rest() -> Iterator[RestApiServer]:
-    server = RestApiServer().start()
-    yield server
-    server.stop()
-
-
-def post(url: str, doc: object) -> Any:
-    req = urllib.request.Request(url, data=json.dumps(doc).encode(),
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=10) as r:
-        return json.loads(r.read())
 
 
 def test_node_agent_and_leader_elected_extenders_as_deployed(rest: RestApiServer,

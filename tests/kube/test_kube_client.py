@@ -7,7 +7,6 @@ import shutil
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,23 +17,9 @@ pytest.importorskip("kubernetes", reason="the Kubernetes client (gpuslice[kube])
 from gpuslice.adapters.kube.client import KubeClient
 from gpuslice.adapters.kube.fake import ApiConflict, ApiNotFound
 from gpuslice.core.errors import GpusliceError
+from tests.kube.helpers import EXTENDER, NODE_AGENT, RECONFIG
+from tests.kube.helpers import kube_client as client
 from tests.kube.rest_fake import RestApiServer
-
-EXTENDER = "sa:gpuslice-system:gpuslice-extender"
-NODE_AGENT = "sa:gpuslice-system:gpuslice-node-agent"
-RECONFIG = "sa:gpuslice-system:gpuslice-reconfig"
-
-
-@pytest.fixture
-def rest() -> Iterator[RestApiServer]:
-    server = RestApiServer().start()
-    yield server
-    server.stop()
-
-
-def client(rest: RestApiServer, tmp_path: Path, token: str = "admin") -> KubeClient:
-    path = rest.kubeconfig(tmp_path / f"kubeconfig-{token.replace(':', '-')}", token)
-    return KubeClient(str(path))
 
 
 def pod(name: str, ns: str = "ml", node: str = "", **annotations: str) -> dict[str, Any]:

@@ -6,43 +6,27 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import tempfile
 import threading
 import time
-import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import grpc
 import pytest
 
 pytest.importorskip("kubernetes", reason="the Kubernetes client (gpuslice[kube]) is needed")
 
-from gpuslice.adapters.kube.client import KubeClient
 from gpuslice.adapters.nvml.port import FakeNvml
 from gpuslice.services.device_plugin import DevicePlugin, PluginConfig, PluginServer, wait_for
 from gpuslice.services.extender import ExtenderState, serve
 from gpuslice.services.node_agent import NodeAgent
 from tests.extender.test_extender_http import node as gpu_node
 from tests.extender.test_extender_http import pod as gpu_pod
+from tests.kube.helpers import EXTENDER, post_json
+from tests.kube.helpers import NODE_AGENT as AGENT
+from tests.kube.helpers import kube_client as client
 from tests.kube.rest_fake import RestApiServer
 from tests.nodeagent.test_device_plugin import GPUS, KEY, Kubelet, allocate, assign
-
-AGENT = "sa:gpuslice-system:gpuslice-node-agent"
-EXTENDER = "sa:gpuslice-system:gpuslice-extender"
-
-
-@pytest.fixture
-def rest() -> Iterator[RestApiServer]:
-    server = RestApiServer().start()
-    yield server
-    server.stop()
-
-
-def client(rest: RestApiServer, tmp_path: Path, token: str) -> KubeClient:
-    return KubeClient(str(rest.kubeconfig(tmp_path / f"{token[-8:]}.kubeconfig", token)))
 
 
 def test_the_node_agent_publishes_its_gpus_once_the_api_server_is_back(
@@ -75,13 +59,6 @@ def test_the_node_agent_publishes_its_gpus_once_the_api_server_is_back(
             kubelet.stop()
 
 
-def post(url: str, doc: object) -> Any:
-    req = urllib.request.Request(url, data=json.dumps(doc).encode(),
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=10) as r:
-        return json.loads(r.read())
-
-
 def test_the_extender_keeps_answering_through_an_outage_and_catches_up(
         rest: RestApiServer, tmp_path: Path) -> None:
     rest.add_node(gpu_node("a", "T4", 2))
@@ -105,13 +82,13 @@ def test_the_extender_keeps_answering_through_an_outage_and_catches_up(
     try:
         rest.down.set()
         time.sleep(1.5)
-        res = post(url + "/filter", {"Pod": p, "NodeNames": ["a", "b"]})
+        res = post_json(url + "/filter", {"Pod": p, "NodeNames": ["a", "b"]})
         assert res["NodeNames"] == ["a"]  # the last view answers
         rest.add_node(gpu_node("b", "T4", 2))  # joins while the extender cannot see it
         time.sleep(1.0)
         assert thread.is_alive()
         rest.down.clear()
-        assert wait_for(lambda: post(url + "/filter", {"Pod": p, "NodeNames": ["a", "b"]})[
+        assert wait_for(lambda: post_json(url + "/filter", {"Pod": p, "NodeNames": ["a", "b"]})[
             "NodeNames"] == ["a", "b"], 15), state.problems
         assert any("watch" in x for x in state.problems)
     finally:
