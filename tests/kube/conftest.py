@@ -14,3 +14,5 @@ def rest() -> Iterator[RestApiServer]:
     server = RestApiServer().start()
     yield server
     server.stop()
+
+

@@ -18,7 +18,9 @@ RECONFIG = "sa:gpuslice-system:gpuslice-reconfig"
 def kube_client(rest: RestApiServer, folder: Path, token: str = "admin") -> KubeClient:
     """A client of ``rest`` with ``token`` (``admin``, or ``sa:<namespace>:<name>``)."""
     path = rest.kubeconfig(folder / f"kubeconfig-{token.replace(':', '-')}", token)
-    return KubeClient(str(path))
+    api = KubeClient(str(path))
+    rest.on_stop.append(api.close)  # its background watches end with the test
+    return api
 
 
 def post_json(url: str, doc: object) -> Any:

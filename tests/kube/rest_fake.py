@@ -31,6 +31,7 @@ official Kubernetes client, is exercised through real HTTP:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import threading
@@ -142,6 +143,8 @@ class RestApiServer(FakeApiServer):
         self.requests: list[tuple[str, str, str, str]] = []  # (who, verb, path, content type)
         self.denied: list[str] = []
         self.down = threading.Event()  # set: an outage, every call gets 503, watches end
+        self.on_stop: list[Any] = []  # called first by stop() (clients closing their watches)
+        self._connections: set[Any] = set()  # open client connections, shut down by stop()
         self._stop = threading.Event()
         rest = self
 
@@ -150,6 +153,14 @@ class RestApiServer(FakeApiServer):
 
             def log_message(self, format: str, *args: Any) -> None:
                 pass
+
+            def setup(self) -> None:
+                super().setup()
+                rest._connections.add(self.connection)
+
+            def finish(self) -> None:
+                rest._connections.discard(self.connection)
+                super().finish()
 
             def _any(self) -> None:
                 rest._handle(self)
@@ -176,11 +187,18 @@ class RestApiServer(FakeApiServer):
         return self
 
     def stop(self) -> None:
+        for fn in self.on_stop:
+            fn()
         self._stop.set()
         with self._changed:
             self._changed.notify_all()
         self._http.shutdown()
         self._http.server_close()
+        import socket
+
+        for conn in list(self._connections):  # kept-alive ones wait for a next request
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
 
     def kubeconfig(self, path: Path, token: str = "admin", ca: Path | None = None) -> Path:
         """A kubeconfig for this server and ``token`` (context ``fake``; ``ca``: the CA file
@@ -207,6 +225,9 @@ class RestApiServer(FakeApiServer):
         length = int(h.headers.get("Content-Length") or 0)
         raw = h.rfile.read(length) if length else b""
         ctype = (h.headers.get("Content-Type") or "").split(";")[0].strip()
+        if self._stop.is_set():  # stopped: no more answers on kept-alive connections
+            h.close_connection = True
+            return
         try:
             if self.down.is_set():
                 raise HttpError(503, "ServiceUnavailable", "the API server is down (test)")

@@ -14,6 +14,7 @@ pytest.importorskip("kubernetes", reason="the Kubernetes client (gpuslice[kube])
 from gpuslice.adapters.kube.client import KubeClient
 from gpuslice.core.assignment import ANNOTATION
 from gpuslice.services.reconfig import PLURAL, ReconfigController
+from tests.kube.helpers import kube_client
 from tests.kube.rest_fake import RestApiServer
 from tests.reconfig.test_reconfig import BATCH, cluster, consistent, drive, schedule
 
@@ -23,9 +24,7 @@ pytestmark = pytest.mark.slow
 def test_schedule_admit_and_reconfigure_through_the_kubernetes_client(
         rest: RestApiServer, tmp_path: Path) -> None:
     def client(component: str) -> KubeClient:
-        token = f"sa:gpuslice-system:gpuslice-{component}"
-        path = rest.kubeconfig(tmp_path / f"{component}.kubeconfig", token)
-        return KubeClient(str(path))
+        return kube_client(rest, tmp_path, f"sa:gpuslice-system:gpuslice-{component}")
 
     with cluster(tmp_path / "c", nodes=2, gpus=2, replicas=4, api=rest, clients=client) as c:
         pods = rest.list_pods()

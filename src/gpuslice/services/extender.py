@@ -891,4 +891,7 @@ async def serve(state: ExtenderState, host: str, port: int, ssl_context: Any = N
     finally:
         if electing is not None:
             electing.cancel()
+        close = getattr(state.api, "close", None)  # the real client's background watches
+        if callable(close):
+            close()
         await runner.cleanup()

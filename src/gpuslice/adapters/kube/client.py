@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from typing import Any
 
 from gpuslice.adapters.kube.fake import ApiConflict, ApiNotFound, WatchEvent
@@ -230,9 +231,13 @@ class _Follower(threading.Thread):
         from kubernetes.client.exceptions import ApiException
 
         c = self.client
+        pause_s = 0.0
         try:
             rv = c._call(self.list_fn, limit=1).metadata.resource_version
-            while not self.stop.is_set():
+            while not self.stop.wait(pause_s):
+                # a window the server ends at once (it is shutting down, say) is reopened
+                # after a pause that grows, not in a busy loop
+                opened = time.monotonic()
                 w = watch.Watch()
                 for raw in c._call(w.stream, self.list_fn, resource_version=rv,
                                    timeout_seconds=self.WINDOW_S,
@@ -243,6 +248,8 @@ class _Follower(threading.Thread):
                         w.stop()
                         break
                     self.out.put(WatchEvent(raw["type"], self.kind, obj))
+                quick = time.monotonic() - opened < 1.0
+                pause_s = min(5.0, max(0.1, 2 * pause_s)) if quick else 0.0
         except Exception as exc:  # any broken stream: the caller re-reads and starts anew
             if isinstance(exc, ApiException):
                 why = f"{exc.status} {_status_message(exc)}"
