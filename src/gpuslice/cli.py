@@ -24,6 +24,8 @@ from gpuslice.core.policies import make_policy, policy_names
 if TYPE_CHECKING:
     from gpuslice.adapters.nvml.port import NvmlPort
 
+KUBECONFIG_HELP = ("kubeconfig file (default: the service account's in a pod, else $KUBECONFIG "
+                   "or ~/.kube/config)")
 DEFAULT_POLICIES = ("random", "dotprod", "gpu-clustering", "gpu-packing", "bestfit", "fgd",
                     "ours")
 
@@ -128,7 +130,7 @@ def _build_parser() -> argparse.ArgumentParser:
     e.add_argument("--policy", default="bestfit", help="core policy for prioritize (default "
                    "bestfit; one that needs no target workload)")
     src = e.add_mutually_exclusive_group()
-    src.add_argument("--kubeconfig", help="kubeconfig file (default: in-cluster config)")
+    src.add_argument("--kubeconfig", help=KUBECONFIG_HELP)
     src.add_argument("--fake-cluster", type=Path,
                      help="YAML with 'nodes' and 'pods' lists: an in-memory API server")
     e.add_argument("--context", help="kubeconfig context")
@@ -151,7 +153,7 @@ def _build_parser() -> argparse.ArgumentParser:
     ma.add_argument("--node", help="label this node with the progress (in-cluster access, "
                     "--kubeconfig or --fake-cluster)")
     msrc = ma.add_mutually_exclusive_group()
-    msrc.add_argument("--kubeconfig", help="kubeconfig file (default: in-cluster config)")
+    msrc.add_argument("--kubeconfig", help=KUBECONFIG_HELP)
     msrc.add_argument("--fake-cluster", type=Path, help="YAML with 'nodes' (for trying it out)")
     na.add_argument("--node", help="this node's name (default $NODE_NAME)")
     na.add_argument("--key-file", type=Path, required=True,
@@ -176,7 +178,7 @@ def _build_parser() -> argparse.ArgumentParser:
     na.add_argument("--mps-pipe-dir", default="/run/gpuslice/mps",
                     help="host directory of the MPS pipe directories")
     nsrc = na.add_mutually_exclusive_group()
-    nsrc.add_argument("--kubeconfig", help="kubeconfig file (default: in-cluster config)")
+    nsrc.add_argument("--kubeconfig", help=KUBECONFIG_HELP)
     nsrc.add_argument("--fake-cluster", type=Path, help="YAML with 'nodes' and 'pods'")
     e.add_argument("--leader-elect", action="store_true",
                    help="several replicas: only the holder of the Lease binds")
@@ -558,7 +560,7 @@ def _add_reconfig_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser
     r.add_argument("schedule", nargs="?", type=Path,
                    help="with plan: a SliceSchedule YAML file (default: the cluster's)")
     src = r.add_mutually_exclusive_group()
-    src.add_argument("--kubeconfig", help="kubeconfig file (default: in-cluster config)")
+    src.add_argument("--kubeconfig", help=KUBECONFIG_HELP)
     src.add_argument("--fake-cluster", type=Path,
                      help="nodes, pods and sliceschedules from a YAML file (to try it out)")
     r.add_argument("--context", help="kubeconfig context")
@@ -658,7 +660,7 @@ def _add_replan_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser])
                    "pods have drained (default: wait --drain-s)")
     r.add_argument("--drain-s", type=float, default=60.0)
     src = r.add_mutually_exclusive_group()
-    src.add_argument("--kubeconfig", help="with --apply: kubeconfig (default: in-cluster)")
+    src.add_argument("--kubeconfig", help="with --apply: " + KUBECONFIG_HELP)
     src.add_argument("--fake-cluster", type=Path, help=argparse.SUPPRESS)
 
 

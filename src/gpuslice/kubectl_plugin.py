@@ -29,7 +29,7 @@ def _api(args: argparse.Namespace) -> KubePort:
         return load_fake_cluster(Path(args.fake_cluster))
     from gpuslice.adapters.kube.client import KubeClient
 
-    return KubeClient(args.kubeconfig or str(Path.home() / ".kube" / "config"), args.context)
+    return KubeClient(args.kubeconfig, args.context)  # $KUBECONFIG or ~/.kube/config, as kubectl
 
 
 def status(api: KubePort, key: bytes | None, console: Console) -> int:
@@ -79,7 +79,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="command", required=True)
     st = sub.add_parser("status", help="per node and GPU: allocations and free capacity")
     src = st.add_mutually_exclusive_group()
-    src.add_argument("--kubeconfig", help="kubeconfig file (default ~/.kube/config)")
+    src.add_argument("--kubeconfig",
+                     help="kubeconfig file (default $KUBECONFIG or ~/.kube/config, as kubectl)")
     src.add_argument("--fake-cluster", help="YAML with 'nodes' and 'pods' (for trying it out)")
     st.add_argument("--context", help="kubeconfig context")
     st.add_argument("--key-file", type=Path,

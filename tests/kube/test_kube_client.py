@@ -271,8 +271,33 @@ def test_in_cluster_configuration_over_https_verifies_the_server(
                             str(tmp_path / "other.crt"))
         with pytest.raises(GpusliceError, match=r"unreachable.*(CERTIFICATE|certificate)"):
             KubeClient().get_node("n1")
+        # outside a pod: $KUBECONFIG (here a file that is not there), as kubectl
         monkeypatch.delenv("KUBERNETES_SERVICE_HOST")
+        monkeypatch.setenv("KUBECONFIG", str(tmp_path / "no-such-file"))
         with pytest.raises(GpusliceError, match="Kubernetes configuration"):
             KubeClient()
     finally:
         rest.stop()
+
+
+def test_outside_a_pod_the_default_kubeconfig_is_kubectls(
+        rest: RestApiServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """`kubectl gpuslice status` and `gpuslice replan --apply` run from a laptop: no
+    --kubeconfig means $KUBECONFIG (or ~/.kube/config), not the in-cluster configuration."""
+    from gpuslice.adapters.kube.annotation import encode
+    from gpuslice.core.assignment import Assignment, ContainerAssignment, GpuShare, Mode, sign
+    from gpuslice.kubectl_plugin import main
+
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    monkeypatch.setenv("KUBECONFIG", str(rest.kubeconfig(tmp_path / "user-config")))
+    inv = '[{"uuid": "GPU-1", "index": 0, "model": "T4", "memoryMiB": 15360}]'
+    rest.add_node({"apiVersion": "v1", "kind": "Node",
+                   "metadata": {"name": "t4-a", "annotations": {"gpuslice.io/inventory": inv}}})
+    a = sign(Assignment("ml", "resnet-0", "u0", "t4-a", (ContainerAssignment(
+        "main", Mode.MPS, (GpuShare("GPU-1", 250, 4096),)),), "t"), b"key-0123456789abcdef")
+    rest.add_pod(pod("resnet-0", node="t4-a", **{"gpuslice.io/assignment": encode(a)}))
+    assert main(["status"]) == 0
+    out = capsys.readouterr().out
+    assert "ml/resnet-0 (250 mps)" in out
+    assert rest.requests[-1][0] == "admin"

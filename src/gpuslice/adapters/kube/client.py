@@ -13,6 +13,7 @@ server answers 409 when the pod changed since it was read, which becomes :class:
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 from typing import Any
@@ -22,10 +23,12 @@ from gpuslice.core.errors import GpusliceError
 
 
 class KubeClient:
-    """Every call goes through one ApiClient built from this client's own configuration (the
-    Kubernetes client's loaders otherwise write a process-wide default, which the next client
-    loaded in the same process would replace), with a request timeout so that a hung API
-    server is an error, not a stuck thread."""
+    """The configuration is the pod's service account (in-cluster) when no kubeconfig is given
+    and the process runs in a pod, else the kubeconfig given, ``$KUBECONFIG`` or
+    ``~/.kube/config``, as kubectl finds it. Every call goes through one ApiClient built from
+    this client's own configuration (the Kubernetes client's loaders otherwise write a
+    process-wide default, which the next client loaded in the same process would replace),
+    with a request timeout so that a hung API server is an error, not a stuck thread."""
 
     def __init__(self, kubeconfig: str | None = None, context: str | None = None,
                  timeout_s: float = 30.0) -> None:
@@ -37,10 +40,11 @@ class KubeClient:
             ) from None
         cfg = client.Configuration()
         try:
-            if kubeconfig is None:
-                config.load_incluster_config(client_configuration=cfg)
-            else:
-                config.load_kube_config(config_file=kubeconfig, context=context,
+            if kubeconfig is None and os.environ.get("KUBERNETES_SERVICE_HOST"):
+                config.load_incluster_config(client_configuration=cfg)  # in a pod
+            else:  # as kubectl: the file given, else $KUBECONFIG (a list merges), else ~/.kube
+                path = kubeconfig or os.environ.get("KUBECONFIG") or "~/.kube/config"
+                config.load_kube_config(config_file=path, context=context,
                                         client_configuration=cfg)
         except Exception as exc:  # the client raises several unrelated types here
             raise GpusliceError(f"cannot load the Kubernetes configuration: {exc}") from None
