@@ -131,3 +131,26 @@ def test_the_slice_schedule_crd_and_its_example() -> None:
                 and d["metadata"]["name"] == "gpuslice-reconfig")
     assert {"resources": ["pods/eviction"], "verbs": ["create"], "apiGroups": [""]} in \
         role["rules"]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_gpuslice_container_runs_a_command_line_the_cli_accepts(overlay: str) -> None:
+    """The manifests and the CLI must not drift apart (a renamed or dropped flag would
+    crash-loop the pod): each gpuslice container's args parse, and the service account
+    it runs as exists."""
+    from gpuslice.cli import _build_parser
+
+    docs = render(overlay)
+    accounts = {d["metadata"]["name"] for d in docs if d["kind"] == "ServiceAccount"}
+    seen = set()
+    for d in docs:
+        spec = ((d.get("spec") or {}).get("template") or {}).get("spec")
+        if not spec:
+            continue
+        for c in spec["containers"]:
+            if not c["image"].rsplit("/", 1)[-1].startswith("gpuslice:") or c.get("command"):
+                continue
+            args = _build_parser().parse_args(c["args"])
+            seen.add(args.command)
+            assert spec.get("serviceAccountName") in accounts, d["metadata"]["name"]
+    assert {"extender", "node-agent", "reconfig"} <= seen
