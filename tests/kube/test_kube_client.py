@@ -71,7 +71,7 @@ def test_leases_create_renew_and_refuse_a_stale_writer(rest: RestApiServer,
         api.put_lease("gpuslice-system", "gpuslice-extender", spec, None)
     got = api.get_lease("gpuslice-system", "gpuslice-extender")
     assert got is not None and got["spec"]["holderIdentity"] == "a"
-    # the client reads MicroTime into a datetime; the extender parses what comes back
+    # the extender parses the MicroTime that comes back
     from datetime import datetime
 
     assert datetime.fromisoformat(got["spec"]["renewTime"].replace("Z", "+00:00")).year == 2026

@@ -76,9 +76,17 @@ class KubeClient:
         except urllib3.exceptions.HTTPError as exc:  # refused, timed out, connection lost
             raise GpusliceError(f"API server unreachable: {exc}") from None
 
-    def _plain(self, obj: Any) -> dict[str, Any]:
-        out: dict[str, Any] = self._api_client.sanitize_for_serialization(obj)
-        return out
+    def _json(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """The call's answer as the server's JSON, parsed with orjson: the generated models
+        are skipped (they cost about as much as the rest of a large list, and drop the fields
+        this client version does not know)."""
+        import orjson
+
+        resp = self._call(fn, *args, _preload_content=False, **kwargs)
+        return orjson.loads(resp.data)
+
+    def _items(self, fn: Any, *args: Any, **kwargs: Any) -> list[dict[str, Any]]:
+        return list(self._json(fn, *args, **kwargs).get("items") or [])
 
     def watch(self, since: str, timeout_s: float) -> tuple[list[WatchEvent], str]:
         """Pod and node events, as they come: both watches stay open in background threads
@@ -121,7 +129,9 @@ class KubeClient:
 
     def get_lease(self, namespace: str, name: str) -> dict[str, Any] | None:
         try:
-            return self._plain(self._call(self._leases.read_namespaced_lease, name, namespace))
+            out: dict[str, Any] = self._json(self._leases.read_namespaced_lease, name,
+                                             namespace)
+            return out
         except ApiNotFound:
             return None
 
@@ -133,10 +143,8 @@ class KubeClient:
                                 if resource_version else {})},
                 "spec": spec}
         if resource_version is None:
-            return self._plain(self._call(self._leases.create_namespaced_lease, namespace,
-                                          body))
-        return self._plain(self._call(self._leases.replace_namespaced_lease, name, namespace,
-                                      body))
+            return dict(self._json(self._leases.create_namespaced_lease, namespace, body))
+        return dict(self._json(self._leases.replace_namespaced_lease, name, namespace, body))
 
     def patch_node(self, name: str, labels: dict[str, str],
                    annotations: dict[str, str]) -> None:
@@ -144,28 +152,27 @@ class KubeClient:
         self._call(self._api.patch_node, name, body)
 
     def list_nodes(self) -> list[dict[str, Any]]:
-        return [self._plain(n) for n in self._call(self._api.list_node).items]
+        return self._items(self._api.list_node)
 
     def get_node(self, name: str) -> dict[str, Any]:
-        return self._plain(self._call(self._api.read_node, name))
+        return dict(self._json(self._api.read_node, name))
 
     def list_pods(self, node: str | None = None) -> list[dict[str, Any]]:
         """Every pod, or (``node``) the pods bound to that node, selected by the API server."""
         kw = {"field_selector": f"spec.nodeName={node}"} if node is not None else {}
-        return [self._plain(p) for p in
-                self._call(self._api.list_pod_for_all_namespaces, **kw).items]
+        return self._items(self._api.list_pod_for_all_namespaces, **kw)
 
     def get_pod(self, namespace: str, name: str) -> dict[str, Any]:
-        return self._plain(self._call(self._api.read_namespaced_pod, name, namespace))
+        return dict(self._json(self._api.read_namespaced_pod, name, namespace))
 
     def patch_pod_annotations(self, namespace: str, name: str, annotations: dict[str, str],
                               resource_version: str) -> dict[str, Any]:
         body = {"metadata": {"annotations": annotations, "resourceVersion": resource_version}}
-        return self._plain(self._call(self._api.patch_namespaced_pod, name, namespace, body))
+        return dict(self._json(self._api.patch_namespaced_pod, name, namespace, body))
 
     def create_pod(self, pod: dict[str, Any]) -> dict[str, Any]:
         ns = (pod.get("metadata") or {}).get("namespace", "default")
-        return self._plain(self._call(self._api.create_namespaced_pod, ns, pod))
+        return dict(self._json(self._api.create_namespaced_pod, ns, pod))
 
     def delete_pod(self, namespace: str, name: str) -> None:
         """Remove a pod through the Eviction API, so PodDisruptionBudgets hold (a 429 from a
@@ -195,12 +202,11 @@ class KubeClient:
         return out
 
     def list_deployments(self, namespace: str) -> list[dict[str, Any]]:
-        return [self._plain(d) for d in
-                self._call(self._apps.list_namespaced_deployment, namespace).items]
+        return self._items(self._apps.list_namespaced_deployment, namespace)
 
     def create_deployment(self, obj: dict[str, Any]) -> dict[str, Any]:
         ns = (obj.get("metadata") or {}).get("namespace", "default")
-        return self._plain(self._call(self._apps.create_namespaced_deployment, ns, obj))
+        return dict(self._json(self._apps.create_namespaced_deployment, ns, obj))
 
     def delete_deployment(self, namespace: str, name: str) -> None:
         with contextlib.suppress(ApiNotFound):
@@ -237,16 +243,16 @@ class _Follower(threading.Thread):
         c = self.client
         pause_s = 0.0
         try:
-            rv = c._call(self.list_fn, limit=1).metadata.resource_version
+            rv = c._json(self.list_fn, limit=1)["metadata"]["resourceVersion"]
             while not self.stop.wait(pause_s):
                 # a window the server ends at once (it is shutting down, say) is reopened
                 # after a pause that grows, not in a busy loop
                 opened = time.monotonic()
-                w = watch.Watch()
+                w = watch.Watch(return_type="object")  # the JSON as sent, no models
                 for raw in c._call(w.stream, self.list_fn, resource_version=rv,
                                    timeout_seconds=self.WINDOW_S,
                                    _request_timeout=self.WINDOW_S + c.timeout_s):
-                    obj = c._plain(raw["object"])
+                    obj = raw["raw_object"]
                     rv = obj["metadata"]["resourceVersion"]
                     if self.stop.is_set():
                         w.stop()
