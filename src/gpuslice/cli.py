@@ -1109,11 +1109,10 @@ def _read_key(path: Path) -> bytes:
 
 def _extender(args: argparse.Namespace, console: Console) -> int:
     import asyncio
-    from datetime import UTC, datetime
 
     from gpuslice.adapters.kube.client import KubeClient
     from gpuslice.adapters.kube.fake import KubePort, load_fake_cluster
-    from gpuslice.services.extender import ExtenderState, serve, tls_context
+    from gpuslice.services.extender import ExtenderState, bind_clock, serve, tls_context
 
     host, _, port_text = args.listen.rpartition(":")
     if not host or not port_text.isdigit():
@@ -1126,10 +1125,7 @@ def _extender(args: argparse.Namespace, console: Console) -> int:
         api = KubeClient(args.kubeconfig, args.context)
     ctx = tls_context(args.tls_cert, args.tls_key, args.client_ca)
 
-    def now() -> str:
-        return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-    state = ExtenderState(api, key, policy=args.policy, clock=now)
+    state = ExtenderState(api, key, policy=args.policy, clock=bind_clock)
     if args.leader_elect:
         import os
         import socket

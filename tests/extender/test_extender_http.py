@@ -646,3 +646,14 @@ def test_a_pod_naming_no_gpu_memory_takes_its_share_of_the_gpus() -> None:
             assert a.containers[0].gpus[0].memory_mib == 4096
 
     asyncio.run(serving(api2, body2))
+
+
+def test_bind_times_order_a_burst_within_one_second() -> None:
+    """The device plugin executes a node's waiting assignments in bind order: the extender's
+    clock must tell apart binds within one second, and sort as it runs."""
+    from gpuslice.services.extender import bind_clock
+
+    stamps = [bind_clock() for _ in range(200)]
+    assert stamps == sorted(stamps)
+    assert len(set(stamps)) > 100  # microseconds, not seconds
+    assert all(s.endswith("Z") and "." in s for s in stamps)

@@ -452,13 +452,6 @@ def _milli(pod: dict[str, Any]) -> int:
     return 0 if req is None else req.gpus * req.milli
 
 
-def _bind_clock() -> str:
-    """Bind times with microseconds: they order the assignments a node executes."""
-    import datetime
-
-    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-
-
 @dataclass
 class DemoNode:
     spec: NodeSpec
@@ -492,10 +485,10 @@ class Cluster:
         return self.api if self.clients is None else self.clients(component)
 
     def start_extender(self, policy: str = "bestfit") -> None:
-        from gpuslice.services.extender import ExtenderState, serve
+        from gpuslice.services.extender import ExtenderState, bind_clock, serve
 
         state = ExtenderState(self.client("extender"), self.key, policy=policy,
-                              clock=_bind_clock)
+                              clock=bind_clock)
         loop = asyncio.new_event_loop()
         ready = threading.Event()
         port: list[int] = []

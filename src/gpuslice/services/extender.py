@@ -57,6 +57,15 @@ from gpuslice.services.extender_metrics import ExtenderMetrics
 MAX_BODY = 8 * 1024 * 1024
 
 
+def bind_clock() -> str:
+    """Now, as an assignment's bind time: RFC 3339 UTC with microseconds (the node's device
+    plugin executes waiting assignments in bind order, as the kubelet admits pods in the order
+    their binds reach it: seconds would tie a burst and fall back to name order)."""
+    from datetime import UTC, datetime
+
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
 class LeaderElector:
     """Holds (or waits for) the extender's Lease; only the leader binds. Filter and prioritize
     are read-only and every replica follows the same watch, so any replica may answer them."""
