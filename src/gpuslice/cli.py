@@ -177,6 +177,10 @@ def _build_parser() -> argparse.ArgumentParser:
                     "the pods using them; a restarted agent adopts them)")
     na.add_argument("--mps-pipe-dir", default="/run/gpuslice/mps",
                     help="host directory of the MPS pipe directories")
+    na.add_argument("--pod-resources-socket",
+                    default="/var/lib/kubelet/pod-resources/kubelet.sock",
+                    help="the kubelet's PodResources API ('off' not to ask): pods it gave "
+                    "devices to are not waiting for Allocate, even while Pending")
     nsrc = na.add_mutually_exclusive_group()
     nsrc.add_argument("--kubeconfig", help=KUBECONFIG_HELP)
     nsrc.add_argument("--fake-cluster", type=Path, help="YAML with 'nodes' and 'pods'")
@@ -1178,7 +1182,9 @@ def _node_agent(args: argparse.Namespace, console: Console) -> int:
     api: KubePort = (load_fake_cluster(args.fake_cluster) if args.fake_cluster
                      else KubeClient(args.kubeconfig))
     cfg = PluginConfig(node, args.socket_dir, key, args.replicas,
-                       mps_pipe_dir=args.mps_pipe_dir, mig_strategy=args.mig_strategy)
+                       mps_pipe_dir=args.mps_pipe_dir, mig_strategy=args.mig_strategy,
+                       pod_resources=None if args.pod_resources_socket == "off"
+                       else Path(args.pod_resources_socket))
     # a fake inventory has no real GPU behind it: no MPS daemons to start
     agent = NodeAgent(cfg, nvml, api, quiet_s=args.quiet,
                       mps=not args.no_mps and args.fake is None,

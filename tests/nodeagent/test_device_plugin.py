@@ -15,6 +15,8 @@ from gpuslice.adapters.kube.annotation import encode
 from gpuslice.adapters.kube.fake import FakeApiServer
 from gpuslice.adapters.kubelet import deviceplugin_pb2 as pb
 from gpuslice.adapters.kubelet import deviceplugin_pb2_grpc as pbg
+from gpuslice.adapters.kubelet import podresources_pb2 as prpb
+from gpuslice.adapters.kubelet import podresources_pb2_grpc as prpbg
 from gpuslice.adapters.nvml.port import FakeNvml
 from gpuslice.core.assignment import Assignment, ContainerAssignment, GpuShare, Mode, sign
 from gpuslice.core.devices import GpuDevice
@@ -447,3 +449,61 @@ def test_after_an_agent_restart_running_pods_are_not_allocated_again(env) -> Non
         assert r.envs["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "20"
     finally:
         restarted.stop()
+
+
+class PodResourcesKubelet(prpbg.PodResourcesListerServicer):
+    """The kubelet's PodResources API on a unix socket: the pods it gave devices to."""
+
+    def __init__(self, socket: Path, held: dict[tuple[str, str], list[str]]) -> None:
+        self.held = held
+        self.calls = 0
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+        prpbg.add_PodResourcesListerServicer_to_server(self, self.server)
+        self.server.add_insecure_port(f"unix://{socket}")
+        self.server.start()
+
+    def List(self, request: prpb.ListPodResourcesRequest,
+             context: object) -> prpb.ListPodResourcesResponse:
+        self.calls += 1
+        return prpb.ListPodResourcesResponse(pod_resources=[
+            prpb.PodResources(namespace=ns, name=name, containers=[prpb.ContainerResources(
+                name="main", devices=[prpb.ContainerDevices(resource_name="gpuslice.io/gpu",
+                                                            device_ids=ids)])])
+            for (ns, name), ids in self.held.items()])
+
+
+def test_after_an_agent_restart_a_pending_pod_the_kubelet_gave_devices_is_not_taken_again(
+        env, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """A pod still Pending while it pulls its image was admitted already: the kubelet's
+    PodResources API says so, and the pod admitted next gets its own assignment."""
+    from dataclasses import replace
+
+    _, plugin, server, api, sock_dir = env
+    assign(api, "pulling", ["GPU-aaa"], milli=600, t="t1")  # allocated, image still pulling
+    assign(api, "next", ["GPU-aaa"], milli=200, t="t2")
+    socket = tmp_path / "pod-resources.sock"
+    kubelet_side = PodResourcesKubelet(socket, {("ml", "pulling"): ["GPU-aaa::0"],
+                                                ("other", "cpu-only"): []})
+    try:
+        guessing = DevicePlugin(plugin.cfg, plugin.nvml, api)  # without the API: a guess
+        assert [a.pod for a in guessing._pending()] == ["pulling", "next"]
+        fresh = DevicePlugin(replace(plugin.cfg, pod_resources=socket), plugin.nvml, api)
+        server.stop()
+        restarted = PluginServer(fresh)
+        restarted.start()
+        try:
+            r = allocate(pbg.DevicePluginStub(grpc.insecure_channel(
+                f"unix://{sock_dir / plugin.cfg.endpoint}")), "GPU-aaa::1")
+            assert r.envs["GPUSLICE_ASSIGNMENT"] == "ml/next"
+            assert r.envs["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "20"
+            assert kubelet_side.calls >= 1 and fresh.problems == []
+        finally:
+            restarted.stop()
+    finally:
+        kubelet_side.server.stop(grace=None)
+    # no kubelet answering there: noted once, and the phase is all there is to go by
+    gone = DevicePlugin(replace(plugin.cfg, pod_resources=tmp_path / "none.sock"), plugin.nvml,
+                        api)
+    assert [a.pod for a in gone._pending()] == ["pulling", "next"]
+    gone._pending()
+    assert len(gone.problems) == 1 and "PodResources" in gone.problems[0]

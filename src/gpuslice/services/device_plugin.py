@@ -57,6 +57,9 @@ class PluginConfig:
     # how long Allocate keeps asking an API server that does not answer before it fails the
     # admission (the kubelet sets no deadline on Allocate; a failed one fails the pod)
     api_retry_s: float = 10.0
+    # the kubelet's PodResources socket: pods it has given this resource's devices to already
+    # executed their assignment, even while still Pending (pulling an image); None: not asked
+    pod_resources: Path | None = None
 
 
 class DevicePlugin(pbg.DevicePluginServicer):
@@ -74,6 +77,7 @@ class DevicePlugin(pbg.DevicePluginServicer):
         self._executed: list[Assignment] = []
         self._claim_lock = threading.Lock()
         self._claimed_priority: dict[tuple[str, str], str] = {}  # read when claimed
+        self.problems: list[str] = []
 
     def executed(self) -> list[Assignment]:
         """The assignments Allocate has executed so far."""
@@ -148,10 +152,25 @@ class DevicePlugin(pbg.DevicePluginServicer):
                 time.sleep(wait_s)
                 wait_s = min(2.0, 2 * wait_s)
 
+    def _held_by_kubelet(self) -> set[tuple[str, str]]:
+        """Pods holding this resource's devices, as the kubelet's PodResources API says; empty
+        (and noted once) when it is not configured or does not answer."""
+        if self.cfg.pod_resources is None:
+            return set()
+        from gpuslice.adapters.kubelet.podresources import pods_holding
+
+        try:
+            return set(pods_holding(self.cfg.resource, self.cfg.pod_resources))
+        except GpusliceError as exc:
+            if str(exc) not in self.problems[-5:]:
+                self.problems.append(str(exc))
+            return set()
+
     def _pending_with_priority(self) -> tuple[list[Assignment], dict[tuple[str, str], str]]:
         """:meth:`_pending`, and each one's pod's priority annotation (for Allocate)."""
         out = []
         priority: dict[tuple[str, str], str] = {}
+        held = self._held_by_kubelet()
         for p in self._pods_here():
             meta = p.get("metadata") or {}
             text = (meta.get("annotations") or {}).get(ANNOTATION)
@@ -161,6 +180,8 @@ class DevicePlugin(pbg.DevicePluginServicer):
             # running or finished: after an agent restart those are not waiting for Allocate
             if (p.get("status") or {}).get("phase") not in (None, "", "Pending"):
                 continue
+            if (meta.get("namespace", "default"), meta.get("name")) in held:
+                continue  # the kubelet gave it devices already: executed before a restart
             try:
                 a = decode(text)
             except AnnotationError:
