@@ -439,14 +439,21 @@ def test_after_an_agent_restart_running_pods_are_not_allocated_again(env) -> Non
     assign(api, "new", ["GPU-aaa"], milli=200, t="t2")
     fresh = DevicePlugin(plugin.cfg, plugin.nvml, api)  # as a restarted agent's plugin
     assert [a.pod for a in fresh._pending()] == ["new"]
+    r = allocate_after_restart(server, fresh, sock_dir, "GPU-aaa::0")
+    assert r.envs["GPUSLICE_ASSIGNMENT"] == "ml/new"
+    assert r.envs["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "20"
+
+
+def allocate_after_restart(server: PluginServer, fresh: DevicePlugin, sock_dir: Path,
+                           device: str) -> pb.ContainerAllocateResponse:
+    """Stop ``server`` and serve ``fresh`` (a restarted agent's plugin) on its socket; the
+    kubelet's Allocate of ``device`` there."""
     server.stop()
     restarted = PluginServer(fresh)
     restarted.start()
     try:
-        r = allocate(pbg.DevicePluginStub(grpc.insecure_channel(
-            f"unix://{sock_dir / plugin.cfg.endpoint}")), "GPU-aaa::0")
-        assert r.envs["GPUSLICE_ASSIGNMENT"] == "ml/new"
-        assert r.envs["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "20"
+        with grpc.insecure_channel(f"unix://{sock_dir / fresh.cfg.endpoint}") as ch:
+            return allocate(pbg.DevicePluginStub(ch), device)
     finally:
         restarted.stop()
 
@@ -488,17 +495,10 @@ def test_after_an_agent_restart_a_pending_pod_the_kubelet_gave_devices_is_not_ta
         guessing = DevicePlugin(plugin.cfg, plugin.nvml, api)  # without the API: a guess
         assert [a.pod for a in guessing._pending()] == ["pulling", "next"]
         fresh = DevicePlugin(replace(plugin.cfg, pod_resources=socket), plugin.nvml, api)
-        server.stop()
-        restarted = PluginServer(fresh)
-        restarted.start()
-        try:
-            r = allocate(pbg.DevicePluginStub(grpc.insecure_channel(
-                f"unix://{sock_dir / plugin.cfg.endpoint}")), "GPU-aaa::1")
-            assert r.envs["GPUSLICE_ASSIGNMENT"] == "ml/next"
-            assert r.envs["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "20"
-            assert kubelet_side.calls >= 1 and fresh.problems == []
-        finally:
-            restarted.stop()
+        r = allocate_after_restart(server, fresh, sock_dir, "GPU-aaa::1")
+        assert r.envs["GPUSLICE_ASSIGNMENT"] == "ml/next"
+        assert r.envs["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "20"
+        assert kubelet_side.calls >= 1 and fresh.problems == []
     finally:
         kubelet_side.server.stop(grace=None)
     # no kubelet answering there: noted once, and the phase is all there is to go by
