@@ -890,7 +890,8 @@ async def serve(state: ExtenderState, host: str, port: int, ssl_context: Any = N
                 if stale or time.monotonic() - last >= resync_s:
                     await loop.run_in_executor(None, state.rebuild)
                     stale, last = False, time.monotonic()
-                state.apply_all(events)
+                if events:  # a node change re-reads: off the loop, as the rebuild above
+                    await loop.run_in_executor(None, state.apply_all, events)
                 backoff_s = 1.0
             except GpusliceError as exc:  # start the watch again, then re-read everything
                 state.problems.append(f"watch: {exc}")
