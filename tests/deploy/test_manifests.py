@@ -67,11 +67,16 @@ def test_scheduler_profile_uses_the_extender_without_touching_the_default_schedu
     managed = {m["name"]: m["ignoredByScheduler"] for m in ext["managedResources"]}
     assert managed == {"gpuslice.io/gpu": False, "gpuslice.io/gpu-milli": True,
                        "gpuslice.io/gpu-memory": True}
+    def wants_gpu(d: dict[str, Any]) -> bool:
+        return any("gpuslice.io/gpu" in ((c.get("resources") or {}).get("limits") or {})
+                   for c in d["spec"]["template"]["spec"]["containers"])
+
     examples = [d for d in docs if d["kind"] in ("Deployment", "Job")
                 and d["metadata"].get("namespace") == "default"]
-    assert len(examples) == 3
-    for d in examples:
-        assert d["spec"]["template"]["spec"]["schedulerName"] == "gpuslice-scheduler"
+    assert len([d for d in examples if wants_gpu(d)]) == 3
+    for d in examples:  # GPU workloads go through the gpuslice scheduler, the router does not
+        assert (d["spec"]["template"]["spec"].get("schedulerName") == "gpuslice-scheduler") \
+            == wants_gpu(d), d["metadata"]["name"]
 
 
 def test_production_carries_no_key_and_pins_the_image() -> None:

@@ -28,3 +28,14 @@ def post_json(url: str, doc: object) -> Any:
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=10) as r:
         return json.loads(r.read())
+
+
+def self_signed(folder: Path, name: str) -> tuple[Path, Path]:
+    """A throw-away certificate for 127.0.0.1 and its key (the openssl command line)."""
+    import subprocess
+
+    crt, key = folder / f"{name}.crt", folder / f"{name}.key"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+                    "-keyout", str(key), "-out", str(crt)], check=True, capture_output=True)
+    return crt, key

@@ -23,10 +23,12 @@ official Kubernetes client, is exercised through real HTTP:
   PodDisruptionBudget gives), the ``status`` subresource of the custom objects (the spec
   stays; the CRD's schema lives in deploy/base);
 - outages: while :attr:`RestApiServer.down` is set every call gets 503 and open watches end;
+- EndpointSlices of a Service (:attr:`RestApiServer.endpointslices`, selected by the
+  ``kubernetes.io/service-name`` label) for the router;
 - RBAC: a bearer token ``sa:<namespace>:<name>`` is that ServiceAccount, allowed what the
-  ClusterRoles, Roles and their bindings in ``deploy/base`` grant it (verbs from the request as
-  the API server derives them: get, list, watch, create, update, patch, delete); the token
-  ``admin`` may do anything.
+  ClusterRoles, Roles and their bindings in ``deploy/base`` and ``deploy/examples`` grant it
+  (verbs from the request as the API server derives them: get, list, watch, create, update,
+  patch, delete); the token ``admin`` may do anything.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ import yaml
 from gpuslice.adapters.kube.fake import ApiConflict, ApiNotFound, FakeApiServer
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "base"
+EXAMPLES = DEPLOY.parent / "examples"  # the router example's role
 PATCH_TYPES = ("application/json-patch+json", "application/merge-patch+json",
                "application/strategic-merge-patch+json")
 NAMESPACED_RBAC = ("Role", "RoleBinding", "ServiceAccount")
@@ -76,12 +79,16 @@ class Rbac:
     """The roles and bindings of a kustomize base (its ``namespace`` applied to namespaced
     objects), as kube-apiserver's RBAC authorizer reads them."""
 
-    def __init__(self, base: Path = DEPLOY) -> None:
-        kust = yaml.safe_load((base / "kustomization.yaml").read_text())
-        default_ns = kust.get("namespace", "default")
+    def __init__(self, bases: tuple[Path, ...] = (DEPLOY, EXAMPLES)) -> None:
         self.roles: dict[tuple[str, str], list[Rule]] = {}  # (namespace or "", name)
         self.bindings: list[tuple[str, dict[str, Any], list[dict[str, Any]]]] = []
         self.service_accounts: set[tuple[str, str]] = set()
+        for base in bases:
+            self._load(base)
+
+    def _load(self, base: Path) -> None:
+        kust = yaml.safe_load((base / "kustomization.yaml").read_text())
+        default_ns = kust.get("namespace", "default")
         for res in kust["resources"]:
             for doc in yaml.safe_load_all((base / res).read_text()):
                 if not doc:
@@ -140,6 +147,7 @@ class RestApiServer(FakeApiServer):
         self.rbac = rbac or Rbac()
         self.compacted = 0  # watches from a resourceVersion below this get 410 Gone
         self.disruption_blocked: set[tuple[str, str]] = set()
+        self.endpointslices: dict[tuple[str, str], list[dict[str, Any]]] = {}  # (ns, service)
         self.requests: list[tuple[str, str, str, str]] = []  # (who, verb, path, content type)
         self.denied: list[str] = []
         self.down = threading.Event()  # set: an outage, every call gets 503, watches end
@@ -358,6 +366,15 @@ class RestApiServer(FakeApiServer):
                 return 200, {"kind": "Status", "apiVersion": "v1", "status": "Success"}
         if group == "gpuslice.io":
             return self._custom_calls(key, ns, name, body)
+        if key == ("discovery.k8s.io", "endpointslices", "GET", True, False, ""):
+            sel = query.get("labelSelector", "")
+            label, _, service = sel.partition("=")
+            if label != "kubernetes.io/service-name" or not service:
+                raise HttpError(400, "BadRequest", f"the fake selects EndpointSlices by "
+                                f"kubernetes.io/service-name only, not {sel!r}")
+            return 200, {"kind": "EndpointSliceList", "apiVersion": "discovery.k8s.io/v1",
+                         "metadata": {"resourceVersion": self.current_rv()},
+                         "items": copy.deepcopy(self.endpointslices.get((ns, service), []))}
         raise HttpError(404, "NotFound", f"the fake serves no {key[2]} on {group}/{resource}")
 
     @staticmethod

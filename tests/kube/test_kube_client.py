@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import shutil
-import subprocess
 import threading
 import time
 from pathlib import Path
@@ -17,7 +16,7 @@ pytest.importorskip("kubernetes", reason="the Kubernetes client (gpuslice[kube])
 from gpuslice.adapters.kube.client import KubeClient
 from gpuslice.adapters.kube.fake import ApiConflict, ApiNotFound
 from gpuslice.core.errors import GpusliceError
-from tests.kube.helpers import EXTENDER, NODE_AGENT, RECONFIG
+from tests.kube.helpers import EXTENDER, NODE_AGENT, RECONFIG, self_signed
 from tests.kube.helpers import kube_client as client
 from tests.kube.rest_fake import RestApiServer
 
@@ -251,10 +250,7 @@ def test_in_cluster_configuration_over_https_verifies_the_server(
     from kubernetes.config import incluster_config
 
     for name in ("ca", "other"):
-        subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days",
-                        "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
-                        "-keyout", str(tmp_path / f"{name}.key"), "-out",
-                        str(tmp_path / f"{name}.crt")], check=True, capture_output=True)
+        self_signed(tmp_path, name)
     rest = RestApiServer(tls=(tmp_path / "ca.crt", tmp_path / "ca.key")).start()
     try:
         rest.add_node(node("n1"))
