@@ -62,6 +62,13 @@ class PluginConfig:
     pod_resources: Path | None = None
 
 
+def note_once(problems: list[str], text: str, window: int = 10) -> None:
+    """Add ``text`` to ``problems`` unless it is among the last ``window`` (a fault that recurs
+    every pass, an outage above all, must not grow the list)."""
+    if text not in problems[-window:]:
+        problems.append(text)
+
+
 class DevicePlugin(pbg.DevicePluginServicer):
     def __init__(self, cfg: PluginConfig, nvml: NvmlPort, api: KubePort,
                  ensure_mps: Callable[[str], None] | None = None) -> None:
@@ -162,8 +169,7 @@ class DevicePlugin(pbg.DevicePluginServicer):
         try:
             return set(pods_holding(self.cfg.resource, self.cfg.pod_resources))
         except GpusliceError as exc:
-            if str(exc) not in self.problems[-5:]:
-                self.problems.append(str(exc))
+            note_once(self.problems, str(exc))
             return set()
 
     def _pending_with_priority(self) -> tuple[list[Assignment], dict[tuple[str, str], str]]:

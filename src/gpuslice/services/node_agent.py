@@ -26,6 +26,7 @@ from gpuslice.services.device_plugin import (
     DevicePlugin,
     PluginConfig,
     PluginServer,
+    note_once,
     plugin_configs,
 )
 
@@ -98,11 +99,6 @@ class NodeAgent:
         self._publish_backoff_s = 0.0
         self.max_backoff_s = 30.0
 
-    def _problem(self, text: str) -> None:
-        """Note a problem, once while it recurs (an outage must not grow the list each pass)."""
-        if text not in self.problems[-10:]:
-            self.problems.append(text)
-
     def update_metrics(self) -> None:
         held: dict[str, tuple[int, int]] = {}
         for a in self.plugin.executed():
@@ -153,8 +149,8 @@ class NodeAgent:
             self._publish_backoff_s = min(self.max_backoff_s,
                                           max(self.poll_s, 2 * self._publish_backoff_s))
             self._publish_at = time.monotonic() + self._publish_backoff_s
-            self._problem(f"publishing node labels (retrying, backing off up to "
-                          f"{self.max_backoff_s:g} s): {exc}")
+            note_once(self.problems, f"publishing node labels (retrying, backing off up to "
+                                     f"{self.max_backoff_s:g} s): {exc}")
             return False
         self._unpublished = False
         self._publish_backoff_s = 0.0
@@ -298,7 +294,7 @@ class NodeAgent:
             try:
                 self.reconcile_layouts()
             except GpusliceError as exc:
-                self._problem(f"MIG layouts: {exc}")
+                note_once(self.problems, f"MIG layouts: {exc}")
 
     def stop(self) -> None:
         self._stop.set()
