@@ -55,7 +55,7 @@ def start_router(config: dict[str, object], policy: str | None = None,
     with os.fdopen(fd, "w") as f:
         json.dump(config, f)
     args = [PY, "-m", "gpuslice.cli", "router", "--config", path, "--listen", "127.0.0.1:0",
-            "--admin", "127.0.0.1:0", "--access-log", access_log, *extra]
+            "--admin", "127.0.0.1:0", "--access-log", access_log, "--log-format", "json", *extra]
     if policy:
         args += ["--policy", policy]
     p = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

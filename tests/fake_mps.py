@@ -1,42 +1,9 @@
-"""A stand-in for nvidia-cuda-mps-control that behaves as the real one was measured to
-(shared/reference/protocols.md 3.1: exit status 0 even on errors): ``-d`` starts a "daemon"
-(a control file in the pipe directory), commands arrive on stdin, ``quit`` removes it."""
+"""The fake nvidia-cuda-mps-control of the tests: the one the demo uses too
+(:mod:`gpuslice.adapters.mps.fake`)."""
 
 from __future__ import annotations
 
-import stat
-import sys
-from pathlib import Path
+from gpuslice.adapters.mps.fake import SCRIPT
+from gpuslice.adapters.mps.fake import write_fake_control as write_fake_mps
 
-SCRIPT = r'''#!PYTHON
-import json, os, sys
-pipe = os.environ["CUDA_MPS_PIPE_DIRECTORY"]
-state = os.path.join(pipe, "fake-state.json")
-if os.environ.get("FAKE_MPS_LOG"):  # tests: which GPU each daemon was started for
-    with open(os.environ["FAKE_MPS_LOG"], "a") as log:
-        log.write(" ".join(sys.argv[1:]) + " " + os.environ.get("CUDA_VISIBLE_DEVICES", "-") + "\n")
-if sys.argv[1:] == ["-d"]:
-    os.makedirs(pipe, exist_ok=True)
-    json.dump({"pct": 100.0, "mem": None}, open(state, "w"))
-    open(os.path.join(pipe, "control"), "w").close()
-    sys.exit(0)
-cmd = sys.stdin.read().split()
-if not os.path.exists(os.path.join(pipe, "control")):
-    print("Cannot find MPS control daemon process"); sys.exit(0)
-s = json.load(open(state))
-if cmd[:1] == ["get_default_active_thread_percentage"]: print(s["pct"])
-elif cmd[:1] == ["set_default_active_thread_percentage"]:
-    s["pct"] = float(cmd[1]); json.dump(s, open(state, "w")); print(s["pct"])
-elif cmd[:1] == ["set_default_device_pinned_mem_limit"]:
-    s["mem"] = cmd[2]; json.dump(s, open(state, "w"))
-elif cmd[:1] == ["get_server_list"]: pass
-elif cmd[:1] == ["quit"]: os.remove(os.path.join(pipe, "control"))
-else: print('Unknown command "%s"' % " ".join(cmd))
-sys.exit(0)
-'''
-
-
-def write_fake_mps(path: Path) -> Path:
-    path.write_text(SCRIPT.replace("PYTHON", sys.executable))
-    path.chmod(path.stat().st_mode | stat.S_IEXEC)
-    return path
+__all__ = ["SCRIPT", "write_fake_mps"]

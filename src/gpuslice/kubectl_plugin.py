@@ -9,6 +9,7 @@ counts only assignments that verify when ``--key-file`` is given.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections import defaultdict
 from collections.abc import Sequence
@@ -17,6 +18,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from gpuslice._version import VersionAction
 from gpuslice.adapters.kube.annotation import AnnotationError, decode
 from gpuslice.adapters.kube.fake import KubePort, load_fake_cluster
 from gpuslice.adapters.kube.objects import node_inventory
@@ -32,7 +34,7 @@ def _api(args: argparse.Namespace) -> KubePort:
     return KubeClient(args.kubeconfig, args.context)  # $KUBECONFIG or ~/.kube/config, as kubectl
 
 
-def status(api: KubePort, key: bytes | None, console: Console) -> int:
+def status(api: KubePort, key: bytes | None, console: Console, output: str = "table") -> int:
     by_gpu: dict[str, list[tuple[str, int, int, str]]] = defaultdict(list)
     unverified = 0
     for p in api.list_pods():
@@ -53,20 +55,34 @@ def status(api: KubePort, key: bytes | None, console: Console) -> int:
                     else ""
                 by_gpu[share.uuid].append((f"{a.namespace}/{a.pod}", share.milli,
                                            share.memory_mib, c.mode.value + where))
-    table = Table(title="gpuslice: GPU allocation")
-    for col in ("node", "GPU", "model", "used milli", "free milli", "free MiB", "pods"):
-        table.add_column(col)
+    rows = []
     for n in sorted(api.list_nodes(), key=lambda n: n["metadata"]["name"]):
         for g in node_inventory(n):
             held = by_gpu.get(g.uuid, [])
             milli = sum(h[1] for h in held)
             mem = sum(h[2] for h in held)
-            pods = ", ".join(f"{pod} ({m} {mode})" for pod, m, _, mode in held) or "-"
-            model = f"{g.model} (MIG: {', '.join(f'{m.profile}@{m.start}' for m in g.mig)})" \
-                if g.mig_enabled else g.model
-            table.add_row(n["metadata"]["name"], f"{g.index} {g.uuid}", model, str(milli),
-                          str(1000 - milli), str(g.memory_mib - mem) if g.memory_mib else "-",
-                          pods)
+            rows.append({
+                "node": n["metadata"]["name"], "index": g.index, "uuid": g.uuid,
+                "model": g.model,
+                "mig": [f"{m.profile}@{m.start}" for m in g.mig] if g.mig_enabled else None,
+                "used_milli": milli, "free_milli": 1000 - milli,
+                "free_mib": g.memory_mib - mem if g.memory_mib else None,
+                "pods": [{"pod": pod, "milli": m, "memory_mib": mib, "mode": mode}
+                         for pod, m, mib, mode in held]})
+    if output == "json":
+        sys.stdout.write(json.dumps({"gpus": rows, "unverified_assignments": unverified},
+                                    indent=1) + "\n")
+        return 0
+    table = Table(title="gpuslice: GPU allocation")
+    for col in ("node", "GPU", "model", "used milli", "free milli", "free MiB", "pods"):
+        table.add_column(col)
+    for r in rows:
+        pods = ", ".join(f"{p['pod']} ({p['milli']} {p['mode']})" for p in r["pods"]) or "-"
+        model = f"{r['model']} (MIG: {', '.join(r['mig'])})" if r["mig"] is not None \
+            else r["model"]
+        table.add_row(r["node"], f"{r['index']} {r['uuid']}", model, str(r["used_milli"]),
+                      str(r["free_milli"]), "-" if r["free_mib"] is None else str(r["free_mib"]),
+                      pods)
     console.print(table)
     if unverified:
         console.print(f"{unverified} pod(s) carry an assignment that does not verify "
@@ -75,9 +91,15 @@ def status(api: KubePort, key: bytes | None, console: Console) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="kubectl gpuslice", description=__doc__)
+    ap = argparse.ArgumentParser(
+        prog="kubectl gpuslice", description="gpuslice's view of a cluster: per node and GPU, "
+        "what is allocated to which pod and what is free, from the node agents' GPU inventory "
+        "and the signed assignments on the pods. Exit codes: 0 ok, 2 bad input.")
+    ap.add_argument("--version", action=VersionAction)
     sub = ap.add_subparsers(dest="command", required=True)
-    st = sub.add_parser("status", help="per node and GPU: allocations and free capacity")
+    st = sub.add_parser("status", help="per node and GPU: allocations and free capacity",
+                        description="Per node and GPU: model (and MIG instances), the milli "
+                        "and memory held, by which pods, and what is free.")
     src = st.add_mutually_exclusive_group()
     src.add_argument("--kubeconfig",
                      help="kubeconfig file (default $KUBECONFIG or ~/.kube/config, as kubectl)")
@@ -85,13 +107,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     st.add_argument("--context", help="kubeconfig context")
     st.add_argument("--key-file", type=Path,
                     help="count only assignments signed with this key")
+    st.add_argument("-o", "--output", choices=("table", "json"), default="table",
+                    help="table (default) or json: one JSON document on stdout")
     err = Console(stderr=True)
     try:
         args = ap.parse_args(argv)
         key = args.key_file.read_bytes().strip() if args.key_file else None
-        return status(_api(args), key, Console(width=max(Console().width, 160)))
+        console = Console()
+        if not console.is_terminal:  # a pipe or a file: whole lines, not 80 columns
+            console = Console(width=1000)
+        return status(_api(args), key, console, args.output)
     except (GpusliceError, OSError) as exc:
-        err.print(f"kubectl-gpuslice: error: {exc}", markup=False, highlight=False)
+        err.print(f"kubectl-gpuslice: error: {exc}", markup=False, highlight=False,
+                  soft_wrap=True)
         return 2
 
 

@@ -74,7 +74,7 @@ def test_a_command_speaking_the_run_ok_protocol_is_measured(tmp_path: Path) -> N
 def test_missing_pieces_are_named(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
     code = main(["profile", "resnet50", "--out", str(tmp_path / "p.csv")])
     err = capsys.readouterr().err
-    assert code == 2
+    assert code == 1  # the arguments are fine; what they need is not here (README: exit codes)
     assert "nvidia-ml-py is not installed" in err or "no NVIDIA GPU" in err or \
         "PyTorch is not installed" in err
     from gpuslice.bench.worker import main as worker
@@ -86,6 +86,8 @@ def test_missing_pieces_are_named(tmp_path: Path, capsys) -> None:  # type: igno
     assert "--caps" in capsys.readouterr().err
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(480)  # four fake-timed profiles of 84 windows: ~90 s on 2 idle cores
 def test_the_planner_plans_with_mps_profiles(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
     import json
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from gpuslice.adapters.proc import processes_of as _processes_of
+from gpuslice.demo.scenario import OWNER_FILE, sweep_stale_workdirs
 
 pytestmark = pytest.mark.slow
 
@@ -114,3 +115,9 @@ def test_a_killed_demo_takes_its_children_with_it(tmp_path: Path) -> None:
     while _processes_of(run.group(1)) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert _processes_of(run.group(1)) == []
+    # no finally ran: the work directory stays until the next demo sweeps it (its owner is
+    # gone); the sweep the next demo starts with, run here, leaves nothing behind
+    root = Path(run.group(2))
+    assert root.exists() and (root / OWNER_FILE).read_text() == str(p.pid)
+    assert root in sweep_stale_workdirs(root.parent)
+    assert not root.exists()

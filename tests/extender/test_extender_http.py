@@ -51,6 +51,11 @@ def pod(name: str, milli: int = 500, gpus: int = 1, model: str = "",
                 "requests": {"cpu": "500m", "memory": "1Gi"}}}]}}
 
 
+def reasons(res: dict[str, Any]) -> dict[str, str]:
+    """Every node a filter answer refused and why, resolvable by preemption or not."""
+    return {**res["FailedNodes"], **res["FailedAndUnresolvableNodes"]}
+
+
 def clock() -> str:
     return "2026-11-22T18:00:00Z"
 
@@ -108,7 +113,7 @@ def test_filter_prioritize_bind_node_cache_capable() -> None:
             st, res = await post(s, url + "/filter", {"Pod": p, "NodeNames": ["a", "b", "zz"],
                                                       "Nodes": None})
             assert st == 200 and res["Error"] == "" and res["NodeNames"] == ["a", "b"]
-            assert "unknown" in res["FailedNodes"]["zz"]
+            assert "unknown" in reasons(res)["zz"]
             st, res = await post(s, url + "/bind", {"PodName": "big", "PodNamespace": "default",
                                                     "PodUID": p["metadata"]["uid"], "Node": "a"})
             assert st == 200 and res["Error"] == ""
@@ -126,7 +131,7 @@ def test_filter_prioritize_bind_node_cache_capable() -> None:
             p3 = api.get_pod("default", "big3")
             st, res = await post(s, url + "/filter", {"Pod": p3, "NodeNames": ["a", "b"]})
             assert res["NodeNames"] == ["b"]
-            assert "GPU 0 has 300 milli free, pod needs 700" in res["FailedNodes"]["a"]
+            assert "GPU 0 has 300 milli free, pod needs 700" in reasons(res)["a"]
             st, res = await post(s, url + "/prioritize", {"Pod": p3, "NodeNames": ["a", "b"]})
             assert st == 200 and {h["Host"] for h in res} == {"a", "b"}
             assert all(0 <= h["Score"] <= 10 for h in res)
@@ -145,7 +150,7 @@ def test_filter_with_node_objects_returns_node_list() -> None:
                                                       "Nodes": nodes})
             assert st == 200 and res["NodeNames"] is None
             assert [n["metadata"]["name"] for n in res["Nodes"]["items"]] == ["b"]
-            assert "pod accepts A100-80GB" in res["FailedNodes"]["a"]
+            assert "pod accepts A100-80GB" in reasons(res)["a"]
             # a pod that asks for no gpuslice resource is not filtered
             plain = {"metadata": {"name": "plain"}, "spec": {"containers": [{"name": "c"}]}}
             st, res = await post(s, url + "/filter", {"Pod": plain, "Nodes": nodes})
@@ -218,7 +223,7 @@ def test_burst_with_restart_never_overallocates() -> None:
                         continue
                     _, f = await post(s, url + "/filter", {"Pod": p, "NodeNames": all_nodes})
                     if not f["NodeNames"]:
-                        outcome[name] = "rejected: " + (next(iter(f["FailedNodes"].values()),
+                        outcome[name] = "rejected: " + (next(iter(reasons(f).values()),
                                                              "") or "no node")
                         continue
                     _, scores = await post(s, url + "/prioritize",
@@ -358,7 +363,7 @@ def test_node_events_re_read_only_when_gpu_inventory_or_cordon_change() -> None:
 
 
 def test_only_the_lease_holder_binds_and_a_standby_takes_over() -> None:
-    from gpuslice.services.extender import LeaderElector
+    from gpuslice.services.leader import LeaderElector
 
     api = small_cluster()
     api.add_pod(pod("second", 300))
@@ -385,16 +390,46 @@ def test_only_the_lease_holder_binds_and_a_standby_takes_over() -> None:
     assert b.ledger.free("GPU-a-0")[0] + b.ledger.free("GPU-a-1")[0] == 1000  # 700 + 300 taken
 
 
-def test_a_bind_interrupted_after_the_annotation_can_be_retried_elsewhere() -> None:
+def test_a_bind_killed_before_its_write_leaves_nothing_and_binds_elsewhere() -> None:
+    """The assignment and the node are one write (the Binding carries the annotation): an
+    extender killed before it leaves the pod untouched and no share taken."""
     api = small_cluster()
     state = ExtenderState(api, KEY, clock=clock)
     p = api.get_pod("default", "big")
     real_bind = api.bind
 
-    def dies(*_: object) -> None:
-        raise SystemExit("extender killed between the annotation and the Binding")
+    def dies(*_: object, **__: object) -> None:
+        raise SystemExit("extender killed before its Binding")
 
     api.bind = dies  # type: ignore[method-assign]
+    with pytest.raises(SystemExit):
+        state.bind("default", "big", p["metadata"]["uid"], "a")
+    api.bind = real_bind  # type: ignore[method-assign]
+    assert ANNOTATION not in (api.get_pod("default", "big")["metadata"].get("annotations") or {})
+    restarted = ExtenderState(api, KEY, clock=clock)
+    assert sum(restarted.ledger.used_milli.values()) == 0
+    assert restarted.bind("default", "big", p["metadata"]["uid"], "b") == ""
+    assert sum(restarted.ledger.used_milli.values()) == 700
+    bound = api.get_pod("default", "big")
+    assert bound["spec"]["nodeName"] == "b" and verify(
+        decode(bound["metadata"]["annotations"][ANNOTATION]), KEY)
+
+
+def test_an_assignment_left_without_its_binding_can_be_retried_elsewhere() -> None:
+    """A pod annotated but never bound (gpuslice 0.1.0 wrote the two separately and
+    could die in between): the share is counted, and a bind to another node moves it."""
+    api = small_cluster()
+    state = ExtenderState(api, KEY, clock=clock)
+    p = api.get_pod("default", "big")
+    real_bind = api.bind
+
+    def annotate_then_die(namespace: str, name: str, uid: str, node: str,
+                          annotations: Any = None, resource_version: Any = None) -> None:
+        api.patch_pod_annotations(namespace, name, dict(annotations or {}),
+                                  str(resource_version))
+        raise SystemExit("extender killed between the annotation and the Binding")
+
+    api.bind = annotate_then_die  # type: ignore[method-assign]
     with pytest.raises(SystemExit):
         state.bind("default", "big", p["metadata"]["uid"], "a")
     api.bind = real_bind  # type: ignore[method-assign]
@@ -404,6 +439,59 @@ def test_a_bind_interrupted_after_the_annotation_can_be_retried_elsewhere() -> N
     assert sum(restarted.ledger.used_milli.values()) == 700
     assert all(u.startswith("GPU-b-") for u, m in restarted.ledger.used_milli.items() if m)
     assert api.get_pod("default", "big")["spec"]["nodeName"] == "b"
+
+
+def test_a_bind_completed_while_a_re_read_lists_pods_keeps_its_share() -> None:
+    """The re-read's pod list was taken before the bind wrote its annotation: the new ledger
+    must still hold it (found on the real control plane: an API server restart in a burst
+    re-reads while binds complete, and their shares were handed out twice)."""
+    api = small_cluster()
+    api.add_pod(pod("late", 700))
+    state = ExtenderState(api, KEY, clock=clock)
+    late = api.get_pod("default", "late")
+    real_list = api.list_pods
+
+    def list_then_bind(node: str | None = None) -> list[dict[str, Any]]:
+        pods = real_list(node)  # the snapshot the re-read works from
+        assert state.bind("default", "late", late["metadata"]["uid"], "b") == ""
+        return pods
+
+    api.list_pods = list_then_bind  # type: ignore[method-assign]
+    state.rebuild()
+    api.list_pods = real_list  # type: ignore[method-assign]
+    assert ("default", "late") in state.ledger.owners
+    assert sum(state.ledger.used_milli.values()) == 700
+    big = api.get_pod("default", "big")
+    # the other 700 milli pod no longer fits a GPU of b that "late" holds
+    assert state.bind("default", "big", big["metadata"]["uid"], "b") == ""
+    used = state.ledger.used_milli
+    assert all(m <= 1000 for m in used.values()) and sum(used.values()) == 1400
+    state.rebuild()  # a later re-read sees the annotation itself and forgets the note
+    assert not state._recent and sum(state.ledger.used_milli.values()) == 1400
+
+
+def test_a_bind_whose_write_outcome_is_unknown_keeps_its_share_until_retried() -> None:
+    from gpuslice.core.errors import GpusliceError
+
+    api = small_cluster()
+    state = ExtenderState(api, KEY, clock=clock)
+    p = api.get_pod("default", "big")
+    real_bind = api.bind
+
+    def down(*_: object, **__: object) -> None:
+        raise GpusliceError("connection refused (API server restarting)")
+
+    api.bind = down  # type: ignore[method-assign]
+    error = state.bind("default", "big", p["metadata"]["uid"], "b")
+    assert "retry" in error
+    assert sum(state.ledger.used_milli.values()) == 700  # held: it may have been written
+    state.rebuild()
+    assert sum(state.ledger.used_milli.values()) == 700  # a re-read keeps it in flight
+    api.bind = real_bind  # type: ignore[method-assign]
+    # the scheduler retries (elsewhere, here): the stale share is given back, not doubled
+    assert state.bind("default", "big", p["metadata"]["uid"], "a") == ""
+    assert sum(state.ledger.used_milli.values()) == 700
+    assert all(u.startswith("GPU-a-") for u, m in state.ledger.used_milli.items() if m)
 
 
 def test_mig_isolation_gets_a_named_instance_and_the_reasons_when_none_is_free() -> None:
@@ -421,7 +509,7 @@ def test_mig_isolation_gets_a_named_instance_and_the_reasons_when_none_is_free()
                 _st, res = await post(s, url + "/filter", {"Pod": stored,
                                                           "NodeNames": ["plain", "mig"]})
                 assert res["NodeNames"] == ["mig"]
-                assert "no MIG instance" in res["FailedNodes"]["plain"]
+                assert "no MIG instance" in reasons(res)["plain"]
                 a = await bound(s, url, api, stored, "mig")
                 share = a.containers[0].gpus[0]
                 assert a.containers[0].mode.value == "mig" and share.uuid == "GPU-m0"
@@ -431,7 +519,7 @@ def test_mig_isolation_gets_a_named_instance_and_the_reasons_when_none_is_free()
             stored = api.get_pod("default", "m3")
             _, res = await post(s, url + "/filter", {"Pod": stored, "NodeNames": ["mig"]})
             assert res["NodeNames"] == []
-            assert "no free MIG instance of >= 3g" in res["FailedNodes"]["mig"]
+            assert "no free MIG instance of >= 3g" in reasons(res)["mig"]
 
     asyncio.run(serving(api, body))
 
@@ -482,7 +570,7 @@ def test_mps_slices_go_inside_mig_instances_of_a_mig_enabled_gpu() -> None:
                               ("mig3", "no free MIG instance of >= 3g")):
                 stored = api.get_pod("default", name)
                 _, res = await post(s, url + "/filter", {"Pod": stored, "NodeNames": ["mig"]})
-                assert res["NodeNames"] == [] and why in res["FailedNodes"]["mig"], res
+                assert res["NodeNames"] == [] and why in reasons(res)["mig"], res
             # a slice the planner sized for a 3g goes to a 3g with room (best fit alone would
             # take the 1g); another to the tightest that fits
             for name, want in (("planned", ("3g.40gb", 0)), ("unplanned", ("1g.10gb", 6))):
@@ -501,7 +589,7 @@ def test_mps_slices_go_inside_mig_instances_of_a_mig_enabled_gpu() -> None:
 def test_metrics_show_latency_rejections_by_kind_binds_and_the_ledger() -> None:
     from prometheus_client.parser import text_string_to_metric_families
 
-    from gpuslice.services.extender_metrics import rejection_kind
+    from gpuslice.services.extender.metrics import rejection_kind
 
     api = small_cluster()  # a: 2 x T4, b: 2 x A100-80GB; pod "big" asks 700 milli
     api.add_pod(pod("a100", 300, model="A100-80GB"))
@@ -550,7 +638,7 @@ def test_metrics_show_latency_rejections_by_kind_binds_and_the_ledger() -> None:
         assert rejection_kind(reason) == kind
 
 
-def test_preempt_keeps_only_the_victims_the_gpu_share_needs() -> None:
+def test_preempt_keeps_the_schedulers_victims_and_drops_nodes_that_cannot_fit() -> None:
     api = FakeApiServer()
     api.add_node(node("a", "A100-80GB", 2))
     api.add_node(node("b", "A100-80GB", 1))
@@ -574,12 +662,12 @@ def test_preempt_keeps_only_the_victims_the_gpu_share_needs() -> None:
             st, res = await post(s, url + "/preempt", {"Pod": urgent,
                                                        "NodeNameToMetaVictims": meta})
             assert st == 200, res
-            # on a, sparing the smallest shares first, only low4 (GPU 1's 600) must go, with
-            # the victim the scheduler chose for CPU; b frees nothing without victims; zz is
-            # unknown
+            # on a the pod fits once the scheduler's victims go: every one of them stays
+            # (it chose them for what it counts, and needs them all); b frees nothing without
+            # victims and has none of lower priority to add; zz is unknown
             assert res == {"NodeNameToMetaVictims": {"a": {
-                "Pods": [{"UID": uid["low4"]}, {"UID": "cpu-only-pod"}],
-                "NumPDBViolations": 1}}}
+                "Pods": [{"UID": uid[n]} for n in ("low1", "low2", "low3", "low4")]
+                + [{"UID": "cpu-only-pod"}], "NumPDBViolations": 1}}}
             full = {"b": {"Pods": [api.get_pod("default", "low5")], "NumPDBViolations": 0}}
             st, res = await post(s, url + "/preempt", {"Pod": urgent, "NodeNameToVictims": full})
             assert res["NodeNameToMetaVictims"] == {
@@ -591,6 +679,112 @@ def test_preempt_keeps_only_the_victims_the_gpu_share_needs() -> None:
                 "a": {"Pods": [{"name": "no uid"}]}}})
             assert st == 400 and "pods with their UID" in str(res)
         assert sum(state.ledger.used_milli.values()) == 2800  # preempt changed nothing
+
+    asyncio.run(serving(api, body))
+
+
+def test_victims_the_extender_adds_count_their_disruption_budgets_and_spare_them_first(
+        ) -> None:
+    """kube-scheduler picks victims for what it counts (here one CPU-only pod per node; it
+    counts GPU share and memory per node, not per GPU) and the extender adds those the GPUs
+    need:
+    pods whose PodDisruptionBudget allows no disruption are taken last and counted as
+    violations (filterPodsWithPDBViolation, defaultpreemption/default_preemption.go), so that
+    pickOneNodeForPreemption (preemption.go) prefers the node that violates none; the list
+    stays highest priority first, as it reads Pods[0] as the highest."""
+    api = FakeApiServer()
+    for n in ("a", "b", "c"):
+        api.add_node(node(n, "A100-80GB", 1))
+    placed = {"a": [("guard-0", 1, "guarded"), ("guard-1", 1, "guarded")],
+              "b": [("free-0", 1, "free"), ("free-1", 1, "free")],
+              "c": [("guard-2", 1, "guarded"), ("loose", 5, "free")]}
+    for where in placed.values():
+        for name, prio, tier in where:
+            p = pod(name, 500)
+            p["metadata"]["labels"] = {"tier": tier}
+            p["spec"]["priority"] = prio
+            api.add_pod(p)
+    api.add_pdb({"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
+                 "metadata": {"name": "guard", "namespace": "default"},
+                 "spec": {"minAvailable": 3,
+                          "selector": {"matchExpressions": [
+                              {"key": "tier", "operator": "In", "values": ["guarded"]}]}},
+                 "status": {"disruptionsAllowed": 0, "currentHealthy": 3}})
+    whole = pod("urgent", 1000)
+    whole["spec"]["priority"] = 100
+    half = pod("half", 500)
+    half["spec"]["priority"] = 100
+    api.add_pod(whole)
+    api.add_pod(half)
+
+    async def body(url: str, state: ExtenderState) -> None:
+        uid = {}
+        async with aiohttp.ClientSession() as s:
+            for where, pods in placed.items():
+                for name, _, _ in pods:
+                    a = await bound(s, url, api, api.get_pod("default", name), where)
+                    uid[name] = a.pod_uid
+            none = {n: {"Pods": [{"UID": f"cpu-{n}"}], "NumPDBViolations": 0}
+                    for n in ("a", "b", "c")}
+            _, res = await post(s, url + "/preempt", {"Pod": api.get_pod("default", "urgent"),
+                                                      "NodeNameToMetaVictims": none})
+            got = {n: ([p["UID"] for p in v["Pods"]], v["NumPDBViolations"])
+                   for n, v in res["NodeNameToMetaVictims"].items()}
+            assert got["a"][1] == 2 and sorted(got["a"][0]) == sorted(
+                ["cpu-a", uid["guard-0"], uid["guard-1"]])
+            assert got["b"][1] == 0 and sorted(got["b"][0]) == sorted(
+                ["cpu-b", uid["free-0"], uid["free-1"]])
+            assert got["c"] == (["cpu-c", uid["loose"], uid["guard-2"]], 1)  # priority 5 first
+            # half a GPU: on c the unguarded pod goes, though its priority is higher
+            _, res = await post(s, url + "/preempt", {"Pod": api.get_pod("default", "half"),
+                                                      "NodeNameToMetaVictims": none})
+            assert res["NodeNameToMetaVictims"]["c"] == {
+                "Pods": [{"UID": "cpu-c"}, {"UID": uid["loose"]}], "NumPDBViolations": 0}
+            assert res["NodeNameToMetaVictims"]["a"]["NumPDBViolations"] == 1
+            # the scheduler's own victims keep its count; the extender's come after them
+            # in priority order
+            sched = {"c": {"Pods": [{"UID": "cpu-only"}, {"UID": uid["guard-2"]}],
+                           "NumPDBViolations": 1}}
+            _, res = await post(s, url + "/preempt", {"Pod": api.get_pod("default", "urgent"),
+                                                      "NodeNameToMetaVictims": sched})
+            assert res["NodeNameToMetaVictims"]["c"] == {
+                "Pods": [{"UID": "cpu-only"}, {"UID": uid["loose"]}, {"UID": uid["guard-2"]}],
+                "NumPDBViolations": 1}
+
+    asyncio.run(serving(api, body))
+
+
+def test_a_nominated_pod_is_not_refused_for_victims_the_watch_has_not_seen_go() -> None:
+    """kube-scheduler retries a preemptor as soon as its cache drops the victims; when the
+    ledger has not yet followed their deletion, the nominated node is read back from the API
+    server instead of refused (a refusal makes the scheduler preempt again elsewhere:
+    PodEligibleToPreemptOthers, pkg/scheduler/framework/plugins/defaultpreemption/
+    default_preemption.go). Shares of pods that still exist stay; other nodes are not read."""
+    api = FakeApiServer()
+    api.add_node(node("a", "A100-80GB", 1))
+    api.add_node(node("b", "A100-80GB", 1))
+    for name in ("victim", "keeper"):
+        api.add_pod(pod(name, 1000))
+    api.add_pod(pod("urgent", 1000))
+
+    async def body(url: str, state: ExtenderState) -> None:
+        async with aiohttp.ClientSession() as s:
+            await bound(s, url, api, api.get_pod("default", "victim"), "b")
+            await bound(s, url, api, api.get_pod("default", "keeper"), "a")
+            api.delete_pod("default", "victim")  # the watch event is not applied
+            urgent = api.get_pod("default", "urgent")
+            _, res = await post(s, url + "/filter", {"Pod": urgent, "NodeNames": ["a", "b"]})
+            assert res["NodeNames"] == [] and set(reasons(res)) == {"a", "b"}
+            assert ("default", "victim") in state.ledger.owners  # not nominated: nothing read
+            urgent["status"] = {"nominatedNodeName": "b"}
+            _, res = await post(s, url + "/filter", {"Pod": urgent, "NodeNames": ["a", "b"]})
+            assert res["NodeNames"] == ["b"] and set(reasons(res)) == {"a"}
+            assert ("default", "victim") not in state.ledger.owners
+            urgent["status"] = {"nominatedNodeName": "a"}  # its holder is still there
+            _, res = await post(s, url + "/filter", {"Pod": urgent, "NodeNames": ["a"]})
+            assert res["NodeNames"] == [] and ("default", "keeper") in state.ledger.owners
+            async with s.get(url + "/metrics") as r:
+                assert "gpuslice_extender_stale_shares_freed_total 1.0" in await r.text()
 
     asyncio.run(serving(api, body))
 
@@ -607,7 +801,7 @@ def test_a_cordoned_gpu_takes_no_new_slice_and_the_reason_says_so() -> None:
             _, res = await post(s, url + "/filter", {"Pod": api.get_pod("default", "p"),
                                                      "NodeNames": ["a"]})
             assert res["NodeNames"] == []
-            assert "1 GPU(s) cordoned for reconfiguration" in res["FailedNodes"]["a"]
+            assert "1 GPU(s) cordoned for reconfiguration" in reasons(res)["a"]
 
     asyncio.run(serving(api, body))
 
@@ -631,7 +825,7 @@ def test_a_pod_naming_no_gpu_memory_takes_its_share_of_the_gpus() -> None:
             _, res = await post(s, url + "/filter", {"Pod": plain, "NodeNames": ["a"]})
             # 250 milli of 16384 MiB is 4096 MiB; 2384 are left
             assert res["NodeNames"] == [] and \
-                "GPU 0 has 2384 MiB free, pod needs 4096" in res["FailedNodes"]["a"], res
+                "GPU 0 has 2384 MiB free, pod needs 4096" in reasons(res)["a"], res
         again = ExtenderState(api, KEY, clock=clock)
         assert again.ledger.free("GPU-a-0") == (800, 2384)
 
@@ -657,3 +851,79 @@ def test_bind_times_order_a_burst_within_one_second() -> None:
     assert stamps == sorted(stamps)
     assert len(set(stamps)) > 100  # microseconds, not seconds
     assert all(s.endswith("Z") and "." in s for s in stamps)
+
+
+class SlowReads(FakeApiServer):
+    """The API server fake whose pod reads wait until ``release`` is set (an API server slow
+    to answer the bind's first call)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import threading
+
+        self.release = threading.Event()
+        self.waiting = threading.Event()
+
+    def get_pod(self, namespace: str, name: str) -> dict[str, Any]:
+        self.waiting.set()
+        assert self.release.wait(10), "bind's pod read was never released"
+        return super().get_pod(namespace, name)
+
+
+def test_a_bind_reserves_before_its_api_calls_so_the_next_filter_sees_it() -> None:
+    """kube-scheduler sends a pod's bind from its binding goroutine and goes on filtering the
+    next pod. The bind's API calls run off the event loop; its share is reserved as the bind
+    arrives, so the next filter (answered while the bind still waits on the API server)
+    refuses the GPU the bind is taking."""
+    api = SlowReads()
+    api.add_node(node("a", "T4", 1))
+    api.add_pod(pod("first", 700))
+    api.add_pod(pod("second", 700))
+
+    async def body(url: str, state: ExtenderState) -> None:
+        async with aiohttp.ClientSession() as s:
+            first = FakeApiServer.get_pod(api, "default", "first")
+            second = FakeApiServer.get_pod(api, "default", "second")
+            st, res = await post(s, url + "/filter", {"Pod": first, "NodeNames": ["a"]})
+            assert res["NodeNames"] == ["a"]
+            binding = asyncio.ensure_future(post(s, url + "/bind", {
+                "PodName": "first", "PodNamespace": "default",
+                "PodUID": first["metadata"]["uid"], "Node": "a"}))
+            await asyncio.get_running_loop().run_in_executor(None, api.waiting.wait, 10)
+            st, res = await post(s, url + "/filter", {"Pod": second, "NodeNames": ["a"]})
+            assert res["NodeNames"] == [] and "300 milli free" in reasons(res)["a"], res
+            api.release.set()
+            st, res = await binding
+            assert st == 200 and res["Error"] == "", res
+            a = decode(FakeApiServer.get_pod(api, "default", "first")["metadata"][
+                "annotations"][ANNOTATION])
+            assert a.node == "a" and a.containers[0].gpus[0].milli == 700
+
+    asyncio.run(serving(api, body))
+
+
+def test_a_pod_changed_between_filter_and_bind_is_placed_from_what_bind_reads() -> None:
+    """The share reserved on the loop comes from the pod the filter carried; the bind's read
+    decides: a pod re-created under the same name with another request is placed as read,
+    and the early reservation is given back (nothing held twice)."""
+    api = FakeApiServer()
+    api.add_node(node("a", "T4", 1))
+    api.add_pod(pod("p", 300))
+
+    async def body(url: str, state: ExtenderState) -> None:
+        async with aiohttp.ClientSession() as s:
+            old = api.get_pod("default", "p")
+            await post(s, url + "/filter", {"Pod": old, "NodeNames": ["a"]})
+            api.delete_pod("default", "p")
+            api.add_pod(pod("p", 600))  # the same UID (the fake's), another request
+            fresh = api.get_pod("default", "p")
+            assert fresh["metadata"]["uid"] == old["metadata"]["uid"]
+            _, res = await post(s, url + "/bind", {
+                "PodName": "p", "PodNamespace": "default", "PodUID": fresh["metadata"]["uid"],
+                "Node": "a"})
+            assert res["Error"] == "", res
+            a = decode(api.get_pod("default", "p")["metadata"]["annotations"][ANNOTATION])
+            assert a.containers[0].gpus[0].milli == 600
+            assert dict(state.used_milli) == {"GPU-a-0": 600}
+
+    asyncio.run(serving(api, body))

@@ -4,7 +4,8 @@ The in-memory fake is the port's stand-in everywhere else; this puts kube-apiser
 behaviour in front of it so that :class:`gpuslice.adapters.kube.client.KubeClient`, on the
 official Kubernetes client, is exercised through real HTTP:
 
-- paths and verbs of the core, apps, coordination.k8s.io and gpuslice.io groups the project
+- paths and verbs of the core, apps, coordination.k8s.io, policy (PodDisruptionBudgets, list)
+  and gpuslice.io groups the project
   calls; a call to anything else is a 404, so an unexpected path fails the test;
 - errors as ``Status`` objects with their code (404 NotFound, 409 Conflict / AlreadyExists,
   400 BadRequest, 415 UnsupportedMediaType, 422 Invalid, 401, 403 Forbidden);
@@ -23,6 +24,9 @@ official Kubernetes client, is exercised through real HTTP:
   PodDisruptionBudget gives), the ``status`` subresource of the custom objects (the spec
   stays; the CRD's schema lives in deploy/base);
 - outages: while :attr:`RestApiServer.down` is set every call gets 503 and open watches end;
+- resource.k8s.io/v1: ResourceSlices and DeviceClasses (list), ResourceClaims (list across
+  namespaces, get, replace with the metadata only, and replace of the ``status`` subresource,
+  both with the resourceVersion precondition);
 - EndpointSlices of a Service (:attr:`RestApiServer.endpointslices`, selected by the
   ``kubernetes.io/service-name`` label) for the router;
 - RBAC: a bearer token ``sa:<namespace>:<name>`` is that ServiceAccount, allowed what the
@@ -350,6 +354,17 @@ class RestApiServer(FakeApiServer):
                 return 200, self.get_node(name)
             if key[2:] == ("PATCH", False, True, ""):
                 return 200, self._patch_node(name, body)
+            if key[2:] == ("PATCH", False, True, "status"):
+                status = body.get("status") if isinstance(body, dict) else None
+                if set(body) != {"status"} or not isinstance(status, dict) or \
+                        set(status) - {"capacity", "allocatable"}:
+                    raise HttpError(400, "BadRequest", "the fake patches only a node's "
+                                    "status.capacity and status.allocatable")
+                if status.get("capacity") != status.get("allocatable"):
+                    raise HttpError(400, "BadRequest", "the fake sets capacity and "
+                                    "allocatable alike")
+                self.patch_node_capacity(name, dict(status.get("capacity") or {}))
+                return 200, self.get_node(name)
         if (group, resource) == ("coordination.k8s.io", "leases"):
             return self._lease_calls(key, ns, name, body)
         if (group, resource) == ("apps", "deployments"):
@@ -366,6 +381,15 @@ class RestApiServer(FakeApiServer):
                 return 200, {"kind": "Status", "apiVersion": "v1", "status": "Success"}
         if group == "gpuslice.io":
             return self._custom_calls(key, ns, name, body)
+        if group == "resource.k8s.io":
+            return self._resource_calls(key, ns, name, query, body)
+        if key == ("", "events", "POST", True, False, ""):
+            self._check_create(body, ns)
+            self.create_event(ns, body)
+            return 201, body
+        if key == ("policy", "poddisruptionbudgets", "GET", True, False, ""):
+            return 200, self._list("PodDisruptionBudgetList",
+                                   self.list_pod_disruption_budgets(ns), self.current_rv())
         if key == ("discovery.k8s.io", "endpointslices", "GET", True, False, ""):
             sel = query.get("labelSelector", "")
             label, _, service = sel.partition("=")
@@ -376,6 +400,47 @@ class RestApiServer(FakeApiServer):
                          "metadata": {"resourceVersion": self.current_rv()},
                          "items": copy.deepcopy(self.endpointslices.get((ns, service), []))}
         raise HttpError(404, "NotFound", f"the fake serves no {key[2]} on {group}/{resource}")
+
+    def _resource_calls(self, key: tuple[str, str, str, bool, bool, str], ns: str, name: str,
+                        query: dict[str, str], body: Any) -> tuple[int, Any]:
+        """resource.k8s.io/v1: a claim's GET; ResourceSlices listed by the field selectors
+        spec.driver / spec.nodeName, created (``dryRun=All`` stores nothing), replaced and
+        deleted. Fields of the gates not in :attr:`dra_gates` are dropped, as the API server
+        does."""
+        resource, rest = key[1], key[2:]
+        if resource == "resourceclaims" and rest == ("GET", True, True, ""):
+            return 200, self.get_resource_claim(ns, name)
+        if resource == "resourceslices":
+            if rest == ("GET", False, False, ""):
+                driver = node = ""
+                for term in filter(None, query.get("fieldSelector", "").split(",")):
+                    field, _, value = term.partition("=")
+                    if field == "spec.driver":
+                        driver = value
+                    elif field == "spec.nodeName":
+                        node = value
+                    else:
+                        raise HttpError(400, "BadRequest", f'field label not supported: '
+                                        f'"{field}"')
+                return 200, self._list("ResourceSliceList",
+                                       self.list_resource_slices(driver, node),
+                                       self.current_rv())
+            if rest == ("POST", False, False, ""):
+                dry = query.get("dryRun")
+                if dry not in (None, "All"):
+                    raise HttpError(400, "BadRequest", f"unsupported dryRun {dry!r}")
+                return 201, self.create_resource_slice(body, dry_run=dry == "All")
+            if rest == ("PUT", False, True, ""):
+                if (body.get("metadata") or {}).get("name") != name:
+                    raise HttpError(400, "BadRequest", "the name in the body differs")
+                return 200, self.update_resource_slice(body)
+            if rest == ("DELETE", False, True, ""):
+                self.delete_resource_slice(name)
+                return 200, {"kind": "Status", "apiVersion": "v1", "status": "Success"}
+        if resource in ("resourceclaims", "deviceclasses"):
+            return self._claim_calls(key, ns, name, body)
+        raise HttpError(404, "NotFound", f"the fake serves no {key[2]} on resource.k8s.io/"
+                        f"{resource}")
 
     @staticmethod
     def _list(kind: str, items: list[dict[str, Any]], rv: str = "") -> dict[str, Any]:
@@ -494,15 +559,23 @@ class RestApiServer(FakeApiServer):
         target = body.get("target") or {}
         if target.get("kind", "Node") != "Node" or not target.get("name"):
             raise HttpError(422, "Invalid", "target: a Node by name is required")
-        uid = (body.get("metadata") or {}).get("uid")
+        meta = body.get("metadata") or {}
+        uid, rv = meta.get("uid"), meta.get("resourceVersion")
         pod = self.get_pod(ns, name)
         if uid and uid != pod["metadata"].get("uid"):
             raise ApiConflict(f"Precondition failed: UID in precondition: {uid}, UID in object "
                               f"meta: {pod['metadata'].get('uid')}")
+        if rv and rv != pod["metadata"].get("resourceVersion"):
+            raise ApiConflict(f"Operation cannot be fulfilled on pods \"{name}\": the object "
+                              "has been modified; please apply your changes to the latest "
+                              "version and try again")
         if (pod.get("spec") or {}).get("nodeName"):
             raise ApiConflict(f'pod {name} is already assigned to node '
                               f'"{pod["spec"]["nodeName"]}"')
-        self.bind(ns, name, str(pod["metadata"].get("uid")), str(target["name"]))
+        # kube-apiserver's BindingREST.setPodNodeAndMetadata: the binding's annotations are
+        # set on the pod in the same write
+        self.bind(ns, name, str(pod["metadata"].get("uid")), str(target["name"]),
+                  meta.get("annotations") or None, rv or None)
         return 201, {"kind": "Status", "apiVersion": "v1", "metadata": {},
                      "status": "Success", "code": 201}
 
@@ -573,6 +646,48 @@ class RestApiServer(FakeApiServer):
                                   f'"{name}": the object has been modified')
             new = dict(cur, status=copy.deepcopy(body.get("status")))  # the spec stays
             return 200, self.replace_custom(resource, new)
+        raise HttpError(405, "MethodNotAllowed", f"the fake serves no {method} here")
+
+    # -- resource.k8s.io/v1 ----------------------------------------------------------------
+
+    def _claim_calls(self, key: tuple[str, str, str, bool, bool, str], ns: str, name: str,
+                     body: Any) -> tuple[int, Any]:
+        """resource.k8s.io/v1 DeviceClasses (list) and ResourceClaims (list, get, replace and
+        the status subresource, preconditioned on resourceVersion; the spec is immutable)."""
+        resource = key[1]
+        method, has_ns, has_name, sub = key[2:]
+
+        def listing(kind: str, items: list[dict[str, Any]]) -> dict[str, Any]:
+            return {"kind": kind, "apiVersion": "resource.k8s.io/v1",
+                    "metadata": {"resourceVersion": self.current_rv()}, "items": items}
+
+        if (resource, method, has_ns, has_name) == ("deviceclasses", "GET", False, False):
+            return 200, listing("DeviceClassList", self.list_device_classes())
+        if resource != "resourceclaims":
+            raise HttpError(404, "NotFound", f"the fake serves no {method} on {resource}")
+        if method == "GET" and not has_name:
+            items = [c for c in self.list_resource_claims()
+                     if not ns or c["metadata"].get("namespace") == ns]
+            return 200, listing("ResourceClaimList", items)
+        if method == "GET" and has_name and not sub:
+            return 200, self.get_resource_claim(ns, name)
+        if method == "PUT" and has_name and sub in ("", "status"):
+            meta = body.get("metadata") or {}
+            if meta.get("name") != name or meta.get("namespace", ns) != ns:
+                raise HttpError(400, "BadRequest", "the name of the object does not match the "
+                                "name on the URL")
+            if body.get("apiVersion") not in (None, "resource.k8s.io/v1") or \
+                    body.get("kind") not in (None, "ResourceClaim"):
+                raise HttpError(400, "BadRequest", f"expected resource.k8s.io/v1 "
+                                f"ResourceClaim, got {body.get('apiVersion')} {body.get('kind')}")
+            cur = self.get_resource_claim(ns, name)
+            if sub == "" and body.get("spec") != cur.get("spec"):
+                raise HttpError(422, "Invalid", f'ResourceClaim.resource.k8s.io "{name}" is '
+                                "invalid: spec: Invalid value: field is immutable")
+            body = dict(body, metadata=dict(meta, namespace=ns))
+            if sub == "status":
+                return 200, self.update_resource_claim_status(body)
+            return 200, self.update_resource_claim(body)
         raise HttpError(405, "MethodNotAllowed", f"the fake serves no {method} here")
 
     # -- watch -----------------------------------------------------------------------------

@@ -16,7 +16,8 @@ from gpuslice.core.assignment import ANNOTATION
 from gpuslice.services.reconfig import PLURAL, ReconfigController
 from tests.kube.helpers import kube_client
 from tests.kube.rest_fake import RestApiServer
-from tests.reconfig.test_reconfig import BATCH, cluster, consistent, drive, schedule
+from tests.reconfig.harness import BATCH, cluster, schedule
+from tests.reconfig.test_reconfig import consistent, drive
 
 pytestmark = pytest.mark.slow
 
@@ -33,6 +34,7 @@ def test_schedule_admit_and_reconfigure_through_the_kubernetes_client(
         who = {(w.split(":")[-1], verb, path.split("/")[-1]) for w, verb, path, _ in rest.requests}
         assert ("gpuslice-extender", "POST", "binding") in who  # pods/{name}/binding
         assert ("gpuslice-node-agent", "PATCH", "n0") in who  # inventory and labels
+        assert ("gpuslice-node-agent", "PATCH", "status") in who  # the node's gpu-milli total
         assert ("gpuslice-node-agent", "GET", "pods") in who  # Allocate's lookup
         # the reconfiguration controller on its own account: 7 x 1g -> 1 x 7g on every GPU
         rest.replace_custom(PLURAL, schedule(override="batch"))

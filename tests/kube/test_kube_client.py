@@ -131,8 +131,16 @@ def test_create_bind_evict_and_their_refusals(rest: RestApiServer, tmp_path: Pat
         api.create_pod(pod("x"))
     with pytest.raises(ApiConflict):  # the pod was replaced: another UID
         api.bind("ml", "x", "some-other-uid", "n1")
-    api.bind("ml", "x", made["metadata"]["uid"], "n1")
-    assert rest.get_pod("ml", "x")["spec"]["nodeName"] == "n1"
+    rv = made["metadata"]["resourceVersion"]
+    rest.patch_pod_annotations("ml", "x", {"other": "writer"}, rv)  # changed since read
+    with pytest.raises(ApiConflict):  # the resourceVersion precondition
+        api.bind("ml", "x", made["metadata"]["uid"], "n1", {"gpuslice.io/assignment": "a"}, rv)
+    fresh = rest.get_pod("ml", "x")
+    api.bind("ml", "x", made["metadata"]["uid"], "n1", {"gpuslice.io/assignment": "a"},
+             fresh["metadata"]["resourceVersion"])
+    bound = rest.get_pod("ml", "x")  # node and annotation in one write
+    assert bound["spec"]["nodeName"] == "n1"
+    assert bound["metadata"]["annotations"] == {"other": "writer", "gpuslice.io/assignment": "a"}
     with pytest.raises(ApiConflict):
         api.bind("ml", "x", made["metadata"]["uid"], "n1")
     rest.disruption_blocked.add(("ml", "x"))
@@ -193,7 +201,8 @@ def test_bad_credentials_and_configuration_are_clear_errors(rest: RestApiServer,
 
 
 @pytest.mark.parametrize("token,calls", [
-    (EXTENDER, ["list_nodes", "list_pods", "get_pod", "patch_pod", "bind", "watch", "lease"]),
+    (EXTENDER, ["list_nodes", "list_pods", "get_pod", "bind_annotated", "watch", "lease",
+                "list_pdbs"]),
     (NODE_AGENT, ["list_pods_node", "get_node", "patch_node"]),
     (RECONFIG, ["list_custom", "replace_custom", "list_pods", "get_pod", "patch_pod",
                 "create_pod", "delete_pod", "patch_node", "list_nodes"]),
@@ -221,10 +230,14 @@ def test_each_service_account_may_make_the_calls_its_component_makes(
         elif call == "patch_pod":
             cur = rest.get_pod("ml", "p")
             api.patch_pod_annotations("ml", "p", {"k": "v"}, cur["metadata"]["resourceVersion"])
-        elif call == "bind":
-            api.bind("ml", "p", target["metadata"]["uid"], "n1")
+        elif call == "bind_annotated":  # the extender's one write (pods/binding only)
+            cur = rest.get_pod("ml", "p")
+            api.bind("ml", "p", target["metadata"]["uid"], "n1", {"gpuslice.io/assignment": "a"},
+                     cur["metadata"]["resourceVersion"])
         elif call == "watch":
             api.watch("", 0.5)
+        elif call == "list_pdbs":
+            assert api.list_pod_disruption_budgets("ml") == []
         elif call == "lease":
             api.put_lease("gpuslice-system", "gpuslice-extender", {"holderIdentity": "x"}, None)
             api.get_lease("gpuslice-system", "gpuslice-extender")

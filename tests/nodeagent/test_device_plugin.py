@@ -224,11 +224,20 @@ def test_node_agent_publishes_inventory_and_recovers_a_faulty_gpu() -> None:
             node = api.list_nodes()[0]["metadata"]
             assert node["labels"]["nvidia.com/gpu.count"] == "2"
             assert len(json.loads(node["annotations"]["gpuslice.io/inventory"])) == 2
+            # the share total kube-scheduler counts (its preemption needs to see contention)
+            status = api.list_nodes()[0]["status"]
+            assert status["capacity"]["gpuslice.io/gpu-milli"] == "2000"
+            assert status["allocatable"]["gpuslice.io/gpu-milli"] == "2000"
+            # and the memory total the DRA extended-resource filter needs to find
+            assert status["allocatable"]["gpuslice.io/gpu-memory"] == str(
+                sum(g.memory_mib for g in nvml.devices()))
             nvml.inject("GPU-bbb", 43)  # an application error: the GPU stays healthy
             nvml.inject("GPU-aaa", 79)  # fell off the bus
             assert wait_for(lambda: any(dv.health == "Unhealthy" for dv in kubelet.lists[-1]), 3)
             assert wait_for(lambda: len(json.loads(api.list_nodes()[0]["metadata"][
                 "annotations"]["gpuslice.io/inventory"])) == 1, 3)
+            assert api.list_nodes()[0]["status"]["allocatable"]["gpuslice.io/gpu-milli"] == \
+                "1000"  # the faulty GPU's share is no longer offered
             assert {dv.ID.split("::")[0] for dv in kubelet.lists[-1]
                     if dv.health == "Unhealthy"} == {"GPU-aaa"}
             now[0] = 31.0  # quiet long enough

@@ -16,7 +16,8 @@ from gpuslice.core.planner import FleetType, Plan, PlanOptions, Service
 from gpuslice.core.replay import plan_and_check, replan
 from gpuslice.core.speedmodel import profiles
 from gpuslice.planning.apply import REPLICA_LABEL, apply_plan
-from tests.reconfig.test_reconfig import FakeController, cluster, routed_pods
+from tests.reconfig.harness import cluster, routed_pods
+from tests.reconfig.test_reconfig import FakeController
 
 NS = "ml"
 PROFILES = profiles(["A100-80GB"], ["resnet50", "bert-base"])

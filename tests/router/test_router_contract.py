@@ -6,7 +6,9 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import socket
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -189,12 +191,16 @@ def test_admission_control_answers_429_with_retry_after() -> None:
 
 def test_no_healthy_replica_gives_502_then_503() -> None:
     async def go() -> None:
-        # a port nobody listens on: bind and close to get one
-        srv = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
-        dead = srv.sockets[0].getsockname()[1]
-        srv.close()
-        await srv.wait_closed()
+        # a port nobody listens on, held (bound, never listening: connections are refused)
+        # so that no one else, the router itself included, is given it while the test runs
+        hold = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        hold.bind(("127.0.0.1", 0))
+        dead = hold.getsockname()[1]
         cfg = config([{"name": "gone", "url": url(dead)}])
+        with hold:
+            await check(cfg)
+
+    async def check(cfg: dict[str, Any]) -> None:
         async with router(cfg, health=False) as (app, s):
             async with s.get(url(app.port) + "/v2/models/m/ready") as r:
                 assert r.status == 502

@@ -54,7 +54,8 @@ def test_router_process_serves_reloads_on_file_change_and_sighup(tmp_path: Path)
         write("a", pa)
         p = subprocess.Popen(
             [sys.executable, "-m", "gpuslice.cli", "router", "--config", str(cfg), "--listen",
-             "127.0.0.1:0", "--admin", "127.0.0.1:0", "--access-log", str(log)],
+             "127.0.0.1:0", "--admin", "127.0.0.1:0", "--access-log", str(log),
+             "--log-format", "json"],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         try:
             info = _listening(p)

@@ -110,3 +110,16 @@ def test_cli_lists_gpus_and_mig_layouts(capsys: pytest.CaptureFixture[str]) -> N
     assert main(["mig", "A100-80GB", "--layout", "3g.40gb@2"]) == 1
     assert main(["mig", "A100-80GB", "--used", "4g.40gb@0"]) == 0
     assert main(["mig", "T4"]) == 2
+
+
+def test_the_plot_legend_and_the_table_give_the_same_statistic(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from PIL import Image
+
+    assert main(["simulate", "--policy", "bestfit,fgd", "--seeds", "42-43", "--workers", "1",
+                 "--out", str(tmp_path), "-o", "json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    legend = Image.open(tmp_path / "unallocated.png").info["Description"]
+    assert legend == "; ".join(f"{r['policy']}: {r['mean']:.2f} ± {r['sd']:.2f}% at 100%"
+                               for r in doc["policies"])
+    assert doc["statistic"].startswith("unallocated GPU % at 100% arrived workload, mean")

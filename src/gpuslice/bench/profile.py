@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from gpuslice.bench.runner import WorkerSpec, find_gpu, run_together
+from gpuslice.bench.workloads import check_workload
 from gpuslice.core.errors import GpusliceError, ValidationError
 from gpuslice.core.profiles import ProfilePoint
 
@@ -54,6 +55,11 @@ class ProfileOptions:
         if self.warmup_s < 0 or self.window_s <= 0:
             raise ValidationError("--window-s", "a positive window and a warm-up >= 0",
                                   (self.warmup_s, self.window_s))
+        if self.device_index < 0:
+            raise ValidationError("--device", "a GPU index >= 0", self.device_index)
+        if self.out.exists() and not self.out.is_file():
+            raise ValidationError("--out", "a CSV file (new or one to resume)", str(self.out))
+        check_workload(self.workload)
 
 
 @dataclass(frozen=True)
@@ -171,10 +177,9 @@ def run_profile(opts: ProfileOptions,
 
 def plot_knee(csv_path: Path, png: Path) -> Path:
     """Throughput of the whole slice against its size, one line per batch (procs = 1)."""
-    import matplotlib
+    from gpuslice.adapters.optional import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     from gpuslice.adapters.profiles.files import read_own_profiles
 

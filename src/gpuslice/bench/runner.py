@@ -9,9 +9,10 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 
+from gpuslice.adapters.install import pip_install
 from gpuslice.adapters.proc import spawn, terminate
 from gpuslice.core.devices import GpuDevice
-from gpuslice.core.errors import GpusliceError, ValidationError
+from gpuslice.core.errors import GpusliceError, Unavailable, ValidationError
 
 
 @dataclass(frozen=True)
@@ -101,14 +102,14 @@ def find_gpu(index: int) -> GpuDevice:
     try:
         import pynvml  # noqa: F401
     except ImportError:
-        raise GpusliceError("nvidia-ml-py is not installed: pip install 'gpuslice[gpu]'") \
+        raise Unavailable("nvidia-ml-py is not installed: " + pip_install("gpu")) \
             from None
     from gpuslice.adapters.nvml.port import NullNvml
     from gpuslice.adapters.nvml.real import load
 
     nvml = load()
     if isinstance(nvml, NullNvml) or not nvml.devices():
-        raise GpusliceError(f"no NVIDIA GPU here: {nvml.why_empty()}")
+        raise Unavailable(f"no NVIDIA GPU here: {nvml.why_empty()}")
     found = [g for g in nvml.devices() if g.index == index]
     if not found:
         raise ValidationError("--device", f"a GPU index of {[g.index for g in nvml.devices()]}",

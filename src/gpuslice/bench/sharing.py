@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from gpuslice.adapters.mps import pinned_mem_limit
 from gpuslice.bench.runner import WorkerSpec, find_gpu, run_together
 from gpuslice.core.errors import ValidationError
 from gpuslice.core.model import PRIORITIES
@@ -207,7 +208,7 @@ def run_sharing(opts: SharingOptions,
                     "be_rps": round(float(np.sum(_thr(rows[1:]))), 2),
                     "be_vs_mps": round(float(np.sum(_thr(rows[1:]))) / be_mps, 3)}
         if "memory" in opts.parts:
-            cap = {"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": f"0={opts.mem_cap_mib}M"}
+            cap = {"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": pinned_mem_limit(opts.mem_cap_mib)}
             say("memory cap: three replicas, none over its cap")
             with _Mps(opts, root, "mem-a", gpu) as env:
                 before = _thr(run_together([_spec(opts, opts.batch, {**env, **cap}, 3)] * 3,
@@ -231,10 +232,9 @@ def run_sharing(opts: SharingOptions,
 
 
 def plot_sharing(res: dict[str, Any], png: Path) -> Path:
-    import matplotlib
+    from gpuslice.adapters.optional import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     if "throughput" in res:

@@ -22,14 +22,14 @@ import subprocess
 import urllib.request
 from typing import Any, Protocol
 
-from gpuslice.core.errors import GpusliceError
+from gpuslice.core.errors import GpusliceError, Unavailable, ValidationError
 
 TORCHVISION = {"resnet50": "resnet50", "mobilenet_v3": "mobilenet_v3_large",
                "vit_b_16": "vit_b_16", "efficientnet_b0": "efficientnet_b0"}
 BUILTIN = (*TORCHVISION, "encoder", "tiny")
 
 
-class MissingPackage(GpusliceError):
+class MissingPackage(Unavailable):
     """A package the benchmark needs is not installed; the message says which and how."""
 
 
@@ -182,6 +182,42 @@ class HttpWorkload:
 
     def close(self) -> None:
         pass
+
+
+def check_workload(spec: str) -> None:
+    """What can be checked about a workload before any GPU is looked for: its form, the
+    program of ``cmd:``, the URL, and (with torchvision installed) the model's name."""
+    import shutil
+    from urllib.parse import urlparse
+
+    expected = (f"one of {', '.join(BUILTIN)}, another torchvision classification model, "
+                "timm:NAME, cmd:PROGRAM or http://HOST:PORT/PATH")
+    if spec in BUILTIN:
+        return
+    if spec.startswith("cmd:"):
+        argv = spec[4:].split()
+        if not argv:
+            raise ValidationError("workload", "a program after 'cmd:'", spec)
+        if shutil.which(argv[0]) is None:
+            raise ValidationError("workload", "cmd: with a program that exists", argv[0])
+        return
+    if spec.startswith(("http://", "https://")):
+        url = urlparse(spec)
+        if not url.hostname:
+            raise ValidationError("workload", "an http:// URL with a host", spec)
+        return
+    if spec.startswith("timm:"):
+        if not spec[5:]:
+            raise ValidationError("workload", "a timm model name after 'timm:'", spec)
+        return
+    if not spec or not spec.replace("_", "").isalnum():
+        raise ValidationError("workload", expected, spec)
+    try:
+        import torchvision.models as tvm
+    except ImportError:
+        return  # said when the workload is built, with the pip command
+    if TORCHVISION.get(spec, spec) not in tvm.list_models(module=tvm):
+        raise ValidationError("workload", expected, spec)
 
 
 def make_workload(spec: str, device: str | None = None) -> Workload:

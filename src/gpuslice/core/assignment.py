@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
 from gpuslice.core.errors import ValidationError
+from gpuslice.core.podrequest import ContainerKind, ContainerRequest, pod_requests
 
 ANNOTATION = "gpuslice.io/assignment"
 MAC_VERSION = "v1"
@@ -56,9 +57,14 @@ class GpuShare:
 
 @dataclass(frozen=True, slots=True)
 class ContainerAssignment:
+    """One container's GPUs. ``kind``: an app container, an init container or a sidecar
+    (restartable init container); the kinds decide what the pod holds at once
+    (:meth:`Assignment.held`)."""
+
     name: str
     mode: Mode
     gpus: tuple[GpuShare, ...]
+    kind: ContainerKind = ContainerKind.APP
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -98,6 +104,21 @@ class Assignment:
     def gpu_uuids(self) -> set[str]:
         return {g.uuid for c in self.containers for g in c.gpus}
 
+    def held(self) -> dict[str, tuple[int, int]]:
+        """(milli, MiB) the pod holds of each GPU at its peak, by the effective-request rule
+        over its containers in order (an init container's GPU is reused by the app
+        containers; sidecars and app containers add up)."""
+        reqs = []
+        for c in self.containers:
+            r: dict[tuple[str, str], int] = {}
+            for g in c.gpus:
+                r[(g.uuid, "milli")] = r.get((g.uuid, "milli"), 0) + g.milli
+                r[(g.uuid, "mib")] = r.get((g.uuid, "mib"), 0) + g.memory_mib
+            reqs.append(ContainerRequest(c.name, c.kind, r))
+        eff = pod_requests(reqs)
+        return {u: (eff.get((u, "milli"), 0), eff.get((u, "mib"), 0))
+                for u in sorted(self.gpu_uuids())}
+
 
 def _esc(value: object) -> str:
     return str(value).replace("\\", "\\\\").replace("\n", "\\n").replace("=", "\\=")
@@ -111,6 +132,8 @@ def canonical(a: Assignment) -> bytes:
     for c in sorted(a.containers, key=lambda c: c.name):
         prefix = f"container.{_esc(c.name)}"
         lines.append(f"{prefix}.mode={c.mode.value}")
+        if c.kind is not ContainerKind.APP:  # app containers sign as before kinds existed
+            lines.append(f"{prefix}.kind={c.kind.value},{a.containers.index(c)}")
         for i, g in enumerate(sorted(c.gpus, key=lambda g: g.uuid)):
             lines.append(f"{prefix}.gpu.{i}={_esc(g.uuid)},{g.milli},{g.memory_mib},"
                          f"{_esc(g.mig_profile)},{g.mig_start}")

@@ -15,3 +15,19 @@ class ValidationError(GpusliceError, ValueError):
         self.expected = expected
         self.got = got
         super().__init__(f"{field}: expected {expected}, got {got!r}")
+
+
+class Unavailable(GpusliceError):
+    """Something the command needs is not there: no GPU, no NVML, a package or program that
+    is not installed. The input was fine; the CLI exits 1 (a failure), not 2 (bad input)."""
+
+
+class MissingDependency(Unavailable, ImportError):
+    """An optional dependency is not installed: names the package, what needs it and the extra
+    that brings it."""
+
+    def __init__(self, package: str, extra: str, purpose: str) -> None:
+        self.package = package
+        self.extra = extra
+        super().__init__(f"{purpose} needs {package}, which is not installed: "
+                         f"pip install 'gpuslice[{extra}]'")

@@ -72,23 +72,25 @@ class Ledger:
             raise Conflict(f"pod {a.namespace}/{a.pod} already holds an assignment")
         milli = dict(self.used_milli)
         memory = dict(self.used_memory)
-        for c in a.containers:
-            for g in c.gpus:
-                slot = self.inventory.get(g.uuid)
-                if slot is None:
-                    raise Conflict(f"GPU {g.uuid} is not in the inventory")
-                if slot.node != a.node:
-                    raise Conflict(f"GPU {g.uuid} is on node {slot.node}, not {a.node}")
-                free_milli = 1000 - milli.get(g.uuid, 0)
-                if g.milli > free_milli:
-                    raise Conflict(f"GPU {g.uuid} has {free_milli} milli free, "
-                                   f"container {c.name} needs {g.milli}")
-                free_mem = slot.memory_mib - memory.get(g.uuid, 0)
-                if slot.memory_mib and g.memory_mib > free_mem:
-                    raise Conflict(f"GPU {g.uuid} has {free_mem} MiB free, "
-                                   f"container {c.name} needs {g.memory_mib}")
-                milli[g.uuid] = milli.get(g.uuid, 0) + g.milli
-                memory[g.uuid] = memory.get(g.uuid, 0) + g.memory_mib
+        for uuid, (need, mib) in a.held().items():
+            users = [c.name for c in a.containers if any(g.uuid == uuid for g in c.gpus)]
+            who = f"container {users[0]}" if len(users) == 1 else \
+                f"pod {a.namespace}/{a.pod} (containers {', '.join(users)})"
+            slot = self.inventory.get(uuid)
+            if slot is None:
+                raise Conflict(f"GPU {uuid} is not in the inventory")
+            if slot.node != a.node:
+                raise Conflict(f"GPU {uuid} is on node {slot.node}, not {a.node}")
+            free_milli = 1000 - milli.get(uuid, 0)
+            if need > free_milli:
+                raise Conflict(f"GPU {uuid} has {free_milli} milli free, "
+                               f"{who} needs {need}")
+            free_mem = slot.memory_mib - memory.get(uuid, 0)
+            if slot.memory_mib and mib > free_mem:
+                raise Conflict(f"GPU {uuid} has {free_mem} MiB free, "
+                               f"{who} needs {mib}")
+            milli[uuid] = milli.get(uuid, 0) + need
+            memory[uuid] = memory.get(uuid, 0) + mib
         owners = dict(self.owners)
         owners[key] = a
         return Ledger(self.inventory, milli, memory, owners)
@@ -100,9 +102,8 @@ class Ledger:
             return self
         milli = dict(self.used_milli)
         memory = dict(self.used_memory)
-        for c in a.containers:
-            for g in c.gpus:
-                milli[g.uuid] -= g.milli
-                memory[g.uuid] -= g.memory_mib
+        for uuid, (need, mib) in a.held().items():
+            milli[uuid] -= need
+            memory[uuid] -= mib
         owners = {k: v for k, v in self.owners.items() if k != (namespace, pod)}
         return Ledger(self.inventory, milli, memory, owners)

@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from gpuslice.core.assignment import Assignment, Mode
+from gpuslice.core.podrequest import ContainerRequest, pod_requests
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,13 +59,30 @@ def usage(assignments: Iterable[Assignment]) -> dict[tuple[str, int], tuple[int,
     """(GPU UUID, start) -> (milli, MiB, held whole) that assignments take of MIG instances."""
     out: dict[tuple[str, int], tuple[int, int, bool]] = {}
     for a in assignments:
+        # what the pod holds of each instance at its peak (init containers reuse; the app
+        # containers and sidecars add up): the effective-request rule over its containers
+        reqs = []
+        whole: set[tuple[str, int]] = set()
         for c in a.containers:
+            r: dict[tuple[str, int, str], int] = {}
             for g in c.gpus:
                 if not g.mig_profile:
                     continue
-                milli, mib, whole = out.get((g.uuid, g.mig_start), (0, 0, False))
-                out[(g.uuid, g.mig_start)] = (milli + g.milli, mib + g.memory_mib,
-                                              whole or c.mode is Mode.MIG)
+                r[(g.uuid, g.mig_start, "milli")] = r.get((g.uuid, g.mig_start, "milli"), 0) \
+                    + g.milli
+                r[(g.uuid, g.mig_start, "mib")] = r.get((g.uuid, g.mig_start, "mib"), 0) \
+                    + g.memory_mib
+                if c.mode is Mode.MIG:
+                    whole.add((g.uuid, g.mig_start))
+            reqs.append(ContainerRequest(c.name, c.kind, r))
+        eff = pod_requests(reqs)
+        for (uuid, start, what), value in eff.items():
+            milli, mib, held_whole = out.get((uuid, start), (0, 0, False))
+            if what == "milli":
+                milli += value
+            else:
+                mib += value
+            out[(uuid, start)] = (milli, mib, held_whole or (uuid, start) in whole)
     return out
 
 

@@ -17,10 +17,15 @@ many slots each slot option (service(s), size, batch, processes) gets, such that
 slots available and each service's throughput >= its rate; minimise GPUs (or cost). Solved with
 HiGHS through ``scipy.optimize.milp``, which also proves a lower bound; it runs in two stages
 (mixing limited to two processes, then all), each with a share of the time limit, and keeps the
-best plan found. Heuristic (``solver="greedy"``, used above ``exact_limit`` services or as a
-fallback; no mixing): solve the LP relaxation of the single-service model, round each service's
-slices up and trim what it does not need, then pack the slices with a small integer program over
-MIG patterns; its bound is that LP relaxation.
+best plan found. Then a last solve keeps that many GPUs (or that cost) and minimises the
+compute the slices take, then their size, each service keeping at least the smaller of its
+first-stage capacity and ``headroom`` x its rate: the first solves are indifferent between a 1g
+and a 7g slot on a GPU they pay for anyway, this one is not.
+
+Heuristic (``solver="greedy"``, used above ``exact_limit`` services or as a fallback; no
+mixing): solve the LP relaxation of the single-service model, round each service's slices up and
+trim what it does not need, then pack the slices with a small integer program over MIG patterns;
+its bound is that LP relaxation.
 """
 
 from __future__ import annotations
@@ -30,15 +35,25 @@ import math
 from collections import Counter, defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
-from scipy.optimize import Bounds, LinearConstraint, milp
 
 from gpuslice.core import catalog
 from gpuslice.core.catalog import MigGeometry, MigProfile
-from gpuslice.core.errors import ValidationError
+from gpuslice.core.errors import MissingDependency, ValidationError
 from gpuslice.core.mig import MigPlacement, fitting_placements, is_valid_layout, maximal_layouts
 from gpuslice.core.profiles import ProfilePoint, ProfileSet
+
+
+def _scipy_optimize() -> Any:
+    """``scipy.optimize`` (HiGHS), imported when a plan is solved: the components that only
+    import the planner's types do not need scipy (the container image leaves it out)."""
+    try:
+        from scipy import optimize
+    except ImportError:
+        raise MissingDependency("scipy", "planner", "the planner's solver") from None
+    return optimize
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,6 +159,9 @@ class PlanOptions:
     time_limit_s: float = 1.0  # for the exact solver, shared by its stages
     mix: bool = True  # allow two services in one slice (MPS, equal thread caps)
     full_stage: bool = True  # also try mixing with every measured process count
+    # second stage: among plans of the fewest GPUs (or least cost), the one whose slices take
+    # the least compute, each service keeping min(its first-stage capacity, headroom x rate)
+    headroom: float = 1.25
 
     def __post_init__(self) -> None:
         if not 0 < self.latency_factor <= 1:
@@ -152,6 +170,8 @@ class PlanOptions:
             raise ValidationError("objective", "gpus or cost", self.objective)
         if self.solver not in ("milp", "greedy", "auto"):
             raise ValidationError("solver", "milp, greedy or auto", self.solver)
+        if not self.headroom >= 1:
+            raise ValidationError("headroom", "a factor >= 1", self.headroom)
 
 
 # ---- slices of a GPU type ------------------------------------------------------------------
@@ -373,15 +393,34 @@ def _build(profiles: ProfileSet, services: list[Service], fleet: Sequence[FleetT
     return _Model(services, list(fleet), pats, options)
 
 
-def _solve(m: _Model, objective: str, integral: bool,
-           time_limit: float) -> tuple[np.ndarray | None, float, float]:
-    """Returns (solution or None, objective value, proven lower bound)."""
+def _solve(m: _Model, objective: str, integral: bool, time_limit: float,
+           shrink: tuple[float, Mapping[str, float]] | None = None,
+           ) -> tuple[np.ndarray | None, float, float]:
+    """Returns (solution or None, objective value, proven lower bound).
+
+    ``shrink=(budget, floors)``: the second stage. The GPUs' cost may not exceed ``budget``
+    (the first stage's), each service needs ``floors[name]`` req/s, and the objective is the
+    compute the slices take (each slot used costs its share of its GPU's compute, weighted by
+    the GPU's cost), then the size of the slices."""
     n_x, n_z = len(m.pats), len(m.options)
     cost = {ft.gpu: (ft.cost_per_hour if objective == "cost" else 1.0) for ft in m.fleet}
-    c = np.concatenate([[cost[p.gpu] for p in m.pats], np.zeros(n_z)])
     rows: list[np.ndarray] = []
     lo: list[float] = []
     hi: list[float] = []
+    if shrink is None:
+        c = np.concatenate([[cost[p.gpu] for p in m.pats], np.zeros(n_z)])
+        need: Mapping[str, float] = {s.name: s.rate for s in m.services}
+    else:
+        budget, need = shrink
+        share = {g: _geometry(g).compute_slices for g in cost}
+        # compute first; among plans of equal compute, smaller slices (a tie-break worth less
+        # than one compute slice for up to a thousand GPUs): they leave the layout freer
+        c = np.concatenate([np.zeros(n_x), [
+            cost[o.gpu] * (o.size / share[o.gpu] + 1e-4 * (o.size / share[o.gpu]) ** 2)
+            for o in m.options]])
+        rows.append(np.concatenate([[cost[p.gpu] for p in m.pats], np.zeros(n_z)]))
+        lo.append(-np.inf)
+        hi.append(budget + 1e-6)
     for g, size in sorted({(o.gpu, o.size) for o in m.options}):
         row = np.zeros(n_x + n_z)
         for i, p in enumerate(m.pats):
@@ -398,7 +437,7 @@ def _solve(m: _Model, objective: str, integral: bool,
         for j, o in enumerate(m.options):
             row[n_x + j] = sum(c.throughput for c in o.parts if c.service == s.name)
         rows.append(row)
-        lo.append(s.rate)
+        lo.append(need[s.name])
         hi.append(np.inf)
     for ft in m.fleet:
         if ft.count is None:
@@ -410,16 +449,52 @@ def _solve(m: _Model, objective: str, integral: bool,
         rows.append(row)
         lo.append(-np.inf)
         hi.append(float(ft.count))
-    cons = LinearConstraint(np.array(rows), np.array(lo), np.array(hi))
+    opt = _scipy_optimize()
+    cons = opt.LinearConstraint(np.array(rows), np.array(lo), np.array(hi))
     integrality = np.ones(n_x + n_z) if integral else np.zeros(n_x + n_z)
-    res = milp(c, constraints=cons, integrality=integrality, bounds=Bounds(0, np.inf),
-               options={"time_limit": time_limit, "disp": False})
+    res = opt.milp(c, constraints=cons, integrality=integrality, bounds=opt.Bounds(0, np.inf),
+                   options={"time_limit": time_limit, "disp": False,
+                            **({} if shrink is None else {"mip_rel_gap": 1e-7})})
     if res.x is None:
         return None, math.inf, math.inf
     bound = getattr(res, "mip_dual_bound", None) if integral else res.fun
     if bound is None or not math.isfinite(float(bound)):
         bound = res.fun
     return np.asarray(res.x), float(res.fun), float(bound)
+
+
+def _shrink(m: _Model, x: np.ndarray, objective: str, time_limit: float,
+            headroom: float) -> tuple[_Model, np.ndarray]:
+    """Second stage: with no more GPUs (or cost) than the first stage's plan ``x``, the plan
+    whose slices take the least compute, each service keeping at least the smaller of its
+    first-stage capacity and ``headroom`` x its rate (a small service gets a 1g slice, not a
+    whole 7g, and no service loses the headroom the replay check counts on). Only the services
+    and pairings the first stage used are offered, in every size, so the model stays small.
+    Returns the first stage's plan when the solver finds nothing better in time."""
+    n_x = len(m.pats)
+    cost = {ft.gpu: (ft.cost_per_hour if objective == "cost" else 1.0) for ft in m.fleet}
+    used = [o for j, o in enumerate(m.options) if round(x[n_x + j]) > 0]
+    groups = {tuple(c.service for c in o.parts) for o in used}
+    keep = [o for o in m.options if tuple(c.service for c in o.parts) in groups]
+    m2 = _Model(m.services, m.fleet, m.pats, keep)
+    x1 = np.concatenate([x[:n_x], [x[n_x + m.options.index(o)] for o in keep]])
+    budget = float(sum(cost[p.gpu] * round(x[i]) for i, p in enumerate(m.pats)))
+    floors: dict[str, float] = {}
+    for s in m.services:
+        cap = sum(c.throughput * round(x[n_x + j]) for j, o in enumerate(m.options)
+                  for c in o.parts if c.service == s.name)
+        floors[s.name] = min(cap, headroom * s.rate) * (1 - 1e-9)
+    x2, _, _ = _solve(m2, objective, True, time_limit, shrink=(budget, floors))
+    if x2 is None:
+        return m2, x1
+    share = {g: _geometry(g).compute_slices for g in cost}
+
+    def compute(v: np.ndarray) -> float:
+        return float(sum(cost[o.gpu] * (o.size / share[o.gpu] + 1e-4 * (o.size / share[o.gpu])
+                                        ** 2) * round(v[n_x + j])
+                         for j, o in enumerate(m2.options)))
+
+    return (m2, x2) if compute(x2) < compute(x1) - 1e-9 else (m2, x1)
 
 
 def _assemble(m: _Model, x: np.ndarray) -> list[PlannedGpu]:
@@ -474,10 +549,11 @@ def _pack(gpu: str, items: Sequence[Config], cost: float = 1.0) -> list[PlannedG
     for t in thresholds:
         rows.append([sum(n for g, n in p.counts.items() if g >= t) for p in pats])
         need.append(sum(1 for c in items if c.size >= t))
-    res = milp(np.full(len(pats), cost), integrality=np.ones(len(pats)),
-               constraints=LinearConstraint(np.array(rows, dtype=float), np.array(need, float),
-                                            np.inf),
-               bounds=Bounds(0, np.inf), options={"time_limit": 5.0, "disp": False})
+    opt = _scipy_optimize()
+    res = opt.milp(np.full(len(pats), cost), integrality=np.ones(len(pats)),
+                   constraints=opt.LinearConstraint(np.array(rows, dtype=float),
+                                                    np.array(need, float), np.inf),
+                   bounds=opt.Bounds(0, np.inf), options={"time_limit": 5.0, "disp": False})
     if res.x is None:
         raise ValidationError("packing", f"a packing of {len(items)} slices on {gpu}", None)
     free: list[tuple[int, int, MigPlacement]] = []  # (slot size, gpu number, placement)
@@ -548,7 +624,7 @@ def plan(profiles: ProfileSet, services: Sequence[Service], fleet: Sequence[Flee
         # a fraction of a second and gives a good plan early), then every measured process
         # count, which may improve it and proves the bound. Each stage gets a share of the time
         # limit and returns its best plan so far; the cheapest plan wins.
-        best: tuple[float, list[PlannedGpu]] | None = None
+        best: tuple[float, _Model, np.ndarray] | None = None
         stages: list[int | None] = [None]
         shares = [1.0]
         if opts.mix and opts.full_stage:
@@ -564,9 +640,11 @@ def plan(profiles: ProfileSet, services: Sequence[Service], fleet: Sequence[Flee
             if k is None:
                 bound = max(bound, dual)
             if best is None or value < best[0] - 1e-9:
-                best = (value, _assemble(model, x))
+                best = (value, model, x)
         if best is not None:
-            gpus = best[1]
+            m2, x2 = _shrink(best[1], best[2], opts.objective, opts.time_limit_s,
+                             opts.headroom)
+            gpus = _assemble(m2, x2)
             solver = "milp"
     if not gpus:
         gpus, lp = _greedy(profiles, svcs, fl, opts)

@@ -209,7 +209,9 @@ def parse_service(where: str, raw: object, *, need_urls: bool,
     policy = m.get("policy")
     if policy is not None:
         make_routing_policy(_str(f"{where}.policy", policy))
-    models_raw = m.get("models", [name])
+    # a planner's service also answers to its model's name
+    default_models = [name] + ([str(m["model"])] if m.get("model") not in (None, name) else [])
+    models_raw = m.get("models", default_models)
     models = tuple(_str(f"{where}.models[{i}]", x)
                    for i, x in enumerate(_list(f"{where}.models", models_raw)))
     host = m.get("host")

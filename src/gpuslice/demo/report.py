@@ -21,15 +21,24 @@ def _png(fig: Any) -> str:
     return base64.b64encode(buf.getvalue()).decode()
 
 
+def measured_window(samples: Sequence[Any]) -> tuple[float, float] | None:
+    """The seconds (since the demo started) over which load was sent and answers measured."""
+    if not samples:
+        return None
+    ts = [s.t for s in samples]
+    return float(min(ts)), float(max(ts))
+
+
 def _latency_plot(result: dict[str, Any], samples: Sequence[Any],
                   services: Sequence[Service]) -> Any:
-    import matplotlib
+    from gpuslice.adapters.optional import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
+    from matplotlib.ticker import FuncFormatter
 
-    fig, (ax, ax2) = plt.subplots(2, 1, figsize=(10, 6.5), sharex=True)
+    fig, (ax, ax2) = plt.subplots(2, 1, figsize=(11, 7), sharex=True)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    window = measured_window(samples)
     for i, svc in enumerate(services):
         mine = [s for s in samples if s.service == svc.name]
         if not mine:
@@ -46,29 +55,51 @@ def _latency_plot(result: dict[str, Any], samples: Sequence[Any],
             p99.append(np.percentile(good, 99) if len(good) else np.nan)
             rate.append(float(np.sum(sel & ok)))
         c = colors[i % len(colors)]
-        ax.plot(xs, p99, color=c, label=f"{svc.name} p99 (1 s windows)")
-        ax.axhline(svc.slo_ms, color=c, linestyle="--", linewidth=0.8)
-        ax2.plot(xs, rate, color=c, label=f"{svc.name} answered/s (offered {svc.rate:g}/s)")
-    for ph in result["phases"]:
+        ax.plot(xs, p99, color=c, label=f"{svc.name}: p99 per 1 s window")
+        ax.axhline(svc.slo_ms, color=c, linestyle="--", linewidth=0.9,
+                   label=f"{svc.name}: SLO {svc.slo_ms:g} ms")
+        ax2.plot(xs, rate, color=c, label=f"{svc.name}: answered/s (offered {svc.rate:g}/s)")
+    # the phases under load, shaded in turn and named above the plot; the set-up phases before
+    # the load (no data) are left out of the x axis and said in the title
+    last = window[1] if window else max((ph["start"] for ph in result["phases"]), default=0.0)
+    phases = [ph for ph in result["phases"]
+              if window is None or (ph.get("end") or last) > window[0]]
+    for k, ph in enumerate(phases):
+        start = max(ph["start"], window[0]) if window else ph["start"]
+        end = ph.get("end") or max(last, start)
         for a in (ax, ax2):
-            a.axvline(ph["start"], color="grey", linewidth=0.6)
-        ax.annotate(ph["name"].split(":")[0], (ph["start"], 1), xycoords=("data", "axes fraction"),
-                    rotation=90, va="top", ha="right", fontsize=7, color="grey")
-    ax.set_ylabel("p99 latency, ms (dashed: SLO)")
+            a.axvline(start, color="0.5", linewidth=0.6)
+            if k % 2:
+                a.axvspan(start, end, color="0.93", zorder=0)
+        if end - start >= 1.0:
+            ax.text((start + end) / 2, 1.02, ph["name"].split(":")[0], ha="center",
+                    va="bottom", fontsize=8, color="0.3", transform=ax.get_xaxis_transform())
+    if window is not None:
+        ax.set_xlim(window[0] - 0.5, window[1] + 0.5)
+    ax.set_ylabel("p99 latency of answered\nrequests, ms (log scale)")
     ax.set_yscale("log")
-    ax.legend(fontsize=8, loc="upper left")
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.grid(alpha=0.3, which="major")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     ax2.set_ylabel("answered requests/s")
     ax2.set_xlabel("seconds since the demo started")
-    ax2.legend(fontsize=8, loc="upper left")
-    fig.suptitle("Latency and throughput per service, through the gpuslice router")
+    ax2.set_ylim(bottom=0)
+    ax2.grid(alpha=0.3)
+    ax2.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+    title = "Latency and throughput per service, through the gpuslice router"
+    if window is not None:
+        title += (f"\nmeasured from {window[0]:.1f} s to {window[1]:.1f} s "
+                  f"({window[1] - window[0]:.0f} s of open-loop load; before it: bring-up, "
+                  "plan, deploy)")
+    fig.suptitle(title, fontsize=11)
+    fig.tight_layout()
     return fig
 
 
 def _gpu_plot(result: dict[str, Any]) -> Any:
-    import matplotlib
+    from gpuslice.adapters.optional import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     rows: dict[str, list[tuple[str, int]]] = {}
     models: dict[str, str] = {}
@@ -103,19 +134,43 @@ def _table(rows: list[dict[str, Any]], cols: list[str]) -> str:
 
 
 def _fmt(v: Any) -> str:
+    """A cell as a reader wants it: no Python reprs (None, True, [..], {..}, 100.0)."""
     if v is None:
         return "-"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, float):
+        return f"{v:g}"
     if isinstance(v, list):
-        return ", ".join(map(str, v))
+        return ", ".join(_fmt(x) for x in v) or "-"
     if isinstance(v, dict):
-        return "; ".join(f"{k}: {x}" for k, x in v.items())
+        return "; ".join(f"{str(k).replace('_', ' ')}: {_fmt(x)}" for k, x in v.items())
     return str(v)
+
+
+def _reconfig_text(rc: dict[str, Any] | None) -> str:
+    if not rc:
+        return "-"
+    secs = ", ".join(f"{x:.1f} s" for x in rc.get("seconds_per_gpu") or []
+                     if isinstance(x, (int, float)))
+    return f"{rc.get('moves', 0)} replica move(s); {secs or '?'} per GPU"
+
+
+def _window_text(samples: Sequence[Any]) -> str:
+    window = measured_window(samples)
+    if window is None:
+        return "No load was sent."
+    return (f"Measured window: {window[0]:.1f} s to {window[1]:.1f} s after the start "
+            f"({window[1] - window[0]:.0f} s of open-loop Poisson load at the planned rates, "
+            f"{len(samples)} requests). Latency percentiles are over the answered requests; "
+            "rejected ones got 429 from the router's SLO admission control.")
 
 
 def write_report(out: Path, result: dict[str, Any], samples: Sequence[Any],
                  services: Sequence[Service]) -> list[Path]:
-    import matplotlib.pyplot as plt
+    from gpuslice.adapters.optional import pyplot
 
+    plt = pyplot()
     out.mkdir(parents=True, exist_ok=True)
     figs = [_latency_plot(result, samples, services), _gpu_plot(result)]
     images = [_png(f) for f in figs]
@@ -136,9 +191,10 @@ def write_report(out: Path, result: dict[str, Any], samples: Sequence[Any],
         f"<p><b>{result['gpus_used']}</b> GPUs in use for pods that would take "
         f"<b>{result['gpus_exclusive']}</b> whole GPUs with exclusive allocation. "
         f"Plan: {plan.get('gpus')} GPU(s) at cost {plan.get('cost_per_hour')}/h, "
-        f"solved and replay-checked in {plan.get('seconds')} s. Replica killed: "
+        f"solved and replay-checked in {_fmt(plan.get('seconds'))} s. Replica killed: "
         f"{html.escape(result.get('killed') or '-')}. Reconfiguration: "
-        f"{html.escape(_fmt(result.get('reconfig') or None))}.</p>",
+        f"{html.escape(_reconfig_text(result.get('reconfig')))}.</p>",
+        f"<p>{html.escape(_window_text(samples))}</p>",
         f"<img src='data:image/png;base64,{images[0]}' width='100%'>",
         "<h2>Latency per service and phase</h2>",
         _table(lat_rows, ["phase", "service", "sent", "ok", "rejected", "failed", "p50_ms",

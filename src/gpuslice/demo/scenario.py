@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import json
 import math
+import os
 import shutil
 import signal
 import subprocess
@@ -24,6 +25,7 @@ import numpy as np
 
 from gpuslice.adapters.kube.annotation import decode
 from gpuslice.adapters.nvml.port import NvmlPort
+from gpuslice.adapters.proc import alive as _alive
 from gpuslice.adapters.proc import spawn
 from gpuslice.core.assignment import ANNOTATION
 from gpuslice.core.errors import GpusliceError
@@ -215,7 +217,8 @@ async def start_router(state: DemoState) -> None:
     if not write_router_config(state, path):
         raise GpusliceError("no replica of some service is running; cannot start the router")
     p = spawn([sys.executable, "-m", "gpuslice.cli", "router", "--config", str(path),
-               "--listen", "127.0.0.1:0", "--admin", "127.0.0.1:0", "--access-log", "off"],
+               "--listen", "127.0.0.1:0", "--admin", "127.0.0.1:0", "--access-log", "off",
+               "--log-format", "json"],
               state.cluster.run_id, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     state.router = p
     assert p.stderr is not None
@@ -377,11 +380,34 @@ def workdir(opts: DemoOptions) -> Iterator[Path]:
         yield opts.workdir
         return
     # unix socket paths must stay short: a directory right under the temp root
-    d = Path(tempfile.mkdtemp(prefix="gsd-"))
+    sweep_stale_workdirs()
+    d = Path(tempfile.mkdtemp(prefix=WORKDIR_PREFIX))
+    (d / OWNER_FILE).write_text(str(os.getpid()))
     try:
         yield d
     finally:
         shutil.rmtree(d, ignore_errors=True)
+
+
+WORKDIR_PREFIX = "gsd-"
+OWNER_FILE = "owner.pid"
+
+
+def sweep_stale_workdirs(root: Path | None = None) -> list[Path]:
+    """Remove the work directories of demos that were killed (SIGKILL, a crash: no ``finally``
+    ran): each names its process in ``owner.pid``; a directory whose process is gone goes.
+    Returns those removed."""
+    removed = []
+    for d in (root or Path(tempfile.gettempdir())).glob(f"{WORKDIR_PREFIX}*"):
+        try:
+            pid = int((d / OWNER_FILE).read_text())
+        except (OSError, ValueError):
+            continue  # not one of ours, or still being set up
+        if pid == os.getpid() or _alive(pid):
+            continue
+        shutil.rmtree(d, ignore_errors=True)
+        removed.append(d)
+    return removed
 
 
 async def scenario(state: DemoState, display: Display) -> None:
@@ -476,8 +502,10 @@ async def reconfigure(state: DemoState) -> None:
         st = c.api.get_custom(PLURAL, "gpuslice-system", "h100-batch").get("status") or {}
         if (st.get("summary") or {}).get("inTarget") == 2:
             secs = [g.get("seconds") for g in (st.get("gpus") or {}).values()]
+            took = ", ".join(f"{x:.1f} s" if isinstance(x, (int, float)) else "?"
+                             for x in secs)
             c.log.add("reconfig", f"both GPUs of h100-0 now 1 x 7g ({st.get('moves', 0)} "
-                      f"replica(s) moved; seconds per GPU: {secs})")
+                      f"replica(s) moved; {took} per GPU)")
             state.reconfig = {"moves": st.get("moves", 0), "seconds_per_gpu": secs}
             return
         await asyncio.sleep(0.3)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -45,8 +46,12 @@ class PlanRun:
     single_type_costs: dict[str, float]
 
 
-def read_services(path: Path) -> list[Service]:
-    """A services file (YAML or JSON): a list of ``{name, model, rate, slo_ms}``."""
+def read_services(path: Path, *, positive_rate: bool = True,
+                  models: Sequence[str] | None = None) -> list[Service]:
+    """A services file (YAML or JSON): a list of ``{name, model, rate, slo_ms}``.
+
+    ``rate`` must be > 0 req/s (>= 0 without ``positive_rate``: a re-plan may measure no
+    traffic), ``slo_ms`` > 0, and ``model`` one of ``models`` when given (the profiled ones)."""
     if not path.is_file():
         raise InputError(path, None, None, "file not found")
     try:
@@ -63,13 +68,30 @@ def read_services(path: Path) -> list[Service]:
         for key in ("model", "rate", "slo_ms"):
             if key not in item:
                 raise InputError(path, i + 1, key, "missing")
-        try:
-            rate, slo = float(item["rate"]), float(item["slo_ms"])
-        except (TypeError, ValueError):
-            raise InputError(path, i + 1, "rate/slo_ms", "expected numbers") from None
+        rate = _number(path, i + 1, "rate", item["rate"])
+        if not (rate > 0 or (rate == 0 and not positive_rate)):
+            raise InputError(path, i + 1, "rate", f"expected a request rate "
+                             f"{'>' if positive_rate else '>='} 0 req/s, got {item['rate']!r}")
+        slo = _number(path, i + 1, "slo_ms", item["slo_ms"])
+        if not slo > 0:
+            raise InputError(path, i + 1, "slo_ms",
+                             f"expected a latency SLO > 0 ms, got {item['slo_ms']!r}")
         model = str(item["model"])
+        if models is not None and model not in models:
+            raise InputError(path, i + 1, "model", f"no profile for model {model!r}; the "
+                             f"profiles have {', '.join(sorted(models)) or 'no model'}")
         out.append(Service(str(item.get("name", model)), model, rate, slo))
     return out
+
+
+def _number(path: Path, row: int, field: str, value: object) -> float:
+    try:
+        x = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise InputError(path, row, field, f"expected a number, got {value!r}") from None
+    if not math.isfinite(x):
+        raise InputError(path, row, field, f"expected a finite number, got {value!r}")
+    return x
 
 
 def read_fleet(path: Path) -> list[FleetType]:

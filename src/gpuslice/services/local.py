@@ -23,6 +23,7 @@ mode needs added per service::
         gpu: 0                           # optional: pin to a GPU index or UUID
         env: {OMP_NUM_THREADS: "2"}
 
+``{python}`` in a command is the Python running gpuslice.
 Each replica gets ``PORT`` (also substituted for ``{port}`` in its command), ``GPUSLICE_SERVICE``,
 ``GPUSLICE_REPLICA``, ``CUDA_VISIBLE_DEVICES`` (GPU or MIG instance UUID), and with MPS
 ``CUDA_MPS_PIPE_DIRECTORY``, ``CUDA_MPS_LOG_DIRECTORY``, ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``
@@ -34,10 +35,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import shlex
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
@@ -47,9 +50,9 @@ from typing import IO, Any
 import aiohttp
 import yaml
 
-from gpuslice.adapters.mps import MpsDaemon
+from gpuslice.adapters.mps import MpsDaemon, pinned_mem_limit
 from gpuslice.adapters.nvml.port import NvmlPort
-from gpuslice.adapters.proc import spawn, terminate
+from gpuslice.adapters.proc import alive, spawn, terminate
 from gpuslice.core.errors import GpusliceError, ValidationError
 from gpuslice.core.local import (
     LocalGpu,
@@ -63,6 +66,8 @@ from gpuslice.core.local import (
 from gpuslice.core.model import PRIORITIES
 from gpuslice.core.reconfig import Window, minutes_of_day
 from gpuslice.core.routing_config import parse_router_config
+
+log = logging.getLogger("gpuslice.local")
 
 STATE_FILE = "state.json"
 
@@ -254,16 +259,6 @@ def read_state(state_dir: Path) -> dict[str, Any] | None:
     return doc if isinstance(doc, dict) else None
 
 
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def held_slices(state: dict[str, Any] | None) -> list[LocalSlice]:
     """The slices a running local mode holds (none when it is not running)."""
     if not state or not alive(int(state.get("pid", 0))):
@@ -305,8 +300,10 @@ OVERRIDE_FILE = "layout-override"
 class LocalRuntime:
     def __init__(self, cfg: LocalConfig, nvml: NvmlPort, state_dir: Path, *, port: int = 8080,
                  admin_port: int = 0, host: str = "127.0.0.1", mps: bool = True,
-                 mps_binary: str = "nvidia-cuda-mps-control", run_id: str = "") -> None:
+                 mps_binary: str = "nvidia-cuda-mps-control", run_id: str = "",
+                 simulated: int | None = None) -> None:
         self.cfg, self.nvml, self.dir = cfg, nvml, state_dir
+        self.simulated = simulated  # --fake-gpus N: N simulated GPUs, said everywhere
         self.port, self.admin_port, self.host = port, admin_port, host
         self.mps, self.mps_binary = mps, mps_binary
         self.run_id = run_id or os.urandom(6).hex()
@@ -325,6 +322,7 @@ class LocalRuntime:
     def state(self, status: str) -> dict[str, Any]:
         return {
             "run_id": self.run_id, "pid": os.getpid(), "status": status,
+            "simulated": self.simulated,
             "router": None if self.router is None else {
                 "url": f"http://{self.host}:{self.router.port}",
                 "port": self.router.port, "admin_port": self.router.admin_port},
@@ -349,7 +347,7 @@ class LocalRuntime:
 
     def note(self, text: str) -> None:
         self.events.append(f"{time.strftime('%H:%M:%S')} {text}")
-        print(f"gpuslice up: {text}", flush=True)
+        log.info(text, extra={"simulated_gpus": self.simulated} if self.simulated else None)
 
     # -- life cycle --------------------------------------------------------------------------
 
@@ -368,14 +366,15 @@ class LocalRuntime:
             env.update(CUDA_MPS_PIPE_DIRECTORY=str(d.pipe_dir),
                        CUDA_MPS_LOG_DIRECTORY=str(d.log_dir),
                        CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=str(s.compute_pct),
-                       CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=f"0={s.memory_mib}M")
+                       CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=pinned_mem_limit(s.memory_mib))
             if PRIORITIES[r.service.priority] != "0":
                 env["CUDA_MPS_CLIENT_PRIORITY"] = PRIORITIES[r.service.priority]
         return env
 
     def _start(self, r: Replica) -> None:
         r.port = _free_port()
-        cmd = [c.replace("{port}", str(r.port)) for c in r.service.command]
+        cmd = [c.replace("{port}", str(r.port)).replace("{python}", sys.executable)
+               for c in r.service.command]
         logs = self.dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         if r.log is None:
@@ -419,6 +418,10 @@ class LocalRuntime:
         self.dir.mkdir(parents=True, exist_ok=True)
         (self.dir / OVERRIDE_FILE).unlink(missing_ok=True)
         self.layout = self.wanted_layout()
+        if self.simulated:
+            names = ", ".join(sorted({g.name for g in self.nvml.devices()}))
+            self.note(f"{self.simulated} SIMULATED GPU(s) ({names}): no CUDA and no MPS caps, "
+                      "the replicas run on the CPU")
         if self.layout is not None:
             self.note(f"slice profile {self.layout}")
         slices = self.plan()

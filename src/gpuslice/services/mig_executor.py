@@ -17,12 +17,14 @@ from typing import Any
 from gpuslice.adapters.kube.fake import KubePort
 from gpuslice.adapters.nvml.port import NvmlError, NvmlPort
 from gpuslice.core import catalog
+from gpuslice.core.catalog import MigGeometry
 from gpuslice.core.errors import GpusliceError, ValidationError
 from gpuslice.core.mig import (
     MigChange,
     MigPlacement,
     layout_changes,
     layout_for_counts,
+    layout_problems,
     parse_layout,
 )
 
@@ -133,3 +135,42 @@ class MigExecutor:
         report.state = "failed" if report.skipped else "success"
         self._label(config, report.state)
         return report
+
+    # -- one instance at a time (the DRA driver prepares one MIG device per claim result) ---
+
+    def ensure_instance(self, uuid: str, profile: str, start: int) -> bool:
+        """The GPU instance ``profile@start`` exists on GPU ``uuid`` (created when missing;
+        True when it was). Refused, naming the conflict, when it cannot exist next to the
+        instances there (the GPU's MIG geometry from the catalogue)."""
+        geo = self._geometry(uuid)
+        want = MigPlacement(start, geo.profile(profile))
+        current = [MigPlacement(s, geo.profile(p)) for p, s in self.nvml.mig_layout(uuid)]
+        if any((c.start, c.profile.profile_id) == (start, want.profile.profile_id)
+               for c in current):
+            return False
+        problems = layout_problems(geo, [*current, want])
+        if problems:
+            raise GpusliceError(f"GPU {uuid}: cannot create {want}: {problems[0]}")
+        self.nvml.create_instance(uuid, want.profile.name, start)
+        return True
+
+    def remove_instance(self, uuid: str, profile: str, start: int) -> bool:
+        """Destroy ``profile@start`` on GPU ``uuid`` (True), or find it gone (False)."""
+        geo = self._geometry(uuid)
+        name = geo.profile(profile).name
+        if (name, start) not in {(p, s) for p, s in self.nvml.mig_layout(uuid)}:
+            return False
+        self.nvml.destroy_instance(uuid, name, start)
+        return True
+
+    def _geometry(self, uuid: str) -> MigGeometry:
+        g = next((g for g in self.nvml.devices() if g.uuid == uuid), None)
+        if g is None:
+            raise GpusliceError(f"no GPU {uuid} on this node")
+        model = catalog.lookup(g.model)
+        if model is None or model.mig is None:
+            raise GpusliceError(f"GPU {uuid} ({g.model}) is not MIG-capable")
+        if not g.mig_enabled:
+            raise GpusliceError(f"MIG mode is disabled on GPU {uuid} (an administrator's "
+                                "action)")
+        return model.mig

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from gpuslice.adapters.kube.fake import ApiNotFound, KubePort
+from gpuslice.adapters.kube.objects import GPU_MEMORY, GPU_MILLI
 from gpuslice.adapters.mps import MpsDaemon
 from gpuslice.adapters.nvml.port import NvmlError, NvmlPort
 from gpuslice.core.devices import inventory, node_labels
@@ -58,6 +59,12 @@ class AgentMetrics:
                             registry=self.registry)
         self.devices = Gauge("gpuslice_virtual_devices", "virtual devices served", ["node"],
                              registry=self.registry)
+        from prometheus_client import Counter
+
+        self.registration_failures = Counter(
+            "gpuslice_device_plugin_registration_failures",
+            "device plugin registrations refused by the kubelet (or by the resource name "
+            "check), or unanswered", ["node", "resource"], registry=self.registry)
 
     def render(self) -> bytes:
         from prometheus_client import generate_latest
@@ -85,7 +92,8 @@ class NodeAgent:
         # one plugin (or, with the "mixed" MIG strategy, one per MIG profile)
         self.plugins = [DevicePlugin(c, nvml, api, ensure_mps=ensure)
                         for c in plugin_configs(cfg, nvml)]
-        self.servers = [PluginServer(p) for p in self.plugins]
+        self.servers = [PluginServer(p, on_failure=self.registration_failed)
+                        for p in self.plugins]
         self.plugin = self.plugins[0] if self.plugins else DevicePlugin(cfg, nvml, api)
         self.server = self.servers[0] if self.servers else PluginServer(self.plugin)
         self._last_error: dict[str, float] = {}
@@ -98,6 +106,29 @@ class NodeAgent:
         self._publish_at = 0.0
         self._publish_backoff_s = 0.0
         self.max_backoff_s = 30.0
+
+    def registration_failed(self, resource: str, message: str) -> None:
+        """A device plugin registration failed: count it, and tell the cluster with a
+        Warning Event on this node (``kubectl describe node`` shows it)."""
+        self.metrics.registration_failures.labels(self.cfg.node, resource).inc()
+        create = getattr(self.api, "create_event", None)
+        if create is None:
+            return
+        from datetime import UTC, datetime
+
+        now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        event = {
+            "apiVersion": "v1", "kind": "Event",
+            "metadata": {"generateName": f"{self.cfg.node}.gpuslice-registration-"},
+            "involvedObject": {"apiVersion": "v1", "kind": "Node", "name": self.cfg.node},
+            "reason": "DevicePluginRegistrationFailed", "type": "Warning",
+            "message": f"{resource}: {message}"[:1024],
+            "source": {"component": "gpuslice-node-agent", "host": self.cfg.node},
+            "firstTimestamp": now, "lastTimestamp": now, "count": 1}
+        try:
+            create("default", event)
+        except GpusliceError as exc:
+            note_once(self.problems, f"could not report a registration failure: {exc}")
 
     def update_metrics(self) -> None:
         held: dict[str, tuple[int, int]] = {}
@@ -144,6 +175,16 @@ class NodeAgent:
         labels = node_labels(self.nvml.devices(), self.nvml.driver_version())
         try:
             self.api.patch_node(self.cfg.node, labels, {INVENTORY: json.dumps(inventory(gpus))})
+            # the node's GPU share total, counted by kube-scheduler (deploy/base/scheduler-
+            # config.yaml): its preemption then sees share contention; per-GPU fit stays the
+            # extender's. The memory total is ignored by the scheduler's fit but must be in
+            # allocatable: with a DeviceClass naming an extendedResourceName (deploy/dra), the
+            # DynamicResources plugin refuses a node lacking any extended resource the pod asks
+            # for ("cannot fit resource", filterExtendedResources in kube-scheduler's
+            # dynamicresources/extendeddynamicresources.go), whatever the extender config says
+            self.api.patch_node_capacity(self.cfg.node, {
+                GPU_MILLI: str(1000 * len(gpus)),
+                GPU_MEMORY: str(sum(g.memory_mib for g in gpus))})
         except GpusliceError as exc:
             self._unpublished = True
             self._publish_backoff_s = min(self.max_backoff_s,

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import re
 import time
 from collections.abc import Callable
@@ -63,6 +64,7 @@ from gpuslice.core.reconfig import (
 from gpuslice.services.node_agent import MIG_DESIRED, MIG_LAYOUTS
 
 PLURAL = "sliceschedules"
+log = logging.getLogger("gpuslice.reconfig")
 ACTIVE = ("Cordoned", "Moving", "Draining", "Restoring", "Applying", "RollingBack")
 _SUFFIX = re.compile(r"-m\d+$")
 
@@ -105,12 +107,16 @@ class ReconfigController:
             except ApiConflict:
                 continue  # someone changed the object: read it again next pass
 
+    def _note(self, text: str) -> None:
+        self.log.append(text)
+        log.info(text)
+
     def run(self, stop: Callable[[], bool], every_s: float = 0.5) -> None:
         while not stop():
             try:
                 self.step()
             except GpusliceError as exc:
-                self.log.append(f"step: {exc}")
+                self._note(f"step: {exc}")
             time.sleep(every_s)
 
     # -- one schedule --------------------------------------------------------------------------
@@ -487,7 +493,7 @@ class ReconfigController:
         if obj.get("status") == status:
             return
         if (old or {}).get("message") != message:
-            self.log.append(f"{obj['metadata']['name']}: {condition}: {message}")
+            self._note(f"{obj['metadata']['name']}: {condition}: {message}")
         new = dict(obj)
         new["status"] = status
         self.api.replace_custom(PLURAL, new)

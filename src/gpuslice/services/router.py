@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
+import logging
 import random
 import signal
 import sys
@@ -46,6 +46,8 @@ from gpuslice.core.routing import (
     with_health,
 )
 from gpuslice.core.routing_config import RouterConfig, ServiceSpec
+
+log = logging.getLogger("gpuslice.router")
 
 ConfigLoader = Callable[[], Awaitable[RouterConfig]]
 
@@ -141,14 +143,18 @@ class Router:
 
     # -- Balancer ------------------------------------------------------------------------------
     def service_for(self, model: str | None) -> str | Reject:
-        if len(self.services) == 1:
-            return next(iter(self.services))
+        """The service a request's model (from its path) goes to; a model no service names is
+        refused with 404, even with one service. A service that names no model (EndpointSlices
+        without --models) takes every model."""
         if model is not None:
             svc = self.models.get(model)
-            if svc is None:
-                return Reject(404, f"no service serves model {model!r}; known models: "
-                              f"{sorted(self.models)}", reason="unknown-model")
-            return svc
+            if svc is not None:
+                return svc
+            open_ = [n for n, s in self.services.items() if not s.spec.models]
+            if len(open_) == 1:
+                return open_[0]
+            return Reject(404, f"no service serves model {model!r}; known models: "
+                          f"{sorted(self.models)}", reason="unknown-model")
         return next(iter(self.services))
 
     def wants_body_size(self, service: str) -> bool:
@@ -293,8 +299,8 @@ class RouterApp:
             self.router.apply(config)
         except (ValidationError, OSError, aiohttp.ClientError) as exc:
             self.reload_errors.append(str(exc))
-            print(f"gpuslice router: reload failed, keeping the old replica set: {exc}",
-                  file=sys.stderr, flush=True)
+            log.warning("reload failed, keeping the old replica set: %s", exc,
+                        extra={"event": "reload-failed"})
             return {"reloaded": False, "error": str(exc)}
         return {"reloaded": True, "generation": self.router.generation}
 
@@ -430,6 +436,7 @@ class ServeOptions:
     kube_api: str | None = None
     port_name: str | None = None
     poll_s: float = 5.0
+    models: tuple[str, ...] = ()  # EndpointSlices alone: the models served (none: any)
 
 
 def parse_hostport(field_name: str, text: str) -> tuple[str, int]:
@@ -443,6 +450,21 @@ def parse_hostport(field_name: str, text: str) -> tuple[str, int]:
     if not 0 <= p <= 65535:
         raise ValidationError(field_name, "a port from 0 to 65535", text)
     return host.strip("[]") or "0.0.0.0", p
+
+
+def _service_of(cfg: RouterConfig, name: str, path: Path | None) -> ServiceSpec:
+    """The service of a config or plan that the EndpointSlices of Service ``name`` serve: the
+    one of that name (or model), or the only one."""
+    for spec in cfg.services:
+        if spec.name == name:
+            return spec
+    for spec in cfg.services:
+        if name in spec.models:
+            return spec
+    if len(cfg.services) == 1:
+        return cfg.services[0]
+    raise ValidationError("--endpointslices", f"a Service named like one of the services of "
+                          f"{path}: {', '.join(s.name for s in cfg.services)}", name)
 
 
 def make_loader(opts: ServeOptions) -> tuple[ConfigLoader, Path | None]:
@@ -459,8 +481,12 @@ def make_loader(opts: ServeOptions) -> tuple[ConfigLoader, Path | None]:
 
         src = SliceSource.parse(opts.endpointslices, opts.kube_api, opts.port_name)
         base = opts.config or opts.plan
-        template = read_config(base, need_urls=False) if base is not None else None
-        spec0 = template.services[0] if template is not None else None
+        template = read_config(base, need_urls=False, field="--config" if opts.config
+                               else "--plan") if base is not None else None
+        spec0 = None
+        if template is not None:
+            spec0 = _service_of(template, src.service, base)
+            template = replace(template, services=(spec0,))
         by_name = {r.name: r for r in spec0.replicas} if spec0 is not None else {}
 
         async def load_slices() -> RouterConfig:
@@ -471,7 +497,7 @@ def make_loader(opts: ServeOptions) -> tuple[ConfigLoader, Path | None]:
                 raise ValidationError(f"EndpointSlices of {src.namespace}/{src.service}",
                                       "at least one ready endpoint", 0)
             svc = (replace(spec0, replicas=reps) if spec0 is not None
-                   else ServiceSpec(src.service, reps, models=(src.service,)))
+                   else ServiceSpec(src.service, reps, models=opts.models))
             cfg = template or parse_router_config(
                 {"services": [{"name": src.service, "replicas": []}]}, need_urls=False)
             return replace(cfg, services=(svc,))
@@ -510,8 +536,10 @@ async def serve(opts: ServeOptions, ready: Callable[[RouterApp], None] | None = 
     loop.add_signal_handler(signal.SIGTERM, stop.set)
     loop.add_signal_handler(signal.SIGINT, stop.set)
     loop.add_signal_handler(signal.SIGHUP, lambda: asyncio.ensure_future(app.reload()))
-    print(json.dumps({"router": "listening", "port": app.port, "admin_port": app.admin_port,
-                      "services": list(app.router.services)}), file=sys.stderr, flush=True)
+    log.info("listening on %s:%s (admin %s)", opts.listen[0], app.port,
+             "off" if app.admin_port is None else app.admin_port,
+             extra={"event": "listening", "port": app.port, "admin_port": app.admin_port,
+                    "services": list(app.router.services)})
     if ready is not None:
         ready(app)
     try:

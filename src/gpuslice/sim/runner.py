@@ -82,13 +82,19 @@ class JobResult:
 
 def run_job(scenario: Scenario, job: Job,
             progress: Callable[[int], None] | None = None) -> JobResult:
-    """One replay: tune the task list with the seed, submit it under the policy, bin it."""
-    policy = make_policy(job.policy)
+    """One replay: tune the task list with the seed, submit it under the policy, bin it.
+    A DRA mode (``dra-default``, ``dra-ours``, ``dra-ours-all``) replays the DRA path."""
+    from gpuslice.sim.dra import is_dra, replay_dra
+
     rng = np.random.default_rng(job.seed)
     tasks = tune(scenario.tasks, scenario.total_gpus * 1000, job.tune, rng)
     start = time.perf_counter()
-    trace = replay(scenario.arrays, tasks, policy, scenario.workload, rng, seed=job.seed,
-                   progress=progress, tie_order=job.tie_order)
+    if is_dra(job.policy):
+        trace = replay_dra(scenario.arrays, tasks, job.policy, scenario.workload, rng,
+                           seed=job.seed, progress=progress)
+    else:
+        trace = replay(scenario.arrays, tasks, make_policy(job.policy), scenario.workload,
+                       rng, seed=job.seed, progress=progress, tie_order=job.tie_order)
     seconds = time.perf_counter() - start
     return JobResult(job, bin_run(trace), seconds, len(tasks))
 
@@ -116,8 +122,11 @@ class Experiment:
     workers: int = field(default_factory=lambda: max(1, os.cpu_count() or 1))
 
     def jobs(self) -> list[Job]:
+        from gpuslice.sim.dra import is_dra
+
         for p in self.policies:
-            make_policy(p)  # validate every name before any work starts
+            if not is_dra(p):
+                make_policy(p)  # validate every name before any work starts
         return [Job(p, s, self.tune, self.tie_order) for p in self.policies for s in self.seeds]
 
 

@@ -12,6 +12,7 @@ from typing import Any
 
 from gpuslice.core.assignment import Assignment, ContainerAssignment, GpuShare, Mode
 from gpuslice.core.errors import GpusliceError, ValidationError
+from gpuslice.core.podrequest import ContainerKind
 
 MAX_BYTES = 64 * 1024
 
@@ -26,6 +27,7 @@ def encode(a: Assignment) -> str:
         "bindTime": a.bind_time, "mac": a.mac,
         "containers": [{
             "name": c.name, "mode": c.mode.value,
+            **({"kind": c.kind.value} if c.kind is not ContainerKind.APP else {}),
             "gpus": [{"uuid": g.uuid, "milli": g.milli, "memoryMiB": g.memory_mib,
                       **({"migProfile": g.mig_profile, "migStart": g.mig_start}
                          if g.mig_profile else {})} for g in c.gpus],
@@ -78,8 +80,15 @@ def decode(text: str) -> Assignment:
                     g.get("migProfile", "") if isinstance(g.get("migProfile", ""), str) else "",
                     g["migStart"] if isinstance(g.get("migStart"), int) else -1,
                 ))
+            kind_text = c.get("kind", ContainerKind.APP.value)
+            try:
+                kind = ContainerKind(kind_text)
+            except ValueError:
+                raise AnnotationError(f"{where}.kind: expected one of "
+                                      f"{', '.join(k.value for k in ContainerKind)}, got "
+                                      f"{kind_text!r}") from None
             containers.append(ContainerAssignment(_get(c, "name", str, where), mode,
-                                                  tuple(gpus)))
+                                                  tuple(gpus), kind))
         return Assignment(
             _get(doc, "namespace", str, "assignment"), _get(doc, "pod", str, "assignment"),
             _get(doc, "podUID", str, "assignment"), _get(doc, "node", str, "assignment"),

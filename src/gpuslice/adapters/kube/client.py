@@ -1,4 +1,4 @@
-"""The API-server port on the official Kubernetes Python client (``pip install gpuslice[kube]``).
+"""The API-server port on the official Kubernetes Python client (the ``kube`` extra).
 
 The only module that talks to a real API server. The official client was chosen over lightkube
 because its generated API covers every call we need (pod binding subresource included) with the
@@ -16,8 +16,10 @@ import contextlib
 import os
 import threading
 import time
+from collections.abc import Mapping
 from typing import Any
 
+from gpuslice.adapters.install import pip_install
 from gpuslice.adapters.kube.fake import ApiConflict, ApiNotFound, WatchEvent
 from gpuslice.core.errors import GpusliceError
 
@@ -36,7 +38,7 @@ class KubeClient:
             from kubernetes import client, config
         except ImportError:
             raise GpusliceError(
-                "the Kubernetes client is not installed: pip install 'gpuslice[kube]'"
+                "the Kubernetes client is not installed: " + pip_install("kube")
             ) from None
         cfg = client.Configuration()
         try:
@@ -53,7 +55,9 @@ class KubeClient:
         self._api = client.CoreV1Api(self._api_client)
         self._apps = client.AppsV1Api(self._api_client)
         self._leases = client.CoordinationV1Api(self._api_client)
+        self._policy = client.PolicyV1Api(self._api_client)
         self._custom = client.CustomObjectsApi(self._api_client)
+        self._resource = client.ResourceV1Api(self._api_client)  # kubernetes >= 34.1
         self.timeout_s = timeout_s
         self._followers: list[_Follower] | None = None
         self._queue: Any = None
@@ -151,8 +155,18 @@ class KubeClient:
         body = {"metadata": {"labels": labels, "annotations": annotations}}
         self._call(self._api.patch_node, name, body)
 
+    def patch_node_capacity(self, name: str, resources: dict[str, str]) -> None:
+        """Node-level extended resources through the node's ``status`` subresource (RBAC:
+        nodes/status patch), as the Kubernetes docs advertise them."""
+        body = {"status": {"capacity": resources, "allocatable": resources}}
+        self._call(self._api.patch_node_status, name, body)
+
     def list_nodes(self) -> list[dict[str, Any]]:
         return self._items(self._api.list_node)
+
+    def create_event(self, namespace: str, event: dict[str, Any]) -> None:
+        """Create a core/v1 Event (what ``kubectl describe`` shows on its object)."""
+        self._call(self._api.create_namespaced_event, namespace, event)
 
     def get_node(self, name: str) -> dict[str, Any]:
         return dict(self._json(self._api.read_node, name))
@@ -164,6 +178,9 @@ class KubeClient:
 
     def get_pod(self, namespace: str, name: str) -> dict[str, Any]:
         return dict(self._json(self._api.read_namespaced_pod, name, namespace))
+
+    def list_pod_disruption_budgets(self, namespace: str) -> list[dict[str, Any]]:
+        return self._items(self._policy.list_namespaced_pod_disruption_budget, namespace)
 
     def patch_pod_annotations(self, namespace: str, name: str, annotations: dict[str, str],
                               resource_version: str) -> dict[str, Any]:
@@ -212,11 +229,87 @@ class KubeClient:
         with contextlib.suppress(ApiNotFound):
             self._call(self._apps.delete_namespaced_deployment, name, namespace)
 
-    def bind(self, namespace: str, name: str, uid: str, node: str) -> None:
-        """The pod's ``binding`` subresource, as kube-scheduler binds (RBAC: pods/binding)."""
+    # -- resource.k8s.io/v1 (the DRA driver) ------------------------------------------------
+    # raw REST calls: the generated models would drop (or refuse) fields that the client
+    # version in use does not know, and DRA's fields move with every Kubernetes release
+
+    def _rest(self, method: str, path: str, query: dict[str, str] | None = None,
+              body: Any = None) -> Any:
+        api = self._api_client
+        headers = {"Accept": "application/json", "Content-Type": "application/json"}
+        params = list((query or {}).items())
+
+        if hasattr(api, "param_serialize"):  # kubernetes >= 35: the pydantic client
+            req = api.param_serialize(method=method, resource_path=path, query_params=params,
+                                      header_params=headers, body=body,
+                                      auth_settings=["BearerToken"])
+
+            def send(_preload_content: bool = False, _request_timeout: Any = None) -> Any:
+                return api._call_with_legacy_options(req, {}, None, _preload_content,
+                                                     _request_timeout, True)
+        else:  # the older generated client
+            def send(_preload_content: bool = False, _request_timeout: Any = None) -> Any:
+                return api.call_api(  # type: ignore[call-arg,misc]
+                    path, method, {}, params, headers, body=body,
+                    auth_settings=["BearerToken"], response_type=None,
+                    _preload_content=_preload_content, _request_timeout=_request_timeout,
+                    _return_http_data_only=True)
+        return self._json(send)
+
+    def get_resource_claim(self, namespace: str, name: str) -> dict[str, Any]:
+        return dict(self._rest("GET", f"/apis/resource.k8s.io/v1/namespaces/{namespace}/"
+                                      f"resourceclaims/{name}"))
+
+    def list_resource_slices(self, driver: str = "", node: str = "") -> list[dict[str, Any]]:
+        sel = ",".join(s for s in (f"spec.driver={driver}" if driver else "",
+                                   f"spec.nodeName={node}" if node else "") if s)
+        out = self._rest("GET", "/apis/resource.k8s.io/v1/resourceslices",
+                         {"fieldSelector": sel} if sel else None)
+        return list(out.get("items") or [])
+
+    def create_resource_slice(self, obj: dict[str, Any],
+                              dry_run: bool = False) -> dict[str, Any]:
+        return dict(self._rest("POST", "/apis/resource.k8s.io/v1/resourceslices",
+                               {"dryRun": "All"} if dry_run else None, obj))
+
+    def update_resource_slice(self, obj: dict[str, Any]) -> dict[str, Any]:
+        name = obj["metadata"]["name"]
+        return dict(self._rest("PUT", f"/apis/resource.k8s.io/v1/resourceslices/{name}",
+                               None, obj))
+
+    def delete_resource_slice(self, name: str) -> None:
+        self._rest("DELETE", f"/apis/resource.k8s.io/v1/resourceslices/{name}")
+
+    # resource.k8s.io/v1 (DRA): the claim allocator's calls; both claim writes are replaces
+    # that carry the claim's resourceVersion, so a claim changed since it was read is a 409
+    def list_device_classes(self) -> list[dict[str, Any]]:
+        return self._items(self._resource.list_device_class)
+
+    def list_resource_claims(self) -> list[dict[str, Any]]:
+        return self._items(self._resource.list_resource_claim_for_all_namespaces)
+
+    def update_resource_claim(self, claim: dict[str, Any]) -> dict[str, Any]:
+        meta = claim["metadata"]
+        return dict(self._json(self._resource.replace_namespaced_resource_claim, meta["name"],
+                               meta["namespace"], claim))
+
+    def update_resource_claim_status(self, claim: dict[str, Any]) -> dict[str, Any]:
+        meta = claim["metadata"]
+        return dict(self._json(self._resource.replace_namespaced_resource_claim_status,
+                               meta["name"], meta["namespace"], claim))
+
+    def bind(self, namespace: str, name: str, uid: str, node: str,
+             annotations: Mapping[str, str] | None = None,
+             resource_version: str | None = None) -> None:
+        """The pod's ``binding`` subresource, as kube-scheduler binds (RBAC: pods/binding).
+        ``annotations`` are set on the pod in the same write, and ``uid`` and
+        ``resource_version`` are its preconditions (kube-apiserver's
+        ``BindingREST.setPodNodeAndMetadata``, pkg/registry/core/pod/storage/storage.go)."""
         c = self._client
         body = c.V1Binding(
-            metadata=c.V1ObjectMeta(name=name, namespace=namespace, uid=uid),
+            metadata=c.V1ObjectMeta(name=name, namespace=namespace, uid=uid,
+                                    annotations=dict(annotations) if annotations else None,
+                                    resource_version=resource_version),
             target=c.V1ObjectReference(api_version="v1", kind="Node", name=node),
         )
         # the generated client fails to deserialise the Status it gets back; the call succeeded

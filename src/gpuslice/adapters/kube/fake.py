@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -47,6 +48,10 @@ class KubePort(Protocol):
     def get_node(self, name: str) -> dict[str, Any]: ...
     def patch_node(self, name: str, labels: dict[str, str],
                    annotations: dict[str, str]) -> None: ...
+    def patch_node_capacity(self, name: str, resources: dict[str, str]) -> None:
+        """Set node-level extended resources in ``status.capacity`` and ``allocatable`` (the
+        node's status subresource, as the Kubernetes docs advertise extended resources)."""
+        ...
     def get_lease(self, namespace: str, name: str) -> dict[str, Any] | None: ...
     def put_lease(self, namespace: str, name: str, spec: dict[str, Any],
                   resource_version: str | None) -> dict[str, Any]: ...
@@ -55,9 +60,18 @@ class KubePort(Protocol):
         selector, evaluated by the API server)."""
         ...
     def get_pod(self, namespace: str, name: str) -> dict[str, Any]: ...
+    def list_pod_disruption_budgets(self, namespace: str) -> list[dict[str, Any]]:
+        """The PodDisruptionBudgets of ``namespace`` (policy/v1), with their status."""
+        ...
     def patch_pod_annotations(self, namespace: str, name: str, annotations: dict[str, str],
                               resource_version: str) -> dict[str, Any]: ...
-    def bind(self, namespace: str, name: str, uid: str, node: str) -> None: ...
+    def bind(self, namespace: str, name: str, uid: str, node: str,
+             annotations: Mapping[str, str] | None = None,
+             resource_version: str | None = None) -> None:
+        """Bind the pod to ``node`` (its ``binding`` subresource), setting ``annotations`` on
+        it in the same write; ``uid`` and ``resource_version`` (when given) are
+        preconditions."""
+        ...
 
 
 class ClusterPort(KubePort, Protocol):
@@ -75,6 +89,100 @@ class ClusterPort(KubePort, Protocol):
     def delete_deployment(self, namespace: str, name: str) -> None: ...
 
 
+class DraPort(Protocol):
+    """What a DRA driver needs of the API server (``resource.k8s.io/v1``): its claims, its
+    node's ResourceSlices (``dry_run`` creates nothing and answers what would be stored, as
+    ``?dryRun=All``: fields of a disabled feature gate are dropped), Events, and the claim
+    allocator's Lease (read only: its devices carry the allocator's taint while it is
+    fresh)."""
+
+    def get_node(self, name: str) -> dict[str, Any]: ...
+    def get_lease(self, namespace: str, name: str) -> dict[str, Any] | None: ...
+    def get_resource_claim(self, namespace: str, name: str) -> dict[str, Any]: ...
+    def list_resource_slices(self, driver: str = "", node: str = "") -> list[dict[str, Any]]: ...
+    def create_resource_slice(self, obj: dict[str, Any],
+                              dry_run: bool = False) -> dict[str, Any]: ...
+    def update_resource_slice(self, obj: dict[str, Any]) -> dict[str, Any]: ...
+    def delete_resource_slice(self, name: str) -> None: ...
+    def create_event(self, namespace: str, event: dict[str, Any]) -> None: ...
+
+
+# fields of resource.k8s.io/v1 that an API server drops when their feature gate is off
+GATED_FIELDS = {
+    "DRAConsumableCapacity": ("allowMultipleAllocations", "capacity.*.requestPolicy"),
+    "DRAPartitionableDevices": ("sharedCounters", "consumesCounters", "perDeviceNodeSelection"),
+    "DRADeviceTaints": ("taints",),
+}
+
+
+def normalize_slice_spec(spec: dict[str, Any], now: str) -> None:
+    """What kube-apiserver does to a stored ResourceSlice spec besides validation: quantities
+    are kept in their canonical form (``81920Mi`` reads back as ``80Gi``), and a device taint
+    without ``timeAdded`` gets the time of the write (resource/v1 types.go, DeviceTaint:
+    "Added automatically during create or update if not set")."""
+    from gpuslice.core.dra import canonical_quantity
+
+    def counters(cs: dict[str, Any]) -> None:
+        for c in cs.values():
+            if isinstance(c, dict) and "value" in c:
+                c["value"] = canonical_quantity(c["value"])
+
+    for s in spec.get("sharedCounters") or []:
+        counters(s.get("counters") or {})
+    for d in spec.get("devices") or []:
+        for c in (d.get("capacity") or {}).values():
+            if "value" in c:
+                c["value"] = canonical_quantity(c["value"])
+            pol = c.get("requestPolicy") or {}
+            if "default" in pol:
+                pol["default"] = canonical_quantity(pol["default"])
+            if pol.get("validValues"):
+                pol["validValues"] = [canonical_quantity(v) for v in pol["validValues"]]
+            rng = pol.get("validRange") or {}
+            for k in ("min", "max", "step"):
+                if k in rng:
+                    rng[k] = canonical_quantity(rng[k])
+        for cc in d.get("consumesCounters") or []:
+            counters(cc.get("counters") or {})
+        for t in d.get("taints") or []:
+            t.setdefault("timeAdded", now)
+
+
+def _now() -> str:
+    from datetime import UTC, datetime
+
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def drop_gated_fields(spec: dict[str, Any], gates: set[str]) -> None:
+    """Remove from a ResourceSlice spec the fields of the gates not in ``gates``, as
+    kube-apiserver's strategy does on create and update (``dropDisabledFields``)."""
+    off = {f for gate, fields in GATED_FIELDS.items() if gate not in gates for f in fields}
+    for f in ("sharedCounters", "perDeviceNodeSelection"):
+        if f in off:
+            spec.pop(f, None)
+    for d in spec.get("devices") or []:
+        for f in ("allowMultipleAllocations", "consumesCounters", "taints"):
+            if f in off:
+                d.pop(f, None)
+        if "capacity.*.requestPolicy" in off:
+            for c in (d.get("capacity") or {}).values():
+                c.pop("requestPolicy", None)
+
+
+class DraApiPort(Protocol):
+    """What the DRA claim allocator needs (resource.k8s.io/v1): slices and classes to read,
+    claims to read and to update (metadata, then the status subresource), both writes
+    preconditioned on the claim's ``metadata.resourceVersion`` (a stale one: 409)."""
+
+    def list_resource_slices(self, driver: str = "", node: str = "") -> list[dict[str, Any]]: ...
+    def list_device_classes(self) -> list[dict[str, Any]]: ...
+    def list_resource_claims(self) -> list[dict[str, Any]]: ...
+    def get_resource_claim(self, namespace: str, name: str) -> dict[str, Any]: ...
+    def update_resource_claim(self, claim: dict[str, Any]) -> dict[str, Any]: ...
+    def update_resource_claim_status(self, claim: dict[str, Any]) -> dict[str, Any]: ...
+
+
 class FakeApiServer:
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -86,6 +194,24 @@ class FakeApiServer:
         self._leases: dict[tuple[str, str], dict[str, Any]] = {}
         self._custom: dict[tuple[str, str, str], dict[str, Any]] = {}
         self._deployments: dict[tuple[str, str], dict[str, Any]] = {}
+        self._claims: dict[tuple[str, str], dict[str, Any]] = {}
+        self._slices: dict[str, dict[str, Any]] = {}
+        self.events: list[dict[str, Any]] = []  # core/v1 Events created
+        # the DRA feature gates this API server has on (1.36 defaults: all three beta, on)
+        self.dra_gates: set[str] = set(GATED_FIELDS)
+        self._classes: dict[str, dict[str, Any]] = {}
+        self._pdbs: dict[tuple[str, str], dict[str, Any]] = {}
+
+    def add_pdb(self, pdb: dict[str, Any]) -> None:
+        """Store a PodDisruptionBudget as given (its ``status``, which the disruption
+        controller would keep, included)."""
+        meta = pdb.get("metadata") or {}
+        with self._lock:
+            self._pdbs[(meta.get("namespace", "default"), meta["name"])] = copy.deepcopy(pdb)
+
+    def list_pod_disruption_budgets(self, namespace: str) -> list[dict[str, Any]]:
+        with self._lock:
+            return copy.deepcopy([p for (ns, _), p in self._pdbs.items() if ns == namespace])
 
     def get_lease(self, namespace: str, name: str) -> dict[str, Any] | None:
         with self._lock:
@@ -214,6 +340,77 @@ class FakeApiServer:
         with self._lock:
             self._deployments.pop((namespace, name), None)
 
+    # -- resource.k8s.io/v1: ResourceSlices, DeviceClasses, ResourceClaims --------------------
+
+    def add_resourceslice(self, obj: dict[str, Any]) -> None:
+        with self._lock:
+            o = copy.deepcopy(obj)
+            o["kind"] = "ResourceSlice"
+            self._bump(o, "ADDED")
+            self._slices[o["metadata"]["name"]] = o
+
+    def add_deviceclass(self, obj: dict[str, Any]) -> None:
+        with self._lock:
+            o = copy.deepcopy(obj)
+            o["kind"] = "DeviceClass"
+            self._bump(o, "ADDED")
+            self._classes[o["metadata"]["name"]] = o
+
+    def add_resourceclaim(self, obj: dict[str, Any]) -> dict[str, Any]:
+        with self._lock:
+            o = copy.deepcopy(obj)
+            meta = o.setdefault("metadata", {})
+            meta.setdefault("namespace", "default")
+            meta.setdefault("uid", f"uid-claim-{meta['namespace']}-{meta['name']}")
+            o["kind"] = "ResourceClaim"
+            o.setdefault("status", {})
+            self._bump(o, "ADDED")
+            self._claims[(meta["namespace"], meta["name"])] = o
+            return copy.deepcopy(o)
+
+    def list_device_classes(self) -> list[dict[str, Any]]:
+        with self._lock:
+            return copy.deepcopy(list(self._classes.values()))
+
+    def list_resource_claims(self) -> list[dict[str, Any]]:
+        with self._lock:
+            return copy.deepcopy(list(self._claims.values()))
+
+    def _claim_for_write(self, claim: dict[str, Any]) -> dict[str, Any]:
+        meta = claim.get("metadata") or {}
+        key = (str(meta.get("namespace", "default")), str(meta.get("name")))
+        cur = self._claims.get(key)
+        if cur is None:
+            raise ApiNotFound(f'resourceclaims.resource.k8s.io "{key[1]}" not found')
+        rv = meta.get("resourceVersion")
+        if rv and rv != cur["metadata"]["resourceVersion"]:  # none given: unconditional
+            raise ApiConflict(f'Operation cannot be fulfilled on resourceclaims.resource.k8s.io '
+                              f'"{key[1]}": the object has been modified; please apply your '
+                              "changes to the latest version and try again")
+        return cur
+
+    def update_resource_claim(self, claim: dict[str, Any]) -> dict[str, Any]:
+        """Replace the claim's metadata (labels, annotations, finalizers); the spec is
+        immutable and the status is the status subresource's."""
+        with self._lock:
+            cur = self._claim_for_write(claim)
+            meta = claim.get("metadata") or {}
+            for k in ("labels", "annotations", "finalizers"):
+                if k in meta:
+                    cur["metadata"][k] = copy.deepcopy(meta[k])
+                else:
+                    cur["metadata"].pop(k, None)
+            self._bump(cur)
+            return copy.deepcopy(cur)
+
+    def update_resource_claim_status(self, claim: dict[str, Any]) -> dict[str, Any]:
+        """Replace the claim's status (``resourceclaims/status``); metadata and spec stay."""
+        with self._lock:
+            cur = self._claim_for_write(claim)
+            cur["status"] = copy.deepcopy(claim.get("status") or {})
+            self._bump(cur)
+            return copy.deepcopy(cur)
+
     def delete_pod(self, namespace: str, name: str) -> None:
         with self._lock:
             p = self._pods.pop((namespace, name), None)
@@ -242,6 +439,21 @@ class FakeApiServer:
             meta.setdefault("annotations", {}).update(annotations)
             self._bump(n)
 
+    def patch_node_capacity(self, name: str, resources: dict[str, str]) -> None:
+        with self._lock:
+            n = self._nodes.get(name)
+            if n is None:
+                raise ApiNotFound(f"node {name} not found")
+            status = n.setdefault("status", {})
+            for field in ("capacity", "allocatable"):
+                status.setdefault(field, {}).update(resources)
+            self._bump(n)
+
+    def create_event(self, namespace: str, event: dict[str, Any]) -> None:
+        with self._lock:
+            self.events.append(copy.deepcopy({**event, "metadata": {
+                **(event.get("metadata") or {}), "namespace": namespace}}))
+
     def list_pods(self, node: str | None = None) -> list[dict[str, Any]]:
         with self._lock:
             return copy.deepcopy([p for p in self._pods.values()
@@ -268,13 +480,19 @@ class FakeApiServer:
             self._bump(p)
             return copy.deepcopy(p)
 
-    def bind(self, namespace: str, name: str, uid: str, node: str) -> None:
+    def bind(self, namespace: str, name: str, uid: str, node: str,
+             annotations: Mapping[str, str] | None = None,
+             resource_version: str | None = None) -> None:
         with self._lock:
             p = self._pods.get((namespace, name))
             if p is None:
                 raise ApiNotFound(f"pod {namespace}/{name} not found")
             if p["metadata"].get("uid") != uid:
                 raise ApiConflict(f"pod {namespace}/{name} has another UID")
+            if resource_version and p["metadata"].get("resourceVersion") != resource_version:
+                raise ApiConflict(f"pod {namespace}/{name} changed (resourceVersion "
+                                  f"{p['metadata'].get('resourceVersion')} != "
+                                  f"{resource_version})")
             if node not in self._nodes:
                 raise ApiNotFound(f"node {node} not found")
             spec = p.setdefault("spec", {})
@@ -282,7 +500,92 @@ class FakeApiServer:
                 raise ApiConflict(f"pod {namespace}/{name} is already bound to "
                                   f"{spec['nodeName']}")
             spec["nodeName"] = node
+            if annotations:
+                p["metadata"].setdefault("annotations", {}).update(annotations)
             self._bump(p)
+
+
+    # -- resource.k8s.io/v1 ---------------------------------------------------------------------
+
+    def put_resource_claim(self, claim: dict[str, Any]) -> dict[str, Any]:
+        """Create or replace a ResourceClaim as the scheduler leaves it (tests set
+        ``status.allocation`` themselves)."""
+        with self._lock:
+            c = copy.deepcopy(claim)
+            meta = c.setdefault("metadata", {})
+            meta.setdefault("namespace", "default")
+            meta.setdefault("uid", f"uid-claim-{meta['namespace']}-{meta['name']}")
+            c.setdefault("kind", "ResourceClaim")
+            c.setdefault("apiVersion", "resource.k8s.io/v1")
+            self._rv += 1
+            meta["resourceVersion"] = str(self._rv)
+            self._claims[(meta["namespace"], meta["name"])] = c
+            return copy.deepcopy(c)
+
+    def delete_resource_claim(self, namespace: str, name: str) -> None:
+        with self._lock:
+            self._claims.pop((namespace, name), None)
+
+    def get_resource_claim(self, namespace: str, name: str) -> dict[str, Any]:
+        with self._lock:
+            c = self._claims.get((namespace, name))
+            if c is None:
+                raise ApiNotFound(f'resourceclaims.resource.k8s.io "{name}" not found')
+            return copy.deepcopy(c)
+
+    def list_resource_slices(self, driver: str = "", node: str = "") -> list[dict[str, Any]]:
+        with self._lock:
+            return [copy.deepcopy(s) for s in self._slices.values()
+                    if (not driver or s["spec"].get("driver") == driver)
+                    and (not node or s["spec"].get("nodeName") == node)]
+
+    def create_resource_slice(self, obj: dict[str, Any],
+                              dry_run: bool = False) -> dict[str, Any]:
+        s = copy.deepcopy(obj)
+        meta = s.setdefault("metadata", {})
+        s.setdefault("kind", "ResourceSlice")
+        s.setdefault("apiVersion", "resource.k8s.io/v1")
+        drop_gated_fields(s.setdefault("spec", {}), self.dra_gates)
+        normalize_slice_spec(s["spec"], _now())
+        with self._lock:
+            name = meta.get("name") or ""
+            if not name and meta.get("generateName"):
+                name = f"{meta['generateName']}{len(self._slices) + self._rv:05x}"
+            if not name:
+                raise ValidationError("metadata.name", "a name or generateName", meta)
+            if name in self._slices:
+                raise ApiConflict(f'resourceslices "{name}" already exists')
+            meta["name"] = name
+            meta.setdefault("uid", f"uid-slice-{name}")
+            if dry_run:
+                return s
+            self._rv += 1
+            meta["resourceVersion"] = str(self._rv)
+            self._slices[name] = s
+            return copy.deepcopy(s)
+
+    def update_resource_slice(self, obj: dict[str, Any]) -> dict[str, Any]:
+        s = copy.deepcopy(obj)
+        meta = s.get("metadata") or {}
+        drop_gated_fields(s.setdefault("spec", {}), self.dra_gates)
+        normalize_slice_spec(s["spec"], _now())
+        with self._lock:
+            cur = self._slices.get(str(meta.get("name")))
+            if cur is None:
+                raise ApiNotFound(f'resourceslices "{meta.get("name")}" not found')
+            if meta.get("resourceVersion") and \
+                    meta["resourceVersion"] != cur["metadata"]["resourceVersion"]:
+                raise ApiConflict(f'resourceslices "{meta["name"]}" changed')
+            self._rv += 1
+            s["metadata"] = {**cur["metadata"], **meta, "resourceVersion": str(self._rv)}
+            self._slices[s["metadata"]["name"]] = s
+            return copy.deepcopy(s)
+
+    def delete_resource_slice(self, name: str) -> None:
+        with self._lock:
+            if self._slices.pop(name, None) is None:
+                raise ApiNotFound(f'resourceslices "{name}" not found')
+
 
 
 def load_fake_cluster(path: Path) -> FakeApiServer:
@@ -291,17 +594,49 @@ def load_fake_cluster(path: Path) -> FakeApiServer:
     and ``kubectl gpuslice``)."""
     import yaml
 
+    from gpuslice.adapters.kube.objects import node_inventory
+
     try:
         doc = yaml.safe_load(path.read_text()) or {}
     except (OSError, yaml.YAMLError) as exc:
         raise ValidationError("--fake-cluster", "a readable YAML file", str(exc)) from None
+    where = f"--fake-cluster {path}"
     if not isinstance(doc, dict):
-        raise ValidationError("--fake-cluster", "a mapping with 'nodes' and 'pods'", type(doc))
+        raise ValidationError(where, "a mapping with 'nodes' (and 'pods', 'sliceschedules'); "
+                              "see examples/fake-cluster.yaml", type(doc).__name__)
+    unknown = sorted(str(k) for k in doc if k not in FAKE_CLUSTER_KEYS)
+    if unknown or not any(k in doc for k in FAKE_CLUSTER_KEYS):
+        raise ValidationError(where, f"only the keys {', '.join(FAKE_CLUSTER_KEYS)} (see "
+                              "examples/fake-cluster.yaml)",
+                              f"keys {unknown}" if unknown else "none of them")
+    lists: dict[str, list[Any]] = {}
+    for key in FAKE_CLUSTER_KEYS:
+        items = doc.get(key) or []
+        if not isinstance(items, list):
+            raise ValidationError(f"{where}: {key}", "a list", type(items).__name__)
+        for i, item in enumerate(items):
+            meta = item.get("metadata") if isinstance(item, dict) else None
+            if not isinstance(meta, dict) or not meta.get("name"):
+                raise ValidationError(f"{where}: {key}[{i}].metadata.name",
+                                      "an object with a name", item)
+            if key == "pods" and not meta.get("namespace"):
+                raise ValidationError(f"{where}: pods[{i}].metadata.namespace",
+                                      "the pod's namespace", meta.get("namespace"))
+            if key == "nodes":
+                try:
+                    node_inventory(item)  # a bad GPU inventory annotation is named here
+                except ValidationError as exc:
+                    raise ValidationError(f"{where}: {exc.field}", exc.expected,
+                                          exc.got) from None
+        lists[key] = items
     fake = FakeApiServer()
-    for n in doc.get("nodes") or []:
+    for n in lists["nodes"]:
         fake.add_node(n)
-    for p in doc.get("pods") or []:
+    for p in lists["pods"]:
         fake.add_pod(p)
-    for o in doc.get("sliceschedules") or []:
+    for o in lists["sliceschedules"]:
         fake.replace_custom("sliceschedules", o)
     return fake
+
+
+FAKE_CLUSTER_KEYS = ("nodes", "pods", "sliceschedules")

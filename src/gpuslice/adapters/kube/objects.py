@@ -12,11 +12,20 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from gpuslice.core.errors import ValidationError
 from gpuslice.core.model import PRIORITIES, Isolation, SliceRequest
+from gpuslice.core.podrequest import (
+    ContainerKind,
+    ContainerRequest,
+    GpuWant,
+    PodGpuShape,
+    gpu_shape,
+    pod_requests,
+)
 
 GPU = "gpuslice.io/gpu"
 GPU_MILLI = "gpuslice.io/gpu-milli"
@@ -66,46 +75,126 @@ def pod_key(pod: dict[str, Any]) -> tuple[str, str]:
     return str(meta.get("namespace") or "default"), str(meta.get("name") or "")
 
 
-def pod_request(pod: dict[str, Any]) -> SliceRequest | None:
-    """What ``pod`` asks of gpuslice, or None when it asks for no gpuslice resource."""
+@dataclass(frozen=True, slots=True)
+class PodContainer:
+    """One container of a pod as the effective-request rule sees it: its kind and its
+    requests (a request missing but a limit set takes the limit, as the API server defaults
+    it), as floats in the resource's unit (cores, bytes, counts)."""
+
+    name: str
+    kind: ContainerKind
+    requests: dict[str, float]
+    limits: dict[str, float]
+    index: int  # position in spec.initContainers or spec.containers
+
+
+def _resources(c: dict[str, Any], f: str) -> tuple[dict[str, float], dict[str, float]]:
+    res = _dict(c.get("resources"), f"{f}.resources")
+    lim_raw = _dict(res.get("limits"), f"{f}.resources.limits")
+    req_raw = _dict(res.get("requests"), f"{f}.resources.requests")
+    limits = {k: quantity(v, f"{f} {k}") for k, v in lim_raw.items()}
+    requests = {k: quantity(v, f"{f} {k}") for k, v in req_raw.items()}
+    for k, v in limits.items():
+        requests.setdefault(k, v)
+    return requests, limits
+
+
+def pod_finished(pod: Mapping[str, Any]) -> bool:
+    """Whether the pod has ended (``status.phase`` Succeeded or Failed): its containers are
+    gone, so it holds no GPU share, claim or CPU any more."""
+    return (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed")
+
+
+def pod_containers(pod: dict[str, Any]) -> list[PodContainer]:
+    """The pod's containers in pod order: init containers (regular, or sidecars with
+    ``restartPolicy: Always``) in their declared order, then the app containers."""
     if not isinstance(pod, dict):
         raise ValidationError("pod", "a Pod object", type(pod).__name__)
     ns, name = pod_key(pod)
     where = f"pod {ns}/{name}"
     spec = _dict(pod.get("spec"), f"{where}: spec")
-    containers = spec.get("containers") or []
-    if not isinstance(containers, list):
-        raise ValidationError(f"{where}: spec.containers", "a list", type(containers).__name__)
-    gpus = milli = memory = 0
-    cpu = mem = 0.0
-    asked = False
-    for i, raw in enumerate(containers):
-        c = _dict(raw, f"{where}: containers[{i}]")
-        res = _dict(c.get("resources"), f"{where}: containers[{i}].resources")
-        lim = _dict(res.get("limits"), f"{where}: containers[{i}].resources.limits")
-        req = _dict(res.get("requests"), f"{where}: containers[{i}].resources.requests")
-        both = {**req, **lim}
-        f = f"{where}: containers[{i}]"
-        if GPU in both or GPU_MILLI in both or GPU_MEMORY in both:
-            asked = True
-            n = int(quantity(both.get(GPU, 1), f"{f} {GPU}"))
-            share = int(quantity(both.get(GPU_MILLI, 1000), f"{f} {GPU_MILLI}"))
-            gmem = int(quantity(both.get(GPU_MEMORY, 0), f"{f} {GPU_MEMORY}"))
-            if n < 1:
-                raise ValidationError(f"{f} {GPU}", "at least 1 GPU", n)
-            if not 1 <= share <= 1000:
-                raise ValidationError(f"{f} {GPU_MILLI}", "1..1000 milli-GPU", share)
-            if gmem < 0:
-                raise ValidationError(f"{f} {GPU_MEMORY}", "MiB >= 0", gmem)
-            if gpus and (n, share) != (gpus, milli):
-                raise ValidationError(f"{f} {GPU}",
-                                      "the same GPU request in every GPU container of a pod",
-                                      (n, share))
-            gpus, milli, memory = n, share, max(memory, gmem)
-        cpu += quantity(req.get("cpu", 0), f"{f} cpu") * 1000
-        mem += quantity(req.get("memory", 0), f"{f} memory") / 1024**2
-    if not asked:
+    out: list[PodContainer] = []
+    for field_name in ("initContainers", "containers"):
+        items = spec.get(field_name) or []
+        if not isinstance(items, list):
+            raise ValidationError(f"{where}: spec.{field_name}", "a list", type(items).__name__)
+        for i, raw in enumerate(items):
+            f = f"{where}: {field_name}[{i}]"
+            c = _dict(raw, f)
+            if field_name == "containers":
+                kind = ContainerKind.APP
+            else:
+                policy = c.get("restartPolicy")
+                if policy not in (None, "Always"):
+                    raise ValidationError(f"{f}.restartPolicy",
+                                          "Always (a sidecar) or unset for an init container",
+                                          policy)
+                kind = ContainerKind.SIDECAR if policy == "Always" else ContainerKind.INIT
+            requests, limits = _resources(c, f)
+            out.append(PodContainer(str(c.get("name") or f"{field_name}-{i}"), kind, requests,
+                                    limits, i))
+    return out
+
+
+def _gpu_want(c: PodContainer, where: str) -> GpuWant | None:
+    both = {**c.requests, **c.limits}
+    if not (GPU in both or GPU_MILLI in both or GPU_MEMORY in both):
         return None
+    f = f"{where}: {'containers' if c.kind is ContainerKind.APP else 'initContainers'}" \
+        f"[{c.index}]"
+    n = both.get(GPU, 1)
+    share = both.get(GPU_MILLI, 1000)
+    gmem = both.get(GPU_MEMORY, 0)
+    for key, value in ((GPU, n), (GPU_MILLI, share), (GPU_MEMORY, gmem)):
+        if value != int(value):
+            raise ValidationError(f"{f} {key}", "a whole number", value)
+    if int(n) < 1:
+        raise ValidationError(f"{f} {GPU}", "at least 1 GPU", int(n))
+    if not 1 <= int(share) <= 1000:
+        raise ValidationError(f"{f} {GPU_MILLI}", "1..1000 milli-GPU", int(share))
+    if int(gmem) < 0:
+        raise ValidationError(f"{f} {GPU_MEMORY}", "MiB >= 0", int(gmem))
+    if int(n) > 1 and int(share) != 1000:
+        raise ValidationError(f"{f} {GPU_MILLI}", "1000 when more than one GPU is requested",
+                              int(share))
+    return GpuWant(c.name, c.kind, int(n), int(share), int(gmem))
+
+
+def pod_gpu_shape(pod: dict[str, Any]) -> PodGpuShape | None:
+    """The pod's GPU request by the effective-request rule (core.podrequest.gpu_shape), or
+    None when no container (init containers included) asks for a gpuslice resource."""
+    ns, name = pod_key(pod)
+    where = f"pod {ns}/{name}"
+    wants = [w for c in pod_containers(pod) if (w := _gpu_want(c, where)) is not None]
+    return gpu_shape(wants, where)
+
+
+def pod_request(pod: dict[str, Any]) -> SliceRequest | None:
+    """What ``pod`` asks of gpuslice, or None when no container of it (init containers
+    included, as kube-scheduler's ``IsInterested``) asks for a gpuslice resource. GPUs,
+    CPU and memory all follow the effective-request rule (core.podrequest), with the pod's
+    overhead and pod-level CPU and memory requests."""
+    ns, name = pod_key(pod)
+    where = f"pod {ns}/{name}"
+    containers = pod_containers(pod)
+    shape = gpu_shape([w for c in containers if (w := _gpu_want(c, where)) is not None],
+                      where)
+    if shape is None:
+        return None
+    spec = _dict(pod.get("spec"), f"{where}: spec")
+    overhead = {k: quantity(v, f"{where}: spec.overhead {k}") for k, v in
+                _dict(spec.get("overhead"), f"{where}: spec.overhead").items()}
+    units = {"cpu": 1000.0, "memory": 1 / 1024**2}  # milli-CPU, MiB
+    eff = pod_requests(
+        [ContainerRequest(c.name, c.kind, {k: round(c.requests.get(k, 0) * u)
+                                           for k, u in units.items()}) for c in containers],
+        {k: round(overhead.get(k, 0) * u) for k, u in units.items()})
+    pod_level = _dict(_dict(spec.get("resources"), f"{where}: spec.resources").get("requests"),
+                      f"{where}: spec.resources.requests")
+    for k, u in units.items():  # pod-level requests win over the containers' (PodRequests)
+        if k in pod_level:
+            eff[k] = round(quantity(pod_level[k], f"{where}: spec.resources.requests {k}") * u
+                           + overhead.get(k, 0) * u)
     meta = _dict(pod.get("metadata"), f"{where}: metadata")
     ann = _dict(meta.get("annotations"), f"{where}: metadata.annotations")
     models = frozenset(m.strip() for m in str(ann.get(MODEL_ANNOTATION, "")).split("|")
@@ -116,17 +205,15 @@ def pod_request(pod: dict[str, Any]) -> SliceRequest | None:
     except ValueError:
         raise ValidationError(f"{where}: {ISOLATION_ANNOTATION}",
                               f"one of {', '.join(i.value for i in Isolation)}", iso_text) from None
-    if gpus > 1 and milli != 1000:
-        raise ValidationError(f"{where}: {GPU_MILLI}", "1000 when more than one GPU is requested",
-                              milli)
     priority = str(ann.get(PRIORITY_ANNOTATION, "normal"))
     if priority not in PRIORITIES:
         raise ValidationError(f"{where}: {PRIORITY_ANNOTATION}", f"one of {', '.join(PRIORITIES)}",
                               priority)
     # a pod that names no GPU memory takes milli/1000 of its GPU's (the contract's default)
-    return SliceRequest(gpus=gpus, milli=milli, cpu_milli=int(cpu), memory_mib=int(mem),
-                        gpu_memory_mib=memory, models=models, isolation=iso,
-                        name=f"{ns}/{name}", memory_share=memory == 0)
+    return SliceRequest(gpus=shape.gpus, milli=shape.milli, cpu_milli=eff["cpu"],
+                        memory_mib=eff["memory"], gpu_memory_mib=shape.memory_mib,
+                        models=models, isolation=iso, name=f"{ns}/{name}",
+                        memory_share=shape.memory_mib == 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,3 +260,37 @@ def node_inventory(node: dict[str, Any]) -> list[InventoryGpu]:
             raise ValidationError(f"node {name}: inventory[{i}]",
                                   "uuid, index, model and memoryMiB", str(exc)) from None
     return out
+
+
+def selector_matches(selector: object, labels: dict[str, str]) -> bool:
+    """Whether a metav1.LabelSelector (``matchLabels`` and ``matchExpressions`` with In,
+    NotIn, Exists, DoesNotExist) selects ``labels``, as a PodDisruptionBudget's selector is
+    read in preemption (``filterPodsWithPDBViolation`` in kubernetes
+    pkg/scheduler/framework/plugins/defaultpreemption/default_preemption.go): a nil or empty
+    selector matches nothing, an invalid one (``LabelSelectorAsSelector`` in apimachinery
+    pkg/apis/meta/v1/helpers.go fails) matches nothing."""
+    if not isinstance(selector, dict):
+        return False
+    match = selector.get("matchLabels") or {}
+    exprs = selector.get("matchExpressions") or []
+    if not isinstance(match, dict) or not isinstance(exprs, list) or not (match or exprs):
+        return False
+    if any(labels.get(k) != v for k, v in match.items()):
+        return False
+    for e in exprs:
+        if not isinstance(e, dict) or not isinstance(e.get("key"), str):
+            return False
+        key, op, values = e["key"], e.get("operator"), e.get("values") or []
+        if op in ("In", "NotIn"):
+            if not values:
+                return False
+            if (op == "In") != (key in labels and labels[key] in values):
+                return False
+        elif op in ("Exists", "DoesNotExist"):
+            if values:
+                return False
+            if (op == "Exists") != (key in labels):
+                return False
+        else:
+            return False
+    return True

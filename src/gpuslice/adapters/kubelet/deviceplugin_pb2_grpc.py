@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from gpuslice.adapters.kubelet import deviceplugin_pb2 as deviceplugin__pb2
+from gpuslice.adapters.kubelet import deviceplugin_pb2 as gpuslice_dot_adapters_dot_kubelet_dot_deviceplugin__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in deviceplugin_pb2_grpc.py depends on'
+        + ' but the generated code in gpuslice/adapters/kubelet/deviceplugin_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,8 +36,8 @@ class RegistrationStub:
         """
         self.Register = channel.unary_unary(
                 '/v1beta1.Registration/Register',
-                request_serializer=deviceplugin__pb2.RegisterRequest.SerializeToString,
-                response_deserializer=deviceplugin__pb2.Empty.FromString,
+                request_serializer=gpuslice_dot_adapters_dot_kubelet_dot_deviceplugin__pb2.RegisterRequest.SerializeToString,
+                response_deserializer=gpuslice_dot_adapters_dot_kubelet_dot_deviceplugin__pb2.Empty.FromString,
                 _registered_method=True)
 
 
@@ -55,8 +55,8 @@ def add_RegistrationServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Register': grpc.unary_unary_rpc_method_handler(
                     servicer.Register,
-                    request_deserializer=deviceplugin__pb2.RegisterRequest.FromString,
-                    response_serializer=deviceplugin__pb2.Empty.SerializeToString,
+                    request_deserializer=gpuslice_dot_adapters_dot_kubelet_dot_deviceplugin__pb2.RegisterRequest.FromString,
+                    response_serializer=gpuslice_dot_adapters_dot_kubelet_dot_deviceplugin__pb2.Empty.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -84,8 +84,8 @@ class Registration:
             request,
             target,
             '/v1beta1.Registration/Register',
-            deviceplugin__pb2.RegisterRequest.SerializeToString,
-            deviceplugin__pb2.Empty.FromString,
+            gpuslice_dot_adapters_dot_kubelet_dot_deviceplugin__pb2.RegisterRequest.SerializeToString,
+            gpuslice_dot_adapters_dot_kubelet_dot_deviceplugin__pb2.Empty.FromString,
             options,
             channel_credentials,
             insecure,
@@ -108,28 +108,28 @@ class DevicePluginStub:
         """
         self.GetDevicePluginOptions = channel.unary_unary(
                 '/v1beta1.DevicePlugin/GetDevicePluginOptions',
-                request_serializer=deviceplugin__pb2.Empty.SerializeToString,
-                response_deserializer=deviceplugin__pb2.DevicePluginOptions.FromString,
+                request_serializer=gpuslice_dot_adapters_dot_kubelet_dot_deviceplugin__pb2.Empty.SerializeToString,
+                response_deserializer=gpuslice_dot_adapters_dot_kubelet_dot_deviceplugin__pb2.DevicePluginOptions.FromString,
                 _registered_method=True)
         self.ListAndWatch = channel.unary_stream(
                 '/v1beta1.DevicePlugin/ListAndWatch',
-                request_serializer=deviceplugin__pb2.Empty.SerializeToString,
-                response_deserializer=deviceplugin__pb2.ListAndWatchResponse.FromString,
+                request_serializer=gpuslice_dot_adapters_dot_kubelet_dot_deviceplugin__pb2.Empty.SerializeToString,
+                response_deserializer=gpuslice_dot_adapters_dot_kubelet_dot_deviceplugin__pb2.ListAndWatchResponse.FromString,
                 _registered_method=True)
         self.GetPreferredAllocation = channel.unary_unary(
                 '/v1beta1.DevicePlugin/GetPreferredAllocation',
-                request_serializer=deviceplugin__pb2.PreferredAllocationRequest.SerializeToString,
-                response_deserializer=deviceplugin__pb2.PreferredAllocationResponse.FromString,
+                request_serializer=gpuslice_dot_adapters_dot_kubelet_dot_deviceplugin__pb2.PreferredAllocationRequest.SerializeToString,
+                response_deserializer=gpuslice_dot_adapters_dot_kubelet_dot_deviceplugin__pb2.PreferredAllocationResponse.FromString,
                 _registered_method=True)
         self.Allocate = channel.unary_unary(
                 '/v1beta1.DevicePlugin/Allocate',
-                request_serializer=deviceplugin__pb2.AllocateRequest.SerializeToString,
-                response_deserializer=deviceplugin__pb2.AllocateResponse.FromString,
+                request_serializer=gpuslice_dot_adapters_dot_kubelet_dot_deviceplugin__pb2.AllocateRequest.SerializeToString,
+                response_deserializer=gpuslice_dot_adapters_dot_kubelet_dot_deviceplugin__pb2.AllocateResponse.FromString,
                 _registered_method=True)
         self.PreStartContainer = channel.unary_unary(
                 '/v1beta1.DevicePlugin/PreStartContainer',
-                request_serializer=deviceplugin__pb2.PreStartContainerRequest.SerializeToString,
-                response_deserializer=deviceplugin__pb2.PreStartContainerResponse.FromString,
+                request_serializer=gpuslice_dot_adapters_dot_kubelet_dot_deviceplugin__pb2.PreStartContainerRequest.SerializeToString,
+                response_deserializer=gpuslice_dot_adapters_dot_kubelet_dot_deviceplugin__pb2.PreStartContainerResponse.FromString,
                 _registered_method=True)
 
 
@@ -171,28 +171,28 @@ def add_DevicePluginServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'GetDevicePluginOptions': grpc.unary_unary_rpc_method_handler(
                     servicer.GetDevicePluginOptions,
-                    request_deserializer=deviceplugin__pb2.Empty.FromString,
-                    response_serializer=deviceplugin__pb2.DevicePluginOptions.SerializeToString,
+                    request_deserializer=gpuslice_dot_adapters_dot_kubelet_dot_deviceplugin__pb2.Empty.FromString,
+                    response_serializer=gpuslice_dot_adapters_dot_kubelet_dot_deviceplugin__pb2.DevicePluginOptions.SerializeToString,
             ),
             'ListAndWatch': grpc.unary_stream_rpc_method_handler(
                     servicer.ListAndWatch,
-                    request_deserializer=deviceplugin__pb2.Empty.FromString,
-                    response_serializer=deviceplugin__pb2.ListAndWatchResponse.SerializeToString,
+                    request_deserializer=gpuslice_dot_adapters_dot_kubelet_dot_deviceplugin__pb2.Empty.FromString,
+                    response_serializer=gpuslice_dot_adapters_dot_kubelet_dot_deviceplugin__pb2.ListAndWatchResponse.SerializeToString,
             ),
             'GetPreferredAllocation': grpc.unary_unary_rpc_method_handler(
                     servicer.GetPreferredAllocation,
-                    request_deserializer=deviceplugin__pb2.PreferredAllocationRequest.FromString,
-                    response_serializer=deviceplugin__pb2.PreferredAllocationResponse.SerializeToString,
+                    request_deserializer=gpuslice_dot_adapters_dot_kubelet_dot_deviceplugin__pb2.PreferredAllocationRequest.FromString,
+                    response_serializer=gpuslice_dot_adapters_dot_kubelet_dot_deviceplugin__pb2.PreferredAllocationResponse.SerializeToString,
             ),
             'Allocate': grpc.unary_unary_rpc_method_handler(
                     servicer.Allocate,
-                    request_deserializer=deviceplugin__pb2.AllocateRequest.FromString,
-                    response_serializer=deviceplugin__pb2.AllocateResponse.SerializeToString,
+                    request_deserializer=gpuslice_dot_adapters_dot_kubelet_dot_deviceplugin__pb2.AllocateRequest.FromString,
+                    response_serializer=gpuslice_dot_adapters_dot_kubelet_dot_deviceplugin__pb2.AllocateResponse.SerializeToString,
             ),
             'PreStartContainer': grpc.unary_unary_rpc_method_handler(
                     servicer.PreStartContainer,
-                    request_deserializer=deviceplugin__pb2.PreStartContainerRequest.FromString,
-                    response_serializer=deviceplugin__pb2.PreStartContainerResponse.SerializeToString,
+                    request_deserializer=gpuslice_dot_adapters_dot_kubelet_dot_deviceplugin__pb2.PreStartContainerRequest.FromString,
+                    response_serializer=gpuslice_dot_adapters_dot_kubelet_dot_deviceplugin__pb2.PreStartContainerResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -220,8 +220,8 @@ class DevicePlugin:
             request,
             target,
             '/v1beta1.DevicePlugin/GetDevicePluginOptions',
-            deviceplugin__pb2.Empty.SerializeToString,
-            deviceplugin__pb2.DevicePluginOptions.FromString,
+            gpuslice_dot_adapters_dot_kubelet_dot_deviceplugin__pb2.Empty.SerializeToString,
+            gpuslice_dot_adapters_dot_kubelet_dot_deviceplugin__pb2.DevicePluginOptions.FromString,
             options,
             channel_credentials,
             insecure,
@@ -247,8 +247,8 @@ class DevicePlugin:
             request,
             target,
             '/v1beta1.DevicePlugin/ListAndWatch',
-            deviceplugin__pb2.Empty.SerializeToString,
-            deviceplugin__pb2.ListAndWatchResponse.FromString,
+            gpuslice_dot_adapters_dot_kubelet_dot_deviceplugin__pb2.Empty.SerializeToString,
+            gpuslice_dot_adapters_dot_kubelet_dot_deviceplugin__pb2.ListAndWatchResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -274,8 +274,8 @@ class DevicePlugin:
             request,
             target,
             '/v1beta1.DevicePlugin/GetPreferredAllocation',
-            deviceplugin__pb2.PreferredAllocationRequest.SerializeToString,
-            deviceplugin__pb2.PreferredAllocationResponse.FromString,
+            gpuslice_dot_adapters_dot_kubelet_dot_deviceplugin__pb2.PreferredAllocationRequest.SerializeToString,
+            gpuslice_dot_adapters_dot_kubelet_dot_deviceplugin__pb2.PreferredAllocationResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -301,8 +301,8 @@ class DevicePlugin:
             request,
             target,
             '/v1beta1.DevicePlugin/Allocate',
-            deviceplugin__pb2.AllocateRequest.SerializeToString,
-            deviceplugin__pb2.AllocateResponse.FromString,
+            gpuslice_dot_adapters_dot_kubelet_dot_deviceplugin__pb2.AllocateRequest.SerializeToString,
+            gpuslice_dot_adapters_dot_kubelet_dot_deviceplugin__pb2.AllocateResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -328,8 +328,8 @@ class DevicePlugin:
             request,
             target,
             '/v1beta1.DevicePlugin/PreStartContainer',
-            deviceplugin__pb2.PreStartContainerRequest.SerializeToString,
-            deviceplugin__pb2.PreStartContainerResponse.FromString,
+            gpuslice_dot_adapters_dot_kubelet_dot_deviceplugin__pb2.PreStartContainerRequest.SerializeToString,
+            gpuslice_dot_adapters_dot_kubelet_dot_deviceplugin__pb2.PreStartContainerResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from gpuslice.adapters.kubelet import podresources_pb2 as podresources__pb2
+from gpuslice.adapters.kubelet import podresources_pb2 as gpuslice_dot_adapters_dot_kubelet_dot_podresources__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in podresources_pb2_grpc.py depends on'
+        + ' but the generated code in gpuslice/adapters/kubelet/podresources_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,8 +36,8 @@ class PodResourcesListerStub:
         """
         self.List = channel.unary_unary(
                 '/v1.PodResourcesLister/List',
-                request_serializer=podresources__pb2.ListPodResourcesRequest.SerializeToString,
-                response_deserializer=podresources__pb2.ListPodResourcesResponse.FromString,
+                request_serializer=gpuslice_dot_adapters_dot_kubelet_dot_podresources__pb2.ListPodResourcesRequest.SerializeToString,
+                response_deserializer=gpuslice_dot_adapters_dot_kubelet_dot_podresources__pb2.ListPodResourcesResponse.FromString,
                 _registered_method=True)
 
 
@@ -55,8 +55,8 @@ def add_PodResourcesListerServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'List': grpc.unary_unary_rpc_method_handler(
                     servicer.List,
-                    request_deserializer=podresources__pb2.ListPodResourcesRequest.FromString,
-                    response_serializer=podresources__pb2.ListPodResourcesResponse.SerializeToString,
+                    request_deserializer=gpuslice_dot_adapters_dot_kubelet_dot_podresources__pb2.ListPodResourcesRequest.FromString,
+                    response_serializer=gpuslice_dot_adapters_dot_kubelet_dot_podresources__pb2.ListPodResourcesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -84,8 +84,8 @@ class PodResourcesLister:
             request,
             target,
             '/v1.PodResourcesLister/List',
-            podresources__pb2.ListPodResourcesRequest.SerializeToString,
-            podresources__pb2.ListPodResourcesResponse.FromString,
+            gpuslice_dot_adapters_dot_kubelet_dot_podresources__pb2.ListPodResourcesRequest.SerializeToString,
+            gpuslice_dot_adapters_dot_kubelet_dot_podresources__pb2.ListPodResourcesResponse.FromString,
             options,
             channel_credentials,
             insecure,

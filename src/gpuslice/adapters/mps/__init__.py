@@ -19,6 +19,13 @@ CONTROL = "nvidia-cuda-mps-control"
 SOCKET_PATH_MAX = 107  # sun_path holds 108 bytes with the terminating NUL
 
 
+def pinned_mem_limit(*mib: int) -> str:
+    """``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`` for a client whose ``CUDA_VISIBLE_DEVICES`` lists
+    the devices in this order: ``0=<MiB>M,1=<MiB>M,...`` (the variable takes
+    ``<ordinal|UUID>=<limit>`` items; the ordinal is the form measured on the GPU)."""
+    return ",".join(f"{i}={int(m)}M" for i, m in enumerate(mib))
+
+
 class MpsError(GpusliceError):
     """An MPS control command failed; the message quotes the tool's output."""
 

@@ -10,11 +10,11 @@ from typing import Protocol
 from gpuslice.core import catalog
 from gpuslice.core.catalog import MigProfile
 from gpuslice.core.devices import GpuDevice, MigInstance
-from gpuslice.core.errors import GpusliceError, ValidationError
+from gpuslice.core.errors import Unavailable, ValidationError
 from gpuslice.core.mig import parse_layout
 
 
-class NvmlError(GpusliceError):
+class NvmlError(Unavailable):
     """An NVML failure, explained: what happened, the usual cause, how to fix it."""
 
 
@@ -54,6 +54,23 @@ class NvmlPort(Protocol):
 
     def create_instance(self, uuid: str, profile: str, start: int) -> None: ...
 
+    def minor_number(self, uuid: str) -> int:
+        """The GPU's device minor number (``/dev/nvidia<minor>``, nvmlDeviceGetMinorNumber)."""
+        ...
+
+    def mig_cap_minors(self, gpu_uuid: str, mig_uuid: str) -> tuple[int, int]:
+        """Minor numbers of ``/dev/nvidia-caps/nvidia-cap<N>`` for the GPU instance and the
+        compute instance of MIG device ``mig_uuid`` (see ``adapters.nvml.caps``)."""
+        ...
+
+    def set_timeslice(self, uuid: str, level: int) -> None:
+        """The GPU's compute time-slice: 0 default, 1 short, 2 medium, 3 long (what
+        ``nvidia-smi compute-policy --set-timeslice`` sets)."""
+        ...
+
+
+TIMESLICE_LEVELS = {"Default": 0, "Short": 1, "Medium": 2, "Long": 3}
+
 
 class NullNvml:
     """No driver on this node: no devices, and the reason, instead of a crash loop."""
@@ -91,6 +108,19 @@ class NullNvml:
     def create_instance(self, uuid: str, profile: str, start: int) -> None:
         raise NvmlError(f"no GPU {uuid}: {self.reason}")
 
+    def minor_number(self, uuid: str) -> int:
+        raise NvmlError(f"no GPU {uuid}: {self.reason}")
+
+    def mig_cap_minors(self, gpu_uuid: str, mig_uuid: str) -> tuple[int, int]:
+        raise NvmlError(f"no GPU {gpu_uuid}: {self.reason}")
+
+    def set_timeslice(self, uuid: str, level: int) -> None:
+        raise NvmlError(f"no GPU {uuid}: {self.reason}")
+
+
+# the model of ``--fake-gpus N``: a common MIG- and MPS-capable data-centre GPU
+SIMULATED_MODEL = "A100-80GB"
+
 
 class FakeNvml:
     """GPUs from a YAML inventory, with faults injected by tests or listed in the file::
@@ -99,12 +129,17 @@ class FakeNvml:
         gpus:
           - model: A100-80GB            # catalogue name; memory and SMs come from it
             mig: "3g.40gb@0,2g.20gb@4"  # optional: MIG enabled with these instances
+            mig_enabled: true           # optional: MIG enabled (with no instance yet)
           - model: G2                   # not in the catalogue: give memory_mib
             memory_mib: 32768
             faults: [79]                # XID errors reported at start
             used_mib: 4096              # optional: memory in use and utilisation % (select)
             utilization: 35
-    """
+            minor: 4                    # optional: device minor (/dev/nvidia4), default index
+
+    A MIG device's capability minors (``mig_cap_minors``) are made up (GPU instance
+    ``1 + 100 * minor + 2 * (start + 1)``, its compute instance one more) but distinct per
+    GPU, instance and level, as the real ones are."""
 
     def __init__(self, gpus: list[GpuDevice], driver: str = "580.95.05",
                  faults: list[HealthEvent] | None = None,
@@ -117,6 +152,19 @@ class FakeNvml:
         self._clients: dict[str, int] = {}
         self._usage: dict[str, tuple[int, int]] = dict(usage or {})
         self._create_failures: dict[str, int] = {}
+        self._minors: dict[str, int] = {}
+        self.timeslice: dict[str, int] = {}  # what set_timeslice set, per GPU
+        self.timeslice_supported = True
+
+    @classmethod
+    def simulated(cls, count: int, model: str = SIMULATED_MODEL) -> FakeNvml:
+        """``count`` simulated GPUs of ``model`` (``--fake-gpus N``): named and numbered as
+        simulated so that nothing mistakes them for real ones."""
+        m = catalog.resolve(model)
+        gpus = [GpuDevice(i, f"GPU-simulated-{i:02d}", f"simulated {m.name}", m.name,
+                          m.memory_mib, m.sms, m.compute_capability)
+                for i in range(count)]
+        return cls(gpus, "simulated")
 
     @classmethod
     def from_yaml(cls, path: Path | str, node: str = "node") -> FakeNvml:
@@ -140,14 +188,15 @@ class FakeNvml:
             model = catalog.resolve(str(item["model"]), item.get("memory_mib"))
             uuid = str(item.get("uuid") or f"GPU-{node}-{i:02d}")
             mig: tuple[MigInstance, ...] = ()
-            if item.get("mig"):
+            if item.get("mig") or item.get("mig_enabled"):
                 if model.mig is None:
                     raise ValidationError(f"{where}.mig", "a MIG-capable model", model.name)
-                layout = parse_layout(model.mig, str(item["mig"]))
+                layout = parse_layout(model.mig, str(item.get("mig") or ""))
                 mig = tuple(MigInstance(f"MIG-{uuid}-{pl.start}", pl.profile.name, pl.start,
                                         pl.profile.memory_mib) for pl in layout)
             gpus.append(GpuDevice(i, uuid, f"NVIDIA {model.name}", model.name, model.memory_mib,
-                                  model.sms, model.compute_capability, bool(mig), mig))
+                                  model.sms, model.compute_capability,
+                                  bool(mig) or bool(item.get("mig_enabled")), mig))
             faults.extend(HealthEvent(uuid, int(x), f"injected XID {x}")
                           for x in item.get("faults") or [])
             if "used_mib" in item or "utilization" in item:
@@ -156,7 +205,11 @@ class FakeNvml:
                 except (TypeError, ValueError):
                     raise ValidationError(f"{where}.used_mib/utilization", "integers",
                                           item) from None
-        return cls(gpus, str(doc.get("driver", "580.95.05")), faults, usage)
+        fake = cls(gpus, str(doc.get("driver", "580.95.05")), faults, usage)
+        for g, item in zip(gpus, items, strict=True):
+            if "minor" in item:
+                fake._minors[g.uuid] = int(item["minor"])
+        return fake
 
     def driver_version(self) -> str:
         return self._driver
@@ -225,6 +278,29 @@ class FakeNvml:
             raise NvmlError(f"cannot create {profile}@{start} on {uuid}: {problems[0]}")
         inst = MigInstance(f"MIG-{uuid}-{start}", profile, start, prof.memory_mib)
         self._gpus[uuid] = replace(g, mig=(*g.mig, inst))
+
+    def minor_number(self, uuid: str) -> int:
+        return self._minors.get(uuid, self._gpu(uuid).index)
+
+    def mig_cap_minors(self, gpu_uuid: str, mig_uuid: str) -> tuple[int, int]:
+        g = self._gpu(gpu_uuid)
+        inst = next((m for m in g.mig if m.uuid == mig_uuid), None)
+        if inst is None:
+            raise NvmlError(f"GPU {gpu_uuid} has no MIG device {mig_uuid}")
+        gi = inst.start + 1
+        base = 1 + 100 * self.minor_number(gpu_uuid)
+        return base + 2 * gi, base + 2 * gi + 1
+
+    def set_timeslice(self, uuid: str, level: int) -> None:
+        self._gpu(uuid)
+        if not self.timeslice_supported:
+            raise NvmlError(f"setting the time-slice of GPU {uuid} failed: not supported "
+                            "(usual cause: a GPU or driver before R455)")
+        self.timeslice[uuid] = level
+
+    def pci_info(self, index: int) -> tuple[str, str]:
+        """A made-up PCI bus ID per GPU and one PCIe root for them all."""
+        return f"0000:{0x10 + index:02x}:00.0", "pci0000:00"
 
     def inject(self, uuid: str, xid: int, description: str = "injected") -> None:
         with self._cond:

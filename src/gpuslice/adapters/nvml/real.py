@@ -63,8 +63,10 @@ class RealNvml:
                 try:
                     import pynvml
                 except ImportError:
-                    raise NvmlError("nvidia-ml-py is not installed: pip install "
-                                    "'gpuslice[gpu]'") from None
+                    from gpuslice.adapters.install import pip_install
+
+                    raise NvmlError("nvidia-ml-py is not installed: "
+                                    + pip_install("gpu")) from None
                 try:
                     pynvml.nvmlInit()
                 except Exception as exc:  # pynvml raises dynamically created classes
@@ -110,6 +112,23 @@ class RealNvml:
                 self._mig_devices(lib, h) if mig_mode else (),
             ))
         return out
+
+    def pci_info(self, index: int) -> tuple[str, str]:
+        """(PCI bus ID ``0000:3b:00.0``, PCIe root ``pci0000:3a``) of GPU ``index``: the bus ID
+        from NVML, the root complex from the device's sysfs path (as the Go
+        ``deviceattribute`` package of k8s.io/dynamic-resource-allocation derives it)."""
+        import os
+
+        lib = self._lib()
+        h = self._call("nvmlDeviceGetHandleByIndex", lib.nvmlDeviceGetHandleByIndex, index)
+        info = self._call("nvmlDeviceGetPciInfo", lib.nvmlDeviceGetPciInfo, h)
+        bus = _text(info.busId).lower()
+        if bus.count(":") == 2 and len(bus.split(":")[0]) == 8:  # NVML pads the domain
+            bus = bus[4:]
+        real = os.path.realpath(f"/sys/bus/pci/devices/{bus}")
+        parts = real.split("/")
+        root = next((x for x in parts if x.startswith("pci")), "") if "devices" in parts else ""
+        return bus, root
 
     def _mig_devices(self, lib: Any, h: Any) -> tuple[MigInstance, ...]:
         out = []
@@ -266,6 +285,39 @@ class RealNvml:
         except NvmlError:  # leave no GPU instance without a compute instance behind
             self._call("nvmlGpuInstanceDestroy", lib.nvmlGpuInstanceDestroy, gi)
             raise
+
+    def minor_number(self, uuid: str) -> int:
+        lib = self._lib()
+        return int(self._call("nvmlDeviceGetMinorNumber", lib.nvmlDeviceGetMinorNumber,
+                              self._handle(uuid)))
+
+    def mig_cap_minors(self, gpu_uuid: str, mig_uuid: str) -> tuple[int, int]:
+        from gpuslice.adapters.nvml.caps import mig_cap_minors
+
+        lib = self._lib()
+        m = self._handle(mig_uuid)  # NVML hands out MIG device handles by UUID too
+        gi = int(self._call("nvmlDeviceGetGpuInstanceId", lib.nvmlDeviceGetGpuInstanceId, m))
+        ci = int(self._call("nvmlDeviceGetComputeInstanceId",
+                            lib.nvmlDeviceGetComputeInstanceId, m))
+        return mig_cap_minors(self.minor_number(gpu_uuid), gi, ci)
+
+    def set_timeslice(self, uuid: str, level: int) -> None:
+        """pynvml exposes no bare-metal time-slice call (nvmlDeviceSetVgpuSchedulerState is
+        vGPU only), so this runs ``nvidia-smi compute-policy --set-timeslice`` as NVIDIA's
+        DRA driver does."""
+        import subprocess
+
+        cmd = ["nvidia-smi", "compute-policy", "-i", uuid, "--set-timeslice", str(level)]
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=30,
+                                  check=False)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise NvmlError(f"{' '.join(cmd)} failed: {exc} (usual cause: nvidia-smi is not in "
+                            "the driver container; fix: mount the host's driver binaries)"
+                            ) from None
+        if done.returncode != 0:
+            raise NvmlError(f"{' '.join(cmd)} failed ({done.returncode}): "
+                            f"{(done.stderr or done.stdout).strip()[:300]}")
 
     def events(self, timeout_s: float) -> list[HealthEvent]:
         lib = self._lib()

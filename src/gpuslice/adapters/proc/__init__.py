@@ -18,6 +18,17 @@ from gpuslice.core.errors import GpusliceError
 RUN_ENV = "GPUSLICE_RUN"
 
 
+def alive(pid: int) -> bool:
+    """Whether a process with this pid exists (one of another user's counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def spawn(args: list[str], run_id: str, **kw: Any) -> subprocess.Popen[str]:
     """A child process marked with the run's id in its environment, that dies with this
     process (see :mod:`gpuslice.adapters.proc.child`)."""

@@ -6,15 +6,30 @@ from the extender's state, so nothing is counted twice)."""
 from __future__ import annotations
 
 from collections import Counter as Tally
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-if TYPE_CHECKING:
-    from gpuslice.services.extender import ExtenderState
+
+class LedgerSource(Protocol):
+    """What the metrics read from the extender at scrape time (the extender's state is one;
+    this module needs nothing else of it, so it does not import the extender)."""
+
+    @property
+    def node_gpus(self) -> Sequence[tuple[str, Sequence[str]]]: ...  # (node, GPU UUIDs)
+    @property
+    def used_milli(self) -> Mapping[str, int]: ...  # GPU UUID -> milli held
+    @property
+    def assignments(self) -> int: ...
+    @property
+    def cordoned_gpus(self) -> int: ...
+    @property
+    def problem_count(self) -> int: ...
+    @property
+    def binds_here(self) -> bool: ...  # holds the lease, or runs alone
 
 BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
@@ -42,38 +57,38 @@ def rejection_kind(reason: str) -> str:
 
 
 class _StateCollector(Collector):
-    def __init__(self, state: ExtenderState) -> None:
-        self.state = state
+    def __init__(self, source: LedgerSource) -> None:
+        self.source = source
 
     def collect(self) -> Iterator[Metric]:
-        st = self.state
-        inv, ledger = st.inv, st.ledger  # immutable snapshots: read once
+        st = self.source
+        nodes, used = st.node_gpus, st.used_milli  # immutable snapshots: read once
         allocated = GaugeMetricFamily("gpuslice_extender_node_allocated_milli",
                                       "GPU share held by assignments, per node (milli)",
                                       labels=["node"])
         capacity = GaugeMetricFamily("gpuslice_extender_node_capacity_milli",
                                      "GPU share of the node's published GPUs (milli)",
                                      labels=["node"])
-        for name, uuids in zip(inv.names, inv.uuids, strict=True):
-            allocated.add_metric([name], sum(ledger.used_milli.get(u, 0) for u in uuids))
+        for name, uuids in nodes:
+            allocated.add_metric([name], sum(used.get(u, 0) for u in uuids))
             capacity.add_metric([name], 1000 * len(uuids))
         yield allocated
         yield capacity
         yield GaugeMetricFamily("gpuslice_extender_assignments",
-                                "Live assignments in the ledger", value=len(ledger.owners))
+                                "Live assignments in the ledger", value=st.assignments)
         yield GaugeMetricFamily("gpuslice_extender_cordoned_gpus",
-                                "GPUs cordoned for reconfiguration", value=len(st.cordoned))
+                                "GPUs cordoned for reconfiguration", value=st.cordoned_gpus)
         yield GaugeMetricFamily("gpuslice_extender_problems",
                                 "Problems met since start (bad annotations, broken watches)",
-                                value=len(st.problems))
-        leader = 1 if st.elector is None or st.elector.leader else 0
+                                value=st.problem_count)
+        leader = 1 if st.binds_here else 0
         yield GaugeMetricFamily("gpuslice_extender_leader",
                                 "1 when this replica binds (holds the lease, or runs alone)",
                                 value=leader)
 
 
 class ExtenderMetrics:
-    def __init__(self, state: ExtenderState) -> None:
+    def __init__(self, state: LedgerSource) -> None:
         self.registry = CollectorRegistry()
         self.seconds = Histogram("gpuslice_extender_request_seconds",
                                  "Time to answer a scheduler call", ["verb"],
@@ -86,6 +101,9 @@ class ExtenderMetrics:
                                   registry=self.registry)
         self.binds = Counter("gpuslice_extender_binds", "Bind calls, by result", ["result"],
                              registry=self.registry)
+        self.stale_freed = Counter("gpuslice_extender_stale_shares_freed",
+                                   "Shares given back at filter time because their pod had "
+                                   "gone before the watch said so", registry=self.registry)
         self.errors = Counter("gpuslice_extender_bad_requests",
                               "Calls refused as malformed, by verb", ["verb"],
                               registry=self.registry)

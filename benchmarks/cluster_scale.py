@@ -1,0 +1,344 @@
+"""Scheduling throughput on the real control plane: kube-scheduler with the gpuslice extender
+(fractional pods) against kube-scheduler alone (whole GPUs), both measured in this run.
+
+A dev cluster (tools/cluster/build.sh's binaries: etcd, kube-apiserver,
+kube-controller-manager, kube-scheduler, kwok) with N kwok nodes of 8 A100-80GB GPUs each, as
+the node agent describes them (inventory annotation, GFD labels, gpuslice.io/gpu and
+nvidia.com/gpu capacity). Two runs on the same nodes:
+
+* **gpuslice**: P pods asking 1 gpuslice.io/gpu with 250..750 gpuslice.io/gpu-milli, scheduled
+  by the ``gpuslice-scheduler`` profile, which calls ``gpuslice extender`` (a process, HTTPS,
+  on its service account) for filter, prioritize and bind;
+* **baseline**: P pods asking 1 nvidia.com/gpu (a whole GPU), kube-scheduler alone.
+
+The pods are created while no scheduler runs; the clock starts when the scheduler is healthy
+and stops when its ``scheduler_schedule_attempts_total{result="scheduled"}`` reaches P. Latency
+as the scheduler sees it: ``scheduler_scheduling_algorithm_duration_seconds`` (filter and score,
+including the extender's HTTP round trips; the 1.36 scheduler has no per-extender metric), and
+the extender's own ``gpuslice_extender_request_seconds`` per verb. Over-allocation is read back
+from the pods' assignments in the API server and must be 0.
+
+    python benchmarks/cluster_scale.py            # 1000 nodes, 5000 pods
+    python benchmarks/cluster_scale.py --nodes 5000
+    python benchmarks/cluster_scale.py --quick    # 100 nodes, 500 pods
+    ... --write docs/scale.md                     # the figures into that file
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import signal
+import ssl
+import subprocess
+import sys
+import time
+import urllib.request
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import yaml
+from rich.console import Console
+from rich.table import Table
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # the cluster tier's node and pod builders
+
+from tests.cluster.helpers import over_allocation  # noqa: E402
+
+from gpuslice.devcluster import DevCluster, find_bin_dir, gpu_node, wait_until  # noqa: E402
+
+KEY = "cluster-scale-benchmark-key-0123456789abcdef"
+NS = "bench"
+
+
+def histogram(metrics: str, name: str, match: dict[str, str] | None = None,
+              ) -> list[tuple[float, float]]:
+    """Cumulative buckets (le, count) of one histogram series, summed over series that match."""
+    acc: dict[float, float] = defaultdict(float)
+    pat = re.compile(r"^" + re.escape(name) + r"_bucket\{(.*)\} ([0-9.e+-]+)$")
+    for line in metrics.splitlines():
+        m = pat.match(line)
+        if not m:
+            continue
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
+        if any(labels.get(k) != v for k, v in (match or {}).items()):
+            continue
+        le = float("inf") if labels["le"] == "+Inf" else float(labels["le"])
+        acc[le] += float(m.group(2))
+    return sorted(acc.items())
+
+
+def quantile(buckets: list[tuple[float, float]], q: float) -> float:
+    """Prometheus' histogram_quantile: linear inside the bucket that holds the rank."""
+    if not buckets or buckets[-1][1] == 0:
+        return float("nan")
+    rank = q * buckets[-1][1]
+    prev_le, prev_c = 0.0, 0.0
+    for le, c in buckets:
+        if c >= rank:
+            if le == float("inf"):
+                return prev_le
+            return prev_le + (le - prev_le) * ((rank - prev_c) / max(c - prev_c, 1e-12))
+        prev_le, prev_c = le, c
+    return prev_le
+
+
+def unbound(dev: DevCluster) -> int:
+    """Pods of the benchmark not bound yet: a metadata-only list of those with no nodeName (the
+    scheduler's 'scheduled' counter misses pods whose bind it timed out on while the extender
+    still completed it)."""
+    req = urllib.request.Request(
+        f"{dev.server}/api/v1/namespaces/{NS}/pods?fieldSelector=spec.nodeName%3D",
+        headers={"Accept": "application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1"})
+    with urllib.request.urlopen(req, context=dev._ssl(), timeout=60) as r:
+        return len(json.loads(r.read())["items"] or [])
+
+
+def counter(metrics: str, name: str, result: str) -> int:
+    return int(sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                   if line.startswith(name + "{") and f'result="{result}"' in line))
+
+
+def pod(i: int, fractional: bool, rng: random.Random) -> dict[str, Any]:
+    if fractional:
+        limits = {"gpuslice.io/gpu": "1", "gpuslice.io/gpu-milli": str(rng.choice(
+            (250, 250, 500, 750))), "gpuslice.io/gpu-memory": "8192"}
+        scheduler = "gpuslice-scheduler"
+    else:
+        limits = {"nvidia.com/gpu": "1"}
+        scheduler = "default-scheduler"
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": f"p{i:05d}", "namespace": NS},
+            "spec": {"schedulerName": scheduler, "terminationGracePeriodSeconds": 0,
+                     "tolerations": [{"operator": "Exists"}],
+                     "containers": [{"name": "m", "image": "model:1",
+                                     "resources": {"limits": limits}}]}}
+
+
+def create_pods(dev: DevCluster, n: int, fractional: bool) -> float:
+    rng = random.Random(7)
+    t0 = time.monotonic()
+    for lo in range(0, n, 500):
+        docs = [pod(i, fractional, rng) for i in range(lo, min(n, lo + 500))]
+        dev.kubectl("create", "-f", "-", input=yaml.safe_dump_all(docs), timeout_s=600)
+    return time.monotonic() - t0
+
+
+def list_json(dev: DevCluster, *args: str) -> list[dict[str, Any]]:
+    out = dev.kubectl("get", *args, "-o", "json", timeout_s=600).stdout
+    return list(json.loads(out)["items"])
+
+
+CPU_COMPONENTS = ("kube-scheduler", "gpuslice extender", "kube-apiserver", "etcd", "kwok",
+                  "kube-controller-manager")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (Linux /proc/<pid>/stat, fields 14 and 15,
+    in clock ticks); 0 where it cannot be read."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_now(dev: DevCluster, extender_pid: int) -> dict[str, float]:
+    pids = {n: p.pid for n, p in dev.procs.items() if p.pid}
+    pids["gpuslice extender"] = extender_pid
+    return {n: cpu_seconds(pid) for n, pid in pids.items() if n in CPU_COMPONENTS}
+
+
+def run_once(dev: DevCluster, pods: int, fractional: bool, timeout_s: float,
+             extender_metrics: Any, extender_pid: int) -> dict[str, Any]:
+    console = Console(stderr=True)
+    if "kube-scheduler" in dev.procs:
+        dev.procs.pop("kube-scheduler").stop()
+    created = create_pods(dev, pods, fractional)
+    console.print(f"  {pods} pods created in {created:.0f} s; starting kube-scheduler "
+                  f"({'with' if fractional else 'without'} the extender)")
+    before = cpu_now(dev, extender_pid)  # the scheduler is not running yet: it starts at 0
+    dev.start_scheduler(with_extender=fractional)
+    t0 = time.monotonic()
+    wait_until(f"{pods} pods bound", lambda: unbound(dev) == 0, timeout_s, every_s=1.0)
+    elapsed = time.monotonic() - t0
+    after = cpu_now(dev, extender_pid)
+    spent = {n: after[n] - before.get(n, 0.0) for n in after}
+    metrics = dev.scheduler_metrics()
+    algo = histogram(metrics, "scheduler_scheduling_algorithm_duration_seconds")
+    attempt = histogram(metrics, "scheduler_scheduling_attempt_duration_seconds",
+                        {"result": "scheduled"})
+    res: dict[str, Any] = {
+        "pods": pods, "seconds": elapsed, "pods_per_s": pods / elapsed,
+        "retries": counter(metrics, "scheduler_schedule_attempts_total", "error")
+        + counter(metrics, "scheduler_schedule_attempts_total", "unschedulable"),
+        "algo_p50_ms": quantile(algo, 0.5) * 1e3, "algo_p99_ms": quantile(algo, 0.99) * 1e3,
+        "attempt_p50_ms": quantile(attempt, 0.5) * 1e3,
+        "attempt_p99_ms": quantile(attempt, 0.99) * 1e3,
+        # CPU per pod bound, per process, over the timed window; and how many of the
+        # machine's cores the whole cluster kept busy meanwhile
+        "cpu_ms": {n: 1e3 * spent.get(n, 0.0) / pods for n in CPU_COMPONENTS},
+        "cores": sum(spent.values()) / elapsed,
+    }
+    got = list_json(dev, "pods", "-n", NS)
+    res["bound"] = sum(1 for p in got if p["spec"].get("nodeName"))
+    if fractional:
+        nodes = list_json(dev, "nodes")
+        res["over_allocation"] = len(over_allocation(got, nodes))
+        text = extender_metrics()
+        for verb in ("filter", "prioritize", "bind"):
+            h = histogram(text, "gpuslice_extender_request_seconds", {"verb": verb})
+            res[f"ext_{verb}_p50_ms"] = quantile(h, 0.5) * 1e3
+            res[f"ext_{verb}_p99_ms"] = quantile(h, 0.99) * 1e3
+    else:
+        per_node: dict[str, int] = defaultdict(int)
+        for p in got:
+            if p["spec"].get("nodeName"):
+                per_node[p["spec"]["nodeName"]] += 1
+        res["over_allocation"] = sum(1 for c in per_node.values() if c > 8)
+    dev.procs.pop("kube-scheduler").stop()
+    dev.kubectl("delete", "pods", "--all", "-n", NS, "--grace-period=0", "--force",
+                "--wait=false", timeout_s=600)
+    wait_until("pods deleted", lambda: not list_json(dev, "pods", "-n", NS), 600, every_s=2)
+    return res
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--nodes", type=int, default=1000, help="kwok nodes (default 1000)")
+    ap.add_argument("--gpus", type=int, default=8, help="GPUs per node (default 8)")
+    ap.add_argument("--pods", type=int, default=5000, help="pods per run (default 5000)")
+    ap.add_argument("--quick", action="store_true", help="100 nodes, 500 pods")
+    ap.add_argument("--timeout", type=float, default=1800, help="seconds per run")
+    ap.add_argument("--write", type=Path, help="write the figures (markdown) to this file")
+    args = ap.parse_args()
+    # a SIGTERM (timeout, CI) unwinds like Ctrl-C, so the cluster's processes are stopped
+    def interrupted(*_: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupted)
+    if args.quick:
+        args.nodes, args.pods = 100, 500
+    console = Console(width=220)
+    bin_dir = find_bin_dir(REPO)
+    t_all = time.monotonic()
+    with DevCluster(bin_dir, REPO / "deploy", scheduler="none") as dev:
+        console.print(f"control plane up in {dev.dir}")
+        for f in ("namespace.yaml", "rbac.yaml"):
+            dev.kubectl("apply", "--server-side", "-n", "gpuslice-system", "-f",
+                        str(REPO / "deploy" / "base" / f))
+        dev.kubectl("create", "namespace", NS)
+        t0 = time.monotonic()
+        for lo in range(0, args.nodes, 250):
+            nodes = [gpu_node(f"kwok-{i:05d}", "A100-80GB", count=args.gpus)
+                     for i in range(lo, min(args.nodes, lo + 250))]
+            for n in nodes:
+                for k in ("capacity", "allocatable"):
+                    n["status"][k]["nvidia.com/gpu"] = str(args.gpus)
+            dev.kubectl("create", "-f", "-", input=yaml.safe_dump_all(nodes), timeout_s=600)
+        wait_until(f"{args.nodes} nodes Ready", lambda: sum(
+            1 for n in list_json(dev, "nodes") if any(
+                c["type"] == "Ready" and c["status"] == "True"
+                for c in n["status"].get("conditions", []))) >= args.nodes, 900, every_s=3)
+        console.print(f"{args.nodes} kwok nodes x {args.gpus} GPUs Ready in "
+                      f"{time.monotonic() - t0:.0f} s")
+        wait_until("ServiceAccount bench/default", lambda: dev.kubectl(
+            "get", "sa", "default", "-n", NS, check=False).returncode == 0, 120)
+
+        key = dev.dir / "key"
+        key.write_text(KEY)
+        kc = dev.service_account_kubeconfig("gpuslice-system", "gpuslice-extender")
+        crt, k = dev.extender_cert
+        log = (dev.dir / "extender.log").open("wb")
+        ext = subprocess.Popen(
+            [sys.executable, "-m", "gpuslice.cli", "extender", "--listen",
+             f"127.0.0.1:{dev.extender_port}", "--tls-cert", str(crt), "--tls-key", str(k),
+             "--key-file", str(key), "--kubeconfig", str(kc)], stdout=log,
+            stderr=subprocess.STDOUT, start_new_session=True)
+        ctx = ssl.create_default_context(cafile=str(dev.ca_crt))
+
+        def ext_metrics() -> str:
+            with urllib.request.urlopen(dev.extender_url + "/metrics", context=ctx,
+                                        timeout=10) as r:
+                return str(r.read().decode())
+
+        try:
+            wait_until("extender /healthz", lambda: urllib.request.urlopen(
+                dev.extender_url + "/healthz", context=ctx, timeout=5).status == 200, 300, ext,
+                dev.dir / "extender.log")
+            console.print("run 1/2: kube-scheduler + gpuslice extender, fractional pods")
+            ours = run_once(dev, args.pods, True, args.timeout, ext_metrics, ext.pid)
+            console.print("run 2/2: kube-scheduler alone, whole GPUs")
+            base = run_once(dev, args.pods, False, args.timeout, ext_metrics, ext.pid)
+        finally:
+            ext.terminate()
+            ext.wait(30)
+            log.close()
+    total = time.monotonic() - t_all
+    ratio = ours["pods_per_s"] / base["pods_per_s"]
+    table = Table(title=f"{args.nodes} kwok nodes x {args.gpus} GPUs, {args.pods} pods per run "
+                  f"({os.cpu_count()} CPUs, whole benchmark {total / 60:.1f} min)")
+    for col in ("run", "pods/s", "bound", "failed attempts", "sched. algorithm p50 / p99 ms",
+                "attempt p50 / p99 ms", "extender filter p50 / p99 ms",
+                "prioritize p50 / p99 ms", "bind p50 / p99 ms", "over-allocated"):
+        table.add_column(col)
+
+    def pair(r: dict[str, Any], a: str) -> str:
+        if f"{a}_p50_ms" not in r:
+            return "-"
+        return f"{r[f'{a}_p50_ms']:.1f} / {r[f'{a}_p99_ms']:.1f}"
+
+    rows = [("scheduler + gpuslice (fractional)", ours), ("scheduler alone (whole GPUs)", base)]
+    for name, r in rows:
+        table.add_row(name, f"{r['pods_per_s']:.1f}", f"{r['bound']}/{r['pods']}",
+                      str(r["retries"]),
+                      pair(r, "algo"), pair(r, "attempt"), pair(r, "ext_filter"),
+                      pair(r, "ext_prioritize"), pair(r, "ext_bind"),
+                      str(r["over_allocation"]))
+    console.print(table)
+    cpu = Table(title="CPU per pod bound (ms, user + system, over the timed window)")
+    for col in ("run", *CPU_COMPONENTS, "all", "cores busy"):
+        cpu.add_column(col)
+    for name, r in rows:
+        cpu.add_row(name, *(f"{r['cpu_ms'][n]:.1f}" for n in CPU_COMPONENTS),
+                    f"{sum(r['cpu_ms'].values()):.1f}", f"{r['cores']:.2f} of {os.cpu_count()}")
+    console.print(cpu)
+    console.print(f"ratio gpuslice / scheduler alone: {ratio:.2f} (goal >= 0.50); "
+                  f"over-allocation: {ours['over_allocation']} (must be 0)")
+    if args.write:
+        lines = ["| run | pods/s | bound | failed attempts | scheduling algorithm p50 / p99 ms "
+                 "| attempt p50 / "
+                 "p99 ms | extender filter p50 / p99 ms | prioritize p50 / p99 ms | bind p50 / "
+                 "p99 ms | over-allocated GPUs |", "|---|---|---|---|---|---|---|---|---|---|"]
+        for name, r in rows:
+            lines.append(f"| {name} | {r['pods_per_s']:.1f} | {r['bound']}/{r['pods']} | "
+                         f"{r['retries']} | "
+                         f"{pair(r, 'algo')} | {pair(r, 'attempt')} | {pair(r, 'ext_filter')} "
+                         f"| {pair(r, 'ext_prioritize')} | {pair(r, 'ext_bind')} | "
+                         f"{r['over_allocation']} |")
+        lines += ["", "CPU per pod bound (ms, user + system, over the timed window):", "",
+                  "| run | " + " | ".join(CPU_COMPONENTS) + " | all | cores busy |",
+                  "|---" * (len(CPU_COMPONENTS) + 3) + "|"]
+        for name, r in rows:
+            lines.append(f"| {name} | " + " | ".join(f"{r['cpu_ms'][n]:.1f}"
+                                                      for n in CPU_COMPONENTS)
+                         + f" | {sum(r['cpu_ms'].values()):.1f} | {r['cores']:.2f} of "
+                         f"{os.cpu_count()} |")
+        block = (f"<!-- cluster_scale: {args.nodes} nodes x {args.gpus} GPUs, {args.pods} pods"
+                 f" -->\n" + "\n".join(lines) + f"\n\nRatio {ratio:.2f}; whole benchmark "
+                 f"{total / 60:.1f} min on {os.cpu_count()} CPUs.\n")
+        args.write.parent.mkdir(parents=True, exist_ok=True)
+        with args.write.open("a") as f:
+            f.write("\n" + block)
+        console.print(f"appended to {args.write}")
+    failed = ours["over_allocation"] != 0 or ours["bound"] != ours["pods"]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

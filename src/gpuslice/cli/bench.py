@@ -1,0 +1,121 @@
+"""``gpuslice bench``: GPU sharing benchmarks."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from gpuslice.cli.common import EXIT_FAILED, Sub
+from gpuslice.core.errors import ValidationError
+
+
+def register(sub: Sub) -> None:
+    b = sub.add_parser("bench", help="GPU sharing benchmarks on the local GPU",
+                       description="GPU sharing benchmarks on the local GPU; each prints PASS or "
+                       "FAIL per check and exits 1 when a check fails.")
+    bs = b.add_subparsers(dest="bench", required=True)
+    s = bs.add_parser(
+        "sharing", help="time-slicing vs MPS vs gpuslice slices, noisy neighbour, memory cap",
+        description="N replicas under exclusive-sequential, time-slicing, MPS without limits "
+        "and gpuslice slices (caps from --profile, else an even split); a latency-critical "
+        "replica next to best-effort ones; a replica allocating past its memory cap. Prints a "
+        "table with the acceptance gates and writes JSON and a plot to --out.")
+    s.add_argument("--workload", default="resnet50")
+    s.add_argument("--replicas", type=int, default=7)
+    s.add_argument("--batch", type=int, default=8)
+    s.add_argument("--lc-batch", type=int, default=1)
+    s.add_argument("--be-batch", type=int, default=64)
+    s.add_argument("--be-replicas", type=int, default=3)
+    s.add_argument("--warmup-s", type=float, default=3.0)
+    s.add_argument("--window-s", type=float, default=10.0)
+    s.add_argument("--profile", type=Path, help="profile CSV (gpuslice profile) for the caps")
+    s.add_argument("--gpu", default="", help="GPU model in the profile (default: the only one)")
+    s.add_argument("--mem-cap-mib", type=int, default=4096)
+    s.add_argument("--alloc-mib", type=int, default=6144)
+    s.add_argument("--parts", default="throughput,noisy,memory")
+    s.add_argument("--device", type=int, default=0, help="GPU index (NVML) to run on")
+    s.add_argument("--out", type=Path, default=Path("bench-out"))
+    s.add_argument("--fake-timer", metavar="MODEL@GPU",
+                   help="no GPU: run the tiny workload timed by the speed model as if on GPU "
+                   "(e.g. resnet50@A100-80GB); stand-in numbers, for trying it and for CI")
+    s.add_argument("--mps-binary", default="nvidia-cuda-mps-control",
+                   help="the MPS control program (default nvidia-cuda-mps-control; tests give "
+                   "a stand-in)")
+    s.set_defaults(handler=_bench)
+
+
+def _bench(args: argparse.Namespace, console: Console) -> int:
+    import json
+
+    from gpuslice.bench.sharing import SharingOptions, plot_sharing, run_sharing
+
+    prof = None
+    gpu = args.gpu
+    if args.profile is not None:
+        from gpuslice.adapters.profiles.files import read_own_profiles
+
+        prof = read_own_profiles(args.profile)
+        if not gpu:
+            gpus = prof.gpus()
+            if len(gpus) != 1:
+                raise ValidationError("--gpu", f"one of {gpus}", gpu)
+            gpu = gpus[0]
+    opts = SharingOptions(
+        workload=args.workload, replicas=args.replicas, batch=args.batch,
+        lc_batch=args.lc_batch, be_batch=args.be_batch, be_replicas=args.be_replicas,
+        warmup_s=args.warmup_s, window_s=args.window_s, profile=prof, gpu=gpu,
+        fake_timer=args.fake_timer, mps_binary=args.mps_binary, mem_cap_mib=args.mem_cap_mib,
+        alloc_mib=args.alloc_mib, parts=tuple(p.strip() for p in args.parts.split(",")),
+        device_index=args.device)
+    res = run_sharing(opts, lambda text: console.print(f"[dim]{text}[/]"))
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "sharing.json").write_text(json.dumps(res, indent=1))
+    plot_sharing(res, args.out / "sharing.png")
+    gates: list[tuple[str, bool]] = []
+    if "throughput" in res:
+        t = Table(title=f"{args.replicas} x {args.workload} batch {args.batch}")
+        for col in ("mode", "req/s", "x one replica", "x time-slicing", "spread"):
+            t.add_column(col, justify="right")
+        for m, v in res["throughput"].items():
+            t.add_row(m, f"{v['total_rps']:.1f}", f"{v['vs_one_replica']:.2f}",
+                      f"{v['vs_time_slicing']:.2f}", f"{100 * v['spread']:.1f}%")
+        console.print(t)
+        g = res["throughput"]["gpuslice"]
+        gates += [("gpuslice >= 1.7x time-slicing", g["vs_time_slicing"] >= 1.7),
+                  ("per-replica spread <= 5%", g["spread"] <= 0.05)]
+    if "noisy" in res:
+        t = Table(title=f"noisy neighbour (solo p99 {res['noisy']['solo_p99_ms']:.2f} ms, "
+                  f"gpuslice caps {res['noisy']['caps']})")
+        for col in ("mode", "LC p99 ms", "x solo", "BE req/s", "BE x MPS"):
+            t.add_column(col, justify="right")
+        for m in ("time-slicing", "mps", "gpuslice-caps", "gpuslice"):
+            v = res["noisy"][m]
+            t.add_row(m, f"{v['lc_p99_ms']:.2f}", f"{v['lc_p99_vs_solo']:.2f}",
+                      f"{v['be_rps']:.1f}", f"{v['be_vs_mps']:.2f}")
+        console.print(t)
+        g = res["noisy"]["gpuslice"]
+        gates += [("LC p99 <= 1.1x solo", g["lc_p99_vs_solo"] <= 1.1),
+                  ("BE keeps >= 85% of uncapped MPS", g["be_vs_mps"] >= 0.85)]
+    if "memory" in res:
+        m = res["memory"]
+        over = m["over_cap"] or {}
+        console.print(f"memory cap {m['cap_mib']} MiB: allocating {m['alloc_mib']} MiB -> "
+                      f"{'allowed' if over.get('ok') else over.get('error', 'no answer')}; "
+                      f"neighbours at {m['neighbours_ratio']:.2f}x their throughput",
+                      highlight=False, soft_wrap=True)
+        gates += [("over-cap allocation fails", over.get("ok") is False),
+                  ("neighbours unaffected (>= 0.9x)", m["neighbours_ratio"] >= 0.9)]
+    for name, ok in gates:
+        console.print(f"{'PASS' if ok else 'FAIL'}  {name}", highlight=False)
+    if res.get("fake_timer"):
+        console.print("fake timer: these are the speed model's stand-in numbers, not a GPU's")
+    console.print(f"wrote {args.out / 'sharing.json'} and {args.out / 'sharing.png'}",
+                  highlight=False)
+    failed = [name for name, ok in gates if not ok]
+    if failed:
+        console.print(f"{len(failed)} of {len(gates)} checks failed", highlight=False)
+        return EXIT_FAILED
+    return 0

@@ -1,0 +1,89 @@
+"""``gpuslice dra-allocator``: place our DRA driver's claims before kube-scheduler does."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import threading
+
+from rich.console import Console
+
+from gpuslice.cli.common import KUBECONFIG_HELP, Sub, add_log_format, setup_logging
+from gpuslice.core.errors import ValidationError
+
+
+def register(sub: Sub) -> None:
+    a = sub.add_parser(
+        "dra-allocator", help="place DRA claims of our driver with the fragmentation-aware "
+        "policy (writes status.allocation before kube-scheduler's first-fit allocator)",
+        description="Follows unbound pods whose ResourceClaim asks our driver's classes for "
+        "one device (a share or whole GPUs) and writes the claim's allocation chosen by the "
+        "policy; kube-scheduler then only checks that the node can reach it. Only devices "
+        "tainted for the allocator (our drivers do so while its Lease is fresh) are used; "
+        "see docs/dra-placement.md.")
+    a.add_argument("--kubeconfig", help=KUBECONFIG_HELP)
+    a.add_argument("--context", help="kubeconfig context")
+    a.add_argument("--driver", default="gpu.gpuslice.io", help="DRA driver name")
+    a.add_argument("--policy", default="frag-strand", help="placement policy (default "
+                   "frag-strand)")
+    a.add_argument("--interval", type=float, default=0.5, help="seconds between passes")
+    a.add_argument("--settle", type=float, default=10.0, help="seconds a node's devices must "
+                   "have carried the allocator taint before they are used (in-flight "
+                   "scheduler allocations land meanwhile)")
+    a.add_argument("--no-require-taint", action="store_true",
+                   help="also use untainted devices (race mode: kube-scheduler may allocate "
+                   "the same devices at the same time; for clusters without device taints, "
+                   "and only where nothing else allocates our devices)")
+    a.add_argument("--max-backoff", type=float, default=60.0,
+                   help="longest wait (seconds) before placing again a claim the scheduler "
+                   "released three times (the wait doubles from 2 s; default 60)")
+    a.add_argument("--lease-namespace", default="gpuslice-system")
+    a.add_argument("--lease-name", default="gpuslice-dra-allocator")
+    a.add_argument("--identity", default=None, help="lease holder identity (default: "
+                   "$POD_NAME or the host name)")
+    a.add_argument("--once", action="store_true", help="one pass, then exit")
+    add_log_format(a)
+    a.set_defaults(handler=_run)
+
+
+def _run(args: argparse.Namespace, console: Console) -> int:
+    import time
+
+    from gpuslice.adapters.kube.client import KubeClient
+    from gpuslice.services.dra_allocator import DraAllocator, PassReport
+    from gpuslice.services.leader import LeaderElector
+
+    if args.interval <= 0:
+        raise ValidationError("--interval", "a positive number of seconds", args.interval)
+    if args.settle < 0:
+        raise ValidationError("--settle", "0 or more seconds", args.settle)
+    if args.max_backoff <= 0:
+        raise ValidationError("--max-backoff", "a positive number of seconds", args.max_backoff)
+    log = setup_logging(args.log_format, "dra-allocator")
+    api = KubeClient(args.kubeconfig, args.context)
+    identity = args.identity or os.environ.get("POD_NAME") or socket.gethostname()
+    elector = LeaderElector(api, args.lease_namespace, args.lease_name, identity, time.time)
+    alloc = DraAllocator(api, driver=args.driver, policy=args.policy,
+                         require_taint=not args.no_require_taint, settle_s=args.settle,
+                         max_backoff_s=args.max_backoff,
+                         elector=elector)
+
+    def show(report: PassReport) -> None:
+        for claim, where in report.allocated.items():
+            log.info("allocated %s -> %s", claim, where, extra={"claim": claim, "to": where})
+        for claim in report.taken:
+            log.info("%s: allocated by someone else first", claim, extra={"claim": claim})
+        for problem in alloc.problems:
+            log.warning("problem: %s", problem)
+        alloc.problems.clear()
+
+    if args.once:
+        show(alloc.run_once())
+        return 0
+    stop = threading.Event()
+    try:
+        alloc.run(stop, args.interval, show)
+    except KeyboardInterrupt:
+        stop.set()
+    return 0

@@ -1,0 +1,104 @@
+"""``gpuslice dra-driver``: the DRA kubelet plugin of driver ``gpu.gpuslice.io`` on one node
+(see ``gpuslice.services.dra_driver``)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import threading
+from pathlib import Path
+
+from rich.console import Console
+
+from gpuslice.cli.common import Sub, add_log_format, setup_logging
+from gpuslice.core import dra
+from gpuslice.core.errors import ValidationError
+
+
+def register(sub: Sub) -> None:
+    p = sub.add_parser(
+        "dra-driver", help="the DRA driver (kubelet plugin) of gpu.gpuslice.io on this node",
+        description="Serve fractional GPUs (consumable capacity + per-share MPS caps), "
+        "partitionable MIG devices and whole GPUs through Dynamic Resource Allocation: "
+        "registers with the kubelet, prepares claims into CDI specs, publishes the node's "
+        "ResourceSlices.")
+    p.add_argument("--node", help="this node's name (default: $NODE_NAME)")
+    p.add_argument("--driver", default=dra.DRIVER, help="driver name (default %(default)s)")
+    p.add_argument("--kubelet-dir", type=Path, default=Path("/var/lib/kubelet"),
+                   help="the kubelet's root: plugins_registry/ and plugins/ below it")
+    p.add_argument("--cdi-dir", type=Path, default=Path("/var/run/cdi"),
+                   help="CDI spec directory the container runtime reads")
+    p.add_argument("--state-dir", type=Path, default=None,
+                   help="where the checkpoint lives (default: the plugin directory)")
+    p.add_argument("--mode", default=dra.WHOLE, choices=dra.MODES,
+                   help="sharing model of every GPU not named by --gpu-mode")
+    p.add_argument("--gpu-mode", action="append", default=[], metavar="GPU=MODE",
+                   help="sharing model of one GPU (index or UUID), e.g. 0=share, 1=mig")
+    p.add_argument("--no-taints", action="store_true",
+                   help="leave unhealthy GPUs out of the slices instead of tainting them")
+    p.add_argument("--quiet", type=float, default=60.0,
+                   help="seconds without an XID after which a GPU is healthy again")
+    p.add_argument("--mps-pipe-dir", default="/run/gpuslice/mps",
+                   help="root of the per-GPU MPS pipe directories (the node agent's)")
+    p.add_argument("--mps-binary", default="nvidia-cuda-mps-control")
+    p.add_argument("--dev-dir", default="/dev", help="where the NVIDIA device nodes are")
+    p.add_argument("--fake", type=Path, help="fake GPU inventory YAML instead of NVML")
+    p.add_argument("--kubeconfig", help="kubeconfig (default: in-cluster, else kubectl's)")
+    p.add_argument("--poll", type=float, default=1.0, help="health poll interval, seconds")
+    p.add_argument("--allocator-lease", default="gpuslice-system/gpuslice-dra-allocator",
+                   metavar="NAMESPACE/NAME|none",
+                   help="the claim allocator's Lease: while it is fresh, consumable-capacity "
+                   "devices carry its taint (docs/dra-placement.md); 'none' never taints")
+    p.add_argument("--health-timeout", type=int, default=120,
+                   help="health_check_timeout_seconds reported to the kubelet (the list is "
+                   "resent every quarter of it)")
+    p.add_argument("--resync", type=float, default=10.0,
+                   help="seconds between comparisons of the pool with the API server's")
+    add_log_format(p)
+    p.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace, console: Console) -> int:
+    from gpuslice.adapters.kube.client import KubeClient
+    from gpuslice.adapters.nvml.port import FakeNvml, NvmlPort
+    from gpuslice.adapters.nvml.real import load
+    from gpuslice.services.dra_driver import DraConfig, DraDriver, parse_modes
+    from gpuslice.services.dra_driver import run as serve
+
+    node = args.node or os.environ.get("NODE_NAME")
+    if not node:
+        raise ValidationError("--node", "the node's name (or $NODE_NAME)", node)
+    if args.quiet <= 0 or args.poll <= 0 or args.resync <= 0 or args.health_timeout <= 0:
+        raise ValidationError("--quiet/--poll/--resync/--health-timeout", "positive seconds",
+                              (args.quiet, args.poll, args.resync, args.health_timeout))
+    lease: tuple[str, str] | None = None
+    if args.allocator_lease != "none":
+        ns, sep, name = args.allocator_lease.partition("/")
+        if not sep or not ns or not name or "/" in name:
+            raise ValidationError("--allocator-lease", "NAMESPACE/NAME or none",
+                                  args.allocator_lease)
+        lease = (ns, name)
+    setup_logging(args.log_format, "dra-driver")
+    cfg = DraConfig(node, kubelet_dir=args.kubelet_dir, driver=args.driver,
+                    cdi_dir=args.cdi_dir, state_dir=args.state_dir,
+                    mps_pipe_dir=args.mps_pipe_dir, mps_binary=args.mps_binary,
+                    default_mode=args.mode, modes=parse_modes(args.gpu_mode),
+                    taints=not args.no_taints, quiet_s=args.quiet, dev_dir=args.dev_dir,
+                    allocator_lease=lease, health_timeout_s=args.health_timeout,
+                    resync_s=args.resync)
+    nvml: NvmlPort = FakeNvml.from_yaml(args.fake, node) if args.fake else load()
+    driver = DraDriver(cfg, nvml, KubeClient(args.kubeconfig))
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    console.print(f"DRA driver {cfg.driver} on {node}: {len(nvml.devices())} GPU(s); "
+                  f"registration {cfg.registration_socket}, service {cfg.dra_socket}",
+                  highlight=False)
+    try:
+        serve(driver, stop, args.poll)
+    except KeyboardInterrupt:
+        stop.set()
+    for problem in driver.problems:
+        console.print(f"[yellow]{problem}[/]", highlight=False)
+    return 0
+

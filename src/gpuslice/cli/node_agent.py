@@ -1,0 +1,115 @@
+"""``gpuslice node-agent``: NVML discovery, device plugin, health, labels."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from rich.console import Console
+
+from gpuslice.cli.common import KUBECONFIG_HELP, Sub, add_log_format, read_key, setup_logging
+from gpuslice.core.errors import ValidationError
+
+if TYPE_CHECKING:
+    from gpuslice.adapters.nvml.port import NvmlPort
+
+
+def register(sub: Sub) -> None:
+    na = sub.add_parser(
+        "node-agent", help="node agent: NVML discovery, kubelet device plugin, health, labels",
+        description="Serve gpuslice.io/gpu to the kubelet (device plugin API v1beta1), execute "
+        "the extender's signed assignments, publish the GPU inventory and GFD labels on the "
+        "node, and follow GPU health. --fake runs it on a YAML inventory instead of NVML.",
+    )
+    na.add_argument("--node", help="this node's name (default $NODE_NAME)")
+    na.add_argument("--key-file", type=Path, required=True,
+                    help="file holding the HMAC key shared with the extender")
+    na.add_argument("--fake", type=Path, help="fake NVML: a YAML GPU inventory")
+    na.add_argument("--socket-dir", type=Path, default=Path("/var/lib/kubelet/device-plugins"),
+                    help="the kubelet's device plugin directory")
+    na.add_argument("--replicas", type=int, default=10, help="virtual devices per GPU")
+    na.add_argument("--mig-strategy", choices=("none", "single", "mixed"), default="none",
+                    help="none: the extender names GPUs and MIG instances (default); single: "
+                    "every MIG instance is one gpuslice.io/gpu; mixed: gpuslice.io/mig-<profile>")
+    na.add_argument("--device-list-strategy", default="envvar",
+                    help="how Allocate names devices to the runtime, comma-separated: envvar "
+                    "(default), volume-mounts, cdi-annotations, cdi-cri (NVIDIA's names)")
+    na.add_argument("--cdi-root", type=Path, default=Path("/var/run/cdi"),
+                    help="where the CDI spec (kind gpuslice.io/gpu) is written for cdi-*")
+    na.add_argument("--quiet", type=float, default=60.0,
+                    help="seconds without errors before a faulty GPU is healthy again")
+    na.add_argument("--metrics", default="0.0.0.0:9402",
+                    help="HOST:PORT of the Prometheus endpoint ('off' to disable)")
+    na.add_argument("--no-mps", action="store_true",
+                    help="do not start MPS control daemons (MPS slices then share the GPU "
+                    "without caps)")
+    na.add_argument("--quit-mps-on-exit", action="store_true",
+                    help="quit the MPS daemons when the agent stops (default: leave them to "
+                    "the pods using them; a restarted agent adopts them)")
+    na.add_argument("--mps-pipe-dir", default="/run/gpuslice/mps",
+                    help="host directory of the MPS pipe directories")
+    na.add_argument("--pod-resources-socket",
+                    default="/var/lib/kubelet/pod-resources/kubelet.sock",
+                    help="the kubelet's PodResources API ('off' not to ask): pods it gave "
+                    "devices to are not waiting for Allocate, even while Pending")
+    nsrc = na.add_mutually_exclusive_group()
+    nsrc.add_argument("--kubeconfig", help=KUBECONFIG_HELP)
+    nsrc.add_argument("--fake-cluster", type=Path, help="YAML with 'nodes' and 'pods'")
+    add_log_format(na)
+    na.set_defaults(handler=_node_agent)
+
+
+def _node_agent(args: argparse.Namespace, console: Console) -> int:
+    import os
+    import signal
+
+    from gpuslice.adapters.kube.client import KubeClient
+    from gpuslice.adapters.kube.fake import KubePort, load_fake_cluster
+    from gpuslice.adapters.nvml.port import FakeNvml
+    from gpuslice.adapters.nvml.real import load
+    from gpuslice.services.device_plugin import PluginConfig, device_list_strategy
+    from gpuslice.services.node_agent import NodeAgent
+
+    log = setup_logging(args.log_format, "node-agent")
+    node = args.node or os.environ.get("NODE_NAME")
+    if not node:
+        raise ValidationError("--node", "the node's name (or $NODE_NAME)", node)
+    if args.replicas < 1:
+        raise ValidationError("--replicas", "at least 1 virtual device per GPU", args.replicas)
+    key = read_key(args.key_file)
+    if not args.socket_dir.is_dir():
+        raise ValidationError("--socket-dir", "the kubelet's device plugin directory",
+                              str(args.socket_dir))
+    nvml: NvmlPort = FakeNvml.from_yaml(args.fake, node) if args.fake else load()
+    api: KubePort = (load_fake_cluster(args.fake_cluster) if args.fake_cluster
+                     else KubeClient(args.kubeconfig))
+    cfg = PluginConfig(node, args.socket_dir, key, args.replicas,
+                       mps_pipe_dir=args.mps_pipe_dir, mig_strategy=args.mig_strategy,
+                       pod_resources=None if args.pod_resources_socket == "off"
+                       else Path(args.pod_resources_socket),
+                       device_list_strategy=device_list_strategy(args.device_list_strategy),
+                       cdi_root=args.cdi_root)
+    # a fake inventory has no real GPU behind it: no MPS daemons to start
+    agent = NodeAgent(cfg, nvml, api, quiet_s=args.quiet,
+                      mps=not args.no_mps and args.fake is None,
+                      quit_mps_on_stop=args.quit_mps_on_exit)
+    signal.signal(signal.SIGTERM, lambda *_: agent.stop())
+    if args.metrics != "off":
+        from prometheus_client import start_http_server
+
+        mhost, _, mport = args.metrics.rpartition(":")
+        if not mport.isdigit():
+            raise ValidationError("--metrics", "HOST:PORT or off", args.metrics)
+        start_http_server(int(mport), mhost or "0.0.0.0", registry=agent.metrics.registry)
+    log.info("node agent for %s: %d GPU(s), %d virtual devices each; socket dir %s", node,
+             len(nvml.devices()), args.replicas, args.socket_dir,
+             extra={"event": "starting", "node": node, "gpus": len(nvml.devices())})
+    if not nvml.devices():
+        log.warning("serving no device: %s", nvml.why_empty(), extra={"event": "no-device"})
+    for problem in agent.check_mig_tables():
+        log.warning("%s", problem, extra={"event": "mig-table"})
+    agent.run()
+    for problem in agent.problems:
+        log.warning("%s", problem, extra={"event": "problem"})
+    return 0

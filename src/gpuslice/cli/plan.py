@@ -1,0 +1,133 @@
+"""``gpuslice plan``: the SLA planner."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from rich.console import Console
+from rich.table import Table
+
+from gpuslice.cli.common import EXIT_FAILED, EXIT_OK, Sub, add_output, print_json
+from gpuslice.core.errors import ValidationError
+
+if TYPE_CHECKING:
+    from gpuslice.core.planner import Plan
+
+def register(sub: Sub) -> None:
+    p = sub.add_parser(
+        "plan", help="SLA planner: the fewest (or cheapest) GPU slices that meet every SLO",
+        description="Plan MIG slices (with MPS processes inside) for services with request "
+        "rates and latency SLOs, from measured profiles; check the plan by replaying Poisson "
+        "arrivals through it; optionally export mig-parted configs and Kubernetes manifests.",
+    )
+    p.add_argument("--profiles", type=Path, required=True,
+                   help="ParvaGPU folder (with prof_data/) or a gpuslice profile CSV")
+    p.add_argument("--slo-rate", type=Path, help="ParvaGPU SLO_req_rate.csv (default: "
+                   "PROFILES/SLO/SLO_req_rate.csv)")
+    p.add_argument("--slo-latency", type=Path, help="ParvaGPU SLO_latency.csv (default: "
+                   "PROFILES/SLO/SLO_latency.csv)")
+    p.add_argument("--scenario", type=int, help="scenario (row) of the SLO files, from 1")
+    p.add_argument("--services", type=Path,
+                   help="services YAML/JSON: [{name, model, rate, slo_ms}] (instead of SLO files)")
+    p.add_argument("--fleet", type=Path,
+                   help="fleet YAML/JSON: [{gpu, count, cost_per_hour}] (default: unlimited "
+                   "GPUs of every profiled type)")
+    p.add_argument("--objective", choices=("gpus", "cost"), default="gpus")
+    p.add_argument("--solver", choices=("auto", "milp", "greedy"), default="auto")
+    p.add_argument("--latency-factor", type=float, default=0.45,
+                   help="a configuration serves a model only if its batch latency <= this x "
+                   "SLO (default 0.45, ParvaGPU's rule)")
+    p.add_argument("--no-mix", action="store_true",
+                   help="one service per MIG instance (no MPS sharing between services)")
+    p.add_argument("--no-check", action="store_true",
+                   help="skip the replay-driven re-planning (the final replay still runs)")
+    p.add_argument("--time-limit", type=float, default=1.0,
+                   help="solver seconds per planning round (default 1.0)")
+    p.add_argument("--json", type=Path, help="write the plan as JSON here")
+    p.add_argument("--export", type=Path,
+                   help="write plan.json, mig-parted.yaml and manifests.yaml into this folder")
+    p.add_argument("--seed", type=int, default=1, help="seed of the replay")
+    add_output(p)
+    p.set_defaults(handler=_plan)
+
+
+def _plan(args: argparse.Namespace, console: Console) -> int:
+    from gpuslice.core.planner import FleetType, PlanOptions
+    from gpuslice.planning.run import (
+        load_profiles,
+        parva_baseline,
+        read_fleet,
+        read_services,
+        run_plan,
+        scenario_services,
+        to_json,
+    )
+
+    opts = PlanOptions(latency_factor=args.latency_factor, objective=args.objective,
+                       solver=args.solver, time_limit_s=args.time_limit, mix=not args.no_mix)
+    profiles = load_profiles(args.profiles)
+    baselines: dict[str, int | None] = {}
+    if args.services is not None:
+        services = read_services(args.services, models=profiles.models())
+    elif args.scenario is not None:
+        services = scenario_services(args.profiles, args.slo_rate, args.slo_latency,
+                                     args.scenario)
+        if args.profiles.is_dir():
+            baselines["parvagpu"] = parva_baseline(args.profiles, args.scenario)
+    else:
+        raise ValidationError("--scenario", "a scenario number, or --services FILE", None)
+    fleet = read_fleet(args.fleet) if args.fleet else [
+        FleetType(g) for g in profiles.gpus()]
+    run = run_plan(profiles, services, fleet, opts, seed=args.seed, check=not args.no_check,
+                   baselines=baselines)
+    doc = to_json(run)
+    status = EXIT_OK if not doc["errors"] and not doc["problems"] else EXIT_FAILED
+    if args.output == "json":
+        _write(args, run.plan, doc, console)
+        print_json(doc)
+        return status
+    table = Table(title=f"plan: {doc['gpus']} GPUs ({doc['solver']}, lower bound "
+                  f"{doc['lower_bound']:.2f}, planned in {doc['seconds']['plan']:.2f} s)")
+    for col in ("service", "rate", "SLO ms", "capacity", "slices", "replayed p99 ms", "SLO met"):
+        table.add_column(col, justify="right")
+    for s in doc["services"]:
+        slices = ", ".join(f"{x['profile']}@{x['start']}/g{x['gpu']} b{x['batch']}x{x['procs']}"
+                           for x in s["segments"])
+        table.add_row(s["name"], f"{s['rate_rps']:g}", f"{s['slo_ms']:g}",
+                      f"{s['capacity_rps']:.0f}", slices or "-",
+                      "-" if s["replayed_p99_ms"] is None else f"{s['replayed_p99_ms']:.1f}",
+                      "-" if s["slo_met"] is None else ("yes" if s["slo_met"] else "NO"))
+    console.print(table)
+    base = doc["baselines"]
+    console.print(
+        f"GPUs: gpuslice {doc['gpus']} | ParvaGPU {base.get('parvagpu') or '-'} | exclusive "
+        f"{base.get('exclusive')} | lower bound {doc['lower_bound']:.2f}", highlight=False)
+    if doc["single_type_cost"]:
+        best_single = min(doc["single_type_cost"].values())
+        console.print(f"cost {doc['cost']:.2f} vs best single GPU type {best_single:.2f} "
+                      f"(saving {100 * (1 - doc['cost'] / best_single):.1f}%)", highlight=False)
+    for pr in doc["problems"]:
+        console.print(f"[yellow]not planned[/] {pr['service']}: {pr['reason']}")
+    for e in doc["errors"]:
+        console.print(f"[red]invalid[/] {e}")
+    _write(args, run.plan, doc, console)
+    return status
+
+
+def _write(args: argparse.Namespace, plan: Plan, doc: dict[str, Any], console: Console) -> None:
+    """--json and --export files; with -o json their names go to stderr."""
+    import json
+
+    from gpuslice.planning.export import write_exports
+
+    say = console if args.output == "table" else Console(stderr=True)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(doc, indent=2))
+        say.print(f"wrote {args.json}", highlight=False)
+    if args.export:
+        for path in write_exports(args.export, plan, doc):
+            say.print(f"wrote {path}", highlight=False)
+

@@ -1,0 +1,64 @@
+"""``gpuslice profile``: model profiles on the local GPU."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from gpuslice.cli.common import Sub
+
+
+def register(sub: Sub) -> None:
+    p = sub.add_parser(
+        "profile", help="measure a model on the local GPU into the planner's profile format",
+        description="Measure a model across MPS thread caps (and the MIG instances that exist "
+        "where MIG is already enabled), batch sizes and process counts, with warm-up and fixed "
+        "windows; rows go to the CSV as they are measured (an interrupted run resumes), and a "
+        "plot of throughput against slice size is written beside it. Workloads: resnet50, "
+        "mobilenet_v3, vit_b_16, efficientnet_b0, encoder, tiny, cmd:PROGRAM (RUN <batch> / "
+        "OK lines on stdin/stdout) or an http:// URL (POST per batch, X-Batch-Size).")
+    p.add_argument("workload")
+    p.add_argument("--out", type=Path, default=Path("profiles.csv"))
+    p.add_argument("--name", default="", help="model name in the CSV (default: the workload)")
+    p.add_argument("--caps", default="10,20,30,50,70,100", help="MPS thread percentages")
+    p.add_argument("--batches", default="1,2,4,8")
+    p.add_argument("--procs", default="1,2,3", help="processes sharing the slice")
+    p.add_argument("--warmup-s", type=float, default=2.0)
+    p.add_argument("--window-s", type=float, default=5.0)
+    p.add_argument("--device", type=int, default=0, help="GPU index")
+    p.add_argument("--no-mig", action="store_true", help="skip the MIG instances")
+    p.add_argument("--fake-timer", metavar="MODEL@GPU",
+                   help="no GPU: time the tiny workload by the speed model as if it were MODEL "
+                   "on GPU (e.g. resnet50@A100-80GB); stand-in numbers, for trying it and CI")
+    p.add_argument("--mps-binary", default="nvidia-cuda-mps-control",
+                   help="the MPS control program (default nvidia-cuda-mps-control; tests give "
+                   "a stand-in)")
+    p.set_defaults(handler=_profile)
+
+
+def _profile(args: argparse.Namespace, console: Console) -> int:
+    from gpuslice.bench.profile import ProfileOptions, parse_ints, plot_knee, run_profile
+
+    opts = ProfileOptions(
+        workload=args.workload, out=args.out, model_name=args.name,
+        caps=parse_ints("--caps", args.caps), batches=parse_ints("--batches", args.batches),
+        procs=parse_ints("--procs", args.procs), warmup_s=args.warmup_s,
+        window_s=args.window_s, mig=not args.no_mig, fake_timer=args.fake_timer,
+        device_index=args.device, mps_binary=args.mps_binary)
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), console=console, transient=False) as bar:
+        task = bar.add_task("profiling", total=None)
+
+        def progress(label: str, i: int, n: int) -> None:
+            bar.update(task, description=label, completed=i, total=n)
+
+        points = run_profile(opts, progress)
+    console.print(f"measured {len(points)} configuration(s) into {args.out}"
+                  + ("" if points else " (all were there already)"), highlight=False)
+    if args.out.is_file():
+        png = plot_knee(args.out, args.out.with_suffix(".png"))
+        console.print(f"wrote {png}", highlight=False)
+    return 0

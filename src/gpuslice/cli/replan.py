@@ -1,0 +1,150 @@
+"""``gpuslice replan``: re-plan from observed load."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from gpuslice.cli.common import KUBECONFIG_HELP, Sub, add_output, print_json
+from gpuslice.core.errors import ValidationError
+
+
+def register(sub: Sub) -> None:
+    r = sub.add_parser(
+        "replan", help="re-plan from observed request rates: the smallest set of slice changes",
+        description="Read the current plan (gpuslice plan --json), take each service's request "
+        "rate from the router's metrics (or the services file), and propose the fewest slice "
+        "changes that restore every SLO or free GPUs, checked by replay; a full re-plan is "
+        "shown beside it for comparison. Without --apply nothing changes: --json/--export "
+        "write the new plan for the usual path (manifests, SliceSchedule layouts). With "
+        "--apply the change is made on the cluster, the safe way: the added slices' "
+        "Deployments first, running and ready, then the removed slices' pods drained through "
+        "the router and their Deployments deleted.")
+    r.add_argument("--current", type=Path, required=True, help="the plan in force (JSON)")
+    r.add_argument("--profiles", type=Path, required=True, help="profiles (folder or CSV)")
+    r.add_argument("--services", type=Path, required=True,
+                   help="services file (models, SLOs, and rates unless --rates-from)")
+    r.add_argument("--rates-from", metavar="URL",
+                   help="router admin URL: offered rates measured over --window")
+    r.add_argument("--window", type=float, default=10.0)
+    r.add_argument("--fleet", type=Path, help="fleet file (GPU types, counts, costs)")
+    r.add_argument("--seed", type=int, default=1)
+    r.add_argument("--json", type=Path, help="write the new plan as JSON here")
+    r.add_argument("--export", type=Path, help="write plan.json, mig-parted.yaml, manifests")
+    r.add_argument("--apply", action="store_true",
+                   help="apply the change to the cluster: added slices' Deployments first, "
+                   "ready, then the removed slices' pods drained and their Deployments deleted")
+    r.add_argument("--namespace", default="default", help="with --apply: the plan's namespace")
+    r.add_argument("--image", default="REPLACE-WITH-YOUR-MODEL-SERVER-IMAGE",
+                   help="with --apply: the model server image of the Deployments")
+    r.add_argument("--router-admin", help="with --apply: ask this router when the removed "
+                   "pods have drained (default: wait --drain-s)")
+    r.add_argument("--drain-s", type=float, default=60.0)
+    src = r.add_mutually_exclusive_group()
+    src.add_argument("--kubeconfig", help="with --apply: " + KUBECONFIG_HELP)
+    src.add_argument("--fake-cluster", type=Path,
+                     help="with --apply: nodes and pods from a YAML file instead of a cluster "
+                     "(to try it out; see examples/fake-cluster.yaml)")
+    add_output(r)
+    r.set_defaults(handler=_replan)
+
+
+def _replan(args: argparse.Namespace, console: Console) -> int:
+    import asyncio
+    import json
+
+    import numpy as np
+
+    from gpuslice.adapters.http.config import read_document
+    from gpuslice.core.planner import FleetType, PlanOptions, Service, validate
+    from gpuslice.core.replay import plan_and_check, plan_diff, replan
+    from gpuslice.planning.export import write_exports
+    from gpuslice.planning.run import (
+        PlanRun,
+        load_profiles,
+        plan_from_json,
+        read_fleet,
+        read_services,
+        to_json,
+    )
+
+    current = plan_from_json(read_document(args.current, "--current"), str(args.current))
+    profiles = load_profiles(args.profiles)
+    services = read_services(args.services, positive_rate=False, models=profiles.models())
+    if args.rates_from:
+        from gpuslice.adapters.http.metrics import request_rates
+
+        if args.window <= 0:
+            raise ValidationError("--window", "a positive number of seconds", args.window)
+        seen = asyncio.run(request_rates(args.rates_from, args.window, by="service",
+                                         ok_only=False))
+        services = [Service(s.name, s.model, round(seen.get(s.name, 0.0), 3), s.slo_ms)
+                    for s in services]
+    fleet = read_fleet(args.fleet) if args.fleet else [
+        FleetType(g) for g in sorted({g.gpu for g in current.gpus})]
+    opts = PlanOptions()
+    inc = replan(profiles, current, services, opts, rng=np.random.default_rng(args.seed),
+                 fleet=fleet)
+    full = plan_and_check(profiles, services, fleet, opts,
+                          rng=np.random.default_rng(args.seed + 1)).plan
+    say = console if args.output == "table" else Console(stderr=True)
+    if args.output == "json":
+        print_json({
+            "gpus_before": current.n_gpus, "gpus_after": inc.plan.n_gpus,
+            "changes": [{"action": ch.action, "gpu": ch.gpu, "gpu_type": ch.gpu_type,
+                         "profile": ch.profile, "start": ch.start, "service": ch.service,
+                         "throughput_rps": round(ch.throughput, 3)} for ch in inc.changes],
+            "replay": [{"service": r.service, "p99_ms": round(r.p99_ms, 3),
+                        "slo_ms": r.slo_ms, "ok": r.ok} for r in inc.replay],
+            "freed_gpus": list(inc.freed_gpus),
+            "full_replan": {"gpus": full.n_gpus, "changes": len(plan_diff(current, full))},
+            "rates": {s.name: s.rate for s in services}})
+    if args.output == "table":
+        t = Table(title=f"re-plan: {len(inc.changes)} slice change(s), GPUs "
+                  f"{current.n_gpus} -> {inc.plan.n_gpus}")
+        for col in ("action", "GPU", "slice", "service", "req/s"):
+            t.add_column(col)
+        for ch in inc.changes:
+            t.add_row(ch.action, f"{ch.gpu} ({ch.gpu_type})", f"{ch.profile}@{ch.start}",
+                      ch.service, f"{ch.throughput:.1f}")
+        console.print(t)
+        for r in inc.replay:
+            console.print(f"{r.service}: replayed p99 {r.p99_ms:.1f} ms (SLO {r.slo_ms:g}) "
+                          f"{'ok' if r.ok else 'MISSED'}", highlight=False)
+        if inc.freed_gpus:
+            console.print(f"frees GPU(s) {', '.join(map(str, inc.freed_gpus))}")
+        console.print(f"a full re-plan would use {full.n_gpus} GPUs and change "
+                      f"{len(plan_diff(current, full))} slices", highlight=False)
+    if args.apply:
+        from gpuslice.adapters.http.router_admin import HttpRouter
+        from gpuslice.adapters.kube.fake import ClusterPort, load_fake_cluster
+        from gpuslice.planning.apply import apply_plan
+
+        if not all(r.ok for r in inc.replay):
+            raise ValidationError("--apply", "a re-plan whose replay meets every SLO",
+                                  [r.service for r in inc.replay if not r.ok])
+        api: ClusterPort
+        if args.fake_cluster is not None:
+            api = load_fake_cluster(args.fake_cluster)
+        else:
+            from gpuslice.adapters.kube.client import KubeClient
+
+            api = KubeClient(args.kubeconfig)
+        for line in apply_plan(api, current, inc.plan, namespace=args.namespace,
+                               image=args.image, drain_timeout_s=args.drain_s,
+                               router=HttpRouter(args.router_admin) if args.router_admin
+                               else None):
+            say.print(line, highlight=False)
+    if args.json or args.export:
+        doc = to_json(PlanRun(inc.plan, list(services), list(inc.replay), 0.0, 0.0, 1, {},
+                              validate(inc.plan, services, opts.latency_factor), {}))
+        if args.json:
+            args.json.write_text(json.dumps(doc, indent=2))
+            say.print(f"wrote {args.json}", highlight=False)
+        if args.export:
+            for path in write_exports(args.export, inc.plan, doc):
+                say.print(f"wrote {path}", highlight=False)
+    return 0 if all(r.ok for r in inc.replay) else 1

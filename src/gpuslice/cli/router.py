@@ -1,0 +1,113 @@
+"""``gpuslice router``: the inference request router."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from rich.console import Console
+
+from gpuslice.cli.common import Sub, add_log_format, setup_logging
+from gpuslice.core.errors import ValidationError
+
+
+def register(sub: Sub) -> None:
+    r = sub.add_parser(
+        "router", help="HTTP reverse proxy routing inference requests to the replica that will "
+        "answer soonest (or --export mesh weights)",
+        description="Route each inference request to the replica that will answer it soonest. "
+        "Replicas come from --config (JSON or TOML; reloaded when the file changes or on "
+        "SIGHUP), the planner's --plan, or Kubernetes --endpointslices NAMESPACE/SERVICE. "
+        "The planner's plan.json names slices, not addresses: give it with --endpointslices "
+        "(the Service's ready pods are the replicas, the plan gives their weights), or write "
+        "a url per replica into it.",
+    )
+    src = r.add_mutually_exclusive_group()
+    src.add_argument("--config", type=Path, help="router config (JSON or TOML)")
+    src.add_argument("--plan", type=Path, help="the planner's JSON plan (weights from it)")
+    r.add_argument("--endpointslices", metavar="NS/SERVICE",
+                   help="replicas from the EndpointSlices of a Service (weights from "
+                   "--plan/--config when given, matched by pod name)")
+    r.add_argument("--models", metavar="M1,M2",
+                   help="with --endpointslices alone: the model names this router serves "
+                   "(others get 404; default: any model)")
+    r.add_argument("--kube-api", help="API server URL (default: in-cluster)")
+    r.add_argument("--port-name", help="EndpointSlice port name (default: the first port)")
+    r.add_argument("--listen", default="0.0.0.0:8080", help="HOST:PORT (default 0.0.0.0:8080)")
+    r.add_argument("--admin", default="0.0.0.0:9901",
+                   help="HOST:PORT for /metrics, /replicas, /reload, /healthz ('off' to disable)")
+    r.add_argument("--policy", help="routing policy for every service (default from the "
+                   "config, else sed): round-robin, weighted-round-robin, least-outstanding, "
+                   "p2c, sed")
+    r.add_argument("--slo-ms", type=float, help="latency SLO for admission control (overrides "
+                   "the services' slo_ms)")
+    r.add_argument("--no-admission", action="store_true",
+                   help="never answer 429: queue every request")
+    r.add_argument("--access-log", default="-", help="'-' stdout (default), a file, or 'off'")
+    r.add_argument("--export", choices=("istio", "envoy"),
+                   help="print Istio DestinationRule/VirtualService or Envoy endpoint weights "
+                   "for the plan or config and exit")
+    r.add_argument("--namespace", default="default", help="namespace of exported Istio objects")
+    add_log_format(r)
+    r.set_defaults(handler=_router)
+
+
+def _router(args: argparse.Namespace, console: Console) -> int:
+    import json
+
+    from gpuslice.adapters.http.config import read_config
+    from gpuslice.services import mesh_export
+    from gpuslice.services.router import ServeOptions, parse_hostport, run
+
+    if args.export:
+        path = args.plan or args.config
+        if path is None:
+            raise ValidationError("--plan", "a plan or config to export weights from", None)
+        cfg = read_config(path, need_urls=args.export == "envoy",
+                          field="--plan" if args.plan else "--config")
+        doc = mesh_export.istio(cfg, args.namespace) if args.export == "istio" \
+            else mesh_export.envoy(cfg)
+        sys.stdout.write(json.dumps(doc, indent=2) + "\n")
+        return 0
+    if args.slo_ms is not None and not args.slo_ms > 0:
+        raise ValidationError("--slo-ms", "a positive number of milliseconds", args.slo_ms)
+    if args.policy is not None:
+        from gpuslice.core.routing import make_routing_policy
+
+        make_routing_policy(args.policy)
+    opts = ServeOptions(
+        listen=parse_hostport("--listen", args.listen),
+        admin=None if args.admin == "off" else parse_hostport("--admin", args.admin),
+        policy=args.policy, slo_ms=args.slo_ms, admission=not args.no_admission,
+        access_log=args.access_log, config=args.config, plan=args.plan,
+        endpointslices=args.endpointslices, kube_api=args.kube_api, port_name=args.port_name,
+        models=tuple(m.strip() for m in (args.models or "").split(",") if m.strip()),
+    )
+    if opts.config is None and opts.plan is None and opts.endpointslices is None:
+        raise ValidationError("--config", "a router config, a --plan or --endpointslices", None)
+    if opts.plan is not None and opts.endpointslices is None:
+        _plan_has_urls(opts.plan)
+    setup_logging(args.log_format, "router")
+    try:
+        run(opts)
+    except OSError as exc:
+        raise ValidationError("--listen", "a free address to listen on", str(exc)) from None
+    return 0
+
+
+def _plan_has_urls(path: Path) -> None:
+    """A plan without --endpointslices needs a url per replica: say what to add."""
+    from gpuslice.adapters.http.config import read_config
+
+    cfg = read_config(path, need_urls=False, field="--plan")
+    missing = [f"{s.name}/{r.name}" for s in cfg.services for r in s.replicas if r.url is None]
+    if missing:
+        first = cfg.services[0].name
+        raise ValidationError(
+            "--plan", "replicas to send requests to: the plan names its slices but not their "
+            f"addresses. Add --endpointslices NAMESPACE/SERVICE (e.g. --endpointslices "
+            f"default/{first}) to take the replicas from the Service's ready pods, weighted by "
+            "the plan, or give --config with a url per replica",
+            f"{len(missing)} replica(s) without a url ({', '.join(missing[:3])}"
+            f"{', ...' if len(missing) > 3 else ''})")

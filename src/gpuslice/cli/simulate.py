@@ -1,0 +1,169 @@
+"""``gpuslice simulate``: replay a cluster trace against placement policies."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from gpuslice.cli.common import Sub, add_output, parse_policies, parse_seeds, print_json
+from gpuslice.core.errors import ValidationError
+from gpuslice.core.policies import policy_names
+
+DEFAULT_POLICIES = ("random", "dotprod", "gpu-clustering", "gpu-packing", "bestfit", "fgd",
+                    "ours")
+
+
+def register(sub: Sub) -> None:
+    sim = sub.add_parser(
+        "simulate",
+        help="replay a cluster trace against placement policies (FGD protocol)",
+        description="Replay a task trace against placement policies: tasks arrive one by one "
+        "and never leave; metrics in 1% bins of arrived GPU demand. With no --trace it runs "
+        "an embedded generated scenario.",
+    )
+    src = sim.add_mutually_exclusive_group()
+    src.add_argument("--trace", type=Path, help="pod list CSV (Alibaba openb format)")
+    src.add_argument("--variant", help="a trace variant from the shared data folder "
+                     "(default, gpushare40, ...); needs GPUSLICE_DATA or ../shared")
+    sim.add_argument("--nodes", type=Path, help="node list CSV (with --trace)")
+    sim.add_argument("--policy", default=",".join(DEFAULT_POLICIES),
+                     help=f"comma-separated policies (default: all); known: "
+                     f"{', '.join(policy_names())}")
+    sim.add_argument("--dra", default=None, metavar="MODES",
+                     help="also replay the DRA path: comma-separated default (kube-scheduler's "
+                     "allocator, first fit in slice order), ours (our claim allocator), ours-all "
+                     "(ours placing pods without claims too); run as policies dra-<mode>")
+    sim.add_argument("--seeds", default=None, help="seeds, e.g. 42-51 (default: 42-51 for a "
+                     "trace, 42-44 for the embedded scenario)")
+    sim.add_argument("--tune", type=float, default=1.3,
+                     help="resize the task list to this multiple of GPU capacity (default 1.3)")
+    sim.add_argument("--out", type=Path, default=Path("gpuslice-sim"),
+                     help="output folder (default ./gpuslice-sim)")
+    sim.add_argument("--workers", type=int, default=0, help="processes (default: CPU count)")
+    sim.add_argument("--ties", choices=("order", "random"), default="order",
+                     help="break score ties by a fixed random node order per seed (as the FGD "
+                     "simulator does; default) or uniformly per decision")
+    sim.add_argument("--compare", nargs="?", const="auto", default=None, metavar="CSV",
+                     help="print the published FGD results beside ours (default file from "
+                     "the shared data folder)")
+    sim.add_argument("--no-plot", action="store_true", help="skip the PNG plot")
+    add_output(sim)
+
+    sim.set_defaults(handler=_simulate)
+
+
+def _simulate(args: argparse.Namespace, console: Console) -> int:
+    from gpuslice.adapters.traces.data import published_results, variant_paths
+    from gpuslice.adapters.traces.fgd_results import read_published
+    from gpuslice.sim.compare import compare
+    from gpuslice.sim.default import default_nodes, default_tasks
+    from gpuslice.sim.runner import (
+        Experiment,
+        JobResult,
+        load_scenario,
+        run_experiment,
+        scenario_of,
+        write_results,
+    )
+
+    policies = parse_policies(args.policy) if args.policy else []
+    if args.dra:
+        from gpuslice.sim.dra import MODES
+
+        for mode in (m.strip() for m in args.dra.split(",") if m.strip()):
+            if f"dra-{mode}" not in MODES:
+                raise ValidationError("--dra", "modes from default, ours, ours-all", mode)
+            policies.append(f"dra-{mode}")
+    if not policies:
+        raise ValidationError("--policy", "at least one policy or a --dra mode", args.policy)
+    if not args.no_plot:  # a missing matplotlib is said before the replay, not after it
+        from gpuslice.adapters.optional import pyplot
+
+        pyplot()
+    if args.tune <= 0:
+        raise ValidationError("--tune", "a positive multiple of GPU capacity", args.tune)
+    if args.workers < 0:
+        raise ValidationError("--workers", "0 (CPU count) or more", args.workers)
+    if args.variant:
+        pods, nodes = variant_paths(args.variant)
+        scenario = load_scenario(pods, args.nodes or nodes)
+    elif args.trace:
+        if args.nodes is None:
+            raise ValidationError("--nodes", "a node list CSV to go with --trace", None)
+        scenario = load_scenario(args.trace, args.nodes)
+    else:
+        if args.nodes is not None:
+            raise ValidationError("--trace", "a pod list CSV to go with --nodes", None)
+        scenario = scenario_of("embedded-default", default_nodes(), default_tasks())
+    seeds = parse_seeds(args.seeds or ("42-51" if (args.trace or args.variant) else "42-44"))
+    if args.output == "json":  # progress and file names on stderr, the result on stdout
+        console = Console(stderr=True)
+    exp = Experiment(scenario, policies, seeds, args.tune, args.ties == "order")
+    if args.workers:
+        exp.workers = args.workers
+    console.print(
+        f"[bold]{scenario.name}[/]: {scenario.arrays.n_nodes} nodes, {scenario.total_gpus} GPUs, "
+        f"{len(scenario.tasks)} tasks, {len(scenario.workload.shapes)} target shapes; "
+        f"{len(policies)} policies x {len(seeds)} seeds, tune {args.tune}"
+    )
+    results: list[JobResult] = []
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), console=console, transient=False) as progress:
+        bar = progress.add_task("replaying", total=len(exp.jobs()))
+
+        def done(res: JobResult) -> None:
+            results.append(res)
+            progress.update(bar, advance=1, description=f"{res.job.policy} seed {res.job.seed}")
+
+        ordered = run_experiment(exp, on_done=done)
+    written = write_results(args.out, scenario.name, ordered)
+    if not args.no_plot:
+        from gpuslice.sim.plot import plot_unallocated
+
+        written.append(plot_unallocated(ordered, args.out / "unallocated.png",
+                                        f"{scenario.name}: unallocated GPU vs arrived workload"))
+    published = []
+    if args.compare is not None:
+        path = published_results() if args.compare == "auto" else Path(args.compare)
+        published = read_published(path)
+    rows = compare(scenario.name, ordered, published)
+    if args.output == "json":
+        print_json({"scenario": scenario.name, "seeds": seeds, "tune": args.tune,
+                    "statistic": "unallocated GPU % at 100% arrived workload, mean and sd "
+                    "over seeds",
+                    "policies": [{
+                        "policy": r.policy, "mean": r.ours_mean,
+                        "sd": r.ours_sd, "published_as": r.published_as,
+                        "published_mean": r.published_mean, "published_sd": r.published_sd,
+                        "diff": r.diff, "seconds_per_seed": round(r.seconds_per_seed, 3)}
+                        for r in rows],
+                    "files": [str(p) for p in written]})
+        for path in written:
+            console.print(f"wrote {path}", highlight=False)
+        return 0
+    table = Table(title=f"unallocated GPU % at 100% arrived ({len(seeds)} seeds)")
+    table.add_column("policy")
+    table.add_column("ours mean ± sd", justify="right")
+    if args.compare is not None:
+        table.add_column("published", justify="right")
+        table.add_column("published mean ± sd", justify="right")
+        table.add_column("diff", justify="right")
+    table.add_column("s/seed", justify="right")
+    for r in rows:
+        cells = [r.policy, f"{r.ours_mean:.2f} ± {r.ours_sd:.2f}"]
+        if args.compare is not None:
+            if r.published_mean is None or r.published_sd is None or r.diff is None:
+                cells += [r.published_as or "-", "-", "-"]
+            else:
+                cells += [r.published_as or "-", f"{r.published_mean:.2f} ± {r.published_sd:.2f}",
+                          f"{r.diff:+.2f}"]
+        cells.append(f"{r.seconds_per_seed:.1f}")
+        table.add_row(*cells)
+    console.print(table)
+    for path in written:
+        console.print(f"wrote {path}", highlight=False)
+    return 0

@@ -1,0 +1,579 @@
+"""A real Kubernetes control plane on loopback for the cluster test tier and for trying gpuslice
+against the official components: etcd, kube-apiserver, kube-controller-manager, kube-scheduler
+(a ``gpuslice-scheduler`` profile built from deploy/base/scheduler-config.yaml, its extender
+pointed at a local URL) and kwok (fake nodes, fake pod lifecycle).
+
+The binaries come from ``tools/cluster/build.sh`` (official Go modules, pinned there). Every
+component listens on 127.0.0.1 on a free port; certificates, the service-account signing key and
+kubeconfigs are generated at start in the cluster's folder; :meth:`DevCluster.stop` ends every
+process it started and removes the folder.
+
+This module runs processes and is not imported by the rest of gpuslice; tests use it through a
+session fixture (tests/cluster/conftest.py), people through ``gpuslice dev-cluster``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import ssl
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from gpuslice.core.errors import GpusliceError, ValidationError
+
+BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl",
+            "kwok")
+# beta (on by default) in 1.36; named anyway so that the DRA tests do not depend on defaults
+FEATURE_GATES = ("DRAPartitionableDevices=true,DRAConsumableCapacity=true,"
+                 "DRAExtendedResource=true,DRADeviceTaints=true")
+SERVICE_CIDR = "10.96.0.0/16"
+KWOK_NODE_ANNOTATION = "kwok.x-k8s.io/node"
+SCHEDULER_NAME = "gpuslice-scheduler"
+INVENTORY_ANNOTATION = "gpuslice.io/inventory"  # adapters.kube.objects.INVENTORY_ANNOTATION
+
+
+def find_bin_dir(repo: Path | None = None) -> Path:
+    """``$GPUSLICE_CLUSTER_BIN``, else what ``tools/cluster/build.sh --bin-dir`` names (the cache
+    folder keyed by the pinned modules) under ``repo`` (default: the current directory)."""
+    env = os.environ.get("GPUSLICE_CLUSTER_BIN")
+    if env:
+        return Path(env)
+    script = (repo or Path.cwd()) / "tools" / "cluster" / "build.sh"
+    if not script.is_file():
+        raise GpusliceError(f"no {script}: run from the repository root or set "
+                            "GPUSLICE_CLUSTER_BIN to the folder of the cluster binaries")
+    try:
+        out = subprocess.run([str(script), "--bin-dir"], check=True, capture_output=True,
+                             text=True, timeout=60).stdout.strip()
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise GpusliceError(f"{script} --bin-dir failed: {exc}") from None
+    return Path(out.splitlines()[-1])
+
+
+KWOK_STAGES = "kwok-stages.yaml"  # written by build.sh from the kwok module's stage files
+
+
+def missing_binaries(bin_dir: Path) -> list[str]:
+    missing = [b for b in BINARIES if not os.access(bin_dir / b, os.X_OK)]
+    return missing + ([] if (bin_dir / KWOK_STAGES).is_file() else [KWOK_STAGES])
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_until(what: str, check: Callable[[], bool], timeout_s: float,
+               proc: subprocess.Popen[bytes] | None = None, log: Path | None = None,
+               every_s: float = 0.25) -> None:
+    """Poll ``check`` until it is true; fail naming ``what`` (and the log's tail) when the
+    deadline passes or ``proc`` exits first."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with contextlib.suppress(Exception):
+            if check():
+                return
+        if proc is not None and proc.poll() is not None:
+            raise GpusliceError(f"{what}: the process exited with {proc.returncode}"
+                                + _tail(log))
+        if time.monotonic() > deadline:
+            raise GpusliceError(f"{what}: not ready after {timeout_s:.0f} s" + _tail(log))
+        time.sleep(every_s)
+
+
+def _tail(log: Path | None, lines: int = 25) -> str:
+    if log is None or not log.exists():
+        return ""
+    text = log.read_text(errors="replace").splitlines()[-lines:]
+    return f"\n--- last lines of {log} ---\n" + "\n".join(text)
+
+
+def _openssl(*args: str) -> None:
+    try:
+        subprocess.run(["openssl", *args], check=True, capture_output=True, timeout=60)
+    except FileNotFoundError:
+        raise GpusliceError("the openssl command line tool is needed to make the dev "
+                            "cluster's certificates") from None
+    except subprocess.CalledProcessError as exc:
+        raise GpusliceError(f"openssl {args[0]} failed: {exc.stderr.decode()[-400:]}") from None
+
+
+@dataclass
+class Pki:
+    """A CA and the certificates signed by it (EC P-256, valid for two days)."""
+
+    folder: Path
+
+    def __post_init__(self) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.ca_crt, self.ca_key = self.folder / "ca.crt", self.folder / "ca.key"
+        _openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+                 "-nodes", "-days", "2", "-subj", "/CN=gpuslice-dev-cluster-ca",
+                 "-addext", "basicConstraints=critical,CA:TRUE",
+                 "-addext", "keyUsage=critical,keyCertSign,cRLSign",
+                 "-keyout", str(self.ca_key), "-out", str(self.ca_crt))
+
+    def issue(self, name: str, subject: str, *, server: bool = False) -> tuple[Path, Path]:
+        crt, key, csr = (self.folder / f"{name}.{x}" for x in ("crt", "key", "csr"))
+        ext = self.folder / f"{name}.ext"
+        lines = ["basicConstraints=critical,CA:FALSE",
+                 "keyUsage=critical,digitalSignature,keyEncipherment",
+                 "extendedKeyUsage=" + ("serverAuth,clientAuth" if server else "clientAuth"),
+                 "subjectKeyIdentifier=hash", "authorityKeyIdentifier=keyid"]
+        if server:
+            lines.append("subjectAltName=IP:127.0.0.1,DNS:localhost,DNS:kubernetes,"
+                         "DNS:kubernetes.default,DNS:kubernetes.default.svc,IP:10.96.0.1")
+        ext.write_text("\n".join(lines) + "\n")
+        _openssl("req", "-new", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+                 "-nodes", "-subj", subject, "-keyout", str(key), "-out", str(csr))
+        _openssl("x509", "-req", "-in", str(csr), "-CA", str(self.ca_crt), "-CAkey",
+                 str(self.ca_key), "-CAcreateserial", "-days", "2", "-extfile", str(ext),
+                 "-out", str(crt))
+        return crt, key
+
+
+def scheduler_config(deploy_config: Path, kubeconfig: Path, extender_url: str | None,
+                     ca_file: Path | None, *, leader_elect: bool = False) -> dict[str, Any]:
+    """deploy/base/scheduler-config.yaml's KubeSchedulerConfiguration with the extender pointed
+    at ``extender_url`` (its CA file ``ca_file`` when https), a kubeconfig, no leader election
+    (one scheduler), and a ``default-scheduler`` profile beside ``gpuslice-scheduler`` for pods
+    that ask for no GPU. ``extender_url=None``: the same profiles without the extender (the
+    benchmark's baseline)."""
+    doc = yaml.safe_load(deploy_config.read_text())
+    try:
+        cfg = yaml.safe_load(doc["data"]["config.yaml"])
+        ext = cfg["extenders"][0]
+    except (KeyError, IndexError, TypeError, yaml.YAMLError):
+        raise ValidationError(f"{deploy_config}: data.config.yaml",
+                              "a KubeSchedulerConfiguration with one extender", None) from None
+    cfg["clientConnection"] = {"kubeconfig": str(kubeconfig), "qps": 200, "burst": 400}
+    if not leader_elect:
+        cfg["leaderElection"] = {"leaderElect": False}
+    names = {p.get("schedulerName") for p in cfg.get("profiles") or []}
+    if "default-scheduler" not in names:
+        cfg.setdefault("profiles", []).append({"schedulerName": "default-scheduler"})
+    if extender_url is None:
+        del cfg["extenders"]
+        return dict(cfg)
+    ext["urlPrefix"] = extender_url
+    https = extender_url.startswith("https://")
+    ext["enableHTTPS"] = https
+    if https and ca_file is not None:
+        ext["tlsConfig"] = {"insecure": False, "caFile": str(ca_file)}
+    else:
+        ext.pop("tlsConfig", None)
+    return dict(cfg)
+
+
+@dataclass
+class Proc:
+    name: str
+    argv: list[str]
+    log: Path
+    popen: subprocess.Popen[bytes] | None = None
+
+    def start(self, env: dict[str, str] | None = None) -> Proc:
+        out = self.log.open("ab")
+        try:
+            self.popen = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT,
+                                          stdin=subprocess.DEVNULL, start_new_session=True,
+                                          env=env)
+        finally:
+            out.close()
+        return self
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.popen is None else self.popen.pid
+
+    def stop(self, timeout_s: float = 20.0) -> None:
+        p = self.popen
+        if p is None or p.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            p.send_signal(signal.SIGTERM)
+        try:
+            p.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                p.kill()
+            p.wait(10)
+
+
+@dataclass
+class DevCluster:
+    """Start with :meth:`start`, end with :meth:`stop` (also a context manager).
+
+    ``scheduler``: ``"extender"`` (the gpuslice profile calls the extender at
+    ``extender_url``), ``"plain"`` (the same profiles, no extender) or ``"none"``."""
+
+    bin_dir: Path
+    deploy_dir: Path
+    scheduler: str = "extender"
+    folder: Path | None = None
+    extender_port: int = 0
+    extender_tls: bool = True
+    ready_timeout_s: float = 240.0
+    procs: dict[str, Proc] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.scheduler not in ("extender", "plain", "none"):
+            raise ValidationError("scheduler", "extender, plain or none", self.scheduler)
+        missing = missing_binaries(self.bin_dir)
+        if missing:
+            raise GpusliceError(f"cluster binaries missing in {self.bin_dir}: "
+                                f"{', '.join(missing)} (build them: tools/cluster/build.sh)")
+        self._own_folder = self.folder is None
+        self.folder = Path(tempfile.mkdtemp(prefix="gpuslice-devcluster-")) \
+            if self.folder is None else self.folder
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.extender_port = self.extender_port or free_port()
+        self.ports: dict[str, int] = {}
+
+    # -- paths and URLs ------------------------------------------------------------------
+
+    @property
+    def dir(self) -> Path:
+        assert self.folder is not None
+        return self.folder
+
+    @property
+    def kubeconfig(self) -> Path:
+        return self.dir / "admin.kubeconfig"
+
+    @property
+    def server(self) -> str:
+        return f"https://127.0.0.1:{self.ports['apiserver']}"
+
+    @property
+    def extender_url(self) -> str:
+        scheme = "https" if self.extender_tls else "http"
+        return f"{scheme}://127.0.0.1:{self.extender_port}"
+
+    @property
+    def ca_crt(self) -> Path:
+        return self.dir / "pki" / "ca.crt"
+
+    def bin(self, name: str) -> str:
+        return str(self.bin_dir / name)
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    def __enter__(self) -> DevCluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self) -> DevCluster:
+        try:
+            self._start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start(self) -> None:
+        pki = Pki(self.dir / "pki")
+        self.apiserver_cert = pki.issue("apiserver", "/CN=kube-apiserver", server=True)
+        self.admin_cert = pki.issue("admin", "/O=system:masters/CN=gpuslice-dev-admin")
+        self.extender_cert = pki.issue("extender", "/CN=gpuslice-extender", server=True)
+        self.sa_key = self.dir / "pki" / "sa.key"
+        _openssl("ecparam", "-name", "prime256v1", "-genkey", "-noout", "-out",
+                 str(self.sa_key))
+        self.sa_pub = self.dir / "pki" / "sa.pub"
+        _openssl("ec", "-in", str(self.sa_key), "-pubout", "-out", str(self.sa_pub))
+        for name in ("etcd", "etcd-peer", "apiserver", "kcm", "scheduler", "kwok"):
+            self.ports[name] = free_port()
+        self._write_kubeconfig(self.kubeconfig, user={
+            "client-certificate": str(self.admin_cert[0]),
+            "client-key": str(self.admin_cert[1])})
+        self._start_etcd()
+        self._start_apiserver()
+        self._start_controller_manager()
+        self._start_kwok()
+        if self.scheduler != "none":
+            self.start_scheduler(self.scheduler == "extender")
+        self.write_state()
+
+    def _add(self, name: str, argv: list[str]) -> Proc:
+        proc = Proc(name, argv, self.dir / f"{name}.log").start()
+        self.procs[name] = proc
+        return proc
+
+    def _start_etcd(self) -> None:
+        client = f"http://127.0.0.1:{self.ports['etcd']}"
+        peer = f"http://127.0.0.1:{self.ports['etcd-peer']}"
+        p = self._add("etcd", [
+            self.bin("etcd"), "--name", "dev", "--data-dir", str(self.dir / "etcd"),
+            "--listen-client-urls", client, "--advertise-client-urls", client,
+            "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+            "--initial-cluster", f"dev={peer}", "--unsafe-no-fsync",
+            "--quota-backend-bytes", str(4 << 30), "--log-level", "warn"])
+        wait_until("etcd /health", lambda: b'"health":"true"' in _get(client + "/health"),
+                   self.ready_timeout_s, p.popen, p.log)
+
+    def _apiserver_argv(self) -> list[str]:
+        crt, key = self.apiserver_cert
+        return [
+            self.bin("kube-apiserver"),
+            f"--etcd-servers=http://127.0.0.1:{self.ports['etcd']}",
+            "--bind-address=127.0.0.1", "--advertise-address=127.0.0.1",
+            f"--secure-port={self.ports['apiserver']}",
+            f"--tls-cert-file={crt}", f"--tls-private-key-file={key}",
+            f"--client-ca-file={self.ca_crt}",
+            "--authorization-mode=RBAC",
+            "--service-account-issuer=https://kubernetes.default.svc",
+            f"--service-account-key-file={self.sa_pub}",
+            f"--service-account-signing-key-file={self.sa_key}",
+            f"--service-cluster-ip-range={SERVICE_CIDR}",
+            "--allow-privileged=true",
+            "--runtime-config=resource.k8s.io/v1=true",
+            f"--feature-gates={FEATURE_GATES}",
+            "--endpoint-reconciler-type=none",
+            "--profiling=false",
+            f"--cert-dir={self.dir / 'apiserver-certs'}",
+        ]
+
+    def _start_apiserver(self) -> None:
+        p = self._add("kube-apiserver", self._apiserver_argv())
+        wait_until("kube-apiserver /readyz", lambda: _get(self.server + "/readyz",
+                                                          self._ssl()) == b"ok",
+                   self.ready_timeout_s, p.popen, p.log)
+
+    def restart_apiserver(self) -> None:
+        """Stop kube-apiserver and start it again on the same port and etcd (clients see
+        refused connections, then watches that must be re-established)."""
+        self.procs["kube-apiserver"].stop()
+        self._start_apiserver()
+        self.write_state()
+
+    def stop_apiserver(self) -> None:
+        self.procs["kube-apiserver"].stop()
+
+    def start_apiserver(self) -> None:
+        self._start_apiserver()
+
+    def _start_controller_manager(self) -> None:
+        p = self._add("kube-controller-manager", [
+            self.bin("kube-controller-manager"),
+            f"--kubeconfig={self.kubeconfig}",
+            f"--authentication-kubeconfig={self.kubeconfig}",
+            f"--authorization-kubeconfig={self.kubeconfig}",
+            "--bind-address=127.0.0.1", f"--secure-port={self.ports['kcm']}",
+            f"--cert-dir={self.dir / 'kcm-certs'}",
+            f"--service-account-private-key-file={self.sa_key}",
+            f"--root-ca-file={self.ca_crt}",
+            "--use-service-account-credentials=true",
+            f"--service-cluster-ip-range={SERVICE_CIDR}",
+            "--leader-elect=false",
+            f"--feature-gates={FEATURE_GATES}",
+            "--kube-api-qps=200", "--kube-api-burst=400",
+        ])
+        # the service-account controller creates 'default' in every namespace: pods need it
+        wait_until("kube-controller-manager (ServiceAccount default/default)",
+                   lambda: self.kubectl("get", "serviceaccount", "default", "-n", "default",
+                                        check=False).returncode == 0,
+                   self.ready_timeout_s, p.popen, p.log, every_s=1.0)
+
+    def _start_kwok(self) -> None:
+        p = self._add("kwok", [
+            self.bin("kwok"), f"--kubeconfig={self.kubeconfig}",
+            f"--config={self.bin_dir / KWOK_STAGES}",
+            "--manage-all-nodes=false",
+            f"--manage-nodes-with-annotation-selector={KWOK_NODE_ANNOTATION}=fake",
+            "--cidr=10.128.0.1/12", "--node-ip=10.0.0.1",
+            f"--server-address=127.0.0.1:{self.ports['kwok']}",
+            "--node-lease-duration-seconds=40",
+        ])
+        wait_until("kwok /healthz", lambda: _get(
+            f"http://127.0.0.1:{self.ports['kwok']}/healthz") == b"ok",
+            self.ready_timeout_s, p.popen, p.log)
+
+    def scheduler_config_path(self, with_extender: bool) -> Path:
+        cfg = scheduler_config(self.deploy_dir / "base" / "scheduler-config.yaml",
+                               self.kubeconfig, self.extender_url if with_extender else None,
+                               self.ca_crt)
+        path = self.dir / ("scheduler-extender.yaml" if with_extender else
+                           "scheduler-plain.yaml")
+        path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+        return path
+
+    def start_scheduler(self, with_extender: bool = True) -> None:
+        """(Re)start kube-scheduler, with or without the gpuslice extender."""
+        if "kube-scheduler" in self.procs:
+            self.procs["kube-scheduler"].stop()
+        p = self._add("kube-scheduler", [
+            self.bin("kube-scheduler"), f"--config={self.scheduler_config_path(with_extender)}",
+            f"--authentication-kubeconfig={self.kubeconfig}",
+            f"--authorization-kubeconfig={self.kubeconfig}",
+            "--bind-address=127.0.0.1", f"--secure-port={self.ports['scheduler']}",
+            f"--cert-dir={self.dir / 'scheduler-certs'}",
+            "--authorization-always-allow-paths=/healthz,/readyz,/livez,/metrics",
+            f"--feature-gates={FEATURE_GATES}",
+        ])
+        wait_until("kube-scheduler /healthz", lambda: _get(
+            f"https://127.0.0.1:{self.ports['scheduler']}/healthz",
+            _insecure()) == b"ok", self.ready_timeout_s, p.popen, p.log)
+
+    def scheduler_metrics(self) -> str:
+        return _get(f"https://127.0.0.1:{self.ports['scheduler']}/metrics",
+                    _insecure()).decode()
+
+    def stop(self) -> None:
+        """Stop every process this cluster started (the reverse of the start order) and remove
+        its folder when it made it."""
+        for name in reversed(list(self.procs)):
+            self.procs[name].stop()
+        self.procs.clear()
+        if self._own_folder and self.folder is not None and self.folder.exists():
+            shutil.rmtree(self.folder, ignore_errors=True)
+
+    def alive(self) -> dict[str, bool]:
+        return {n: p.popen is not None and p.popen.poll() is None
+                for n, p in self.procs.items()}
+
+    def write_state(self) -> None:
+        state = {"folder": str(self.dir), "kubeconfig": str(self.kubeconfig),
+                 "server": self.server, "extender_url": self.extender_url,
+                 "ports": self.ports, "pids": {n: p.pid for n, p in self.procs.items()}}
+        (self.dir / "state.json").write_text(json.dumps(state, indent=1))
+
+    # -- clients -------------------------------------------------------------------------
+
+    def _ssl(self) -> ssl.SSLContext:
+        ctx = ssl.create_default_context(cafile=str(self.ca_crt))
+        ctx.load_cert_chain(str(self.admin_cert[0]), str(self.admin_cert[1]))
+        return ctx
+
+    def _write_kubeconfig(self, path: Path, user: dict[str, str]) -> Path:
+        doc = {"apiVersion": "v1", "kind": "Config", "current-context": "dev",
+               "clusters": [{"name": "dev", "cluster": {
+                   "server": self.server, "certificate-authority": str(self.ca_crt)}}],
+               "users": [{"name": "user", "user": user}],
+               "contexts": [{"name": "dev", "context": {"cluster": "dev", "user": "user"}}]}
+        path.write_text(yaml.safe_dump(doc))
+        path.chmod(0o600)
+        return path
+
+    def kubectl(self, *args: str, kubeconfig: Path | None = None, input: str | None = None,
+                check: bool = True, timeout_s: float = 120.0,
+                env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+        argv = [self.bin("kubectl"), f"--kubeconfig={kubeconfig or self.kubeconfig}", *args]
+        res = subprocess.run(argv, check=False, input=input, capture_output=True, text=True,
+                             timeout=timeout_s, env=env)
+        if check and res.returncode != 0:
+            raise GpusliceError(f"kubectl {' '.join(args)} failed ({res.returncode}): "
+                                f"{res.stderr.strip()[-600:]}")
+        return res
+
+    def service_account_kubeconfig(self, namespace: str, name: str,
+                                   path: Path | None = None, duration: str = "6h") -> Path:
+        """A kubeconfig with a token of the service account (``kubectl create token``)."""
+        token = self.kubectl("create", "token", name, "-n", namespace,
+                             f"--duration={duration}").stdout.strip()
+        path = path or self.dir / f"sa-{namespace}-{name}.kubeconfig"
+        return self._write_kubeconfig(path, user={"token": token})
+
+    def apply(self, manifest: str | Path, *extra: str) -> str:
+        """``kubectl apply --server-side`` of a file, a folder (-k when it has a
+        kustomization) or YAML text."""
+        if isinstance(manifest, Path):
+            flag = "-k" if (manifest / "kustomization.yaml").exists() else "-f"
+            return self.kubectl("apply", "--server-side", "--force-conflicts", flag,
+                                str(manifest), *extra).stdout
+        return self.kubectl("apply", "--server-side", "--force-conflicts", "-f", "-", *extra,
+                            input=manifest).stdout
+
+    def add_nodes(self, nodes: Sequence[dict[str, Any]], ready_timeout_s: float = 120.0,
+                  ) -> None:
+        """Create kwok nodes (objects from :func:`kwok_node`) and wait until kwok has made
+        them Ready."""
+        text = yaml.safe_dump_all(nodes)
+        self.kubectl("create", "-f", "-", input=text, timeout_s=600)
+        names = {n["metadata"]["name"] for n in nodes}
+
+        def ready() -> bool:
+            out = self.kubectl("get", "nodes", "-o", "json", timeout_s=300).stdout
+            ok = {n["metadata"]["name"] for n in json.loads(out)["items"]
+                  if any(c.get("type") == "Ready" and c.get("status") == "True"
+                         for c in (n.get("status") or {}).get("conditions") or [])}
+            return names <= ok
+
+        wait_until(f"{len(names)} kwok nodes Ready", ready, ready_timeout_s, every_s=1.0)
+
+
+def kwok_node(name: str, *, gpus: int, replicas: int = 10, labels: dict[str, str] | None = None,
+              annotations: dict[str, str] | None = None, cpu: str = "64",
+              memory: str = "512Gi", pods: int = 250,
+              gpu_memory_mib: int = 81920) -> dict[str, Any]:
+    """A Node that kwok manages: ``gpus`` GPUs served as ``gpus * replicas`` gpuslice.io/gpu
+    devices (as the device plugin advertises them), with the labels and annotations given (the
+    node agent's: see :func:`gpuslice.core.devices.inventory` and ``node_labels``)."""
+    alloc = {"cpu": cpu, "memory": memory, "pods": str(pods),
+             "gpuslice.io/gpu": str(gpus * replicas),
+             # the node agent's status patch: share and memory totals
+             "gpuslice.io/gpu-milli": str(1000 * gpus),
+             "gpuslice.io/gpu-memory": str(gpu_memory_mib * gpus)}
+    return {"apiVersion": "v1", "kind": "Node",
+            "metadata": {"name": name,
+                         "annotations": {KWOK_NODE_ANNOTATION: "fake", **(annotations or {})},
+                         "labels": {"kubernetes.io/hostname": name, "type": "kwok",
+                                    **(labels or {})}},
+            "spec": {},
+            "status": {"capacity": alloc, "allocatable": alloc}}
+
+
+def gpu_node(name: str, model: str = "A100-80GB", count: int = 2, mig: str | None = None,
+             replicas: int = 10, labels: dict[str, str] | None = None) -> dict[str, Any]:
+    """A kwok node carrying what the node agent publishes for ``count`` GPUs of ``model``
+    (the inventory annotation and GPU feature discovery labels, computed by the functions the
+    agent uses, on its fake NVML) and the device plugin's gpuslice.io/gpu capacity."""
+    from gpuslice.adapters.nvml.port import FakeNvml
+    from gpuslice.core.devices import inventory, node_labels
+
+    lines = ["gpus:"]
+    for _ in range(count):
+        lines.append(f"  - model: {model}")
+        if mig:
+            lines.append(f'    mig: "{mig}"')
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
+        f.write("\n".join(lines) + "\n")
+    try:
+        nv = FakeNvml.from_yaml(f.name, node=name)
+    finally:
+        os.unlink(f.name)
+    devs = nv.devices()
+    return kwok_node(name, gpus=count, replicas=replicas, gpu_memory_mib=devs[0].memory_mib,
+                     labels={**node_labels(devs, nv.driver_version()), **(labels or {})},
+                     annotations={INVENTORY_ANNOTATION: json.dumps(inventory(devs))})
+
+
+def _get(url: str, ctx: ssl.SSLContext | None = None, timeout_s: float = 5.0) -> bytes:
+    try:
+        with urllib.request.urlopen(url, context=ctx, timeout=timeout_s) as r:
+            return bytes(r.read()).strip()
+    except urllib.error.HTTPError as exc:
+        return bytes(exc.read()).strip()
+
+
+def _insecure() -> ssl.SSLContext:
+    ctx = ssl.create_default_context()
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    return ctx

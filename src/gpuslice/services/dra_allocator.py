@@ -1,0 +1,232 @@
+"""The DRA claim allocator: places our driver's pending claims with our policy before
+kube-scheduler allocates them first-fit (composition root; the decision is
+:meth:`gpuslice.core.dra_placement.DraLedger.decide`).
+
+Each pass reads slices, classes, claims, pods and nodes, rebuilds the ledger (what every
+allocated claim consumed, whoever allocated it), and for each unallocated claim of an unbound pod
+that is a shape we place, writes ``status.allocation`` (after the scheduler's finalizer, as the
+scheduler does), both writes preconditioned on the claim's resourceVersion. kube-scheduler then
+only checks that the pod's node can reach the claim and reserves it for the pod.
+
+Safety (docs/dra-placement.md):
+
+* Only devices that carry our allocator taint are used (``require_taint``), and only once they
+  have carried it for ``settle_s`` seconds: kube-scheduler does not allocate tainted devices, and
+  anything it allocated before the taint appeared has been written by then. Our drivers publish
+  the taint only while this allocator's Lease is fresh, so when the allocator is down the taint
+  goes and the default allocator takes over.
+* A claim someone else allocated meanwhile fails our write (409); we re-read it, leave it alone,
+  and count what it took.
+* A claim we allocated that comes back unallocated (kube-scheduler's PostFilter releases a claim
+  whose node cannot take the pod) is placed again from fresh state: at once up to
+  ``max_attempts`` times, then after a delay doubling from ``backoff_s`` up to
+  ``max_backoff_s``. Never given up: while our taint is on, nobody else would place it.
+* Pods not bound yet whose claim is allocated count on their node's CPU and memory, so the
+  next claim does not go to CPU that pod's bind is about to take.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any, Protocol
+
+import numpy as np
+
+from gpuslice.adapters.kube import dra as kdra
+from gpuslice.adapters.kube.fake import ApiConflict, ApiNotFound, DraApiPort, KubePort
+from gpuslice.core.dra_placement import DeviceResult, DraLedger, DraPlacement
+from gpuslice.core.frag import Shape, TargetWorkload, typical_shapes
+from gpuslice.core.policies import Policy, make_policy
+
+
+class AllocatorPort(KubePort, DraApiPort, Protocol):
+    """The API the allocator needs: pods, nodes, leases and resource.k8s.io/v1."""
+
+
+@dataclass
+class PassReport:
+    """What one pass did: claims allocated (``ns/name`` -> node and devices), claims someone
+    else allocated first, claims that fit nowhere, conflicts retried, and whether we lead."""
+
+    leading: bool = True
+    allocated: dict[str, str] = field(default_factory=dict)
+    taken: list[str] = field(default_factory=list)
+    unplaced: dict[str, str] = field(default_factory=dict)
+    conflicts: int = 0
+    nodes: int = 0
+
+
+def _key(obj: Mapping[str, Any]) -> str:
+    return f"{obj['metadata'].get('namespace', 'default')}/{obj['metadata']['name']}"
+
+
+class DraAllocator:
+    def __init__(self, api: AllocatorPort, *, driver: str = kdra.DRIVER,
+                 classes: Mapping[str, frozenset[str]] = kdra.CLASS_KINDS,
+                 policy: str = "frag-strand", require_taint: bool = True,
+                 settle_s: float = 10.0, max_attempts: int = 3, backoff_s: float = 2.0,
+                 max_backoff_s: float = 60.0,
+                 clock: Callable[[], float] = time.monotonic,
+                 new_share_id: Callable[[], str] = lambda: str(uuid.uuid4()),
+                 elector: Any = None, seed: int = 0,
+                 wall_clock: Callable[[], str] = lambda: datetime.now(UTC).strftime(
+                     "%Y-%m-%dT%H:%M:%SZ")) -> None:
+        self.api = api
+        self.driver, self.classes = driver, classes
+        self.policy: Policy = make_policy(policy)
+        self.require_taint, self.settle_s = require_taint, settle_s
+        # a claim the scheduler releases (PostFilter: the node we chose could not take the
+        # pod) is placed again at once up to max_attempts times, then after a doubling delay;
+        # never given up, as our devices' taint keeps the default allocator away from it
+        self.max_attempts, self.backoff_s = max_attempts, backoff_s
+        self.max_backoff_s = max_backoff_s
+        self.clock, self.new_share_id = clock, new_share_id
+        self.wall_clock = wall_clock  # allocationTimestamp (RFC 3339)
+        self.elector = elector  # a LeaderElector (services.leader) or None: always lead
+        self.rng = np.random.default_rng(seed)
+        self._seen_since: dict[str, float] = {}  # node -> when its devices were first usable
+        self._attempts: dict[str, int] = {}  # claim UID -> allocations we wrote
+        self._retry_at: dict[str, float] = {}  # claim UID -> no new try before (clock)
+        self.problems: list[str] = []
+
+    # -- one pass ------------------------------------------------------------------------------
+
+    def run_once(self) -> PassReport:
+        report = PassReport()
+        if self.elector is not None and not self.elector.step():
+            report.leading = False
+            return report
+        api = self.api
+        slices, classes = api.list_resource_slices(), api.list_device_classes()
+        claims, pods, nodes = api.list_resource_claims(), api.list_pods(), api.list_nodes()
+        devices = kdra.slice_devices(slices, self.driver, require_taint=self.require_taint)
+        now = self.clock()
+        self._seen_since = {n: self._seen_since.get(n, now) for n in devices}
+        ready = {n: d for n, d in devices.items()
+                 if not self.require_taint or now - self._seen_since[n] >= self.settle_s}
+        live = {str(c["metadata"].get("uid")) for c in claims}
+        self._attempts = {u: n for u, n in self._attempts.items() if u in live}
+        self._retry_at = {u: t for u, t in self._retry_at.items() if u in live}
+        pending = kdra.pending_claims(pods, claims, self.driver, self.classes)
+        report.nodes = len(ready)
+        if not pending or not ready:
+            return report
+        dnodes = kdra.dra_nodes(nodes, pods, ready, claims)
+        usage = kdra.claim_usage(claims, self.driver)
+        ledger = DraLedger(dnodes, usage, self._workload(dnodes, usage, pods, claims))
+        for pc in pending:
+            uid = str(pc.claim["metadata"].get("uid"))
+            name = _key(pc.claim)
+            if now < self._retry_at.get(uid, now):
+                continue  # released by the scheduler too often: backing off
+            dec = ledger.decide(pc.request, self.policy, self.rng, cpu_milli=pc.cpu_milli,
+                                memory_mib=pc.memory_mib)
+            if dec.placement is None:
+                report.unplaced[name] = dec.message()
+                continue
+            outcome, claim = self._write(pc.claim, dec.placement, classes, report)
+            if outcome == "allocated":
+                tries = self._attempts[uid] = self._attempts.get(uid, 0) + 1
+                if tries >= self.max_attempts:  # the next release waits before a new try
+                    self._retry_at[uid] = now + min(
+                        self.max_backoff_s, self.backoff_s * 2 ** (tries - self.max_attempts))
+                ledger.apply(dec.placement,
+                             ledger.slice_request(pc.request, pc.cpu_milli, pc.memory_mib))
+                devs = ",".join(r.device for r in dec.placement.results)
+                report.allocated[name] = f"{dec.placement.node}: {devs}"
+            elif outcome == "taken" and claim is not None:
+                report.taken.append(name)
+                ledger.apply(self._as_placement(claim))
+        return report
+
+    def _as_placement(self, claim: Mapping[str, Any]) -> DraPlacement:
+        """Someone else's allocation of a claim, to count in the ledger (its node's CPU is
+        counted when its pod is bound, at the next pass)."""
+        out: list[DeviceResult] = []
+        for (pool, device), u in kdra.claim_usage([claim], self.driver).items():
+            out.append(DeviceResult("", pool, device, not u.whole, dict(u.consumed)))
+        return DraPlacement("", tuple(out), 0.0)
+
+    def _write(self, claim: dict[str, Any], placement: DraPlacement,
+               classes: list[dict[str, Any]], report: PassReport) -> \
+            tuple[str, dict[str, Any] | None]:
+        """Finalizer, then status.allocation, each with the resourceVersion just read. A
+        conflict re-reads the claim: allocated by someone else -> ``taken``; else retry."""
+        meta = claim["metadata"]
+        for _ in range(3):
+            try:
+                cur = claim
+                if kdra.FINALIZER not in (cur["metadata"].get("finalizers") or []):
+                    body = copy.deepcopy(cur)
+                    body["metadata"].setdefault("finalizers", []).append(kdra.FINALIZER)
+                    cur = self.api.update_resource_claim(body)
+                body = copy.deepcopy(cur)
+                body.setdefault("status", {})["allocation"] = kdra.allocation(
+                    cur, placement, classes, self.new_share_id, self.driver,
+                    allocated_at=self.wall_clock())
+                return "allocated", self.api.update_resource_claim_status(body)
+            except ApiConflict:
+                report.conflicts += 1
+                try:
+                    claim = self.api.get_resource_claim(meta["namespace"], meta["name"])
+                except ApiNotFound:
+                    return "gone", None
+                if (claim.get("status") or {}).get("allocation"):
+                    return "taken", claim
+                if claim["metadata"].get("deletionTimestamp"):
+                    return "gone", None
+            except ApiNotFound:
+                return "gone", None
+        return "conflict", None
+
+    def _workload(self, dnodes: list[Any], usage: Mapping[tuple[str, str], Any],
+                  pods: list[dict[str, Any]], claims: list[dict[str, Any]]) -> TargetWorkload:
+        """The target workload of the fragmentation score: the shapes (pod CPU, devices,
+        milli-GPU each) of the pods that use our claims, plus pods without claims, plus a
+        prior of whole-GPU pods (a fifth as many as the GPU pods seen, at least one): a GPU
+        left whole is worth keeping so before any whole-GPU pod has been seen."""
+        probe = DraLedger(dnodes, usage, None)
+        by_name = {(c["metadata"].get("namespace"), c["metadata"]["name"]): c for c in claims}
+        shapes: list[Shape] = []
+        for p in pods:
+            cpu, _ = kdra.pod_needs(p)
+            refs = (p.get("spec") or {}).get("resourceClaims") or []
+            if not refs:
+                shapes.append(Shape(cpu, 0, 0))
+                continue
+            name = refs[0].get("resourceClaimName")
+            for st in (p.get("status") or {}).get("resourceClaimStatuses") or []:
+                if not name and st.get("name") == refs[0].get("name"):
+                    name = st.get("resourceClaimName")
+            claim = by_name.get((p["metadata"].get("namespace"), name))
+            req = None if claim is None else kdra.claim_request(claim, self.driver,
+                                                                self.classes)
+            sreq = None if req is None else probe.slice_request(req, cpu, 0)
+            if sreq is not None:
+                shapes.append(Shape(cpu, sreq.gpus, sreq.milli))
+        gpu_shapes = [s for s in shapes if s.gpus]
+        cpu = sorted(s.cpu_milli for s in gpu_shapes)[len(gpu_shapes) // 2] if gpu_shapes \
+            else 0
+        shapes += [Shape(cpu, 1, 1000)] * max(1, len(gpu_shapes) // 5)
+        return typical_shapes(shapes, coverage_pct=95.0, step=1)
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    def run(self, stop: threading.Event, interval_s: float = 0.5,
+            on_pass: Callable[[PassReport], None] | None = None) -> None:
+        from gpuslice.core.errors import GpusliceError
+
+        while not stop.is_set():
+            try:
+                report = self.run_once()
+                if on_pass is not None:
+                    on_pass(report)
+            except GpusliceError as exc:  # the API server away: try again next pass
+                self.problems.append(str(exc))
+            stop.wait(interval_s)

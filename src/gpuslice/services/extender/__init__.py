@@ -1,0 +1,23 @@
+"""The kube-scheduler extender: filter, prioritize, bind and preempt over HTTP with GPU-level
+accounting (``gpuslice extender``, one Deployment beside kube-scheduler).
+
+kube-scheduler only counts extended resources per node. The extender decides per GPU: filter
+drops nodes where no GPU (or not enough GPUs) has the share a pod asks for, with a reason per
+node; prioritize scores the rest 0..10 with a core placement policy; bind chooses the GPUs,
+takes them in the ledger (a compare-and-swap of an immutable value, no node-wide lock) and
+creates the Binding with the signed assignment on it (one write, the pod's UID and
+resourceVersion as preconditions); preempt checks the scheduler's victims on the GPU side.
+Everything is rebuilt from the API server on start, the ledger from the assignments of live
+pods, so a restart loses nothing and doubles nothing.
+
+- :mod:`.state`: the inventory, the ledger and the verbs' decisions;
+- :mod:`.http`: the HTTP app kube-scheduler calls, and the watch-following loop;
+- :mod:`.metrics`: its Prometheus metrics.
+
+The composition root is ``gpuslice extender`` (:mod:`gpuslice.cli.extender`).
+"""
+
+from gpuslice.services.extender.http import make_app, serve, tls_context
+from gpuslice.services.extender.state import ExtenderState, bind_clock
+
+__all__ = ["ExtenderState", "bind_clock", "make_app", "serve", "tls_context"]

@@ -1,0 +1,321 @@
+"""The extender over HTTP, as kube-scheduler calls it (``filterVerb``, ``prioritizeVerb``,
+``bindVerb``, ``preemptVerb`` in deploy/'s scheduler configuration), with its metrics and
+health, and the loop that follows the API server's watch into the state."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import orjson
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from gpuslice.core.errors import GpusliceError, ValidationError
+from gpuslice.services.extender.metrics import ExtenderMetrics
+from gpuslice.services.extender.state import ExtenderState
+
+MAX_BODY = 8 * 1024 * 1024
+BIND_THREADS = 8  # binds writing to the API server at once
+# a bind that waited this long behind binds to its node is dropped: kube-scheduler's call has
+# timed out (httpTimeout 5s in deploy/'s scheduler configuration) and it will bind again
+BIND_QUEUE_S = 4.0
+
+
+# -- HTTP ------------------------------------------------------------------------------------
+
+
+def _answer(doc: Any, status: int = 200) -> web.Response:
+    return web.Response(status=status, body=orjson.dumps(doc), content_type="application/json")
+
+
+def _bad(message: str, status: int = 400) -> web.Response:
+    return _answer({"Error": message}, status)
+
+
+async def _json(request: web.Request) -> dict[str, Any]:
+    body = await request.read()
+    try:
+        doc = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise web.HTTPBadRequest(text=f"request body is not JSON: {exc}") from None
+    if not isinstance(doc, dict):
+        raise web.HTTPBadRequest(text="request body: expected a JSON object")
+    return doc
+
+
+def _names(args: dict[str, Any]) -> tuple[list[str], dict[str, dict[str, Any]] | None]:
+    """The candidate node names, and the node objects when the scheduler sent them."""
+    if args.get("NodeNames") is not None:
+        names = args["NodeNames"]
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise ValidationError("NodeNames", "a list of node names", type(names).__name__)
+        return names, None
+    nodes = args.get("Nodes") or {}
+    items = nodes.get("items") if isinstance(nodes, dict) else None
+    if not isinstance(items, list):
+        raise ValidationError("Nodes.items", "a NodeList", type(items).__name__)
+    by_name = {}
+    for n in items:
+        if not isinstance(n, dict) or not isinstance((n.get("metadata") or {}).get("name"), str):
+            raise ValidationError("Nodes.items[].metadata.name", "a node name", n)
+        by_name[n["metadata"]["name"]] = n
+    return list(by_name), by_name
+
+
+def _victims(args: dict[str, Any]) -> tuple[dict[str, list[str]], dict[str, int]]:
+    """Victim pod UIDs per node and the PDB violations counted for them, from either form the
+    scheduler sends (``NodeNameToMetaVictims`` with UIDs, or ``NodeNameToVictims`` with pods)."""
+    meta = args.get("NodeNameToMetaVictims")
+    full = args.get("NodeNameToVictims")
+    raw, key = (meta, "NodeNameToMetaVictims") if meta is not None else \
+        (full, "NodeNameToVictims")
+    if not isinstance(raw, dict):
+        raise ValidationError(key, "a map of node name to victims", type(raw).__name__)
+    victims: dict[str, list[str]] = {}
+    pdb: dict[str, int] = {}
+    for node, v in raw.items():
+        pods = v.get("Pods") if isinstance(v, dict) else None
+        if not isinstance(pods, list):
+            raise ValidationError(f"{key}.{node}.Pods", "a list of pods", type(pods).__name__)
+        uids = []
+        for p in pods:
+            uid = (p.get("UID") if meta is not None else (p.get("metadata") or {}).get("uid")) \
+                if isinstance(p, dict) else None
+            if not isinstance(uid, str) or not uid:
+                raise ValidationError(f"{key}.{node}.Pods[]", "pods with their UID", p)
+            uids.append(uid)
+        victims[node] = uids
+        n = v.get("NumPDBViolations", 0)
+        pdb[node] = n if isinstance(n, int) and not isinstance(n, bool) else 0
+    return victims, pdb
+
+
+def _pod(args: dict[str, Any]) -> dict[str, Any]:
+    pod = args.get("Pod")
+    if not isinstance(pod, dict):
+        raise ValidationError("Pod", "a Pod object", type(pod).__name__)
+    return pod
+
+
+def make_app(state: ExtenderState, metrics: ExtenderMetrics | None = None) -> web.Application:
+    import asyncio
+    from concurrent.futures import ThreadPoolExecutor
+
+    m = metrics or ExtenderMetrics(state)
+    binds = ThreadPoolExecutor(BIND_THREADS, thread_name_prefix="bind")
+    tails: dict[str, asyncio.Future[None]] = {}  # node -> the last bind to it under way
+
+    @web.middleware
+    async def timed(request: web.Request, handler: Any) -> web.StreamResponse:
+        verb = request.path.strip("/")
+        if verb not in ("filter", "prioritize", "bind", "preempt"):
+            return await handler(request)  # type: ignore[no-any-return]
+        t0 = time.perf_counter()
+        try:
+            return await handler(request)  # type: ignore[no-any-return]
+        except web.HTTPBadRequest:
+            m.errors.labels(verb).inc()
+            raise
+        finally:
+            m.seconds.labels(verb).observe(time.perf_counter() - t0)
+
+    async def filter_(request: web.Request) -> web.Response:
+        args = await _json(request)
+        try:
+            names, objects = _names(args)
+            pod = _pod(args)
+            stale = state.stale_holders(pod, names)
+            if stale:
+                freed = await asyncio.get_running_loop().run_in_executor(
+                    binds, state.verify_held, stale)
+                m.stale_freed.inc(freed)
+            keep, failed = state.filter(pod, names)
+            state.remember(pod)
+            m.filtered(len(keep), failed)
+            hopeless = state.unresolvable(pod, list(failed))
+        except GpusliceError as exc:
+            m.errors.labels("filter").inc()
+            return _answer({"Nodes": None, "NodeNames": None, "FailedNodes": {},
+                            "FailedAndUnresolvableNodes": {}, "Error": str(exc)})
+        result: dict[str, Any] = {
+            "FailedNodes": {n: r for n, r in failed.items() if n not in hopeless},
+            "FailedAndUnresolvableNodes": {n: r for n, r in failed.items() if n in hopeless},
+            "Error": ""}
+        if objects is None:
+            result.update(NodeNames=keep, Nodes=None)
+        else:
+            result.update(NodeNames=None,
+                          Nodes={"apiVersion": "v1", "kind": "NodeList",
+                                 "items": [objects[n] for n in keep]})
+        return _answer(result)
+
+    async def prioritize(request: web.Request) -> web.Response:
+        args = await _json(request)
+        try:
+            names, _ = _names(args)
+            scores = state.prioritize(_pod(args), names)
+        except GpusliceError as exc:
+            m.errors.labels("prioritize").inc()
+            return _bad(str(exc))
+        return _answer([{"Host": h, "Score": s} for h, s in scores])
+
+    async def bind(request: web.Request) -> web.Response:
+        args = await _json(request)
+        fields = {}
+        for key in ("PodName", "PodNamespace", "PodUID", "Node"):
+            value = args.get(key)
+            if not isinstance(value, str) or not value:
+                m.errors.labels("bind").inc()
+                return _answer({"Error": f"{key}: expected a string"})
+            fields[key] = value
+        ns, name, uid, node = (fields["PodNamespace"], fields["PodName"], fields["PodUID"],
+                               fields["Node"])
+        # reserve here, on the loop, before the scheduler's next filter; the two API calls
+        # (read the pod, the Binding carrying the assignment) run on the bind threads. Binds
+        # to one node write in the order they arrived (their assignments' bind times): the
+        # device plugin matches the kubelet's Allocate calls to assignments oldest first, and
+        # the kubelet admits pods in the order their Bindings were made. Other nodes' binds run
+        # meanwhile
+        loop = asyncio.get_running_loop()
+        held = state.hold(ns, name, uid, node)
+        before = tails.get(node)
+        mine: asyncio.Future[None] = loop.create_future()
+        tails[node] = mine
+        try:
+            t0 = time.monotonic()
+            read = await loop.run_in_executor(binds, state.read_pod, ns, name)
+            if before is not None:
+                await before
+                waited = time.monotonic() - t0
+                if waited > BIND_QUEUE_S:
+                    state.abandon(ns, name, held)
+                    m.binds.labels("refused").inc()
+                    return _answer({"Error": f"pod {ns}/{name}: waited {waited:.1f} s behind "
+                                             f"other binds to {node}; retry"})
+            error = await loop.run_in_executor(binds, state.bind, ns, name, uid, node, held,
+                                               read)
+        except GpusliceError as exc:
+            error = f"pod {ns}/{name}: {exc}; retry"
+        finally:
+            mine.set_result(None)
+            if tails.get(node) is mine:
+                del tails[node]
+        m.binds.labels("refused" if error else "bound").inc()
+        return _answer({"Error": error})
+
+    async def preempt(request: web.Request) -> web.Response:
+        args = await _json(request)
+        try:
+            victims, pdb = _victims(args)
+            kept = await asyncio.get_running_loop().run_in_executor(
+                binds, state.preempt, _pod(args), victims, pdb)
+        except GpusliceError as exc:
+            m.errors.labels("preempt").inc()
+            return _bad(str(exc))
+        return _answer({"NodeNameToMetaVictims": {
+            node: {"Pods": [{"UID": u} for u in uids], "NumPDBViolations": n}
+            for node, (uids, n) in kept.items()}})
+
+    async def healthz(_: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def metrics_(_: web.Request) -> web.Response:
+        return web.Response(body=m.exposition(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    app = web.Application(client_max_size=MAX_BODY, middlewares=[timed])
+    app.router.add_post("/filter", filter_)
+    app.router.add_post("/prioritize", prioritize)
+    app.router.add_post("/bind", bind)
+    app.router.add_post("/preempt", preempt)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/metrics", metrics_)
+
+    async def stop_binds(_: web.Application) -> None:
+        binds.shutdown(wait=True)  # binds under way finish their writes
+
+    app.on_cleanup.append(stop_binds)
+    return app
+
+
+def tls_context(cert: str | None, key: str | None, client_ca: str | None) -> Any:
+    """The server's TLS context (None for plain HTTP); with ``client_ca``, clients must present
+    a certificate signed by it (kube-scheduler's ``tlsConfig.certFile``)."""
+    import ssl
+
+    if cert is None and key is None:
+        if client_ca is not None:
+            raise ValidationError("--client-ca", "--tls-cert and --tls-key as well", client_ca)
+        return None
+    if cert is None or key is None:
+        raise ValidationError("--tls-cert/--tls-key", "both a certificate and its key",
+                              (cert, key))
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    try:
+        ctx.load_cert_chain(cert, key)
+        if client_ca is not None:
+            ctx.load_verify_locations(client_ca)
+            ctx.verify_mode = ssl.CERT_REQUIRED
+    except (OSError, ssl.SSLError) as exc:
+        raise ValidationError("--tls-cert/--tls-key/--client-ca", "readable PEM files",
+                              str(exc)) from None
+    return ctx
+
+
+async def serve(state: ExtenderState, host: str, port: int, ssl_context: Any = None,
+                resync_s: float = 300.0, ready: Callable[[int], None] | None = None) -> None:
+    """Serve until cancelled, following the API server's watch of pods and nodes, with a full
+    re-read every ``resync_s`` as a safety net."""
+    import asyncio
+    import time
+
+    runner = web.AppRunner(make_app(state), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, ssl_context=ssl_context)
+    await site.start()
+    if ready is not None:
+        addresses = runner.addresses
+        ready(int(addresses[0][1]) if addresses else port)
+    loop = asyncio.get_running_loop()
+
+    async def elect() -> None:
+        assert state.elector is not None
+        while True:
+            try:
+                await loop.run_in_executor(None, state.elector.step)
+            except GpusliceError as exc:
+                state.elector.leader = False
+                state.problems.append(f"leader election: {exc}")
+            await asyncio.sleep(state.elector.duration_s / 3)
+
+    electing = asyncio.create_task(elect()) if state.elector is not None else None
+    since = ""
+    stale = False  # events were missed (a broken watch): re-read before following again
+    last = time.monotonic()
+    backoff_s = 1.0
+    try:
+        while True:
+            # an outage of the API server leaves filter and prioritize answering from the
+            # last view (binds fail on their own); the loop retries with backoff, never exits
+            try:
+                events, since = await loop.run_in_executor(
+                    None, state.api.watch, since, 0.0 if stale else 5.0)
+                if stale or time.monotonic() - last >= resync_s:
+                    await loop.run_in_executor(None, state.rebuild)
+                    stale, last = False, time.monotonic()
+                if events:  # a node change re-reads: off the loop, as the rebuild above
+                    await loop.run_in_executor(None, state.apply_all, events)
+                backoff_s = 1.0
+            except GpusliceError as exc:  # start the watch again, then re-read everything
+                state.problems.append(f"watch: {exc}")
+                since, stale = "", True
+                await asyncio.sleep(backoff_s)
+                backoff_s = min(30.0, 2 * backoff_s)
+    finally:
+        if electing is not None:
+            electing.cancel()
+        close = getattr(state.api, "close", None)  # the real client's background watches
+        if callable(close):
+            close()
+        await runner.cleanup()

@@ -1,0 +1,141 @@
+"""The Helm chart deploy/helm/gpuslice: lints, renders with its defaults the same objects as the
+production overlay (kustomize), maps the sharing-mode values to node-agent flags the CLI accepts,
+refuses values its schema does not allow, and every object it renders validates against the
+Kubernetes 1.32 schemas."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from tests.deploy.test_manifests import K8S_VERSION, render
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "deploy" / "helm" / "gpuslice"
+NAMESPACE = "gpuslice-system"
+# labels Helm charts carry by convention and kustomize does not add
+HELM_ONLY_LABELS = ("app.kubernetes.io/managed-by", "helm.sh/chart")
+
+
+def helm() -> str:
+    found = shutil.which("helm") or next(
+        (str(p) for p in [Path.home() / ".cache" / "gpuslice-tools" / "bin" / "helm"]
+         if p.exists()), None)
+    if found is None:
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail("helm is needed under CI (.ci/run installs it)")
+        pytest.skip("helm not installed (go install helm.sh/helm/v3/cmd/helm@v3.17.3)")
+    return found
+
+
+def template(*sets: str) -> subprocess.CompletedProcess[str]:
+    args = [helm(), "template", "gpuslice", str(CHART), "--namespace", NAMESPACE,
+            "--kube-version", f"{K8S_VERSION}.0"]
+    for s in sets:
+        args += ["--set", s]
+    return subprocess.run(args, capture_output=True, text=True, timeout=60, check=False)
+
+
+def rendered(*sets: str) -> list[dict[str, Any]]:
+    out = template(*sets)
+    assert out.returncode == 0, out.stderr
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+def by_key(docs: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]:
+    return {(d["kind"], d["metadata"]["name"]): d for d in docs}
+
+
+def test_helm_lint_strict_passes() -> None:
+    out = subprocess.run([helm(), "lint", "--strict", str(CHART)], capture_output=True,
+                         text=True, timeout=60, check=False)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_defaults_render_the_objects_of_the_production_overlay() -> None:
+    chart = by_key(rendered())
+    for d in chart.values():
+        for label in HELM_ONLY_LABELS:
+            d["metadata"]["labels"].pop(label)
+    overlay = by_key(render("production"))
+    # Helm installs into a namespace it is given (helm install --create-namespace): the chart
+    # does not own the Namespace object
+    del overlay[("Namespace", NAMESPACE)]
+    assert sorted(chart) == sorted(overlay)
+    for key, obj in overlay.items():
+        assert chart[key] == obj, key
+
+
+def _agent_args(docs: list[dict[str, Any]]) -> list[str]:
+    ds = by_key(docs)[("DaemonSet", "gpuslice-node-agent")]
+    args: list[str] = ds["spec"]["template"]["spec"]["containers"][0]["args"]
+    return args
+
+
+@pytest.mark.parametrize(("sets", "flags"), [
+    ((), {"--mps-pipe-dir=/run/gpuslice/mps"}),
+    (("sharing.mps.enabled=false",), {"--no-mps"}),
+    (("sharing.mig.strategy=mixed",), {"--mig-strategy=mixed"}),
+    (("sharing.devicesPerGpu=4", "sharing.mps.pipeDir=/var/run/mps"),
+     {"--replicas=4", "--mps-pipe-dir=/var/run/mps"}),
+])
+def test_sharing_values_become_node_agent_flags_the_cli_accepts(
+        sets: tuple[str, ...], flags: set[str]) -> None:
+    from gpuslice.cli import _build_parser
+
+    docs = rendered(*sets)
+    args = _agent_args(docs)
+    assert flags <= set(args), args
+    parsed = _build_parser().parse_args(args)
+    assert parsed.command == "node-agent"
+    ds = by_key(docs)[("DaemonSet", "gpuslice-node-agent")]["spec"]["template"]["spec"]
+    [mps] = [v for v in ds["volumes"] if v["name"] == "mps"]
+    [mount] = [m for m in ds["containers"][0]["volumeMounts"] if m["name"] == "mps"]
+    pipe = next(a for a in args if a.startswith("--mps-pipe-dir=")).split("=", 1)[1]
+    assert mps["hostPath"]["path"] == mount["mountPath"] == pipe
+
+
+def test_optional_parts() -> None:
+    assert ("Deployment", "gpuslice-reconfig") not in by_key(rendered("reconfig.enabled=false"))
+    key = "k" * 64
+    secret = by_key(rendered("assignmentKey.create=true", f"assignmentKey.value={key}"))[
+        ("Secret", "gpuslice-assignment-key")]
+    assert secret["stringData"]["key"] == key
+    ds = by_key(rendered("nodeAgent.runtimeClassName=nvidia"))[("DaemonSet",
+                                                                 "gpuslice-node-agent")]
+    assert ds["spec"]["template"]["spec"]["runtimeClassName"] == "nvidia"
+    image = by_key(rendered("image.digest="))[("Deployment", "gpuslice-extender")]
+    assert image["spec"]["template"]["spec"]["containers"][0]["image"] == \
+        "registry.example.com/gpuslice:0.1.0"
+
+
+@pytest.mark.parametrize(("sets", "said"), [
+    (("sharing.mig.strategy=all",), "strategy"),
+    (("sharing.devicesPerGpu=0",), "devicesPerGpu"),
+    (("image.digest=latest",), "digest"),
+    (("extender.replica=3",), "replica"),  # a misspelt key is refused, not ignored
+    (("assignmentKey.create=true",), "assignmentKey"),
+    (("assignmentKey.create=true", "assignmentKey.value=short"), "value"),
+])
+def test_values_the_schema_refuses_name_the_field(sets: tuple[str, ...], said: str) -> None:
+    out = template(*sets)
+    assert out.returncode != 0
+    assert said in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize("sets", [(), ("assignmentKey.create=true", "assignmentKey.value=" +
+                                       "0" * 64, "sharing.mig.strategy=single",
+                                       "nodeAgent.runtimeClassName=nvidia")])
+def test_every_rendered_object_validates_against_the_kubernetes_schemas(
+        sets: tuple[str, ...]) -> None:
+    docs = rendered(*sets)
+    assert len(docs) >= 20
+    for d in docs:
+        kubernetes_validate.validate(d, K8S_VERSION, strict=True)

@@ -1,0 +1,128 @@
+"""Packaging: --version, the optional dependencies (extras) and what the components import at
+start-up, the image's dependency lock against pyproject.toml."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+
+import gpuslice
+from gpuslice._version import revision
+
+ROOT = Path(__file__).resolve().parents[2]
+# a module finder that makes these packages look absent, as in the container image
+BLOCK = """
+import sys
+class _Absent:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {blocked!r}:
+            raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
+sys.meta_path.insert(0, _Absent())
+"""
+
+
+def python(code: str, blocked: tuple[str, ...] = (),
+           **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", BLOCK.format(blocked=set(blocked)) + code],
+                          capture_output=True, text=True, timeout=60, check=False,
+                          env={**os.environ, **env}, cwd=ROOT)
+
+
+@pytest.mark.parametrize("main", ["gpuslice.cli", "gpuslice.kubectl_plugin"])
+def test_version_prints_version_and_revision(main: str) -> None:
+    out = python(f"import {main} as m; m.main(['--version'])")
+    assert out.returncode == 0, out.stderr
+    name = "gpuslice" if main == "gpuslice.cli" else "kubectl gpuslice"
+    assert out.stdout.strip() == f"{name} {gpuslice.__version__} (revision {revision()})"
+
+
+def test_revision_in_a_checkout_is_git_describe_and_unknown_elsewhere(tmp_path: Path) -> None:
+    """Run from src/ of this checkout, the revision is ``git describe``; the same module copied
+    out of any checkout (an installed copy without baked build info) says ``unknown``."""
+    head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], capture_output=True,
+                          text=True, cwd=ROOT, check=False)
+    if head.returncode != 0:
+        pytest.skip("not a git checkout")
+    code = "from gpuslice._version import revision; print(revision())"
+    here = python(code, PYTHONPATH=str(ROOT / "src"))
+    assert here.returncode == 0, here.stderr
+    assert here.stdout.strip().startswith(head.stdout.strip())
+    (tmp_path / "gpuslice").mkdir()
+    for name in ("__init__.py", "_version.py"):
+        (tmp_path / "gpuslice" / name).write_text((ROOT / "src" / "gpuslice" / name).read_text())
+    elsewhere = python(code, PYTHONPATH=str(tmp_path))
+    assert elsewhere.returncode == 0, elsewhere.stderr
+    assert elsewhere.stdout.strip() == "unknown"
+
+
+def test_components_start_without_the_plotting_and_solver_libraries() -> None:
+    out = python("""
+from gpuslice.cli import main
+import gpuslice.services.extender, gpuslice.services.node_agent, gpuslice.services.router
+import gpuslice.services.reconfig, gpuslice.services.mig_executor, gpuslice.kubectl_plugin
+for c in ("extender", "node-agent", "router", "reconfig", "mig-apply"):
+    try:
+        main([c, "--help"])
+    except SystemExit as e:
+        assert e.code == 0, (c, e.code)
+print(sorted({m.split(".")[0] for m in sys.modules} & {"scipy", "matplotlib"}))
+""", blocked=("scipy", "matplotlib"))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[-1] == "[]"
+
+
+@pytest.mark.parametrize(("code", "extra"), [
+    ("from gpuslice.adapters.optional import pyplot; pyplot()", "plot"),
+    ("from gpuslice.core.planner import _scipy_optimize; _scipy_optimize()", "planner"),
+    ("from gpuslice.cli import main; sys.exit(main(['simulate', '--seeds', '42']))", "plot"),
+])
+def test_a_missing_optional_library_names_its_extra(code: str, extra: str) -> None:
+    out = python(code, blocked=("scipy", "matplotlib"))
+    assert out.returncode != 0
+    assert f"pip install 'gpuslice[{extra}]'" in out.stdout + out.stderr
+
+
+def test_matplotlib_config_goes_to_the_temp_dir_when_home_cannot_hold_it(
+        tmp_path: Path) -> None:
+    home = tmp_path / "not-a-directory"
+    home.write_text("")  # ~/.config/matplotlib cannot be created under a file
+    out = python("import os; from gpuslice.adapters.optional import pyplot; pyplot(); "
+                 "print(os.environ['MPLCONFIGDIR'])", HOME=str(home), TMPDIR=str(tmp_path))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().startswith(str(tmp_path / "gpuslice-matplotlib-"))
+    assert "Matplotlib" not in out.stderr  # no "created a temporary cache directory" warning
+
+
+def test_the_image_lock_satisfies_pyproject() -> None:
+    """deploy/image/requirements.txt (scripts/lock-image-deps.py) pins a version satisfying
+    each runtime requirement of the image (the default dependencies minus the plot and planner
+    extras, plus kube and gpu), and leaves the plot and planner packages out."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import importlib
+
+        lock_mod = importlib.import_module("lock-image-deps")
+    finally:
+        sys.path.pop(0)
+    pins = {}
+    for line in (ROOT / "deploy" / "image" / "requirements.txt").read_text().splitlines():
+        if line and not line.startswith("#"):
+            m = re.match(r"([a-z0-9-]+)==(\S+) --hash=sha256:[0-9a-f]{64}$", line)
+            assert m, line
+            pins[m.group(1)] = m.group(2)
+    for text in lock_mod.image_requirements():
+        req = Requirement(text)
+        name = re.sub(r"[-_.]+", "-", req.name).lower()
+        assert name in pins, f"{name} is not in the image lock"
+        assert req.specifier.contains(pins[name], prereleases=True), (text, pins[name])
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    for extra in ("plot", "planner"):
+        for text in project["optional-dependencies"][extra]:
+            assert Requirement(text).name not in pins
