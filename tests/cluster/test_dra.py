@@ -90,6 +90,23 @@ class DraCluster:
         return list(self.objects.list_cluster_custom_object(
             "resource.k8s.io", "v1", "resourceslices")["items"])
 
+    def complete_pools(self) -> dict[str, list[dict[str, Any]]]:
+        """Our pools as a consumer may use them: per pool, the slices of its newest generation,
+        only once all ``resourceSliceCount`` of them are listed (types.go, ResourcePool: a
+        pool is complete when every slice of its highest generation is seen; the driver
+        publishes them one create at a time, so a list can fall between two)."""
+        groups: dict[str, list[dict[str, Any]]] = {}
+        for s in self.slices():
+            if s["spec"]["driver"] == DRIVER:
+                groups.setdefault(s["spec"]["pool"]["name"], []).append(s)
+        out = {}
+        for name, group in groups.items():
+            gen = max(int(s["spec"]["pool"].get("generation") or 0) for s in group)
+            newest = [s for s in group if int(s["spec"]["pool"].get("generation") or 0) == gen]
+            if len(newest) == int(newest[0]["spec"]["pool"].get("resourceSliceCount") or 1):
+                out[name] = newest
+        return out
+
 
 def _short_dir() -> Path:  # unix socket paths are limited to 107 bytes
     return Path(tempfile.mkdtemp(prefix="dra-", dir="/tmp"))
@@ -134,11 +151,9 @@ def dra(dev: DevCluster, kube: Kube) -> Iterator[DraCluster]:
                 if d.proc.poll() is not None:
                     raise AssertionError(f"dra-driver on {d.node} exited:\n"
                                          f"{d.log.read_text(errors='replace')[-3000:]}")
-            nodes = {(s["spec"].get("pool") or {}).get("name") for s in c.slices()
-                     if s["spec"]["driver"] == DRIVER}
-            return set(NODES) <= nodes
+            return set(NODES) <= set(c.complete_pools())
 
-        wait_until("both drivers' ResourceSlices", published, 120, every_s=1.0)
+        wait_until("both drivers' complete ResourceSlice pools", published, 120, every_s=1.0)
         yield c
     finally:
         for d in c.drivers.values():
@@ -203,9 +218,7 @@ def test_slices_keep_the_fields_of_all_three_models(dra: DraCluster) -> None:
     a counter slice, whole GPUs."""
     devices: dict[str, dict[str, Any]] = {}
     counters = []
-    for s in dra.slices():
-        if s["spec"]["driver"] != DRIVER:
-            continue
+    for s in (s for pool in dra.complete_pools().values() for s in pool):
         counters += [(s["spec"].get("nodeName"), c["name"])
                      for c in s["spec"].get("sharedCounters") or []]
         for d in s["spec"].get("devices") or []:

@@ -76,6 +76,11 @@ class EventLog:
         with self._lock:
             return self.events[-n:]
 
+    def since(self, i: int) -> list[Event]:
+        """The events from the ``i``-th on (a copy taken under the lock)."""
+        with self._lock:
+            return self.events[i:]
+
 
 @dataclass
 class Container:

@@ -357,11 +357,13 @@ class Display:
         if self._live is not None:
             self._live.update(self.render())
             return
-        events = self.state.log.events
-        for e in events[self._printed:]:
+        # other threads append while this prints: count what was taken, not the list's length
+        # afterwards (an event added in between would never be printed)
+        new = self.state.log.since(self._printed)
+        for e in new:
             self.console.print(f"{e.t:6.1f}s  {e.kind:9s} {e.text}", highlight=False,
                                soft_wrap=True)
-        self._printed = len(events)
+        self._printed += len(new)
 
 
 async def refresh(display: Display) -> None:

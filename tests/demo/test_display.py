@@ -1,0 +1,35 @@
+"""The demo's plain event printer (``--no-live``) prints every event exactly once, also when
+other threads (kubelets, the scheduler, the extender) add events while it prints."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from gpuslice.demo.cluster import EventLog
+from gpuslice.demo.scenario import Display
+
+
+def test_an_event_added_while_printing_is_printed_at_the_next_tick(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    log = EventLog()
+    display = Display(SimpleNamespace(log=log), live=False)  # type: ignore[arg-type]
+    real_print = display.console.print
+    added = []
+
+    def print_and_race(*args: Any, **kwargs: Any) -> None:
+        real_print(*args, **kwargs)
+        if not added:  # a kubelet thread logs while the first line is printed
+            added.append(True)
+            log.add("kubelet", "container of demo/r-0 exited (-9)")
+
+    display.console.print = print_and_race  # type: ignore[method-assign]
+    log.add("crash", "killed demo/r-0")
+    display.tick()
+    display.tick()
+    display.tick()
+    out = capsys.readouterr().out
+    assert out.count("killed demo/r-0") == 1, out
+    assert out.count("container of demo/r-0 exited") == 1, out
