@@ -430,7 +430,11 @@ class SchedulerSim:
             res = self._post("/filter", {"Pod": p, "NodeNames": nodes, "Nodes": None})
             fits = res.get("NodeNames") or []
             if not fits:
-                why = dict(res.get("FailedNodes") or {})
+                # a node no preemption can help is listed apart; the scheduler keeps both
+                # as the pod's reasons, the unresolvable one first (schedule_one.go,
+                # findNodesThatPassExtenders)
+                why = {**(res.get("FailedNodes") or {}),
+                       **(res.get("FailedAndUnresolvableNodes") or {})}
                 if self.pending.get(key) != why:
                     self.log.add("pending", f"{key} fits no node: " + "; ".join(
                         f"{n}: {r}" for n, r in sorted(why.items())))
