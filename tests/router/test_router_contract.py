@@ -501,3 +501,51 @@ def test_terminating_endpoints_that_still_serve_are_draining_replicas() -> None:
     reps = {r.name: r for r in replicas_from_slices(doc)}
     assert set(reps) == {"up", "leaving"}
     assert reps["leaving"].draining and not reps["up"].draining
+
+
+def test_a_replica_url_pointing_back_at_a_router_is_refused_as_a_loop() -> None:
+    """RFC 9110 7.6.3: the router adds itself to Via both ways; a request that comes back to
+    the router that already forwarded it is answered 508 instead of going round again, for a
+    router pointing at itself and for two routers pointing at each other."""
+    async def go() -> None:
+        seen_via: list[str] = []
+
+        async def handler(request: web.BaseRequest) -> web.Response:
+            seen_via.append(request.headers.get("Via", ""))
+            return web.Response(text="ok", headers={"Via": "1.1 upstream-cache"})
+
+        runner = web.ServerRunner(web.Server(handler))
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        real = runner.addresses[0][1]
+        try:
+            async with router(config([{"name": "real", "url": url(real)}]),
+                              health=False) as (a, s), \
+                    router(config([{"name": "real", "url": url(real)}]),
+                           health=False) as (b, _):
+                async with s.get(url(a.port) + "/v2/models/m/ready",
+                                 headers={"Via": "1.0 edge"}) as r:
+                    assert r.status == 200
+                    assert r.headers["Via"] == f"1.1 upstream-cache, 1.1 {a.proxy.via_name}"
+                assert seen_via == [f"1.0 edge, 1.1 {a.proxy.via_name}"]
+                # a router whose only replica is itself
+                a.router.apply(config([{"name": "me", "url": url(a.port)}]))
+                async with s.get(url(a.port) + "/v2/models/m/ready") as r:
+                    assert r.status == 508
+                    body = await r.json()
+                    assert "loop" in body["error"] and a.proxy.via_name in body["error"]
+                    assert r.headers["X-Gpuslice-Replica"] == "me"
+                # a -> b -> a
+                a.router.apply(config([{"name": "b", "url": url(b.port)}]))
+                b.router.apply(config([{"name": "a", "url": url(a.port)}]))
+                async with s.get(url(a.port) + "/v2/models/m/ready") as r:
+                    assert r.status == 508
+                # both keep serving once pointed at a real replica
+                a.router.apply(config([{"name": "real", "url": url(real)}]))
+                b.router.apply(config([{"name": "real", "url": url(real)}]))
+                for app in (a, b):
+                    async with s.get(url(app.port) + "/v2/models/m/ready") as r:
+                        assert r.status == 200
+        finally:
+            await runner.cleanup()
+    run(go())

@@ -4,7 +4,12 @@ It knows nothing about policies: for every request it asks a :class:`Balancer` f
 (or a rejection), forwards the request, streams or relays the answer, reports the outcome back,
 and retries a failed idempotent request once on another replica. Errors are answered as JSON
 with a clear status: 400 malformed, 404 unknown model, 413 too large, 429 over the SLO (with
-Retry-After), 502 the replica failed or answered garbage, 503 no healthy replica, 504 timeout.
+Retry-After), 502 the replica failed or answered garbage, 503 no healthy replica, 504 timeout,
+508 the request came back to this router (a replica URL that points at a router).
+
+Each router adds itself to ``Via`` (RFC 9110, section 7.6.3: a proxy appends its
+protocol and a received-by pseudonym, in requests and responses); a request whose ``Via``
+already names this router is refused instead of forwarded round again.
 """
 
 from __future__ import annotations
@@ -30,8 +35,8 @@ HOP_BY_HOP = frozenset({
     "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
     "trailers", "transfer-encoding", "upgrade", "proxy-connection",
 })
-_SKIP_REQUEST = HOP_BY_HOP | {"host", "content-length", "expect"}
-_SKIP_RESPONSE = HOP_BY_HOP | {"content-length", "server", "date"}
+_SKIP_REQUEST = HOP_BY_HOP | {"host", "content-length", "expect", "via"}
+_SKIP_RESPONSE = HOP_BY_HOP | {"content-length", "server", "date", "via"}
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 
 
@@ -126,6 +131,9 @@ class ReverseProxy:
         self._targets: dict[str, tuple[str, int, str]] = {}
         self._counter = 0
         self._prefix = f"{os.getpid():x}-{int(time.time()) & 0xFFFFFF:x}"
+        # this router's received-by pseudonym in Via: unique per process, so that a loop is
+        # told from a chain of several routers
+        self.via_name = f"gpuslice-router-{self._prefix}-{id(self) & 0xFFFF:x}"
 
     async def start(self) -> None:
         self.pool = upstream.Pool()
@@ -160,6 +168,12 @@ class ReverseProxy:
                 self.observer(rec)
 
     async def _handle(self, request: web.BaseRequest, rec: RequestRecord) -> web.StreamResponse:
+        via = ", ".join(request.headers.getall("Via", []))
+        if self.via_name in _via_names(via):
+            rec.status = 508
+            rec.error = (f"loop: this request already passed through this router (Via: {via}); "
+                         "a replica's URL points back at a router")
+            return _error(508, rec.error)
         svc = self.balancer.service_for(model_from_path(request.path))
         if isinstance(svc, Reject):
             rec.status, rec.error = svc.status, svc.message
@@ -190,7 +204,7 @@ class ReverseProxy:
         rec.size = size
         idempotent = is_idempotent(request.method, "Idempotency-Key" in request.headers,
                                  self.settings.retry_post)
-        headers = _forward_headers(request, rec.request_id)
+        headers = _forward_headers(request, rec.request_id, _via_add(via, self.via_name))
         exclude: frozenset[str] = frozenset()
         last: _Failed | None = None
         while True:
@@ -252,7 +266,7 @@ class ReverseProxy:
             self.balancer.done(pick, None, failed=True, eject=True)
             raise _Failed(502, f"replica {pick.replica} failed: {exc}", retriable=True,
                           eject=True) from exc
-        out_headers = _response_headers(resp.headers, pick.replica)
+        out_headers = _response_headers(resp.headers, pick.replica, self.via_name)
         if resp.streaming:
             return await self._stream(request, resp, out_headers, pick, rec, t1)
         upstream_s = time.perf_counter() - t1
@@ -286,8 +300,23 @@ class ReverseProxy:
         return out
 
 
-def _forward_headers(request: web.BaseRequest, request_id: str) -> str:
-    """The request's end-to-end headers as header lines, plus X-Forwarded-* and X-Request-Id."""
+def _via_names(via: str) -> list[str]:
+    """The received-by parts of a ``Via`` value (``1.1 name, HTTP/1.0 other (comment)``)."""
+    names = []
+    for hop in via.split(","):
+        parts = hop.split()
+        if len(parts) >= 2:
+            names.append(parts[1])
+    return names
+
+
+def _via_add(prior: str, name: str) -> str:
+    return f"{prior}, 1.1 {name}" if prior.strip() else f"1.1 {name}"
+
+
+def _forward_headers(request: web.BaseRequest, request_id: str, via: str) -> str:
+    """The request's end-to-end headers as header lines, plus X-Forwarded-*, X-Request-Id and
+    ``via`` (the incoming Via with this router added)."""
     out = []
     prior = ""
     for k, v in request.headers.items():
@@ -306,13 +335,20 @@ def _forward_headers(request: web.BaseRequest, request_id: str) -> str:
     if request.host:
         out.append(f"X-Forwarded-Host: {request.host}\r\n")
     out.append(f"X-Request-Id: {request_id}\r\n")
+    out.append(f"Via: {via}\r\n")
     return "".join(out)
 
 
-def _response_headers(headers: list[tuple[str, str]], replica: str) -> CIMultiDict[str]:
+def _response_headers(headers: list[tuple[str, str]], replica: str,
+                      via_name: str) -> CIMultiDict[str]:
     out: CIMultiDict[str] = CIMultiDict()
+    vias = []
     for k, v in headers:
-        if k.lower() not in _SKIP_RESPONSE:
+        lk = k.lower()
+        if lk == "via":
+            vias.append(v)
+        elif lk not in _SKIP_RESPONSE:
             out.add(k, v)
     out["X-Gpuslice-Replica"] = replica
+    out["Via"] = _via_add(", ".join(vias), via_name)
     return out
