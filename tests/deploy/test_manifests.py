@@ -165,3 +165,22 @@ def test_every_gpuslice_container_runs_a_command_line_the_cli_accepts(overlay: s
             seen.add(args.command)
             assert spec.get("serviceAccountName") in accounts, d["metadata"]["name"]
     assert {"extender", "node-agent", "reconfig"} <= seen
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_node_agents_dev_shm_is_the_directory_mps_clients_get(overlay: str) -> None:
+    """MPS clients and their control daemon exchange shared memory through /dev/shm; the
+    device plugin mounts ``--mps-shm-dir`` (a host path) at /dev/shm in every MPS client, so
+    the node agent, parent of the daemons, must have that same host directory as its own
+    /dev/shm (NVIDIA's device plugin: a shm directory shared by daemon and clients)."""
+    from gpuslice.cli import _build_parser
+
+    (ds,) = [d for d in render(overlay) if d["kind"] == "DaemonSet"
+             and d["metadata"]["name"].endswith("node-agent")]
+    spec = ds["spec"]["template"]["spec"]
+    (c,) = spec["containers"]
+    args = _build_parser().parse_args(c["args"])
+    (mount,) = [m for m in c["volumeMounts"] if m["mountPath"] == "/dev/shm"]
+    (vol,) = [v for v in spec["volumes"] if v["name"] == mount["name"]]
+    assert vol["hostPath"]["path"] == args.mps_shm_dir != ""
+    assert not mount.get("readOnly")

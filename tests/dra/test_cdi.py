@@ -130,9 +130,9 @@ def test_each_models_cdi_edits_make_the_container_see_only_its_gpu(
             assert (env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"],
                     env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"]) == caps
             assert env["CUDA_MPS_PIPE_DIRECTORY"] == MPS
-            (mount,) = edits["mounts"]
-            assert (mount["hostPath"], mount["containerPath"]) == \
-                (f"{node.cfg.mps_pipe_dir}/{pipe}", MPS)
+            # the daemon's pipe directory, and its /dev/shm (they exchange shared memory)
+            assert [(m["hostPath"], m["containerPath"]) for m in edits["mounts"]] == [
+                (f"{node.cfg.mps_pipe_dir}/{pipe}", MPS), (node.cfg.mps_shm_dir, "/dev/shm")]
             assert node.driver._mps[pipe].healthy()
         assert client.unprepare([ref]) == {ref[1]: ""}
         assert not node.driver.cdi.path(ref[1]).exists()

@@ -139,3 +139,19 @@ def test_the_driver_does_its_job_with_its_service_account_only(tmp_path: Path) -
     finally:
         rest.stop()
         shutil.rmtree(short, ignore_errors=True)
+
+
+def test_the_drivers_dev_shm_is_the_directory_its_cdi_specs_mount() -> None:
+    """The driver starts the MPS control daemons and its CDI specs mount ``--mps-shm-dir`` at
+    /dev/shm in each share's container: the driver's own /dev/shm must be that host directory
+    (daemon and clients exchange shared memory there)."""
+    from gpuslice.cli import _build_parser
+
+    (ds,) = [d for d in render(DRA) if d["kind"] == "DaemonSet"]
+    spec = ds["spec"]["template"]["spec"]
+    (c,) = spec["containers"]
+    assert c["command"][0] == "gpuslice"
+    args = _build_parser().parse_args(c["command"][1:])
+    (mount,) = [m for m in c["volumeMounts"] if m["mountPath"] == "/dev/shm"]
+    (vol,) = [v for v in spec["volumes"] if v["name"] == mount["name"]]
+    assert vol["hostPath"]["path"] == args.mps_shm_dir != ""

@@ -42,8 +42,9 @@ def test_two_shares_of_one_gpu_each_hold_their_own_limits(node: Node) -> None:
     assert ea["CUDA_MPS_PIPE_DIRECTORY"] == eb["CUDA_MPS_PIPE_DIRECTORY"]
     # one control daemon for the GPU, shared by both, its pipe directory mounted in both
     spec = json.loads(node.driver.cdi.path(a[1]).read_text())
-    (mount,) = spec["devices"][0]["containerEdits"]["mounts"]
-    assert mount["hostPath"] == f"{node.cfg.mps_pipe_dir}/GPU-node-a-00"
+    pipe, shm = spec["devices"][0]["containerEdits"]["mounts"]
+    assert pipe["hostPath"] == f"{node.cfg.mps_pipe_dir}/GPU-node-a-00"
+    assert (shm["hostPath"], shm["containerPath"]) == ("/run/gpuslice/mps-shm", "/dev/shm")
     assert list(node.driver._mps) == ["GPU-node-a-00"]
     assert node.driver._mps["GPU-node-a-00"].healthy()
 

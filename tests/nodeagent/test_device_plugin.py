@@ -136,7 +136,11 @@ def test_preferred_allocation_steers_to_the_assigned_gpu_and_allocate_executes_i
     assert r.envs["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "30"
     assert r.envs["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=8192M"
     assert r.envs["CUDA_MPS_PIPE_DIRECTORY"] == "/run/gpuslice/mps"
-    assert r.mounts[0].host_path.endswith("GPU-bbb")
+    # the GPU's MPS pipe directory, and the daemons' /dev/shm (client and daemon exchange
+    # shared memory there; the pod has its own IPC namespace)
+    pipe, shm = r.mounts
+    assert pipe.container_path == "/run/gpuslice/mps" and pipe.host_path.endswith("/GPU-bbb")
+    assert (shm.container_path, shm.host_path) == ("/dev/shm", "/run/gpuslice/mps-shm")
     assert r.annotations["gpuslice.io/pod"] == "ml/p1"
     # advertised as not required, but answered when the kubelet calls it
     stub.PreStartContainer(pb.PreStartContainerRequest(devices_ids=chosen), timeout=5)

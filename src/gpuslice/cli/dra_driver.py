@@ -11,6 +11,7 @@ from pathlib import Path
 
 from rich.console import Console
 
+from gpuslice.adapters.mps import SHM_DIR
 from gpuslice.cli.common import Sub, add_log_format, setup_logging
 from gpuslice.core import dra
 from gpuslice.core.errors import ValidationError
@@ -41,6 +42,9 @@ def register(sub: Sub) -> None:
                    help="seconds without an XID after which a GPU is healthy again")
     p.add_argument("--mps-pipe-dir", default="/run/gpuslice/mps",
                    help="root of the per-GPU MPS pipe directories (the node agent's)")
+    p.add_argument("--mps-shm-dir", default=SHM_DIR,
+                   help="host directory that is the MPS daemons' /dev/shm, mounted at /dev/shm "
+                   "in MPS clients ('' for none: then clients need hostIPC)")
     p.add_argument("--mps-binary", default="nvidia-cuda-mps-control")
     p.add_argument("--dev-dir", default="/dev", help="where the NVIDIA device nodes are")
     p.add_argument("--fake", type=Path, help="fake GPU inventory YAML instead of NVML")
@@ -82,7 +86,8 @@ def run(args: argparse.Namespace, console: Console) -> int:
     setup_logging(args.log_format, "dra-driver")
     cfg = DraConfig(node, kubelet_dir=args.kubelet_dir, driver=args.driver,
                     cdi_dir=args.cdi_dir, state_dir=args.state_dir,
-                    mps_pipe_dir=args.mps_pipe_dir, mps_binary=args.mps_binary,
+                    mps_pipe_dir=args.mps_pipe_dir, mps_shm_dir=args.mps_shm_dir,
+                    mps_binary=args.mps_binary,
                     default_mode=args.mode, modes=parse_modes(args.gpu_mode),
                     taints=not args.no_taints, quiet_s=args.quiet, dev_dir=args.dev_dir,
                     allocator_lease=lease, health_timeout_s=args.health_timeout,

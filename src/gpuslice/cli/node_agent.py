@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from rich.console import Console
 
+from gpuslice.adapters.mps import SHM_DIR
 from gpuslice.cli.common import KUBECONFIG_HELP, Sub, add_log_format, read_key, setup_logging
 from gpuslice.core.errors import ValidationError
 
@@ -49,6 +50,9 @@ def register(sub: Sub) -> None:
                     "the pods using them; a restarted agent adopts them)")
     na.add_argument("--mps-pipe-dir", default="/run/gpuslice/mps",
                     help="host directory of the MPS pipe directories")
+    na.add_argument("--mps-shm-dir", default=SHM_DIR,
+                    help="host directory that is the MPS daemons' /dev/shm, mounted at /dev/shm "
+                    "in MPS clients ('' for none: then clients need hostIPC)")
     na.add_argument("--pod-resources-socket",
                     default="/var/lib/kubelet/pod-resources/kubelet.sock",
                     help="the kubelet's PodResources API ('off' not to ask): pods it gave "
@@ -85,7 +89,8 @@ def _node_agent(args: argparse.Namespace, console: Console) -> int:
     api: KubePort = (load_fake_cluster(args.fake_cluster) if args.fake_cluster
                      else KubeClient(args.kubeconfig))
     cfg = PluginConfig(node, args.socket_dir, key, args.replicas,
-                       mps_pipe_dir=args.mps_pipe_dir, mig_strategy=args.mig_strategy,
+                       mps_pipe_dir=args.mps_pipe_dir, mps_shm_dir=args.mps_shm_dir,
+                       mig_strategy=args.mig_strategy,
                        pod_resources=None if args.pod_resources_socket == "off"
                        else Path(args.pod_resources_socket),
                        device_list_strategy=device_list_strategy(args.device_list_strategy),

@@ -33,7 +33,7 @@ from gpuslice.adapters.kube.fake import KubePort
 from gpuslice.adapters.kube.objects import PRIORITY_ANNOTATION
 from gpuslice.adapters.kubelet import deviceplugin_pb2 as pb
 from gpuslice.adapters.kubelet import deviceplugin_pb2_grpc as pbg
-from gpuslice.adapters.mps import pinned_mem_limit
+from gpuslice.adapters.mps import CLIENT_SHM, SHM_DIR, pinned_mem_limit
 from gpuslice.adapters.nvml.port import NvmlPort
 from gpuslice.core import catalog, migmps
 from gpuslice.core.assignment import (
@@ -63,6 +63,8 @@ class PluginConfig:
     replicas: int = 10  # virtual devices per GPU
     endpoint: str = "gpuslice-gpu.sock"
     mps_pipe_dir: str = "/run/gpuslice/mps"
+    # host directory mounted at /dev/shm in MPS clients: the daemons' /dev/shm ("" for none)
+    mps_shm_dir: str = SHM_DIR
     # "none": the extender names the GPU (or instance); "single": every MIG instance is one
     # gpuslice.io/gpu; "mixed": one resource per MIG profile (gpuslice.io/mig-1g.10gb, ...)
     mig_strategy: str = "none"
@@ -537,6 +539,9 @@ class DevicePlugin(pbg.DevicePluginServicer):
             mounts.append(pb.Mount(container_path=MPS_PIPE_IN_CONTAINER,
                                    host_path=os.path.join(self.cfg.mps_pipe_dir, gpus[0]),
                                    read_only=False))
+            if self.cfg.mps_shm_dir:
+                mounts.append(pb.Mount(container_path=CLIENT_SHM,
+                                       host_path=self.cfg.mps_shm_dir, read_only=False))
         return self._runtime_response(
             gpus, envs, mounts, {"gpuslice.io/pod": f"{a.namespace}/{a.pod}",
                                  "gpuslice.io/container": c.name,

@@ -57,7 +57,7 @@ from gpuslice.adapters.kubelet import dra_v1beta1_pb2 as v1beta1
 from gpuslice.adapters.kubelet import dra_v1beta1_pb2_grpc as v1beta1g
 from gpuslice.adapters.kubelet import pluginregistration_v1_pb2 as rpb
 from gpuslice.adapters.kubelet import pluginregistration_v1_pb2_grpc as rpbg
-from gpuslice.adapters.mps import MpsDaemon, pinned_mem_limit
+from gpuslice.adapters.mps import CLIENT_SHM, SHM_DIR, MpsDaemon, pinned_mem_limit
 from gpuslice.adapters.nvml.port import NvmlError, NvmlPort
 from gpuslice.core import dra
 from gpuslice.core.catalog import MigGeometry
@@ -89,6 +89,7 @@ class DraConfig:
     cdi_dir: Path = Path("/var/run/cdi")
     state_dir: Path | None = None  # default: the plugin directory
     mps_pipe_dir: str = "/run/gpuslice/mps"  # the node agent's: one daemon per GPU
+    mps_shm_dir: str = SHM_DIR  # the daemons' /dev/shm, mounted there in clients ("": none)
     mps_binary: str = "nvidia-cuda-mps-control"
     default_mode: str = dra.WHOLE
     modes: dict[str, str] = field(default_factory=dict)  # GPU index or UUID -> mode
@@ -543,7 +544,7 @@ class DraDriver:
                        CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=str(e["threadPct"]),
                        CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=pinned_mem_limit(e["memoryMiB"]),
                        GPUSLICE_SHARE=e["shareID"])
-            mounts = ((os.path.join(self.cfg.mps_pipe_dir, e["gpu"]), MPS_PIPE_IN_CONTAINER),)
+            mounts = self._mps_mounts(e["gpu"])
             name = device_name(c.uid, e["device"], e["shareID"])
         elif e["type"] == dra.TYPE_MIG:
             if not e.get("migUUID"):  # a partitionable device: its instance is made here
@@ -602,7 +603,12 @@ class DraDriver:
             env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(e["mpsPct"])
         if e.get("mpsMiB"):
             env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = pinned_mem_limit(e["mpsMiB"])
-        return ((os.path.join(self.cfg.mps_pipe_dir, target), MPS_PIPE_IN_CONTAINER),)
+        return self._mps_mounts(target)
+
+    def _mps_mounts(self, target: str) -> tuple[tuple[str, str], ...]:
+        """The daemon's pipe directory, and its /dev/shm (see ``adapters.mps.CLIENT_SHM``)."""
+        pipe = (os.path.join(self.cfg.mps_pipe_dir, target), MPS_PIPE_IN_CONTAINER)
+        return (pipe, (self.cfg.mps_shm_dir, CLIENT_SHM)) if self.cfg.mps_shm_dir else (pipe,)
 
     def _mig_uuid(self, gpu: str, profile: str, start: int, missing_ok: bool = False) -> str:
         g = next((g for g in self.nvml.devices() if g.uuid == gpu), None)

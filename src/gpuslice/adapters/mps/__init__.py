@@ -17,6 +17,14 @@ from gpuslice.core.errors import GpusliceError
 
 CONTROL = "nvidia-cuda-mps-control"
 SOCKET_PATH_MAX = 107  # sun_path holds 108 bytes with the terminating NUL
+# MPS clients and their control daemon exchange shared memory through /dev/shm, so a client in
+# a container (its own IPC namespace and /dev/shm) must see the daemon's: the host directory
+# below is the node agent's (and DRA driver's) /dev/shm in their DaemonSets, and is mounted at
+# /dev/shm in every MPS client container, as NVIDIA's device plugin (internal/plugin/mps.go)
+# and DRA driver (a tmpfs "shm" directory per daemon) do. Without it a client in a pod does
+# not reach the daemon unless the pod runs with hostIPC.
+CLIENT_SHM = "/dev/shm"
+SHM_DIR = "/run/gpuslice/mps-shm"
 
 
 def pinned_mem_limit(*mib: int) -> str:
