@@ -11,7 +11,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from gpuslice.adapters.mps import SHM_DIR
+from gpuslice.adapters.mps import PIPE_DIR, SHM_DIR
 from gpuslice.cli.common import Sub, add_log_format, setup_logging
 from gpuslice.core import dra
 from gpuslice.core.errors import ValidationError
@@ -40,7 +40,7 @@ def register(sub: Sub) -> None:
                    help="leave unhealthy GPUs out of the slices instead of tainting them")
     p.add_argument("--quiet", type=float, default=60.0,
                    help="seconds without an XID after which a GPU is healthy again")
-    p.add_argument("--mps-pipe-dir", default="/run/gpuslice/mps",
+    p.add_argument("--mps-pipe-dir", default=PIPE_DIR,
                    help="root of the per-GPU MPS pipe directories (the node agent's)")
     p.add_argument("--mps-shm-dir", default=SHM_DIR,
                    help="host directory that is the MPS daemons' /dev/shm, mounted at /dev/shm "

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from rich.console import Console
 
-from gpuslice.adapters.mps import SHM_DIR
+from gpuslice.adapters.mps import PIPE_DIR, SHM_DIR
 from gpuslice.cli.common import KUBECONFIG_HELP, Sub, add_log_format, read_key, setup_logging
 from gpuslice.core.errors import ValidationError
 
@@ -48,7 +48,7 @@ def register(sub: Sub) -> None:
     na.add_argument("--quit-mps-on-exit", action="store_true",
                     help="quit the MPS daemons when the agent stops (default: leave them to "
                     "the pods using them; a restarted agent adopts them)")
-    na.add_argument("--mps-pipe-dir", default="/run/gpuslice/mps",
+    na.add_argument("--mps-pipe-dir", default=PIPE_DIR,
                     help="host directory of the MPS pipe directories")
     na.add_argument("--mps-shm-dir", default=SHM_DIR,
                     help="host directory that is the MPS daemons' /dev/shm, mounted at /dev/shm "

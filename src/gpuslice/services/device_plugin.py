@@ -33,7 +33,13 @@ from gpuslice.adapters.kube.fake import KubePort
 from gpuslice.adapters.kube.objects import PRIORITY_ANNOTATION
 from gpuslice.adapters.kubelet import deviceplugin_pb2 as pb
 from gpuslice.adapters.kubelet import deviceplugin_pb2_grpc as pbg
-from gpuslice.adapters.mps import CLIENT_SHM, SHM_DIR, pinned_mem_limit
+from gpuslice.adapters.mps import (
+    PIPE_DIR,
+    PIPE_IN_CONTAINER,
+    SHM_DIR,
+    client_mounts,
+    pinned_mem_limit,
+)
 from gpuslice.adapters.nvml.port import NvmlPort
 from gpuslice.core import catalog, migmps
 from gpuslice.core.assignment import (
@@ -52,7 +58,6 @@ log = logging.getLogger("gpuslice.device_plugin")
 
 RESOURCE = "gpuslice.io/gpu"
 HEALTHY, UNHEALTHY = "Healthy", "Unhealthy"
-MPS_PIPE_IN_CONTAINER = "/run/gpuslice/mps"
 
 
 @dataclass
@@ -62,7 +67,7 @@ class PluginConfig:
     key: bytes
     replicas: int = 10  # virtual devices per GPU
     endpoint: str = "gpuslice-gpu.sock"
-    mps_pipe_dir: str = "/run/gpuslice/mps"
+    mps_pipe_dir: str = PIPE_DIR
     # host directory mounted at /dev/shm in MPS clients: the daemons' /dev/shm ("" for none)
     mps_shm_dir: str = SHM_DIR
     # "none": the extender names the GPU (or instance); "single": every MIG instance is one
@@ -526,7 +531,7 @@ class DevicePlugin(pbg.DevicePluginServicer):
         mounts = []
         if c.mode is Mode.MPS:
             share = shares[0]
-            envs["CUDA_MPS_PIPE_DIRECTORY"] = MPS_PIPE_IN_CONTAINER
+            envs["CUDA_MPS_PIPE_DIRECTORY"] = PIPE_IN_CONTAINER
             envs["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(self._thread_pct(share))
             if share.memory_mib:
                 envs["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = pinned_mem_limit(
@@ -536,12 +541,8 @@ class DevicePlugin(pbg.DevicePluginServicer):
                                     f"{', '.join(PRIORITIES)}, got {priority!r}")
             if PRIORITIES[priority] != "0":
                 envs["CUDA_MPS_CLIENT_PRIORITY"] = PRIORITIES[priority]
-            mounts.append(pb.Mount(container_path=MPS_PIPE_IN_CONTAINER,
-                                   host_path=os.path.join(self.cfg.mps_pipe_dir, gpus[0]),
-                                   read_only=False))
-            if self.cfg.mps_shm_dir:
-                mounts.append(pb.Mount(container_path=CLIENT_SHM,
-                                       host_path=self.cfg.mps_shm_dir, read_only=False))
+            mounts += [pb.Mount(container_path=c, host_path=h, read_only=False) for h, c in
+                       client_mounts(self.cfg.mps_pipe_dir, gpus[0], self.cfg.mps_shm_dir)]
         return self._runtime_response(
             gpus, envs, mounts, {"gpuslice.io/pod": f"{a.namespace}/{a.pod}",
                                  "gpuslice.io/container": c.name,

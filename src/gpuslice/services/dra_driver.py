@@ -57,7 +57,14 @@ from gpuslice.adapters.kubelet import dra_v1beta1_pb2 as v1beta1
 from gpuslice.adapters.kubelet import dra_v1beta1_pb2_grpc as v1beta1g
 from gpuslice.adapters.kubelet import pluginregistration_v1_pb2 as rpb
 from gpuslice.adapters.kubelet import pluginregistration_v1_pb2_grpc as rpbg
-from gpuslice.adapters.mps import CLIENT_SHM, SHM_DIR, MpsDaemon, pinned_mem_limit
+from gpuslice.adapters.mps import (
+    PIPE_DIR,
+    PIPE_IN_CONTAINER,
+    SHM_DIR,
+    MpsDaemon,
+    client_mounts,
+    pinned_mem_limit,
+)
 from gpuslice.adapters.nvml.port import NvmlError, NvmlPort
 from gpuslice.core import dra
 from gpuslice.core.catalog import MigGeometry
@@ -69,7 +76,6 @@ log = logging.getLogger("gpuslice.dra")
 
 PLUGIN_TYPE = "DRAPlugin"  # pluginregistration/v1 constants.go
 SUPPORTED_VERSIONS = ("v1.DRAPlugin", "v1beta1.DRAPlugin", "v1alpha1.DRAResourceHealth")
-MPS_PIPE_IN_CONTAINER = "/run/gpuslice/mps"
 APPLICATION_XIDS = frozenset({13, 31, 43, 45, 68, 109})  # the application's fault, not the GPU's
 # server-side keepalive: ping an idle kubelet connection, and accept the kubelet's pings
 KEEPALIVE_OPTIONS = (
@@ -88,7 +94,7 @@ class DraConfig:
     driver: str = dra.DRIVER
     cdi_dir: Path = Path("/var/run/cdi")
     state_dir: Path | None = None  # default: the plugin directory
-    mps_pipe_dir: str = "/run/gpuslice/mps"  # the node agent's: one daemon per GPU
+    mps_pipe_dir: str = PIPE_DIR  # the node agent's: one daemon per GPU
     mps_shm_dir: str = SHM_DIR  # the daemons' /dev/shm, mounted there in clients ("": none)
     mps_binary: str = "nvidia-cuda-mps-control"
     default_mode: str = dra.WHOLE
@@ -540,11 +546,11 @@ class DraDriver:
             # CUDA_VISIBLE_DEVICES names the one GPU, so that the container's CUDA (and the
             # ordinal 0 of the memory limit) is that GPU whatever else the runtime exposes
             env.update(CUDA_VISIBLE_DEVICES=e["gpu"],
-                       CUDA_MPS_PIPE_DIRECTORY=MPS_PIPE_IN_CONTAINER,
+                       CUDA_MPS_PIPE_DIRECTORY=PIPE_IN_CONTAINER,
                        CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=str(e["threadPct"]),
                        CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=pinned_mem_limit(e["memoryMiB"]),
                        GPUSLICE_SHARE=e["shareID"])
-            mounts = self._mps_mounts(e["gpu"])
+            mounts = tuple(client_mounts(self.cfg.mps_pipe_dir, e["gpu"], self.cfg.mps_shm_dir))
             name = device_name(c.uid, e["device"], e["shareID"])
         elif e["type"] == dra.TYPE_MIG:
             if not e.get("migUUID"):  # a partitionable device: its instance is made here
@@ -598,17 +604,12 @@ class DraDriver:
     def _mps_env(self, target: str, e: dict[str, Any], env: dict[str, str]
                  ) -> tuple[tuple[str, str], ...]:
         self.ensure_mps(target)
-        env["CUDA_MPS_PIPE_DIRECTORY"] = MPS_PIPE_IN_CONTAINER
+        env["CUDA_MPS_PIPE_DIRECTORY"] = PIPE_IN_CONTAINER
         if e.get("mpsPct"):
             env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(e["mpsPct"])
         if e.get("mpsMiB"):
             env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = pinned_mem_limit(e["mpsMiB"])
-        return self._mps_mounts(target)
-
-    def _mps_mounts(self, target: str) -> tuple[tuple[str, str], ...]:
-        """The daemon's pipe directory, and its /dev/shm (see ``adapters.mps.CLIENT_SHM``)."""
-        pipe = (os.path.join(self.cfg.mps_pipe_dir, target), MPS_PIPE_IN_CONTAINER)
-        return (pipe, (self.cfg.mps_shm_dir, CLIENT_SHM)) if self.cfg.mps_shm_dir else (pipe,)
+        return tuple(client_mounts(self.cfg.mps_pipe_dir, target, self.cfg.mps_shm_dir))
 
     def _mig_uuid(self, gpu: str, profile: str, start: int, missing_ok: bool = False) -> str:
         g = next((g for g in self.nvml.devices() if g.uuid == gpu), None)

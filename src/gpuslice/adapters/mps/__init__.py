@@ -25,6 +25,20 @@ SOCKET_PATH_MAX = 107  # sun_path holds 108 bytes with the terminating NUL
 # not reach the daemon unless the pod runs with hostIPC.
 CLIENT_SHM = "/dev/shm"
 SHM_DIR = "/run/gpuslice/mps-shm"
+# the host root of the per-GPU (per-MIG-instance) pipe directories, ``<PIPE_DIR>/<UUID>``, and
+# where a client container sees its daemon's (its CUDA_MPS_PIPE_DIRECTORY)
+PIPE_DIR = "/run/gpuslice/mps"
+PIPE_IN_CONTAINER = "/run/gpuslice/mps"
+
+
+def client_mounts(pipe_root: str, target: str, shm_dir: str) -> list[tuple[str, str]]:
+    """(host path, container path) of what an MPS client of the daemon serving ``target`` (a
+    GPU or MIG instance UUID) needs mounted: the daemon's pipe directory, and the daemons'
+    /dev/shm unless ``shm_dir`` is empty."""
+    mounts = [(os.path.join(pipe_root, target), PIPE_IN_CONTAINER)]
+    if shm_dir:
+        mounts.append((shm_dir, CLIENT_SHM))
+    return mounts
 
 
 def pinned_mem_limit(*mib: int) -> str:
