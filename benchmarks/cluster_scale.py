@@ -33,7 +33,6 @@ import random
 import re
 import signal
 import ssl
-import subprocess
 import sys
 import time
 import urllib.request
@@ -252,14 +251,8 @@ def main() -> int:
 
         key = dev.dir / "key"
         key.write_text(KEY)
-        kc = dev.service_account_kubeconfig("gpuslice-system", "gpuslice-extender")
-        crt, k = dev.extender_cert
-        log = (dev.dir / "extender.log").open("wb")
-        ext = subprocess.Popen(
-            [sys.executable, "-m", "gpuslice.cli", "extender", "--listen",
-             f"127.0.0.1:{dev.extender_port}", "--tls-cert", str(crt), "--tls-key", str(k),
-             "--key-file", str(key), "--kubeconfig", str(kc)], stdout=log,
-            stderr=subprocess.STDOUT, start_new_session=True)
+        ext = dev.start_extender(key, timeout_s=300)
+        assert ext.pid is not None
         ctx = ssl.create_default_context(cafile=str(dev.ca_crt))
 
         def ext_metrics() -> str:
@@ -268,17 +261,12 @@ def main() -> int:
                 return str(r.read().decode())
 
         try:
-            wait_until("extender /healthz", lambda: urllib.request.urlopen(
-                dev.extender_url + "/healthz", context=ctx, timeout=5).status == 200, 300, ext,
-                dev.dir / "extender.log")
             console.print("run 1/2: kube-scheduler + gpuslice extender, fractional pods")
             ours = run_once(dev, args.pods, True, args.timeout, ext_metrics, ext.pid)
             console.print("run 2/2: kube-scheduler alone, whole GPUs")
             base = run_once(dev, args.pods, False, args.timeout, ext_metrics, ext.pid)
         finally:
-            ext.terminate()
-            ext.wait(30)
-            log.close()
+            ext.stop(30)
     total = time.monotonic() - t_all
     ratio = ours["pods_per_s"] / base["pods_per_s"]
     table = Table(title=f"{args.nodes} kwok nodes x {args.gpus} GPUs, {args.pods} pods per run "

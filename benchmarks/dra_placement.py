@@ -56,7 +56,7 @@ from rich.table import Table
 
 from gpuslice.adapters.kube.dra import ALLOCATOR_TAINT
 from gpuslice.cli import parse_seeds
-from gpuslice.devcluster import wait_until
+from gpuslice.devcluster import Proc, wait_until
 from gpuslice.sim.runner import Job, Scenario, load_scenario, run_job, scenario_of
 
 DEVICE_PLUGIN = "ours"  # the device-plugin path's policy in the simulator
@@ -262,9 +262,10 @@ class ClusterTarget:
         wait_until(f"ServiceAccount {ns}/default", lambda: bool(
             self.core.read_namespaced_service_account("default", ns)), 60)
         self.device_plugin = mode == "device-plugin"
-        allocator = None
+        allocator: subprocess.Popen[bytes] | None = None
+        extender: Proc | None = None
         if self.device_plugin:
-            allocator = self._start_extender()
+            extender = self._start_extender()
         elif mode == "ours":
             self.log_dir.mkdir(parents=True, exist_ok=True)
             log = (self.log_dir / f"dra-allocator-{self.runs}.log").open("wb")
@@ -284,37 +285,21 @@ class ClusterTarget:
             if allocator is not None:
                 allocator.terminate()
                 allocator.wait(20)
-            if self.device_plugin:
+            if extender is not None:
+                extender.stop()
                 self.dev.start_scheduler(with_extender=False)
             self.core.delete_namespace(ns)
             wait_until(f"namespace {ns} deleted", lambda: not any(
                 x.metadata.name == ns for x in self.core.list_namespace().items), 300,
                 every_s=1.0)
 
-    def _start_extender(self) -> subprocess.Popen[bytes]:
-        """``gpuslice extender`` as deploy/base runs it (HTTPS, the assignment key, its service
-        account's RBAC), and kube-scheduler restarted with the extender in its
-        ``gpuslice-scheduler`` profile."""
-        import ssl
-        import urllib.request
-
+    def _start_extender(self) -> Proc:
+        """``gpuslice extender`` as deploy/base runs it (:meth:`DevCluster.start_extender`),
+        and kube-scheduler restarted with the extender in its ``gpuslice-scheduler``
+        profile."""
         key = self.dev.dir / "assignment-key"
         key.write_text("dra-placement-benchmark-key-0123456789")
-        kc = self.dev.service_account_kubeconfig("gpuslice-system", "gpuslice-extender")
-        crt, k = self.dev.extender_cert
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        log_path = self.log_dir / f"extender-{self.runs}.log"
-        with log_path.open("wb") as log:
-            ext = subprocess.Popen(
-                [sys.executable, "-m", "gpuslice.cli", "extender", "--listen",
-                 f"127.0.0.1:{self.dev.extender_port}", "--tls-cert", str(crt),
-                 "--tls-key", str(k), "--key-file", str(key), "--kubeconfig", str(kc)],
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                start_new_session=True)
-        ctx = ssl.create_default_context(cafile=str(self.dev.ca_crt))
-        wait_until("extender /healthz", lambda: urllib.request.urlopen(
-            self.dev.extender_url + "/healthz", context=ctx, timeout=5).status == 200, 120,
-            ext, log_path)
+        ext = self.dev.start_extender(key)
         self.dev.start_scheduler(with_extender=True)
         return ext
 

@@ -22,6 +22,7 @@ import signal
 import socket
 import ssl
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.error
@@ -430,6 +431,25 @@ class DevCluster:
         wait_until("kube-scheduler /healthz", lambda: _get(
             f"https://127.0.0.1:{self.ports['scheduler']}/healthz",
             _insecure()) == b"ok", self.ready_timeout_s, p.popen, p.log)
+
+    def start_extender(self, key_file: Path, timeout_s: float = 120.0) -> Proc:
+        """(Re)start ``gpuslice extender`` as deploy/base runs it: HTTPS with a certificate of
+        this cluster's CA at :attr:`extender_url`, the HMAC key in ``key_file``, the
+        ``gpuslice-extender`` service account's token (its RBAC must be applied); returns once
+        it answers /healthz. Stopped with the cluster, or by the caller (``Proc.stop``)."""
+        if "gpuslice-extender" in self.procs:
+            self.procs["gpuslice-extender"].stop()
+        kubeconfig = self.service_account_kubeconfig("gpuslice-system", "gpuslice-extender")
+        crt, key = self.extender_cert
+        p = self._add("gpuslice-extender", [
+            sys.executable, "-m", "gpuslice.cli", "extender", "--listen",
+            f"127.0.0.1:{self.extender_port}", "--tls-cert", str(crt), "--tls-key", str(key),
+            "--key-file", str(key_file), "--kubeconfig", str(kubeconfig)])
+        ctx = ssl.create_default_context(cafile=str(self.ca_crt))
+        wait_until("gpuslice extender /healthz", lambda: urllib.request.urlopen(
+            self.extender_url + "/healthz", context=ctx, timeout=5).status == 200,
+            timeout_s, p.popen, p.log)
+        return p
 
     def scheduler_metrics(self) -> str:
         return _get(f"https://127.0.0.1:{self.ports['scheduler']}/metrics",

@@ -11,7 +11,6 @@ import json
 import os
 import shutil
 import signal
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -64,7 +63,7 @@ def _state(folder: Path) -> dict[str, Any]:
 
 
 def _up(args: argparse.Namespace, console: Console) -> int:
-    from gpuslice.devcluster import DevCluster, Proc, find_bin_dir, gpu_node, wait_until
+    from gpuslice.devcluster import DevCluster, find_bin_dir, gpu_node
 
     _validate(args)
     folder: Path = args.dir
@@ -82,21 +81,7 @@ def _up(args: argparse.Namespace, console: Console) -> int:
         dev.apply(deploy / "base")
         key = folder / "assignment.key"
         key.write_text(DEV_KEY)
-        kc = dev.service_account_kubeconfig("gpuslice-system", "gpuslice-extender")
-        crt, tls_key = dev.extender_cert
-        ext = dev.procs["gpuslice-extender"] = Proc(
-            "gpuslice-extender",
-            [sys.executable, "-m", "gpuslice.cli", "extender", "--listen",
-             f"127.0.0.1:{dev.extender_port}", "--tls-cert", str(crt), "--tls-key",
-             str(tls_key), "--key-file", str(key), "--kubeconfig", str(kc)],
-            folder / "gpuslice-extender.log").start()
-        import ssl
-        import urllib.request
-
-        ctx = ssl.create_default_context(cafile=str(dev.ca_crt))
-        wait_until("gpuslice extender /healthz", lambda: urllib.request.urlopen(
-            dev.extender_url + "/healthz", context=ctx, timeout=5).status == 200, 120,
-            ext.popen, ext.log)
+        dev.start_extender(key)
         if args.nodes:
             dev.add_nodes([gpu_node(f"gpu-node-{i}", args.model, args.gpus)
                            for i in range(args.nodes)])
