@@ -1,0 +1,291 @@
+"""Where a pod goes: filter (with a reason per node refused), prioritize, what preemption
+cannot help, and the GPUs chosen at bind, decided over :class:`.view.ClusterView` with the
+core policy."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from gpuslice.adapters.kube.fake import ApiNotFound
+from gpuslice.adapters.kube.objects import (
+    MIG_PROFILE_ANNOTATION,
+    pod_finished,
+    pod_gpu_shape,
+    pod_request,
+)
+from gpuslice.core import migmps
+from gpuslice.core.assignment import (
+    Assignment,
+    ContainerAssignment,
+    GpuShare,
+    Mode,
+    sign,
+)
+from gpuslice.core.errors import GpusliceError, ValidationError
+from gpuslice.core.fit import explain, feasible, gpu_ok
+from gpuslice.core.ledger import Conflict, Ledger
+from gpuslice.core.model import Isolation, SliceRequest
+from gpuslice.core.podrequest import GpuWant
+from gpuslice.core.policies import PlacementState, best_fit_gpu, exclusive_gpus
+from gpuslice.services.extender.view import ClusterView, _memory_wish, _mig_wish, _MigWish, _mode
+
+STALE_CHECKS = 32  # shares on a nominated node read back from the API server per filter call
+
+
+class PlacementVerbs(ClusterView):
+    def filter(self, pod: dict[str, Any], names: list[str]) -> tuple[list[str], dict[str, str]]:
+        req = pod_request(pod)
+        if req is None:
+            return names, {}
+        if req.isolation is Isolation.MIG:
+            return self._filter_mig(_mig_wish(req), names)
+        g = self._gpu_only(req)
+        a = self.inv.arrays
+        ok = feasible(a, g)
+        # one vectorised pass for the reasons: the best GPU of each node and why it falls short
+        fits = gpu_ok(a, g)
+        n_fit = fits.sum(axis=1)
+        best = np.argmax(np.where(a.gpu_present, a.gpu_free, -1), axis=1)
+        allowed = a.model_mask(g.models)
+        mode = _mode(req)
+        keep: list[str] = []
+        failed: dict[str, str] = {}
+        for n in names:
+            i = self.inv.index.get(n)
+            if i is None:
+                failed[n] = "node unknown to gpuslice (no GPU inventory yet)"
+            elif ok[i]:
+                keep.append(n)
+            elif a.gpu_count[i] == 0:
+                failed[n] = "node has no GPU"
+            elif not allowed[i]:
+                failed[n] = (f"node has {a.models[a.model_id[i]]} GPUs, pod accepts "
+                             f"{'|'.join(sorted(g.models))}")
+            elif g.gpus > 1:
+                failed[n] = f"{n_fit[i]} of {a.gpu_count[i]} GPUs free enough, pod needs {g.gpus}"
+            else:
+                j = int(best[i])
+                if a.gpu_free[i, j] >= g.milli:
+                    failed[n] = (f"GPU {j} has {a.gpu_mem_free[i, j]} MiB free, pod needs "
+                                 f"{g.memory_on(int(a.gpu_mem_cap[i, j]))}")
+                else:
+                    failed[n] = (f"GPU {j} has {a.gpu_free[i, j]} milli free, pod needs "
+                                 f"{g.milli} (the most free GPU of the node)")
+            if n in failed and i is not None and i in self.inv.mig_rows and mode is Mode.MPS:
+                if self._mig_room_for(i, req) is not None:
+                    del failed[n]
+                    keep.append(n)
+                    continue
+                rooms = self._mig_rooms(i, req.models)
+                wish = _memory_wish(req)
+                mem = "its share of the memory" if wish is None else f"{wish} MiB"
+                failed[n] += (f"; MPS inside MIG instances: none has {req.milli} milli and "
+                              f"{mem} free"
+                              + (f" ({', '.join(map(str, rooms))})" if rooms else "")
+                              if req.gpus == 1 else "; MPS inside MIG takes one GPU per pod")
+            if n in failed and i is not None and i in self.inv.mig_rows and mode is not Mode.MPS:
+                k = sum(u in self.inv.mig_gpus for u in self.inv.uuids[i])
+                failed[n] += (f"; {k} GPU(s) MIG-enabled: no whole-GPU {mode.value} slice "
+                              "there, only MPS slices inside their instances")
+            if n in failed and i is not None:
+                k = sum(u in self.cordoned for u in self.inv.uuids[i])
+                if k:
+                    failed[n] += f"; {k} GPU(s) cordoned for reconfiguration"
+        return keep, failed
+
+    def stale_holders(self, pod: dict[str, Any], names: list[str]) -> list[Assignment]:
+        """The shares to check against the API server before filtering ``pod``: those held on
+        its nominated node (``status.nominatedNodeName``, where kube-scheduler preempted for
+        it) when it does not fit there. The scheduler retries the pod as soon as its cache
+        drops the victims; if this ledger has not yet followed their deletion, a refusal
+        would make it preempt again on another node (``PodEligibleToPreemptOthers`` in
+        pkg/scheduler/framework/plugins/defaultpreemption/default_preemption.go only holds
+        back while the scheduler itself still sees victims terminating). At most
+        ``STALE_CHECKS`` shares; none when the pod fits or has no nomination."""
+        node = (pod.get("status") or {}).get("nominatedNodeName")
+        i = self.inv.index.get(node) if isinstance(node, str) else None
+        if i is None or node not in names:
+            return []
+        try:
+            req = pod_request(pod)
+        except ValidationError:
+            return []
+        if req is None or self._fits_with(i, req, self.ledger):
+            return []
+        uid = (pod.get("metadata") or {}).get("uid")
+        with self._lock:
+            flying = set(self._in_flight)
+            held = [a for key, a in self.ledger.owners.items()
+                    if a.node == node and a.pod_uid != uid and key not in flying]
+        return held[:STALE_CHECKS]
+
+    def verify_held(self, shares: list[Assignment]) -> int:
+        """Read each share's pod from the API server and give back the shares of pods that
+        are gone (not found, another pod under the name now, or finished). Returns how many
+        were given back. Blocking: run off the event loop."""
+        freed = 0
+        for a in shares:
+            try:
+                p = self.api.get_pod(a.namespace, a.pod)
+            except ApiNotFound:
+                p = None
+            except GpusliceError:
+                continue  # the API server is unreachable: keep the share
+            meta = (p or {}).get("metadata") or {}
+            if p is None or (a.pod_uid and meta.get("uid") != a.pod_uid) or \
+                    pod_finished(p):
+                self.pod_gone(a.namespace, a.pod, a.pod_uid or None)
+                freed += 1
+        return freed
+
+    def unresolvable(self, pod: dict[str, Any], names: list[str]) -> set[str]:
+        """Of ``names``, the nodes where the pod would not fit even with no other pod on
+        them (unknown, no GPU, another model, too few GPUs, cordoned, no MIG instance large
+        enough): preemption cannot help there, so kube-scheduler hears them as
+        FailedAndUnresolvableNodes and does not try it."""
+        req = pod_request(pod)
+        if req is None or not names:
+            return set()
+        empty = Ledger.empty(self.ledger.inventory.values())
+        out: set[str] = set()
+        if req.isolation is not Isolation.MIG:
+            trial = self.inv.arrays.copy()
+            for i, row in enumerate(self.inv.uuids):
+                for j, uuid in enumerate(row):
+                    trial.gpu_free[i, j], trial.gpu_mem_free[i, j] = \
+                        self._open_free(uuid, empty)
+            ok_empty = feasible(trial, self._gpu_only(req))
+        for n in names:
+            at = self.inv.index.get(n)
+            if at is None or ((req.isolation is Isolation.MIG or not ok_empty[at]) \
+                    and not self._fits_with(at, req, empty)):
+                out.add(n)
+        return out
+
+    def _filter_mig(self, wish: _MigWish, names: list[str]
+                    ) -> tuple[list[str], dict[str, str]]:
+        taken = self._taken_mig()
+        keep: list[str] = []
+        failed: dict[str, str] = {}
+        for n in names:
+            i = self.inv.index.get(n)
+            if i is None:
+                failed[n] = "node unknown to gpuslice (no GPU inventory yet)"
+            elif not self.inv.mig[i]:
+                failed[n] = "node has no MIG instance (no MIG-enabled GPU)"
+            elif self._mig_fits(i, wish, taken):
+                keep.append(n)
+            else:
+                free = [m.profile for g, _, m in self.inv.mig[i] if (g, m.start) not in taken]
+                failed[n] = (f"no free MIG instance of >= {wish.slices}g with "
+                             f"{wish.memory_mib} MiB (free: {', '.join(free) or 'none'})")
+        return keep, failed
+
+    def prioritize(self, pod: dict[str, Any], names: list[str]) -> list[tuple[str, int]]:
+        req = pod_request(pod)
+        known = [n for n in names if n in self.inv.index]
+        if req is None or not known:
+            return [(n, 0) for n in names]
+        if req.isolation is Isolation.MIG:  # the tightest free instance scores highest
+            wish, taken = _mig_wish(req), self._taken_mig()
+            out = []
+            for n in names:
+                fits = self._mig_fits(self.inv.index[n], wish, taken) if n in known else []
+                out.append((n, max(0, 10 - (fits[0][0] - wish.slices)) if fits else 0))
+            return out
+        rows = np.array([self.inv.index[n] for n in known], dtype=np.int64)
+        st = PlacementState.build(self.inv.arrays, None)
+        ok = feasible(self.inv.arrays, self._gpu_only(req))[rows]
+        in_mig: dict[str, int] = {}  # nodes that fit the pod only inside a MIG instance
+        if self.inv.mig_rows and req.gpus == 1 and _mode(req) is Mode.MPS:
+            for k in np.flatnonzero(~ok):
+                room = self._mig_room_for(int(rows[k]), req)
+                if room is not None:  # the tighter the instance, the higher
+                    in_mig[known[k]] = max(1, 10 - round(10 * (room.free_milli - req.milli)
+                                                         / room.capacity_milli))
+        scores = np.zeros(len(known))
+        if ok.any():
+            scored = self.policy.score(st, self._gpu_only(req), rows[ok])
+            lo, hi = float(scored.scores.min()), float(scored.scores.max())
+            scaled = np.round(10 * (scored.scores - lo) / (hi - lo)) if hi > lo else \
+                np.full(len(scored.scores), 10.0)
+            scores[np.flatnonzero(ok)] = scaled
+        by_name = {**dict(zip(known, scores.astype(int).tolist(), strict=True)), **in_mig}
+        return [(n, by_name.get(n, 0)) for n in names]
+
+    def _fits_with(self, i: int, req: SliceRequest, led: Ledger) -> bool:
+        """Whether ``req`` fits node ``i``'s GPUs if the ledger were ``led``."""
+        mode = _mode(req)
+        if mode is Mode.MIG:
+            taken = {(g.uuid, g.mig_start) for a in led.owners.values() for c in a.containers
+                     for g in c.gpus if g.mig_profile}
+            return bool(self._mig_fits(i, _mig_wish(req), taken))
+        trial = self.inv.arrays.copy()
+        for j, uuid in enumerate(self.inv.uuids[i]):
+            trial.gpu_free[i, j], trial.gpu_mem_free[i, j] = self._open_free(uuid, led)
+        if feasible(trial, self._gpu_only(req))[i]:
+            return True
+        if mode is Mode.MPS and req.gpus == 1 and i in self.inv.mig_rows:
+            rooms = self._mig_rooms(i, req.models, migmps.usage(led.owners.values()))
+            return migmps.best_instance(rooms, req.milli, _memory_wish(req)) is not None
+        return False
+
+    def _place(self, pod: dict[str, Any], req: SliceRequest, i: int, namespace: str,
+               name: str, uid: str, node: str) -> Assignment | str:
+        """Choose the pod's GPUs on node ``i`` and reserve them in the ledger (in flight);
+        the signed assignment, or why it does not fit."""
+        g = self._gpu_only(req)
+        shape = pod_gpu_shape(pod)
+        assert shape is not None  # pod_request said it asks for a GPU
+        with self._lock:
+            mode = _mode(req)
+            if mode is Mode.MIG:
+                fits = self._mig_fits(i, _mig_wish(req), self._taken_mig())
+                if not fits:
+                    return self._filter_mig(_mig_wish(req), [node])[1][node]
+                size, gpu, inst = fits[0]
+                whole = max(1, 1000 * size // 7)
+                # the instance is the pod's; its containers split it as they split the pod's
+                # effective milli (one container: the whole instance)
+                containers = tuple(ContainerAssignment(w.name, Mode.MIG, (GpuShare(
+                    gpu, max(1, whole * w.milli // shape.milli),
+                    inst.memory_mib * w.milli // shape.milli, inst.profile, inst.start),),
+                    w.kind) for w, _ in shape.slots)
+            elif feasible(self.inv.arrays, g)[i]:
+                gpus = (best_fit_gpu(self.inv.arrays, g, i) if g.is_sharing
+                        else exclusive_gpus(self.inv.arrays, g, i))
+                cap = self.inv.arrays.gpu_mem_cap
+                containers = tuple(ContainerAssignment(w.name, _container_mode(req, w), tuple(
+                    GpuShare(self.inv.uuids[i][gpus[k]], w.milli,
+                             w.memory_mib or w.milli * int(cap[i, gpus[k]]) // 1000)
+                    for k in slots), w.kind) for w, slots in shape.slots)
+            else:  # an MPS slice inside a MIG instance, or nowhere
+                planned = str(((pod.get("metadata") or {}).get("annotations") or {})
+                              .get(MIG_PROFILE_ANNOTATION, ""))
+                room = self._mig_room_for(i, req, planned)
+                if room is None:
+                    return self.filter(pod, [node])[1].get(node) or \
+                        "; ".join(explain(self.inv.arrays, g, i))
+                containers = tuple(ContainerAssignment(w.name, Mode.MPS, (GpuShare(
+                    room.gpu, w.milli, w.memory_mib or migmps.memory_share(w.milli, room),
+                    room.profile, room.start),), w.kind) for w, _ in shape.slots)
+            a = sign(Assignment(namespace, name, uid, node, containers, self.clock()), self.key)
+            try:
+                self.ledger = self.ledger.reserve(a)
+            except Conflict as exc:
+                return exc.reason
+            self._refresh_row(i)
+            self._in_flight[(namespace, name)] = a
+        return a
+
+
+def _container_mode(req: SliceRequest, w: GpuWant) -> Mode:
+    """A container's sharing mode: the pod's isolation, with a whole GPU exclusive."""
+    if req.isolation is Isolation.TIMESLICE:
+        return Mode.TIMESLICE
+    if w.milli == 1000 and req.isolation in (Isolation.ANY, Isolation.EXCLUSIVE):
+        return Mode.EXCLUSIVE
+    return Mode.MPS
+

@@ -1,0 +1,367 @@
+"""The extender's view of the cluster: every node's GPU inventory, CPU and memory, the ledger of
+shares (rebuilt from the signed assignments of live pods, followed through the watch), the
+target workload learned from the pods seen, and the placement state the policy scores with,
+kept up to date row by row as pods come and go. :mod:`.placement`, :mod:`.preemption` and
+:mod:`.state` decide over it."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from gpuslice.adapters.kube.annotation import AnnotationError, decode
+from gpuslice.adapters.kube.fake import KubePort, WatchEvent
+from gpuslice.adapters.kube.objects import (
+    CORDONED_ANNOTATION as CORDONED,
+)
+from gpuslice.adapters.kube.objects import (
+    INVENTORY_ANNOTATION,
+    InventoryMig,
+    node_inventory,
+    pod_finished,
+    pod_key,
+)
+from gpuslice.core import catalog, migmps
+from gpuslice.core.assignment import (
+    ANNOTATION,
+    Assignment,
+    Mode,
+    verify,
+)
+from gpuslice.core.errors import ValidationError
+from gpuslice.core.ledger import Conflict, GpuSlot, Ledger
+from gpuslice.core.migmps import InstanceRoom
+from gpuslice.core.model import ClusterArrays, Gpu, Isolation, Node, SliceRequest, build_arrays
+from gpuslice.core.policies import make_policy
+from gpuslice.services.leader import LeaderElector
+
+
+def _node_mark(node: dict[str, Any]) -> tuple[str, str]:
+    """What of a node the extender follows: its GPU inventory and its cordoned GPUs."""
+    ann = (node.get("metadata") or {}).get("annotations") or {}
+    return (str(ann.get(INVENTORY_ANNOTATION, "")), str(ann.get(CORDONED, "")))
+
+
+@dataclass(frozen=True)
+class _Inventory:
+    names: list[str]
+    index: dict[str, int]
+    uuids: list[list[str]]  # per node, GPU UUID by slot
+    arrays: ClusterArrays
+    # per node: the MIG instances of its MIG-enabled GPUs, (GPU UUID, GPU model, instance)
+    mig: list[list[tuple[str, str, InventoryMig]]]
+    # MIG-enabled GPUs: no whole-GPU slice; MPS slices go inside their instances
+    mig_gpus: frozenset[str] = frozenset()
+    mig_rows: frozenset[int] = frozenset()  # nodes with a MIG-enabled GPU
+
+
+@dataclass(frozen=True)
+class _MigWish:
+    slices: int  # compute slices at least
+    memory_mib: int
+    models: frozenset[str]
+
+
+def _mig_wish(req: SliceRequest) -> _MigWish:
+    """A MIG-isolated request: the compute slices its milli stands for (3g for 429), memory."""
+    return _MigWish(max(1, round(req.milli * 7 / 1000)), req.gpu_memory_mib, req.models)
+
+
+class ClusterView:
+    """The extender's view of the cluster: node GPU inventory, the ledger, and arrays for the
+    core's fit and policies (GPU free milli and memory per node and slot)."""
+
+    def __init__(self, api: KubePort, key: bytes, *, policy: str = "bestfit",
+                 clock: Callable[[], str]) -> None:
+        self.api = api
+        self.key = key
+        self.policy = make_policy(policy)
+        if self.policy.needs_workload:
+            raise ValidationError("extender policy", "a policy that needs no target workload",
+                                  policy)
+        self.clock = clock
+        self._lock = threading.Lock()  # guards the ledger reference and the arrays' GPU rows
+        self.problems: list[str] = []
+        # binds reserved in the ledger whose annotation may not be visible in a re-list yet
+        self._in_flight: dict[tuple[str, str], Assignment] = {}
+        # binds whose annotation was written, numbered in the order they completed: a re-read
+        # whose pod list started before one completed cannot have seen it, and takes it from
+        # here (else its share would be free in the new ledger until the pod's watch event)
+        self._bind_seq = 0
+        self._recent: dict[tuple[str, str], tuple[Assignment, int]] = {}
+        # pods seen by filter (by UID, oldest first) and the container requests
+        # of those whose bind reserved on the event loop (hold)
+        self._seen: dict[str, dict[str, Any]] = {}
+        self._held: dict[tuple[str, str], Any] = {}
+        self._busy: set[tuple[str, str]] = set()  # pods a bind thread is working on
+        self._mig_use_of: tuple[Ledger, dict[tuple[str, int], tuple[int, int, bool]]] | None = \
+            None
+        self.elector: LeaderElector | None = None  # set when replicas elect a binder
+        self.cordoned: set[str] = set()
+        self._node_marks: dict[str, tuple[str, str]] = {}  # what of each node we follow
+        self.rebuild()
+
+    # -- state --------------------------------------------------------------------------------
+
+    def rebuild(self) -> None:
+        """Read nodes and pods from the API server and derive everything again."""
+        seen_up_to = getattr(self, "_bind_seq", 0)  # binds completed before the lists
+        names: list[str] = []
+        uuids: list[list[str]] = []
+        nodes: list[Node] = []
+        slots: list[GpuSlot] = []
+        cordoned: set[str] = set()
+        migs: list[list[tuple[str, str, InventoryMig]]] = []
+        mig_gpus: set[str] = set()
+        mig_rows: set[int] = set()
+        marks: dict[str, tuple[str, str]] = {}
+        for n in self.api.list_nodes():
+            name = n["metadata"]["name"]
+            marks[name] = _node_mark(n)
+            raw = ((n["metadata"].get("annotations") or {}).get(CORDONED) or "")
+            cordoned.update(u.strip() for u in raw.split(",") if u.strip())
+            try:
+                inv = sorted(node_inventory(n), key=lambda g: g.index)
+            except ValidationError as exc:
+                self.problems.append(str(exc))
+                inv = []
+            names.append(name)
+            uuids.append([g.uuid for g in inv])
+            migs.append([(g.uuid, g.model, m) for g in inv for m in g.mig])
+            mig_gpus.update(g.uuid for g in inv if g.mig_enabled)
+            if any(g.mig_enabled for g in inv):
+                mig_rows.add(len(names) - 1)
+            nodes.append(Node(name, 0, 0, tuple(Gpu(j, g.model, g.memory_mib)
+                                                for j, g in enumerate(inv))))
+            slots.extend(GpuSlot(g.uuid, name, g.memory_mib) for g in inv)
+        assignments = []
+        for p in self.api.list_pods():
+            a = self._assignment_of(p)
+            if a is not None and not pod_finished(p):
+                assignments.append(a)
+        ledger, problems = Ledger.rebuild(slots, assignments)
+        self.problems.extend(problems)
+        arrays = build_arrays(nodes)
+        inv_ = _Inventory(names, {n: i for i, n in enumerate(names)}, uuids, arrays, migs,
+                          frozenset(mig_gpus), frozenset(mig_rows))
+        with self._lock:
+            recent = getattr(self, "_recent", {})
+            for key in [k for k, (_, seq) in recent.items() if seq <= seen_up_to]:
+                del recent[key]  # the pod list saw its annotation
+            pending = list(getattr(self, "_in_flight", {}).items()) + \
+                [(k, a) for k, (a, _) in recent.items()]
+            for key, a in pending:
+                if key not in ledger.owners:
+                    try:
+                        ledger = ledger.reserve(a)
+                    except Conflict as exc:
+                        self.problems.append(f"in-flight bind {key}: {exc.reason}")
+            self.inv = inv_
+            self.ledger = ledger
+            self.cordoned = cordoned
+            self._node_marks = marks
+            for i in range(len(names)):
+                self._refresh_row(i)
+
+    def _assignment_of(self, pod: dict[str, Any]) -> Assignment | None:
+        ann = (pod.get("metadata") or {}).get("annotations") or {}
+        text = ann.get(ANNOTATION)
+        if not text:
+            return None
+        try:
+            a = decode(text)
+        except AnnotationError as exc:
+            self.problems.append(f"pod {pod_key(pod)}: {exc}")
+            return None
+        if not verify(a, self.key):
+            self.problems.append(f"pod {pod_key(pod)}: assignment signature does not verify")
+            return None
+        return a
+
+    def _open_free(self, uuid: str, led: Ledger) -> tuple[int, int]:
+        """(milli, MiB) GPU ``uuid`` offers whole-GPU slices under ledger ``led``: none when it
+        is cordoned for reconfiguration, or MIG-enabled (MPS slices go inside its instances:
+        :meth:`_mig_rooms`)."""
+        return (0, 0) if uuid in self.cordoned or uuid in self.inv.mig_gpus else led.free(uuid)
+
+    def _refresh_row(self, i: int) -> None:
+        a = self.inv.arrays
+        for j, uuid in enumerate(self.inv.uuids[i]):
+            a.gpu_free[i, j], a.gpu_mem_free[i, j] = self._open_free(uuid, self.ledger)
+
+    def apply(self, event: WatchEvent) -> None:
+        """Follow a watch event: a node that joins, leaves, or changes its GPU inventory or
+        cordon re-reads everything (other node changes, the kubelet's status updates above all,
+        are passed over); a pod that is deleted or finished gives its share back; a verified
+        assignment seen on a pod (written by another extender replica, or before a restart) is
+        taken if the ledger does not hold it yet."""
+        if event.kind == "Node":
+            if self._node_changed(event):
+                self.rebuild()
+            return
+        ns, name = pod_key(event.obj)
+        if event.type == "DELETED" or pod_finished(event.obj):
+            self.pod_gone(ns, name, (event.obj.get("metadata") or {}).get("uid"))
+            return
+        a = self._assignment_of(event.obj)
+        if a is None or (ns, name) in self.ledger.owners or (ns, name) in self._in_flight:
+            return
+        with self._lock:
+            try:
+                self.ledger = self.ledger.reserve(a)
+            except Conflict as exc:
+                self.problems.append(f"pod {ns}/{name}: {exc.reason}")
+                return
+            if a.node in self.inv.index:
+                self._refresh_row(self.inv.index[a.node])
+
+    def apply_all(self, events: list[WatchEvent]) -> None:
+        """:meth:`apply` for a batch: at most one re-read, whatever the number of nodes that
+        changed, then the pod events."""
+        if any(ev.kind == "Node" and self._node_changed(ev) for ev in events):
+            self.rebuild()
+        for ev in events:
+            if ev.kind != "Node":
+                self.apply(ev)
+
+    def _node_changed(self, event: WatchEvent) -> bool:
+        name = str((event.obj.get("metadata") or {}).get("name", ""))
+        before = self._node_marks.get(name)
+        if event.type == "DELETED":
+            return before is not None
+        return before != _node_mark(event.obj)
+
+    def pod_gone(self, namespace: str, name: str, uid: str | None = None) -> None:
+        """A pod was deleted or finished: give its share back. With ``uid``, only if the
+        share is still that pod's (a pod of the same name made since keeps its own)."""
+        with self._lock:
+            a = self.ledger.owners.get((namespace, name))
+            if a is not None and uid and a.pod_uid and a.pod_uid != uid:
+                return
+            self.ledger = self.ledger.release(namespace, name)
+            self._recent.pop((namespace, name), None)
+            if a is not None and a.node in self.inv.index:
+                self._refresh_row(self.inv.index[a.node])
+
+    # -- the verbs ----------------------------------------------------------------------------
+
+    @staticmethod
+    def _gpu_only(req: SliceRequest) -> SliceRequest:
+        # CPU and memory are kube-scheduler's own fit; the extender judges GPUs only
+        return SliceRequest(req.gpus, req.milli, 0, 0, req.gpu_memory_mib, req.models,
+                            req.isolation, req.name, req.memory_share)
+
+    # what the metrics read at scrape time (services.extender.metrics.LedgerSource)
+    @property
+    def node_gpus(self) -> list[tuple[str, list[str]]]:
+        inv = self.inv
+        return list(zip(inv.names, inv.uuids, strict=True))
+
+    @property
+    def used_milli(self) -> Mapping[str, int]:
+        return self.ledger.used_milli
+
+    @property
+    def assignments(self) -> int:
+        return len(self.ledger.owners)
+
+    @property
+    def cordoned_gpus(self) -> int:
+        return len(self.cordoned)
+
+    @property
+    def problem_count(self) -> int:
+        return len(self.problems)
+
+    @property
+    def binds_here(self) -> bool:
+        return self.elector is None or self.elector.leader
+
+
+    # -- MPS slices inside MIG instances ----------------------------------------------------
+
+    def _mig_use(self) -> dict[tuple[str, int], tuple[int, int, bool]]:
+        """What assignments hold of each MIG instance, from the ledger (which holds in-flight
+        binds too); derived once per ledger value, which a bind or a pod's end replaces."""
+        led = self.ledger
+        cached = self._mig_use_of
+        if cached is None or cached[0] is not led:
+            cached = self._mig_use_of = (led, migmps.usage(led.owners.values()))
+        return cached[1]
+
+    def _mig_rooms(self, i: int, models: frozenset[str],
+                   use: dict[tuple[str, int], tuple[int, int, bool]] | None = None
+                   ) -> list[InstanceRoom]:
+        """The MIG instances of node ``i`` with what live assignments (or ``use``) hold."""
+        if not self.inv.mig[i]:
+            return []
+        use = self._mig_use() if use is None else use
+        out = []
+        for gpu, model, m in self.inv.mig[i]:
+            known = catalog.lookup(model)
+            if known is None or known.mig is None or gpu in self.cordoned \
+                    or (models and model not in models):
+                continue
+            try:
+                slices = known.mig.profile(m.profile).compute_slices
+            except ValidationError:  # a profile the catalogue does not know
+                continue
+            milli, mib, whole = use.get((gpu, m.start), (0, 0, False))
+            out.append(InstanceRoom(gpu, m.profile, m.start,
+                                    migmps.capacity_milli(slices, known.mig.compute_slices),
+                                    m.memory_mib, milli, mib, whole))
+        return out
+
+    def _mig_room_for(self, i: int, req: SliceRequest,
+                      profile: str = "") -> InstanceRoom | None:
+        """The instance of node ``i`` for an MPS slice: the tightest of the planned
+        ``profile`` when one has room, else the tightest of any profile."""
+        if req.gpus != 1 or _mode(req) is not Mode.MPS:
+            return None
+        rooms = self._mig_rooms(i, req.models)
+        planned = [r for r in rooms if r.profile == profile]
+        return migmps.best_instance(planned, req.milli, _memory_wish(req)) or \
+            migmps.best_instance(rooms, req.milli, _memory_wish(req))
+
+    # -- MIG instances named in assignments ------------------------------------------------
+
+    def _taken_mig(self) -> set[tuple[str, int]]:
+        """(GPU UUID, start) of the MIG instances that live assignments hold."""
+        held = list(self.ledger.owners.values()) + list(self._in_flight.values())
+        return {(g.uuid, g.mig_start) for a in held for c in a.containers for g in c.gpus
+                if g.mig_profile}
+
+    def _mig_fits(self, i: int, wish: _MigWish,
+                  taken: set[tuple[str, int]]) -> list[tuple[int, str, InventoryMig]]:
+        """Free instances of node ``i`` big enough for ``wish``: (compute slices, GPU, inst)."""
+        out = []
+        for gpu, model, m in self.inv.mig[i]:
+            known = catalog.lookup(model)
+            if known is None or known.mig is None or (gpu, m.start) in taken \
+                    or gpu in self.cordoned:
+                continue
+            if wish.models and model not in wish.models:
+                continue
+            size = known.mig.profile(m.profile).compute_slices
+            if size >= wish.slices and m.memory_mib >= wish.memory_mib:
+                out.append((size, gpu, m))
+        return sorted(out, key=lambda x: (x[0], x[2].memory_mib, x[1], x[2].start))
+
+
+def _memory_wish(req: SliceRequest) -> int | None:
+    """MiB an MPS slice asks of a MIG instance: what the pod names, or None for its share of
+    the instance's memory (its milli of the instance's)."""
+    return None if req.memory_share and not req.gpu_memory_mib else req.gpu_memory_mib
+
+
+def _mode(req: SliceRequest) -> Mode:
+    if req.isolation is Isolation.MIG:
+        return Mode.MIG
+    if req.isolation is Isolation.TIMESLICE:
+        return Mode.TIMESLICE
+    if req.milli == 1000 and req.isolation in (Isolation.ANY, Isolation.EXCLUSIVE):
+        return Mode.EXCLUSIVE
+    return Mode.MPS
+
