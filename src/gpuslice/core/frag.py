@@ -12,7 +12,7 @@ sharing task, with a few vectorised numpy operations instead of a loop over node
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -91,18 +91,24 @@ def typical_shapes(
     percentage; their shares are then renormalised to sum to 1 (FGD's ``GetTypicalPods``). Ties
     in count are broken by larger CPU, then larger milli, more GPUs, and model names.
     """
-    if not shapes:
+    return typical_of_counts(Counter(shapes), coverage_pct=coverage_pct, step=step)
+
+
+def typical_of_counts(
+    counts: Mapping[Shape, int], *, coverage_pct: float = 95.0, step: int = 10
+) -> TargetWorkload:
+    """:func:`typical_shapes` of a task list given as shape -> number of tasks."""
+    total = float(sum(counts.values()))
+    if total <= 0:
         raise ValidationError("task list", "at least one task to derive a target workload", 0)
     if not 0 < coverage_pct <= 100:
         raise ValidationError("coverage_pct", "a percentage in (0, 100]", coverage_pct)
-    counts = Counter(shapes)
-    total = float(len(shapes))
 
     def order(item: tuple[Shape, int]) -> tuple[int, int, int, int, tuple[str, ...]]:
         s, c = item
         return (c, s.cpu_milli, s.milli, s.gpus, tuple(sorted(s.models)))
 
-    ranked = sorted(counts.items(), key=order, reverse=True)
+    ranked = sorted(((s, c) for s, c in counts.items() if c > 0), key=order, reverse=True)
     want = coverage_pct * total / 100.0
     taken = 0
     cum = 0.0

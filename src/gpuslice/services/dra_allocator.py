@@ -41,7 +41,8 @@ import numpy as np
 from gpuslice.adapters.kube import dra as kdra
 from gpuslice.adapters.kube.fake import ApiConflict, ApiNotFound, DraApiPort, KubePort
 from gpuslice.core.dra_placement import DeviceResult, DraLedger, DraPlacement
-from gpuslice.core.frag import Shape, TargetWorkload, typical_shapes
+from gpuslice.core.frag import Shape, TargetWorkload
+from gpuslice.core.learned import learned_workload
 from gpuslice.core.policies import Policy, make_policy
 
 
@@ -187,10 +188,9 @@ class DraAllocator:
 
     def _workload(self, dnodes: list[Any], usage: Mapping[tuple[str, str], Any],
                   pods: list[dict[str, Any]], claims: list[dict[str, Any]]) -> TargetWorkload:
-        """The target workload of the fragmentation score: the shapes (pod CPU, devices,
-        milli-GPU each) of the pods that use our claims, plus pods without claims, plus a
-        prior of whole-GPU pods (a fifth as many as the GPU pods seen, at least one): a GPU
-        left whole is worth keeping so before any whole-GPU pod has been seen."""
+        """The target workload of the fragmentation score, learned (core.learned) from the
+        shapes (pod CPU, devices, milli-GPU each) of the pods that use our claims and of the
+        pods without claims, as the extender learns it."""
         probe = DraLedger(dnodes, usage, None)
         by_name = {(c["metadata"].get("namespace"), c["metadata"]["name"]): c for c in claims}
         shapes: list[Shape] = []
@@ -210,11 +210,7 @@ class DraAllocator:
             sreq = None if req is None else probe.slice_request(req, cpu, 0)
             if sreq is not None:
                 shapes.append(Shape(cpu, sreq.gpus, sreq.milli))
-        gpu_shapes = [s for s in shapes if s.gpus]
-        cpu = sorted(s.cpu_milli for s in gpu_shapes)[len(gpu_shapes) // 2] if gpu_shapes \
-            else 0
-        shapes += [Shape(cpu, 1, 1000)] * max(1, len(gpu_shapes) // 5)
-        return typical_shapes(shapes, coverage_pct=95.0, step=1)
+        return learned_workload(shapes)
 
     # -- the loop ------------------------------------------------------------------------------
 

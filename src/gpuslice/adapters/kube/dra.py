@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from gpuslice.adapters.kube.objects import pod_finished, quantity
+from gpuslice.adapters.kube.objects import pod_cpu_memory, pod_finished, quantity
 from gpuslice.core.dra_placement import (
     Capacity,
     DeviceRequest,
@@ -151,13 +151,9 @@ def claim_usage(claims: Sequence[Mapping[str, Any]], driver: str = DRIVER) -> \
 
 
 def pod_needs(pod: Mapping[str, Any]) -> tuple[int, int]:
-    """A pod's CPU (milli) and memory (MiB) requests, summed over its containers."""
-    cpu = mem = 0.0
-    for i, c in enumerate((pod.get("spec") or {}).get("containers") or []):
-        req = (c.get("resources") or {}).get("requests") or {}
-        cpu += quantity(req.get("cpu", 0), f"container[{i}] cpu") * 1000
-        mem += quantity(req.get("memory", 0), f"container[{i}] memory") / (1024 * 1024)
-    return int(cpu), int(mem)
+    """A pod's CPU (milli) and memory (MiB) requests as kube-scheduler counts them
+    (objects.pod_cpu_memory: init containers, sidecars, overhead, pod-level requests)."""
+    return pod_cpu_memory(dict(pod))
 
 
 def pod_claim_name(pod: Mapping[str, Any], ref: Mapping[str, Any]) -> str | None:

@@ -169,18 +169,16 @@ def pod_gpu_shape(pod: dict[str, Any]) -> PodGpuShape | None:
     return gpu_shape(wants, where)
 
 
-def pod_request(pod: dict[str, Any]) -> SliceRequest | None:
-    """What ``pod`` asks of gpuslice, or None when no container of it (init containers
-    included, as kube-scheduler's ``IsInterested``) asks for a gpuslice resource. GPUs,
-    CPU and memory all follow the effective-request rule (core.podrequest), with the pod's
-    overhead and pod-level CPU and memory requests."""
+def pod_cpu_memory(pod: dict[str, Any]) -> tuple[int, int]:
+    """A pod's effective CPU (milli) and memory (MiB) requests, as kube-scheduler counts them
+    against a node (core.podrequest's rule, with overhead and pod-level requests)."""
     ns, name = pod_key(pod)
     where = f"pod {ns}/{name}"
-    containers = pod_containers(pod)
-    shape = gpu_shape([w for c in containers if (w := _gpu_want(c, where)) is not None],
-                      where)
-    if shape is None:
-        return None
+    return _cpu_memory(pod, pod_containers(pod), where)
+
+
+def _cpu_memory(pod: dict[str, Any], containers: list[PodContainer],
+                where: str) -> tuple[int, int]:
     spec = _dict(pod.get("spec"), f"{where}: spec")
     overhead = {k: quantity(v, f"{where}: spec.overhead {k}") for k, v in
                 _dict(spec.get("overhead"), f"{where}: spec.overhead").items()}
@@ -195,6 +193,22 @@ def pod_request(pod: dict[str, Any]) -> SliceRequest | None:
         if k in pod_level:
             eff[k] = round(quantity(pod_level[k], f"{where}: spec.resources.requests {k}") * u
                            + overhead.get(k, 0) * u)
+    return int(eff.get("cpu", 0)), int(eff.get("memory", 0))
+
+
+def pod_request(pod: dict[str, Any]) -> SliceRequest | None:
+    """What ``pod`` asks of gpuslice, or None when no container of it (init containers
+    included, as kube-scheduler's ``IsInterested``) asks for a gpuslice resource. GPUs,
+    CPU and memory all follow the effective-request rule (core.podrequest), with the pod's
+    overhead and pod-level CPU and memory requests."""
+    ns, name = pod_key(pod)
+    where = f"pod {ns}/{name}"
+    containers = pod_containers(pod)
+    shape = gpu_shape([w for c in containers if (w := _gpu_want(c, where)) is not None],
+                      where)
+    if shape is None:
+        return None
+    cpu_milli, memory_mib = _cpu_memory(pod, containers, where)
     meta = _dict(pod.get("metadata"), f"{where}: metadata")
     ann = _dict(meta.get("annotations"), f"{where}: metadata.annotations")
     models = frozenset(m.strip() for m in str(ann.get(MODEL_ANNOTATION, "")).split("|")
@@ -210,8 +224,8 @@ def pod_request(pod: dict[str, Any]) -> SliceRequest | None:
         raise ValidationError(f"{where}: {PRIORITY_ANNOTATION}", f"one of {', '.join(PRIORITIES)}",
                               priority)
     # a pod that names no GPU memory takes milli/1000 of its GPU's (the contract's default)
-    return SliceRequest(gpus=shape.gpus, milli=shape.milli, cpu_milli=eff["cpu"],
-                        memory_mib=eff["memory"], gpu_memory_mib=shape.memory_mib,
+    return SliceRequest(gpus=shape.gpus, milli=shape.milli, cpu_milli=cpu_milli,
+                        memory_mib=memory_mib, gpu_memory_mib=shape.memory_mib,
                         models=models, isolation=iso, name=f"{ns}/{name}",
                         memory_share=shape.memory_mib == 0)
 
