@@ -110,18 +110,18 @@ def schedule(api: FakeApiServer, state: ExtenderState, pod: dict[str, Any],
     return api.get_pod(meta["namespace"], meta["name"])
 
 
-def extender(api: FakeApiServer) -> ExtenderState:
-    return ExtenderState(api, KEY, clock=clock)
+def extender(api: FakeApiServer, narrow: bool = True) -> ExtenderState:
+    return ExtenderState(api, KEY, clock=clock, narrow=narrow)
 
 
-async def serving(api: FakeApiServer, body: Any) -> None:
+async def serving(api: FakeApiServer, body: Any, narrow: bool = True) -> None:
     """The extender over real HTTP on loopback (signing with the node agents' key) while
     ``body(url, state)`` runs."""
     from aiohttp import web
 
     from gpuslice.services.extender import make_app
 
-    state = extender(api)
+    state = extender(api, narrow)
     runner = web.AppRunner(make_app(state))
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)

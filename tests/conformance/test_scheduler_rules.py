@@ -128,7 +128,7 @@ def test_filter_answers_in_the_form_it_was_asked_and_splits_unresolvable() -> No
                                                     "PodUID": "u", "Node": "a100"})
             assert st == 200 and res["Error"]  # extender.go Bind: Error fails the bind
 
-    asyncio.run(serving(api, body))
+    asyncio.run(serving(api, body, narrow=False))  # every node that fits
 
 
 def test_preemption_never_returns_a_kept_node_without_the_victims_it_needs() -> None:

@@ -47,6 +47,34 @@ def test_rbac_is_least_privilege(overlay: str) -> None:
                     set(rule["verbs"]), d["metadata"]
 
 
+def packing_profile(profile: dict[str, Any]) -> None:
+    """The gpuslice-scheduler profile packs (issue 26): every feasible node reaches the
+    extender, the spreading scores are off (their filters stay), and no system-default
+    topology spreading; explicit constraints are kept (defaultingType List)."""
+    assert profile["schedulerName"] == "gpuslice-scheduler"
+    assert profile["percentageOfNodesToScore"] == 100
+    off = {p["name"] for p in profile["plugins"]["score"]["disabled"]}
+    assert off == {"NodeResourcesFit", "NodeResourcesBalancedAllocation", "ImageLocality"}
+    assert "filter" not in profile["plugins"]
+    spread = next(c for c in profile["pluginConfig"] if c["name"] == "PodTopologySpread")
+    assert spread["args"] == {"defaultingType": "List", "defaultConstraints": []}
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_install_path_schedules_with_the_packing_profile(overlay: str, tmp_path: Any
+                                                              ) -> None:
+    cm = next(d for d in render(overlay) if d["kind"] == "ConfigMap"
+              and d["metadata"]["name"] == "gpuslice-scheduler-config")
+    packing_profile(yaml.safe_load(cm["data"]["config.yaml"])["profiles"][0])
+    # the dev cluster's kube-scheduler runs deploy/base's profile, beside a default one
+    from gpuslice.devcluster import scheduler_config
+
+    cfg = scheduler_config(ROOT / "deploy" / "base" / "scheduler-config.yaml",
+                           tmp_path / "kubeconfig", "http://127.0.0.1:1", None)
+    packing_profile(cfg["profiles"][0])
+    assert cfg["profiles"][1] == {"schedulerName": "default-scheduler"}
+
+
 def test_scheduler_profile_uses_the_extender_without_touching_the_default_scheduler() -> None:
     docs = render("dev")
     cm = next(d for d in docs if d["kind"] == "ConfigMap"
@@ -64,6 +92,7 @@ def test_scheduler_profile_uses_the_extender_without_touching_the_default_schedu
               if r.method == "POST" and r.resource is not None}
     verbs = {ext[k] for k in ("filterVerb", "prioritizeVerb", "preemptVerb", "bindVerb")}
     assert verbs <= served, (verbs, served)
+    packing_profile(cfg["profiles"][0])
     managed = {m["name"]: m["ignoredByScheduler"] for m in ext["managedResources"]}
     # gpu-milli and gpu-memory are counted by the scheduler too (the node agent publishes the
     # node's totals), so its preemption sees share and memory contention (a node where its dry

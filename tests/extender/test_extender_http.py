@@ -61,8 +61,11 @@ def clock() -> str:
 
 
 async def serving(api: FakeApiServer,
-                  body: Callable[[str, ExtenderState], Awaitable[None]]) -> None:
-    state = ExtenderState(api, KEY, clock=clock)
+                  body: Callable[[str, ExtenderState], Awaitable[None]],
+                  narrow: bool = False) -> None:
+    """The extender over HTTP on loopback while ``body`` runs; its filter keeps every node
+    that fits unless ``narrow`` (the deployed default, tested on its own)."""
+    state = ExtenderState(api, KEY, clock=clock, narrow=narrow)
     runner = web.AppRunner(make_app(state))
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)

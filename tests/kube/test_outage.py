@@ -62,7 +62,8 @@ def test_the_node_agent_publishes_its_gpus_once_the_api_server_is_back(
 def test_the_extender_keeps_answering_through_an_outage_and_catches_up(
         rest: RestApiServer, tmp_path: Path) -> None:
     rest.add_node(gpu_node("a", "T4", 2))
-    state = ExtenderState(client(rest, tmp_path, EXTENDER), KEY, clock=lambda: "t")
+    state = ExtenderState(client(rest, tmp_path, EXTENDER), KEY, clock=lambda: "t",
+                          narrow=False)  # every node that fits, to see "b" join
     loop = asyncio.new_event_loop()
     ready = threading.Event()
     port: list[int] = []

@@ -24,8 +24,14 @@ def register(sub: Sub) -> None:
     e.add_argument("--tls-cert", help="serve HTTPS with this certificate (PEM)")
     e.add_argument("--tls-key", help="the certificate's private key (PEM)")
     e.add_argument("--client-ca", help="require client certificates signed by this CA")
-    e.add_argument("--policy", default="bestfit", help="core policy for prioritize (default "
-                   "bestfit; one that needs no target workload)")
+    e.add_argument("--policy", default="frag-strand",
+                   help="core placement policy (default frag-strand, the simulator's best, "
+                   "scoring against the workload learned from the pods it sees)")
+    e.add_argument("--filter-keeps", choices=("best", "all"), default="best",
+                   help="best (default): filter keeps only the policy's choice, so "
+                   "kube-scheduler's own scores cannot spread the pods; all: every node that "
+                   "fits, ranked by prioritize (0..10 x the extender's weight, added to the "
+                   "scheduler's scores)")
     src = e.add_mutually_exclusive_group()
     src.add_argument("--kubeconfig", help=KUBECONFIG_HELP)
     src.add_argument("--fake-cluster", type=Path,
@@ -61,7 +67,8 @@ def _extender(args: argparse.Namespace, console: Console) -> int:
         api = KubeClient(args.kubeconfig, args.context)
     ctx = tls_context(args.tls_cert, args.tls_key, args.client_ca)
 
-    state = ExtenderState(api, key, policy=args.policy, clock=bind_clock)
+    state = ExtenderState(api, key, policy=args.policy, clock=bind_clock,
+                          narrow=args.filter_keeps == "best")
     if args.leader_elect:
         import os
         import socket

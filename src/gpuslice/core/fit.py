@@ -47,9 +47,14 @@ def gpu_ok(arrays: ClusterArrays, req: SliceRequest) -> BoolArray:
     return np.asarray(ok)
 
 
-def feasible(arrays: ClusterArrays, req: SliceRequest) -> BoolArray:
-    """Nodes on which ``req`` fits now (CPU, memory, GPU model, per-GPU share and memory)."""
-    ok = (arrays.cpu_free >= req.cpu_milli) & (arrays.mem_free >= req.memory_mib)
+def feasible(arrays: ClusterArrays, req: SliceRequest, *, node_resources: bool = True
+             ) -> BoolArray:
+    """Nodes on which ``req`` fits now (CPU, memory, GPU model, per-GPU share and memory).
+    Without ``node_resources``, the GPUs alone are judged (the extender leaves CPU and
+    memory to kube-scheduler's own fit, whose view is authoritative)."""
+    ok = np.ones(arrays.n_nodes, dtype=np.bool_)
+    if node_resources:
+        ok &= (arrays.cpu_free >= req.cpu_milli) & (arrays.mem_free >= req.memory_mib)
     if req.gpus == 0:
         return np.asarray(ok)
     ok &= arrays.model_mask(req.models)

@@ -493,7 +493,7 @@ class Cluster:
     def client(self, component: str) -> KubePort:
         return self.api if self.clients is None else self.clients(component)
 
-    def start_extender(self, policy: str = "bestfit") -> None:
+    def start_extender(self, policy: str = "frag-strand") -> None:
         from gpuslice.services.extender import ExtenderState, bind_clock, serve
 
         state = ExtenderState(self.client("extender"), self.key, policy=policy,

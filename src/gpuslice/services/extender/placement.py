@@ -25,10 +25,11 @@ from gpuslice.core.assignment import (
 )
 from gpuslice.core.errors import GpusliceError, ValidationError
 from gpuslice.core.fit import explain, feasible, gpu_ok
+from gpuslice.core.frag import Shape
 from gpuslice.core.ledger import Conflict, Ledger
 from gpuslice.core.model import Isolation, SliceRequest
 from gpuslice.core.podrequest import GpuWant
-from gpuslice.core.policies import PlacementState, best_fit_gpu, exclusive_gpus
+from gpuslice.core.policies import best_fit_gpu, exclusive_gpus
 from gpuslice.services.extender.view import ClusterView, _memory_wish, _mig_wish, _MigWish, _mode
 
 STALE_CHECKS = 32  # shares on a nominated node read back from the API server per filter call
@@ -36,14 +37,28 @@ STALE_CHECKS = 32  # shares on a nominated node read back from the API server pe
 
 class PlacementVerbs(ClusterView):
     def filter(self, pod: dict[str, Any], names: list[str]) -> tuple[list[str], dict[str, str]]:
+        """The nodes of ``names`` where the pod fits the GPUs, and why each other one does
+        not. With ``narrow`` (the default), only the best-ranked of those that fit is kept:
+        the policy's choice, as the simulator makes it (the highest score, ties to a fixed
+        node order), which kube-scheduler then takes without scoring (one feasible node).
+        The nodes dropped that way are in neither list: the pod is schedulable, so no
+        preemption follows."""
         req = pod_request(pod)
         if req is None:
             return names, {}
+        self.learn(pod)
+        keep, failed = self._fit(pod, req, names)
+        if self.narrow and len(keep) > 1:
+            keep = [self.best(req, keep)]
+        return keep, failed
+
+    def _fit(self, pod: dict[str, Any], req: SliceRequest,
+             names: list[str]) -> tuple[list[str], dict[str, str]]:
         if req.isolation is Isolation.MIG:
             return self._filter_mig(_mig_wish(req), names)
         g = self._gpu_only(req)
         a = self.inv.arrays
-        ok = feasible(a, g)
+        ok = feasible(a, g, node_resources=False)
         # one vectorised pass for the reasons: the best GPU of each node and why it falls short
         fits = gpu_ok(a, g)
         n_fit = fits.sum(axis=1)
@@ -156,7 +171,7 @@ class PlacementVerbs(ClusterView):
                 for j, uuid in enumerate(row):
                     trial.gpu_free[i, j], trial.gpu_mem_free[i, j] = \
                         self._open_free(uuid, empty)
-            ok_empty = feasible(trial, self._gpu_only(req))
+            ok_empty = feasible(trial, self._gpu_only(req), node_resources=False)
         for n in names:
             at = self.inv.index.get(n)
             if at is None or ((req.isolation is Isolation.MIG or not ok_empty[at]) \
@@ -183,36 +198,74 @@ class PlacementVerbs(ClusterView):
                              f"{wish.memory_mib} MiB (free: {', '.join(free) or 'none'})")
         return keep, failed
 
-    def prioritize(self, pod: dict[str, Any], names: list[str]) -> list[tuple[str, int]]:
-        req = pod_request(pod)
-        known = [n for n in names if n in self.inv.index]
-        if req is None or not known:
-            return [(n, 0) for n in names]
-        if req.isolation is Isolation.MIG:  # the tightest free instance scores highest
-            wish, taken = _mig_wish(req), self._taken_mig()
-            out = []
-            for n in names:
-                fits = self._mig_fits(self.inv.index[n], wish, taken) if n in known else []
-                out.append((n, max(0, 10 - (fits[0][0] - wish.slices)) if fits else 0))
-            return out
+    def _ranked(self, req: SliceRequest, known: list[str]) -> tuple[list[str], np.ndarray,
+                                                                     dict[str, int]]:
+        """The policy's raw scores of the nodes of ``known`` where the pod fits a whole-GPU
+        slice (those nodes, their scores), and the 1..10 scores of the nodes where it fits
+        only inside a MIG instance (the tighter the instance, the higher)."""
         rows = np.array([self.inv.index[n] for n in known], dtype=np.int64)
-        st = PlacementState.build(self.inv.arrays, None)
-        ok = feasible(self.inv.arrays, self._gpu_only(req))[rows]
+        ok = feasible(self.inv.arrays, req, node_resources=False)[rows]
         in_mig: dict[str, int] = {}  # nodes that fit the pod only inside a MIG instance
         if self.inv.mig_rows and req.gpus == 1 and _mode(req) is Mode.MPS:
             for k in np.flatnonzero(~ok):
                 room = self._mig_room_for(int(rows[k]), req)
-                if room is not None:  # the tighter the instance, the higher
+                if room is not None:
                     in_mig[known[k]] = max(1, 10 - round(10 * (room.free_milli - req.milli)
                                                          / room.capacity_milli))
-        scores = np.zeros(len(known))
-        if ok.any():
-            scored = self.policy.score(st, self._gpu_only(req), rows[ok])
-            lo, hi = float(scored.scores.min()), float(scored.scores.max())
-            scaled = np.round(10 * (scored.scores - lo) / (hi - lo)) if hi > lo else \
-                np.full(len(scored.scores), 10.0)
-            scores[np.flatnonzero(ok)] = scaled
-        by_name = {**dict(zip(known, scores.astype(int).tolist(), strict=True)), **in_mig}
+        fit = [known[k] for k in np.flatnonzero(ok)]
+        if not fit:
+            return [], np.zeros(0), in_mig
+        self.sync_workload()
+        scored = self.policy.score(self.st, req, rows[ok])
+        return fit, np.asarray(scored.scores, dtype=np.float64), in_mig
+
+    def _mig_scores(self, req: SliceRequest, names: list[str]) -> list[int]:
+        """MIG-isolated pods: the tightest free instance scores highest (0..10)."""
+        wish, taken = _mig_wish(req), self._taken_mig()
+        out = []
+        for n in names:
+            i = self.inv.index.get(n)
+            fits = self._mig_fits(i, wish, taken) if i is not None else []
+            out.append(max(0, 10 - (fits[0][0] - wish.slices)) if fits else 0)
+        return out
+
+    def _first(self, names: list[str]) -> str:
+        """Of ``names``, the first in the extender's fixed node order (by name)."""
+        return min(names, key=lambda n: int(self._rank[self.inv.index[n]]))
+
+    def best(self, req: SliceRequest, names: list[str]) -> str:
+        """The policy's choice among ``names`` (all known, all fitting): the highest score,
+        ties to the first in the fixed node order; a node where the pod fits only inside a
+        MIG instance only when no node fits it whole-GPU."""
+        if req.isolation is Isolation.MIG:
+            scores = self._mig_scores(req, names)
+            return self._first([n for n, v in zip(names, scores, strict=True)
+                                if v == max(scores)])
+        fit, raw, in_mig = self._ranked(req, names)
+        if fit:
+            top = float(raw.max())
+            return self._first([n for n, v in zip(fit, raw.tolist(), strict=True)
+                                if v == top])
+        top_mig = max(in_mig.values())
+        return self._first([n for n, v in in_mig.items() if v == top_mig])
+
+    def prioritize(self, pod: dict[str, Any], names: list[str]) -> list[tuple[str, int]]:
+        """Scores 0..10 of ``names``: the policy's scores scaled between the lowest and the
+        highest (kube-scheduler multiplies them by the extender's weight and adds them to its
+        own plugins' scores; with ``narrow`` it asks only when the filter kept several)."""
+        req = pod_request(pod)
+        known = [n for n in names if n in self.inv.index]
+        if req is None or not known:
+            return [(n, 0) for n in names]
+        if req.isolation is Isolation.MIG:
+            return list(zip(names, self._mig_scores(req, names), strict=True))
+        fit, raw, in_mig = self._ranked(req, known)
+        by_name: dict[str, int] = dict(in_mig)
+        if fit:
+            lo, hi = float(raw.min()), float(raw.max())
+            scaled = np.round(10 * (raw - lo) / (hi - lo)) if hi > lo else \
+                np.full(len(raw), 10.0)
+            by_name.update(zip(fit, scaled.astype(int).tolist(), strict=True))
         return [(n, by_name.get(n, 0)) for n in names]
 
     def _fits_with(self, i: int, req: SliceRequest, led: Ledger) -> bool:
@@ -225,7 +278,7 @@ class PlacementVerbs(ClusterView):
         trial = self.inv.arrays.copy()
         for j, uuid in enumerate(self.inv.uuids[i]):
             trial.gpu_free[i, j], trial.gpu_mem_free[i, j] = self._open_free(uuid, led)
-        if feasible(trial, self._gpu_only(req))[i]:
+        if feasible(trial, self._gpu_only(req), node_resources=False)[i]:
             return True
         if mode is Mode.MPS and req.gpus == 1 and i in self.inv.mig_rows:
             rooms = self._mig_rooms(i, req.models, migmps.usage(led.owners.values()))
@@ -239,6 +292,7 @@ class PlacementVerbs(ClusterView):
         g = self._gpu_only(req)
         shape = pod_gpu_shape(pod)
         assert shape is not None  # pod_request said it asks for a GPU
+        self.sync_workload()
         with self._lock:
             mode = _mode(req)
             if mode is Mode.MIG:
@@ -253,9 +307,8 @@ class PlacementVerbs(ClusterView):
                     gpu, max(1, whole * w.milli // shape.milli),
                     inst.memory_mib * w.milli // shape.milli, inst.profile, inst.start),),
                     w.kind) for w, _ in shape.slots)
-            elif feasible(self.inv.arrays, g)[i]:
-                gpus = (best_fit_gpu(self.inv.arrays, g, i) if g.is_sharing
-                        else exclusive_gpus(self.inv.arrays, g, i))
+            elif feasible(self.inv.arrays, g, node_resources=False)[i]:
+                gpus = self._gpus_at(req, i)
                 cap = self.inv.arrays.gpu_mem_cap
                 containers = tuple(ContainerAssignment(w.name, _container_mode(req, w), tuple(
                     GpuShare(self.inv.uuids[i][gpus[k]], w.milli,
@@ -278,7 +331,21 @@ class PlacementVerbs(ClusterView):
                 return exc.reason
             self._refresh_row(i)
             self._in_flight[(namespace, name)] = a
+            self.hold_usage((namespace, name), node, req.cpu_milli, req.memory_mib,
+                            Shape(req.cpu_milli, req.gpus, req.milli, req.models))
         return a
+
+    def _gpus_at(self, req: SliceRequest, i: int) -> tuple[int, ...]:
+        """The GPUs of node ``i`` for a pod that fits there whole-GPU: a one-GPU share where
+        the policy would put it (frag-strand: the GPU that leaves the least fragmentation,
+        the lowest index on ties), else the first free whole GPUs. Lock held."""
+        g = self._gpu_only(req)
+        if g.is_sharing and req.gpus == 1:
+            got = self.policy.choose_gpus(self.st, req, i, self.rng)
+            if got and got[0] >= 0 and gpu_ok(self.inv.arrays, g)[i, got[0]]:
+                return got
+            return best_fit_gpu(self.inv.arrays, g, i)
+        return exclusive_gpus(self.inv.arrays, g, i)
 
 
 def _container_mode(req: SliceRequest, w: GpuWant) -> Mode:

@@ -89,6 +89,7 @@ class ExtenderState(Preemption):
             self.ledger = self.ledger.release(namespace, name)
             if key in self._recent and self._recent[key][0] == a:
                 del self._recent[key]
+            self.drop_hold(key)
             if a.node in self.inv.index:
                 self._refresh_row(self.inv.index[a.node])
 

@@ -11,6 +11,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from gpuslice.adapters.kube.annotation import AnnotationError, decode
 from gpuslice.adapters.kube.fake import KubePort, WatchEvent
 from gpuslice.adapters.kube.objects import (
@@ -20,8 +22,11 @@ from gpuslice.adapters.kube.objects import (
     INVENTORY_ANNOTATION,
     InventoryMig,
     node_inventory,
+    pod_cpu_memory,
     pod_finished,
     pod_key,
+    pod_request,
+    quantity,
 )
 from gpuslice.core import catalog, migmps
 from gpuslice.core.assignment import (
@@ -31,17 +36,60 @@ from gpuslice.core.assignment import (
     verify,
 )
 from gpuslice.core.errors import ValidationError
+from gpuslice.core.frag import Shape
+from gpuslice.core.learned import WorkloadEstimator
 from gpuslice.core.ledger import Conflict, GpuSlot, Ledger
 from gpuslice.core.migmps import InstanceRoom
 from gpuslice.core.model import ClusterArrays, Gpu, Isolation, Node, SliceRequest, build_arrays
-from gpuslice.core.policies import make_policy
+from gpuslice.core.policies import PlacementState, make_policy
 from gpuslice.services.leader import LeaderElector
 
 
-def _node_mark(node: dict[str, Any]) -> tuple[str, str]:
-    """What of a node the extender follows: its GPU inventory and its cordoned GPUs."""
+def _node_mark(node: dict[str, Any]) -> tuple[str, str, str, str]:
+    """What of a node the extender follows: its GPU inventory, its cordoned GPUs and its
+    allocatable CPU and memory."""
     ann = (node.get("metadata") or {}).get("annotations") or {}
-    return (str(ann.get(INVENTORY_ANNOTATION, "")), str(ann.get(CORDONED, "")))
+    alloc = (node.get("status") or {}).get("allocatable") or {}
+    return (str(ann.get(INVENTORY_ANNOTATION, "")), str(ann.get(CORDONED, "")),
+            str(alloc.get("cpu", "")), str(alloc.get("memory", "")))
+
+
+def _allocatable(node: dict[str, Any], problems: list[str]) -> tuple[int, int]:
+    """A node's allocatable CPU (milli) and memory (MiB); 0 for what it does not report."""
+    alloc = (node.get("status") or {}).get("allocatable") or {}
+    name = (node.get("metadata") or {}).get("name")
+    try:
+        return (round(quantity(alloc.get("cpu", 0), f"node {name}: allocatable cpu") * 1000),
+                int(quantity(alloc.get("memory", 0), f"node {name}: allocatable memory")
+                    // 2**20))
+    except ValidationError as exc:
+        problems.append(str(exc))
+        return 0, 0
+
+
+@dataclass
+class _PodInfo:
+    """What a live pod counts for: its shape in the learned workload, its CPU and memory
+    requests, and the node they are taken on (bound there, or held by our bind)."""
+
+    shape: Shape
+    cpu_milli: int
+    memory_mib: int
+    node: str = ""
+    bound: bool = False  # the API server says so (else held by a bind in flight)
+
+
+def pod_info(pod: dict[str, Any]) -> _PodInfo | None:
+    """A pod's :class:`_PodInfo` (its node if bound); None for a pod with bad requests."""
+    try:
+        cpu, mem = pod_cpu_memory(pod)
+        req = pod_request(pod)
+    except ValidationError:
+        return None
+    shape = Shape(cpu, 0, 0) if req is None else \
+        Shape(cpu, req.gpus, req.milli, req.models)
+    node = str((pod.get("spec") or {}).get("nodeName") or "")
+    return _PodInfo(shape, cpu, mem, node, bool(node))
 
 
 @dataclass(frozen=True)
@@ -69,19 +117,28 @@ def _mig_wish(req: SliceRequest) -> _MigWish:
     return _MigWish(max(1, round(req.milli * 7 / 1000)), req.gpu_memory_mib, req.models)
 
 
-class ClusterView:
-    """The extender's view of the cluster: node GPU inventory, the ledger, and arrays for the
-    core's fit and policies (GPU free milli and memory per node and slot)."""
+DEFAULT_POLICY = "frag-strand"  # the simulator's best on every trace variant
 
-    def __init__(self, api: KubePort, key: bytes, *, policy: str = "bestfit",
-                 clock: Callable[[], str]) -> None:
+
+class ClusterView:
+    """The extender's view of the cluster: node GPU inventory, CPU and memory, the ledger,
+    the live pods' shapes, and the arrays and placement state of the core's fit and
+    policies (free GPU milli and memory per node and slot, free CPU and memory per node,
+    fragmentation against the learned workload)."""
+
+    def __init__(self, api: KubePort, key: bytes, *, policy: str = DEFAULT_POLICY,
+                 clock: Callable[[], str], narrow: bool = True) -> None:
         self.api = api
         self.key = key
         self.policy = make_policy(policy)
-        if self.policy.needs_workload:
-            raise ValidationError("extender policy", "a policy that needs no target workload",
-                                  policy)
+        self.narrow = narrow  # filter keeps only the best-ranked node (see placement)
         self.clock = clock
+        # the target workload, learned from the live pods (core.learned), and the placement
+        # state the policy scores with: arrays + fragmentation tables, kept row by row
+        self.estimator = WorkloadEstimator()
+        self._pods: dict[tuple[str, str], _PodInfo] = {}
+        self._st_version = -1
+        self.rng = np.random.default_rng(0)  # policies that draw (random) draw from it
         self._lock = threading.Lock()  # guards the ledger reference and the arrays' GPU rows
         self.problems: list[str] = []
         # binds reserved in the ledger whose annotation may not be visible in a re-list yet
@@ -100,7 +157,7 @@ class ClusterView:
             None
         self.elector: LeaderElector | None = None  # set when replicas elect a binder
         self.cordoned: set[str] = set()
-        self._node_marks: dict[str, tuple[str, str]] = {}  # what of each node we follow
+        self._node_marks: dict[str, tuple[str, str, str, str]] = {}  # what of each node we follow
         self.rebuild()
 
     # -- state --------------------------------------------------------------------------------
@@ -116,7 +173,7 @@ class ClusterView:
         migs: list[list[tuple[str, str, InventoryMig]]] = []
         mig_gpus: set[str] = set()
         mig_rows: set[int] = set()
-        marks: dict[str, tuple[str, str]] = {}
+        marks: dict[str, tuple[str, str, str, str]] = {}
         for n in self.api.list_nodes():
             name = n["metadata"]["name"]
             marks[name] = _node_mark(n)
@@ -133,14 +190,21 @@ class ClusterView:
             mig_gpus.update(g.uuid for g in inv if g.mig_enabled)
             if any(g.mig_enabled for g in inv):
                 mig_rows.add(len(names) - 1)
-            nodes.append(Node(name, 0, 0, tuple(Gpu(j, g.model, g.memory_mib)
-                                                for j, g in enumerate(inv))))
+            cpu, mem = _allocatable(n, self.problems)
+            nodes.append(Node(name, cpu, mem, tuple(Gpu(j, g.model, g.memory_mib)
+                                                    for j, g in enumerate(inv))))
             slots.extend(GpuSlot(g.uuid, name, g.memory_mib) for g in inv)
         assignments = []
+        pods: dict[tuple[str, str], _PodInfo] = {}
         for p in self.api.list_pods():
+            if pod_finished(p):
+                continue
             a = self._assignment_of(p)
-            if a is not None and not pod_finished(p):
+            if a is not None:
                 assignments.append(a)
+            info = pod_info(p)
+            if info is not None:
+                pods[pod_key(p)] = info
         ledger, problems = Ledger.rebuild(slots, assignments)
         self.problems.extend(problems)
         arrays = build_arrays(nodes)
@@ -158,12 +222,25 @@ class ClusterView:
                         ledger = ledger.reserve(a)
                     except Conflict as exc:
                         self.problems.append(f"in-flight bind {key}: {exc.reason}")
+            for key, a in pending:  # our binds' holds, not bound in the list yet
+                if key in pods and not pods[key].node:
+                    pods[key].node = a.node
             self.inv = inv_
             self.ledger = ledger
             self.cordoned = cordoned
             self._node_marks = marks
+            self._rank = np.argsort(np.argsort(np.array(names, dtype=object)))
+            self._pods = pods
+            self.estimator.clear()
+            self._cpu_used = np.zeros(len(names), dtype=np.int64)
+            self._mem_used = np.zeros(len(names), dtype=np.int64)
+            for info in pods.values():
+                self.estimator.add(info.shape)
+                self._take(info, 1)
             for i in range(len(names)):
-                self._refresh_row(i)
+                self._refresh_row(i, derived=False)
+            self._st_version = -1
+            self._sync_workload_locked()
 
     def _assignment_of(self, pod: dict[str, Any]) -> Assignment | None:
         ann = (pod.get("metadata") or {}).get("annotations") or {}
@@ -186,10 +263,80 @@ class ClusterView:
         :meth:`_mig_rooms`)."""
         return (0, 0) if uuid in self.cordoned or uuid in self.inv.mig_gpus else led.free(uuid)
 
-    def _refresh_row(self, i: int) -> None:
+    def _refresh_row(self, i: int, derived: bool = True) -> None:
+        """Node ``i``'s free GPU milli and memory from the ledger, free CPU and memory from
+        the pods counted there, and (``derived``) its row of the placement state."""
         a = self.inv.arrays
         for j, uuid in enumerate(self.inv.uuids[i]):
             a.gpu_free[i, j], a.gpu_mem_free[i, j] = self._open_free(uuid, self.ledger)
+        a.cpu_free[i] = a.cpu_cap[i] - self._cpu_used[i]
+        a.mem_free[i] = a.mem_cap[i] - self._mem_used[i]
+        if derived:
+            self.st.refresh(i)
+
+    # -- CPU, memory and the learned workload ------------------------------------------------
+
+    def _take(self, info: _PodInfo, sign_: int) -> int | None:
+        """Count (+1) or uncount (-1) a pod's CPU and memory on its node; the node's row."""
+        i = self.inv.index.get(info.node) if info.node else None
+        if i is not None:
+            self._cpu_used[i] += sign_ * info.cpu_milli
+            self._mem_used[i] += sign_ * info.memory_mib
+        return i
+
+    def _follow_pod(self, key: tuple[str, str], info: _PodInfo | None) -> None:
+        """The pod ``key`` is now ``info`` (None: gone): shapes and node usage follow.
+        Called with the lock held; refreshes the rows whose CPU changed."""
+        old = self._pods.get(key)
+        if old == info:
+            return
+        rows = set()
+        if old is not None:
+            self.estimator.remove(old.shape)
+            rows.add(self._take(old, -1))
+            del self._pods[key]
+        if info is not None:
+            self.estimator.add(info.shape)
+            rows.add(self._take(info, 1))
+            self._pods[key] = info
+        for i in rows - {None}:
+            assert i is not None
+            self._refresh_row(i)
+
+    def learn(self, pod: dict[str, Any]) -> None:
+        """Count a pod seen by filter that the watch has not shown yet."""
+        key = pod_key(pod)
+        if key in self._pods:
+            return
+        info = pod_info(pod)
+        if info is not None:
+            with self._lock:
+                if key not in self._pods:
+                    self._follow_pod(key, info)
+
+    def hold_usage(self, key: tuple[str, str], node: str, cpu: int, mem: int,
+                   shape: Shape) -> None:
+        """Our bind placed pod ``key`` on ``node``: count its CPU and memory there now (the
+        watch confirms it when the Binding is written). Lock held."""
+        self._follow_pod(key, _PodInfo(shape, cpu, mem, node, False))
+
+    def drop_hold(self, key: tuple[str, str]) -> None:
+        """A bind that did not happen: the pod's CPU and memory are free again (lock held)."""
+        old = self._pods.get(key)
+        if old is not None and not old.bound and old.node:
+            self._follow_pod(key, _PodInfo(old.shape, old.cpu_milli, old.memory_mib))
+
+    def _sync_workload_locked(self) -> None:
+        """Rebuild the placement state when the learned workload moved (lock held)."""
+        wl = self.estimator.current() if self.policy.needs_workload else None
+        version = self.estimator.version if wl is not None else 0
+        if version != self._st_version:
+            self.st = PlacementState.build(self.inv.arrays, wl)
+            self._st_version = version
+
+    def sync_workload(self) -> None:
+        with self._lock:
+            self._sync_workload_locked()
 
     def apply(self, event: WatchEvent) -> None:
         """Follow a watch event: a node that joins, leaves, or changes its GPU inventory or
@@ -205,6 +352,13 @@ class ClusterView:
         if event.type == "DELETED" or pod_finished(event.obj):
             self.pod_gone(ns, name, (event.obj.get("metadata") or {}).get("uid"))
             return
+        info = pod_info(event.obj)
+        with self._lock:
+            old = self._pods.get((ns, name))
+            if old is not None and info is not None and not info.node and old.node and \
+                    not old.bound:
+                info.node = old.node  # held by our bind, not bound in the API yet
+            self._follow_pod((ns, name), info)
         a = self._assignment_of(event.obj)
         if a is None or (ns, name) in self.ledger.owners or (ns, name) in self._in_flight:
             return
@@ -242,6 +396,7 @@ class ClusterView:
                 return
             self.ledger = self.ledger.release(namespace, name)
             self._recent.pop((namespace, name), None)
+            self._follow_pod((namespace, name), None)
             if a is not None and a.node in self.inv.index:
                 self._refresh_row(self.inv.index[a.node])
 

@@ -1,0 +1,178 @@
+"""The extender places as the simulator does: frag-strand against the workload learned from the
+pods it sees, with each node's CPU and memory counted, and (narrow, the default) a filter that
+keeps only the policy's choice, ties to the first node by name."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+
+from gpuslice.adapters.kube.fake import FakeApiServer, WatchEvent
+from gpuslice.core.frag import Shape
+from gpuslice.core.learned import learned_workload
+from gpuslice.core.model import SliceRequest
+from gpuslice.core.policies import PlacementState, make_policy
+from gpuslice.services.extender import ExtenderState
+
+KEY = b"test-key-0123456789abcdef"
+
+
+def clock() -> str:
+    return "2026-11-27T10:00:00.000000Z"
+
+
+def node(name: str, gpus: int = 8, cpu: str = "96", memory: str = "768Gi",
+         model: str = "A100-80GB") -> dict[str, Any]:
+    inv = [{"uuid": f"GPU-{name}-{i}", "index": i, "model": model, "memoryMiB": 81920}
+           for i in range(gpus)]
+    return {"apiVersion": "v1", "kind": "Node",
+            "metadata": {"name": name,
+                         "annotations": {"gpuslice.io/inventory": json.dumps(inv)}},
+            "status": {"allocatable": {"cpu": cpu, "memory": memory}}}
+
+
+def pod(name: str, milli: int = 0, gpus: int = 1, cpu: str = "4", memory: str = "8Gi",
+        node_name: str = "", init_cpu: str = "") -> dict[str, Any]:
+    limits = {} if not milli else {"gpuslice.io/gpu": str(gpus),
+                                   "gpuslice.io/gpu-milli": str(milli)}
+    spec: dict[str, Any] = {"containers": [{"name": "main", "resources": {
+        "limits": limits, "requests": {"cpu": cpu, "memory": memory}}}]}
+    if init_cpu:
+        spec["initContainers"] = [{"name": "init", "resources": {
+            "requests": {"cpu": init_cpu}}}]
+    if node_name:
+        spec["nodeName"] = node_name
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": "default", "annotations": {}},
+            "spec": spec}
+
+
+def bind(state: ExtenderState, api: FakeApiServer, name: str) -> str:
+    """Filter then bind ``name`` where the filter sends it; the node."""
+    p = api.get_pod("default", name)
+    keep, failed = state.filter(p, state.inv.names)
+    assert len(keep) == 1, (keep, failed)
+    assert state.bind("default", name, p["metadata"]["uid"], keep[0]) == ""
+    return keep[0]
+
+
+def row(state: ExtenderState, name: str) -> int:
+    return state.inv.index[name]
+
+
+def test_node_cpu_and_memory_follow_allocatable_and_the_pods_bound_there() -> None:
+    api = FakeApiServer()
+    api.add_node(node("a", cpu="96", memory="768Gi"))
+    api.add_node(node("b", cpu="32", memory="256Gi"))
+    # a CPU-only pod bound by the default scheduler: its init container's 10 CPU is its
+    # effective request (max of init and app containers, as kube-scheduler counts it)
+    api.add_pod(pod("web", cpu="2", memory="4Gi", node_name="a", init_cpu="10"))
+    state = ExtenderState(api, KEY, clock=clock)
+    a = state.inv.arrays
+    assert int(a.cpu_cap[row(state, "a")]) == 96_000
+    assert int(a.cpu_free[row(state, "a")]) == 86_000
+    assert int(a.mem_free[row(state, "a")]) == 768 * 1024 - 4096
+    assert int(a.cpu_free[row(state, "b")]) == 32_000
+    # the watch: a pod bound to b takes CPU there, its deletion gives it back
+    late = api.add_pod(pod("late", cpu="6", node_name="b"))
+    state.apply(WatchEvent("ADDED", "Pod", late))
+    assert int(a.cpu_free[row(state, "b")]) == 26_000
+    state.apply(WatchEvent("DELETED", "Pod", late))
+    assert int(a.cpu_free[row(state, "b")]) == 32_000
+    # a node whose allocatable changes is read again
+    changed = node("b", cpu="40")
+    api.add_node(changed)
+    state.apply(WatchEvent("MODIFIED", "Node", changed))
+    assert int(state.inv.arrays.cpu_cap[row(state, "b")]) == 40_000
+
+
+def test_a_bind_takes_the_pods_cpu_at_once_and_a_refused_one_gives_it_back() -> None:
+    api = FakeApiServer()
+    api.add_node(node("a", cpu="16"))
+    api.add_pod(pod("p", milli=500, cpu="6"))
+    state = ExtenderState(api, KEY, clock=clock)
+    where = bind(state, api, "p")
+    assert int(state.inv.arrays.cpu_free[row(state, where)]) == 10_000
+    # a bind whose write fails (the pod is gone) leaves no CPU taken
+    q = api.add_pod(pod("q", milli=500, cpu="3"))
+    state.filter(q, ["a"])
+    state.remember(q)  # as the filter handler does, for the bind's hold
+    held = state.hold("default", "q", q["metadata"]["uid"], "a")
+    assert held is not None
+    assert int(state.inv.arrays.cpu_free[row(state, "a")]) == 7_000
+    api.delete_pod("default", "q")
+    assert state.bind("default", "q", q["metadata"]["uid"], "a", held) != ""
+    assert int(state.inv.arrays.cpu_free[row(state, "a")]) == 10_000
+
+
+def test_filter_keeps_only_the_policys_choice_and_ties_go_to_the_first_node_by_name() -> None:
+    api = FakeApiServer()
+    for n in ("n3", "n1", "n2"):
+        api.add_node(node(n))
+    first = api.add_pod(pod("first", milli=300))
+    state = ExtenderState(api, KEY, clock=clock)
+    keep, failed = state.filter(first, ["n3", "n2", "n1"])
+    assert keep == ["n1"] and failed == {}  # every node ties (empty): the first by name
+    assert state.bind("default", "first", first["metadata"]["uid"], "n1") == ""
+    # the next share packs next to the first (frag-strand), whatever the order asked in
+    nxt = api.add_pod(pod("next", milli=300))
+    assert state.filter(nxt, ["n3", "n2", "n1"])[0] == ["n1"]
+    # with narrow off every node that fits is kept, and prioritize ranks n1 highest
+    wide = ExtenderState(api, KEY, clock=clock, narrow=False)
+    keep, _ = wide.filter(nxt, ["n3", "n2", "n1"])
+    assert sorted(keep) == ["n1", "n2", "n3"]
+    scores = dict(wide.prioritize(nxt, keep))
+    assert scores["n1"] == 10 and scores["n1"] > max(scores["n2"], scores["n3"])
+
+
+def test_a_cpu_heavy_gpu_pod_goes_where_cpu_is_left_not_where_gpus_would_strand() -> None:
+    """frag-strand's stranding term needs the nodes' CPU: with the CPU of node "a" nearly
+    all taken by CPU-only pods, a GPU pod asking for much CPU goes to "b"; bestfit (the old
+    default, CPU-blind in the extender) would not see the difference."""
+    api = FakeApiServer()
+    api.add_node(node("a", cpu="96"))
+    api.add_node(node("b", cpu="96"))
+    for k in range(8):  # 80 of a's 96 CPUs taken by CPU-only pods
+        api.add_pod(pod(f"cpu-{k}", cpu="10", node_name="a"))
+    for k in range(6):  # the workload: GPU pods with 12 CPU per GPU
+        api.add_pod(pod(f"seen-{k}", milli=1000, cpu="12"))
+    heavy = api.add_pod(pod("heavy", milli=1000, cpu="12"))
+    state = ExtenderState(api, KEY, clock=clock)
+    assert state.filter(heavy, ["a", "b"])[0] == ["b"]
+
+
+def test_the_gpu_chosen_at_bind_is_the_policys() -> None:
+    """A share goes to the GPU frag-strand picks (the one whose leftover still fits the
+    learned workload's shapes), not merely the tightest."""
+    api = FakeApiServer()
+    api.add_node(node("a", gpus=2))
+    api.add_pod(pod("x", milli=600))
+    api.add_pod(pod("y", milli=300))
+    state = ExtenderState(api, KEY, clock=clock)
+    bind(state, api, "x")  # GPU 0: 400 left
+    bind(state, api, "y")  # where does frag-strand put 300?
+    z = api.add_pod(pod("z", milli=400))
+    state.filter(z, ["a"])
+    req = SliceRequest(1, 400, 4000, 8192)
+    st = PlacementState.build(state.inv.arrays.copy(), state.estimator.current())
+    want = make_policy("frag-strand").choose_gpus(st, req, row(state, "a"),
+                                                  np.random.default_rng(0))
+    assert state.bind("default", "z", z["metadata"]["uid"], "a") == ""
+    held = state.ledger.owners[("default", "z")]
+    assert held.containers[0].gpus[0].uuid == f"GPU-a-{want[0]}"
+
+
+def test_the_learned_workload_counts_live_pods_and_forgets_deleted_ones() -> None:
+    api = FakeApiServer()
+    api.add_node(node("a"))
+    for k in range(10):
+        api.add_pod(pod(f"s{k}", milli=250, cpu="2"))
+    state = ExtenderState(api, KEY, clock=clock)
+    assert state.estimator.pods == 10
+    wl, want = state.estimator.current(), learned_workload([Shape(2000, 1, 250)] * 10)
+    assert wl.shapes == want.shapes and wl.popularity.tolist() == want.popularity.tolist()
+    gone = api.get_pod("default", "s0")
+    state.apply(WatchEvent("DELETED", "Pod", gone))
+    assert state.estimator.pods == 9
