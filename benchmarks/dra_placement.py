@@ -94,11 +94,13 @@ class Target(Protocol):
         ...
 
 
-SIM_POLICY = {"default": "dra-default", "ours": "dra-ours", "device-plugin": DEVICE_PLUGIN}
+SIM_POLICY = {"default": "dra-default", "ours": "dra-ours", "device-plugin": DEVICE_PLUGIN,
+              "device-plugin-model": "deployed"}
+PATHS = ("default", "ours", "device-plugin", "device-plugin-sim", "device-plugin-model")
 
 
 class SimTarget:
-    modes = ("default", "ours", "device-plugin")
+    modes = ("default", "ours", "device-plugin", "device-plugin-model")
 
     def __init__(self, scenario: Scenario, tune: float = 1.3) -> None:
         self.scenario, self.tune = scenario, tune
@@ -140,10 +142,10 @@ class ClusterTarget:
     the GPU pods bound once the cluster is quiet, as the simulator does. Throughput: GPU pods
     bound per second, from the first create to the last bind."""
 
-    modes = ("default", "ours", "device-plugin", "device-plugin-sim")
+    modes = ("default", "ours", "device-plugin", "device-plugin-sim", "device-plugin-model")
 
     def __init__(self, bin_dir: Path, nodes: int, gpus: int, tune_ratio: float,
-                 console: Console, burst: bool = False) -> None:
+                 console: Console, burst: bool = False, variant: str | None = None) -> None:
         from gpuslice.core.catalog import resolve
         from gpuslice.core.model import Gpu, Node
         from gpuslice.sim.default import default_tasks
@@ -153,17 +155,20 @@ class ClusterTarget:
         self.nodes = [Node(f"dra-bench-{i:02d}", CLUSTER_CPU * 1000, CLUSTER_MEM_GIB * 1024,
                            tuple(Gpu(j, CLUSTER_MODEL, mib) for j in range(gpus)))
                       for i in range(nodes)]
-        self.scenario = scenario_of(f"{nodes} x {gpus} {CLUSTER_MODEL}", self.nodes,
-                                    default_tasks())
+        tasks, mix = default_tasks(), "embedded task mix"
+        if variant:
+            tasks, mix = variant_tasks(variant), f"task mix of trace variant {variant}"
+        self.scenario = scenario_of(f"{nodes} x {gpus} {CLUSTER_MODEL}", self.nodes, tasks)
         self.sim = SimTarget(self.scenario, tune_ratio)
         self.name = (f"real control plane (kube-scheduler v1.36, kwok), {nodes} nodes x "
-                     f"{gpus} {CLUSTER_MODEL}, embedded task mix")
+                     f"{gpus} {CLUSTER_MODEL}, {mix}")
         self.bin_dir = bin_dir
         self.dev: Any = None
         self.runs = 0
         self.log_dir = Path(tempfile.gettempdir()) / f"dra-placement-{os.getpid()}"
         self.burst = burst
         self.device_plugin = False  # the run in progress is the device-plugin path's
+        self.allocator_runs = False  # our DRA allocator runs (it may place a task late)
 
     # -- cluster lifecycle ----------------------------------------------------------------
 
@@ -255,6 +260,8 @@ class ClusterTarget:
     def replay(self, mode: str, seed: int) -> Outcome:
         if mode == "device-plugin-sim":
             return self.sim.replay("device-plugin", seed)
+        if mode == "device-plugin-model":
+            return self.sim.replay(mode, seed)
         self.runs += 1
         ns = f"dra-bench-{mode}-{seed}-{self.runs}"
         self._slices(tainted=mode == "ours")
@@ -262,6 +269,7 @@ class ClusterTarget:
         wait_until(f"ServiceAccount {ns}/default", lambda: bool(
             self.core.read_namespaced_service_account("default", ns)), 60)
         self.device_plugin = mode == "device-plugin"
+        self.allocator_runs = mode == "ours"
         allocator: subprocess.Popen[bytes] | None = None
         extender: Proc | None = None
         if self.device_plugin:
@@ -338,15 +346,23 @@ class ClusterTarget:
         self.core.create_namespaced_pod(ns, pod)
         return name
 
-    def _settled(self, ns: str, name: str, has_claim: bool, since: list[float]) -> bool:
+    def _settled(self, ns: str, name: str, has_claim: bool, since: list[float],
+                 allocator: bool = True) -> bool:
         """Task ``name`` is decided: bound, or unschedulable (its claim, if any, unallocated)
-        for SETTLE_S on end, long enough for our allocator's retries (``--max-backoff``)."""
+        for SETTLE_S on end, long enough for our allocator's retries (``--max-backoff``).
+        Without our allocator (``allocator`` False) kube-scheduler's verdict Unschedulable
+        is final at once: nothing departs, so nothing frees room later (a bind error or a
+        conflict, reason SchedulerError, still waits SETTLE_S for the retry)."""
         pod = json.loads(self.core.read_namespaced_pod(name, ns, _preload_content=False).data)
         if pod["spec"].get("nodeName"):
             since[0] = 0.0  # bound: the caller reads 0 as placed
             return True
-        refused = any(c.get("type") == "PodScheduled" and c.get("status") == "False"
-                      for c in (pod.get("status") or {}).get("conditions") or [])
+        verdicts = [c for c in (pod.get("status") or {}).get("conditions") or []
+                     if c.get("type") == "PodScheduled" and c.get("status") == "False"]
+        refused = bool(verdicts)
+        if refused and not allocator and verdicts[0].get("reason") == "Unschedulable":
+            since[0] = since[0] or time.monotonic()
+            return True
         if refused and has_claim:
             claim = self.objects.get_namespaced_custom_object(
                 "resource.k8s.io", "v1", ns, "resourceclaims", name)
@@ -415,7 +431,7 @@ class ClusterTarget:
             since = [0.0]
             wait_until(f"{ns}/{name} bound or unschedulable",
                        partial(self._settled, ns, name, bool(num) and not self.device_plugin,
-                               since), 120, every_s=0.05)
+                               since, self.allocator_runs), 120, every_s=0.05)
             if not since[0]:  # bound
                 binding_s += time.monotonic() - t_task
         elapsed = time.monotonic() - t0
@@ -445,50 +461,128 @@ class ClusterTarget:
         return Outcome(100.0 - 100.0 * allocated / cap, len(bound_names), binding_s)
 
 
+def paired(a: list[float], b: list[float]) -> tuple[float, float]:
+    """Mean and standard error of the per-seed differences ``a - b``."""
+    d = np.array(a) - np.array(b)
+    se = float(d.std(ddof=1) / math.sqrt(len(d))) if len(d) > 1 else float("nan")
+    return float(d.mean()), se
+
+
 def run(target: Target, seeds: list[int], console: Console,
-        only: list[str] | None = None) -> int:
+        only: list[str] | None = None, json_out: Path | None = None,
+        doc: Path | None = None) -> int:
     rows: dict[str, list[Outcome]] = {m: [] for m in target.modes if not only or m in only}
     for seed in seeds:
         for mode, outs in rows.items():
+            t0 = time.monotonic()
             outs.append(target.replay(mode, seed))
+            console.print(f"seed {seed} {mode}: {outs[-1].unallocated_pct:.2f}% unallocated "
+                          f"({time.monotonic() - t0:.0f} s)")
+    unalloc = {m: [o.unallocated_pct for o in outs] for m, outs in rows.items()}
+    if json_out is not None:
+        json_out.write_text(json.dumps({"unallocated": {
+            m: {str(s): round(v, 4) for s, v in zip(seeds, vals, strict=True)}
+            for m, vals in unalloc.items()}, "target": target.name}, indent=1) + "\n")
     table = Table(title=f"DRA placement: {target.name}, seeds {seeds[0]}-{seeds[-1]}")
     for col in ("path", "unallocated GPU % at 100% arrived", "tasks placed / s", "vs default"):
         table.add_column(col, justify="right" if col != "path" else "left")
     stats = {}
     for mode, outs in rows.items():
-        u = np.array([o.unallocated_pct for o in outs])
+        u = np.array(unalloc[mode])
         rate = float(np.mean([o.per_second for o in outs]))
         stats[mode] = (float(u.mean()), float(u.std()), rate)
     base_rate = stats["default"][2] if "default" in stats else float("nan")
     for mode, (mean, sd, rate) in stats.items():
-        table.add_row(mode, f"{mean:.2f} ± {sd:.2f}", f"{rate:,.0f}",
+        table.add_row(LABELS.get(mode, mode), f"{mean:.2f} ± {sd:.2f}", f"{rate:,.0f}",
                       "-" if math.isnan(base_rate) else f"{rate / base_rate:.2f}x")
     console.print(table)
-    if not {"ours", "default", "device-plugin"} <= set(stats):
-        console.print("(--only: the gates need the default, ours and device-plugin rows)")
-        return 0
-    ours, dflt = stats["ours"], stats["default"]
-    # the simulator's device-plugin path places every pod with frag-strand; on a cluster the
-    # device-plugin row is the path as deployed (the extender's policy, diluted by
-    # kube-scheduler's own scores, CPU-only pods left to the default scheduler)
-    sim_dp = stats.get("device-plugin-sim", stats["device-plugin"])
-    gates = [
-        ("ours within 0.3 points of the device-plugin path (simulator: frag-strand places "
-         "every pod)", abs(ours[0] - sim_dp[0]) <= 0.3, f"{ours[0] - sim_dp[0]:+.2f} points"),
-        ("ours clearly better than default first fit",
-         dflt[0] - ours[0] >= max(1.0, dflt[1] + ours[1]), f"{dflt[0] - ours[0]:.2f} points"),
-        ("our throughput >= 50% of the default's", ours[2] >= 0.5 * dflt[2],
-         f"{ours[2] / dflt[2]:.2f}x"),
-    ]
-    if "device-plugin-sim" in stats:
-        dp = stats["device-plugin"]
-        gates.insert(1, ("ours no more than 0.3 points worse than the device-plugin path as "
-                         "deployed, on the same control plane", ours[0] - dp[0] <= 0.3,
-                         f"{ours[0] - dp[0]:+.2f} points"))
+    # the simulator's frag-strand placing every pod: the figure each deployed path should reach
+    ref = "device-plugin-sim" if "device-plugin-sim" in unalloc else "device-plugin"
+    pairs = [(a, b) for a, b in (("device-plugin", ref), ("ours", ref),
+                                 ("device-plugin-model", ref), ("device-plugin",
+                                                                "device-plugin-model"),
+                                 ("default", "device-plugin"), ("default", "ours"))
+             if a in unalloc and b in unalloc and a != b]
+    ptable = Table(title=f"paired per-seed differences (points of unallocated GPU, "
+                   f"{len(seeds)} seeds, mean ± standard error)")
+    ptable.add_column("difference")
+    ptable.add_column("mean ± SE", justify="right")
+    diffs = {}
+    for a, b in pairs:
+        diffs[(a, b)] = paired(unalloc[a], unalloc[b])
+        m, se = diffs[(a, b)]
+        ptable.add_row(f"{LABELS.get(a, a)} - {LABELS.get(b, b)}", f"{m:+.2f} ± {se:.2f}")
+    console.print(ptable)
+    gates = []
+    for path in ("device-plugin", "ours"):
+        if (path, ref) in diffs:
+            m, se = diffs[(path, ref)]
+            gates.append((f"{LABELS[path]} within 0.3 points of the simulator's frag-strand "
+                          "(paired mean)", abs(m) <= 0.3, f"{m:+.2f} ± {se:.2f}"))
+    for path in ("device-plugin", "ours"):
+        if ("default", path) in diffs:
+            m, se = diffs[("default", path)]
+            gates.append((f"{LABELS[path]} better than DRA first fit by more than 2 SE",
+                          m > 2 * se, f"{m:+.2f} (2 SE = {2 * se:.2f})"))
+    if "ours" in stats and "default" in stats and not math.isnan(base_rate):
+        gates.append(("our DRA throughput >= 50% of the default's",
+                      stats["ours"][2] >= 0.5 * base_rate,
+                      f"{stats['ours'][2] / base_rate:.2f}x"))
     for label, ok, value in gates:
         console.print(f"[{'green' if ok else 'red'}]{'PASS' if ok else 'FAIL'}[/] {label}: "
                       f"{value}")
+    if doc is not None:
+        write_doc(doc, target.name, seeds, unalloc, diffs, gates)
     return 0 if all(ok for _, ok, _ in gates) else 1
+
+
+LABELS = {"default": "DRA first fit (kube-scheduler)", "ours": "DRA, our claim allocator",
+          "device-plugin": "device-plugin path as deployed",
+          "device-plugin-sim": "simulator, frag-strand (every pod)",
+          "device-plugin-model": "simulator, deployed model"}
+DOC_START = "<!-- generated by benchmarks/dra_placement.py --doc: start -->"
+DOC_END = "<!-- generated by benchmarks/dra_placement.py --doc: end -->"
+
+
+def write_doc(doc: Path, name: str, seeds: list[int], unalloc: dict[str, list[float]],
+              diffs: dict[tuple[str, str], tuple[float, float]],
+              gates: list[tuple[str, bool, str]]) -> None:
+    """Replace the generated section of ``doc`` (between DOC_START and DOC_END) with this
+    run's per-seed table, paired differences and gates."""
+    lines = [DOC_START, "", f"Run: {name}; seeds {seeds[0]}-{seeds[-1]} ({len(seeds)}), "
+             f"{time.strftime('%Y-%m-%d')}. Unallocated GPU % at 100% arrived, per seed:", "",
+             "| path | " + " | ".join(map(str, seeds)) + " | mean |",
+             "|---|" + "---|" * (len(seeds) + 1)]
+    for m, vals in unalloc.items():
+        lines.append(f"| {LABELS.get(m, m)} | " + " | ".join(f"{v:.2f}" for v in vals)
+                     + f" | {np.mean(vals):.2f} |")
+    lines += ["", "Paired per-seed differences (same tuned trace per seed for every path):", "",
+              "| difference | mean ± standard error |", "|---|---|"]
+    for (a, b), (m, se) in diffs.items():
+        lines.append(f"| {LABELS.get(a, a)} - {LABELS.get(b, b)} | {m:+.2f} ± {se:.2f} |")
+    lines += ["", "| goal | result | measured |", "|---|---|---|"]
+    for label, ok, value in gates:
+        lines.append(f"| {label} | {'met' if ok else 'missed'} | {value} |")
+    lines += ["", DOC_END]
+    text = doc.read_text() if doc.exists() else ""
+    if DOC_START in text and DOC_END in text:
+        text = text[:text.index(DOC_START)] + "\n".join(lines) + \
+            text[text.index(DOC_END) + len(DOC_END):]
+    else:
+        text = text.rstrip("\n") + "\n\n" + "\n".join(lines) + "\n"
+    doc.write_text(text)
+
+
+def variant_tasks(variant: str) -> Any:
+    """The task list of trace variant ``variant`` (found through GPUSLICE_DATA), its GPU-model
+    constraints dropped: the benchmark's kwok nodes are all one model."""
+    import dataclasses
+
+    from gpuslice.adapters.traces.data import variant_paths
+
+    pods, nodes = variant_paths(variant)
+    tasks = load_scenario(pods, nodes).tasks
+    return dataclasses.replace(tasks, specs=(frozenset(),) * len(tasks.specs))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -504,23 +598,38 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--nodes", type=int, default=6, help="--cluster: kwok nodes (default 6)")
     ap.add_argument("--gpus", type=int, default=8, help="--cluster: GPUs per node (default 8)")
     ap.add_argument("--variant", default=None, help="trace variant from the shared data "
-                    "folder (default: the embedded scenario)")
+                    "folder (default: the embedded scenario); with --cluster its task mix on "
+                    "the kwok nodes, GPU-model constraints dropped")
     ap.add_argument("--burst", action="store_true",
                     help="--cluster: create every task at once and measure throughput (tasks "
                     "bound per second) instead of the FGD protocol's one-by-one replay")
     ap.add_argument("--seeds", default="42-44")
-    ap.add_argument("--only", default=None, metavar="MODE[,MODE]",
-                    help="replay only these paths (default, ours, device-plugin, and with "
-                    "--cluster device-plugin-sim); the gates need the first three")
+    ap.add_argument("--only", default=None, metavar="PATH[,PATH]",
+                    help=f"replay only these paths ({', '.join(PATHS)}; device-plugin-sim "
+                    "only with --cluster: the simulator's device-plugin row is it)")
     ap.add_argument("--tune", type=float, default=1.3)
+    ap.add_argument("--json", type=Path, default=None, metavar="FILE",
+                    help="write the per-seed figures: {\"unallocated\": {PATH: {SEED: %%}}}")
+    ap.add_argument("--doc", type=Path, default=None, metavar="MD",
+                    help="write the per-seed table, paired differences and gates into MD "
+                    "(between the generated-section markers; e.g. docs/dra-placement.md)")
     args = ap.parse_args(argv)
     console = Console()
     seeds = parse_seeds(args.seeds)
     only = args.only.split(",") if args.only else None
-    known = {"default", "ours", "device-plugin", "device-plugin-sim"}
+    known = set(PATHS) if args.cluster else set(PATHS) - {"device-plugin-sim"}
     if only and not set(only) <= known:
         raise SystemExit(f"dra_placement: --only takes {', '.join(sorted(known))}; got "
                          f"{args.only!r}")
+    if args.burst and not args.cluster:
+        raise SystemExit("dra_placement: --burst needs --cluster")
+    if args.cluster and args.variant:
+        from gpuslice.adapters.traces.data import variant_paths
+
+        try:
+            variant_paths(args.variant)
+        except Exception as exc:
+            raise SystemExit(f"dra_placement: --variant {args.variant}: {exc}") from None
     if args.cluster:
         from gpuslice.devcluster import find_bin_dir, missing_binaries
 
@@ -532,8 +641,8 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"dra_placement: {bin_dir} lacks {', '.join(missing)}; build "
                              "them with tools/cluster/build.sh")
         with ClusterTarget(bin_dir, args.nodes, args.gpus, args.tune, console,
-                           burst=args.burst) as ct:
-            return run(ct, seeds, console, only)
+                           burst=args.burst, variant=args.variant) as ct:
+            return run(ct, seeds, console, only, args.json, args.doc)
     target: Target
     if args.variant:
         from gpuslice.adapters.traces.data import variant_paths
@@ -545,7 +654,7 @@ def main(argv: list[str] | None = None) -> int:
 
         target = SimTarget(scenario_of("embedded-default", default_nodes(), default_tasks()),
                            args.tune)
-    return run(target, seeds, console, only)
+    return run(target, seeds, console, only, args.json, args.doc)
 
 
 if __name__ == "__main__":

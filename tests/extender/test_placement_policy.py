@@ -1,6 +1,6 @@
 """The extender places as the simulator does: frag-strand against the workload learned from the
 pods it sees, with each node's CPU and memory counted, and (narrow, the default) a filter that
-keeps only the policy's choice, ties to the first node by name."""
+keeps only the policy's choice, ties to the first node in a fixed order (by the names' hash)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from gpuslice.adapters.kube.fake import FakeApiServer, WatchEvent
 from gpuslice.core.frag import Shape
 from gpuslice.core.learned import learned_workload
 from gpuslice.core.model import SliceRequest
-from gpuslice.core.policies import PlacementState, make_policy
+from gpuslice.core.policies import PlacementState, make_policy, tie_order
 from gpuslice.services.extender import ExtenderState
 
 KEY = b"test-key-0123456789abcdef"
@@ -107,24 +107,29 @@ def test_a_bind_takes_the_pods_cpu_at_once_and_a_refused_one_gives_it_back() -> 
     assert int(state.inv.arrays.cpu_free[row(state, "a")]) == 10_000
 
 
-def test_filter_keeps_only_the_policys_choice_and_ties_go_to_the_first_node_by_name() -> None:
+def test_filter_keeps_only_the_policys_choice_and_ties_go_to_a_fixed_node_order() -> None:
     api = FakeApiServer()
     for n in ("n3", "n1", "n2"):
         api.add_node(node(n))
     first = api.add_pod(pod("first", milli=300))
     state = ExtenderState(api, KEY, clock=clock)
-    keep, failed = state.filter(first, ["n3", "n2", "n1"])
-    assert keep == ["n1"] and failed == {}  # every node ties (empty): the first by name
-    assert state.bind("default", "first", first["metadata"]["uid"], "n1") == ""
+    names = ["n1", "n2", "n3"]
+    want = names[int(np.argmin(tie_order(names)))]
+    for asked in (["n3", "n2", "n1"], ["n1", "n3", "n2"]):  # whatever order is asked
+        keep, failed = state.filter(first, asked)
+        assert keep == [want] and failed == {}  # every node ties (empty)
+    assert ExtenderState(api, KEY, clock=clock).filter(first, names)[0] == [want]  # restarts
+    assert state.bind("default", "first", first["metadata"]["uid"], want) == ""
     # the next share packs next to the first (frag-strand), whatever the order asked in
     nxt = api.add_pod(pod("next", milli=300))
-    assert state.filter(nxt, ["n3", "n2", "n1"])[0] == ["n1"]
-    # with narrow off every node that fits is kept, and prioritize ranks n1 highest
+    assert state.filter(nxt, ["n3", "n2", "n1"])[0] == [want]
+    # with narrow off every node that fits is kept, and prioritize ranks it highest
     wide = ExtenderState(api, KEY, clock=clock, narrow=False)
     keep, _ = wide.filter(nxt, ["n3", "n2", "n1"])
     assert sorted(keep) == ["n1", "n2", "n3"]
     scores = dict(wide.prioritize(nxt, keep))
-    assert scores["n1"] == 10 and scores["n1"] > max(scores["n2"], scores["n3"])
+    others = [scores[n] for n in names if n != want]
+    assert scores[want] == 10 and scores[want] > max(others)
 
 
 def test_a_cpu_heavy_gpu_pod_goes_where_cpu_is_left_not_where_gpus_would_strand() -> None:

@@ -83,7 +83,9 @@ class JobResult:
 def run_job(scenario: Scenario, job: Job,
             progress: Callable[[int], None] | None = None) -> JobResult:
     """One replay: tune the task list with the seed, submit it under the policy, bin it.
-    A DRA mode (``dra-default``, ``dra-ours``, ``dra-ours-all``) replays the DRA path."""
+    A DRA mode (``dra-default``, ``dra-ours``, ``dra-ours-all``) replays the DRA path,
+    ``deployed`` the device-plugin path as a cluster runs it (:mod:`gpuslice.sim.deployed`)."""
+    from gpuslice.sim.deployed import is_deployed, replay_deployed
     from gpuslice.sim.dra import is_dra, replay_dra
 
     rng = np.random.default_rng(job.seed)
@@ -92,6 +94,9 @@ def run_job(scenario: Scenario, job: Job,
     if is_dra(job.policy):
         trace = replay_dra(scenario.arrays, tasks, job.policy, scenario.workload, rng,
                            seed=job.seed, progress=progress)
+    elif is_deployed(job.policy):
+        trace = replay_deployed(scenario.arrays, tasks, scenario.workload, rng,
+                                seed=job.seed, progress=progress)
     else:
         trace = replay(scenario.arrays, tasks, make_policy(job.policy), scenario.workload,
                        rng, seed=job.seed, progress=progress, tie_order=job.tie_order)
@@ -122,10 +127,11 @@ class Experiment:
     workers: int = field(default_factory=lambda: max(1, os.cpu_count() or 1))
 
     def jobs(self) -> list[Job]:
+        from gpuslice.sim.deployed import is_deployed
         from gpuslice.sim.dra import is_dra
 
         for p in self.policies:
-            if not is_dra(p):
+            if not is_dra(p) and not is_deployed(p):
                 make_policy(p)  # validate every name before any work starts
         return [Job(p, s, self.tune, self.tie_order) for p in self.policies for s in self.seeds]
 

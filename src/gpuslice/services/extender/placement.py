@@ -40,7 +40,8 @@ class PlacementVerbs(ClusterView):
         """The nodes of ``names`` where the pod fits the GPUs, and why each other one does
         not. With ``narrow`` (the default), only the best-ranked of those that fit is kept:
         the policy's choice, as the simulator makes it (the highest score, ties to a fixed
-        node order), which kube-scheduler then takes without scoring (one feasible node).
+        node order by the names' hash, core.policies.tie_order), which kube-scheduler then
+        takes without scoring (one feasible node).
         The nodes dropped that way are in neither list: the pod is schedulable, so no
         preemption follows."""
         req = pod_request(pod)
@@ -230,7 +231,7 @@ class PlacementVerbs(ClusterView):
         return out
 
     def _first(self, names: list[str]) -> str:
-        """Of ``names``, the first in the extender's fixed node order (by name)."""
+        """Of ``names``, the first in the extender's fixed node order (core tie_order)."""
         return min(names, key=lambda n: int(self._rank[self.inv.index[n]]))
 
     def best(self, req: SliceRequest, names: list[str]) -> str:

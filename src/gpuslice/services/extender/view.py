@@ -41,7 +41,7 @@ from gpuslice.core.learned import WorkloadEstimator
 from gpuslice.core.ledger import Conflict, GpuSlot, Ledger
 from gpuslice.core.migmps import InstanceRoom
 from gpuslice.core.model import ClusterArrays, Gpu, Isolation, Node, SliceRequest, build_arrays
-from gpuslice.core.policies import PlacementState, make_policy
+from gpuslice.core.policies import PlacementState, make_policy, tie_order
 from gpuslice.services.leader import LeaderElector
 
 
@@ -229,7 +229,7 @@ class ClusterView:
             self.ledger = ledger
             self.cordoned = cordoned
             self._node_marks = marks
-            self._rank = np.argsort(np.argsort(np.array(names, dtype=object)))
+            self._rank = tie_order(names)
             self._pods = pods
             self.estimator.clear()
             self._cpu_used = np.zeros(len(names), dtype=np.int64)
