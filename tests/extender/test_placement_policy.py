@@ -181,3 +181,30 @@ def test_the_learned_workload_counts_live_pods_and_forgets_deleted_ones() -> Non
     gone = api.get_pod("default", "s0")
     state.apply(WatchEvent("DELETED", "Pod", gone))
     assert state.estimator.pods == 9
+
+
+def test_a_refused_pod_does_not_cost_a_pass_over_every_gpu(monkeypatch: Any) -> None:
+    """What preemption cannot help (FailedAndUnresolvableNodes) is judged on the arrays with
+    every pod gone, derived once per inventory: filtering a pod that fits nowhere must not
+    ask the ledger about each GPU of the cluster again (the regression that tripled the
+    extender's filter time at 5,000 nodes)."""
+    from gpuslice.core.ledger import Ledger
+
+    api = FakeApiServer()
+    for k in range(20):
+        api.add_node(node(f"n{k:02d}", gpus=8))
+    state = ExtenderState(api, KEY, clock=clock)
+    too_big = api.add_pod(pod("too-big", milli=1000, gpus=9))
+    calls = [0]
+    free = Ledger.free
+
+    def counted(self: Ledger, uuid: str) -> tuple[int, int]:
+        calls[0] += 1
+        return free(self, uuid)
+
+    monkeypatch.setattr(Ledger, "free", counted)
+    for _ in range(5):
+        keep, failed = state.filter(too_big, state.inv.names)
+        assert keep == [] and len(failed) == 20
+        assert state.unresolvable(too_big, list(failed)) == set(failed)
+    assert calls[0] < 20 * 8, calls[0]

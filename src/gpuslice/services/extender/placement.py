@@ -27,7 +27,7 @@ from gpuslice.core.errors import GpusliceError, ValidationError
 from gpuslice.core.fit import explain, feasible, gpu_ok
 from gpuslice.core.frag import Shape
 from gpuslice.core.ledger import Conflict, Ledger
-from gpuslice.core.model import Isolation, SliceRequest
+from gpuslice.core.model import ClusterArrays, Isolation, SliceRequest
 from gpuslice.core.podrequest import GpuWant
 from gpuslice.core.policies import best_fit_gpu, exclusive_gpus
 from gpuslice.services.extender.view import ClusterView, _memory_wish, _mig_wish, _MigWish, _mode
@@ -164,21 +164,47 @@ class PlacementVerbs(ClusterView):
         req = pod_request(pod)
         if req is None or not names:
             return set()
-        empty = Ledger.empty(self.ledger.inventory.values())
+        empty: Ledger | None = None  # built only if a node needs the exact check
         out: set[str] = set()
         if req.isolation is not Isolation.MIG:
-            trial = self.inv.arrays.copy()
-            for i, row in enumerate(self.inv.uuids):
-                for j, uuid in enumerate(row):
-                    trial.gpu_free[i, j], trial.gpu_mem_free[i, j] = \
-                        self._open_free(uuid, empty)
-            ok_empty = feasible(trial, self._gpu_only(req), node_resources=False)
+            ok_empty = feasible(self._empty_arrays(), self._gpu_only(req),
+                                node_resources=False)
         for n in names:
             at = self.inv.index.get(n)
-            if at is None or ((req.isolation is Isolation.MIG or not ok_empty[at]) \
-                    and not self._fits_with(at, req, empty)):
+            if at is None:
+                out.add(n)
+                continue
+            if req.isolation is not Isolation.MIG and ok_empty[at]:
+                continue
+            if req.isolation is not Isolation.MIG and at not in self.inv.mig_rows:
+                out.add(n)  # the exact check would repeat the arrays' answer
+                continue
+            if empty is None:  # MIG instances: the exact check against an empty ledger
+                empty = Ledger.empty(self.ledger.inventory.values())
+            if not self._fits_with(at, req, empty):
                 out.add(n)
         return out
+
+    def _empty_arrays(self) -> ClusterArrays:
+        """The arrays with no pod anywhere (cordoned and MIG-enabled GPUs still closed to
+        whole-GPU slices), derived once per inventory: it depends on nothing else, and was
+        rebuilt GPU by GPU in Python on every filter call (16 ms per pod at 5,000 nodes)."""
+        inv, cordoned = self.inv, self.cordoned
+        cached = self._empty_of
+        if cached is not None and cached[0] is inv and cached[1] is cordoned:
+            return cached[2]
+        a = inv.arrays
+        trial = a.copy()
+        trial.gpu_free[...] = np.where(a.gpu_present, 1000, 0)
+        trial.gpu_mem_free[...] = np.where(a.gpu_present, a.gpu_mem_cap, 0)
+        closed = cordoned | inv.mig_gpus
+        if closed:
+            for i, row in enumerate(inv.uuids):
+                for j, uuid in enumerate(row):
+                    if uuid in closed:
+                        trial.gpu_free[i, j] = trial.gpu_mem_free[i, j] = 0
+        self._empty_of = (inv, cordoned, trial)
+        return trial
 
     def _filter_mig(self, wish: _MigWish, names: list[str]
                     ) -> tuple[list[str], dict[str, str]]:

@@ -155,6 +155,8 @@ class ClusterView:
         self._busy: set[tuple[str, str]] = set()  # pods a bind thread is working on
         self._mig_use_of: tuple[Ledger, dict[tuple[str, int], tuple[int, int, bool]]] | None = \
             None
+        # the arrays with every pod gone, per inventory and cordon (placement.unresolvable)
+        self._empty_of: tuple[_Inventory, set[str], ClusterArrays] | None = None
         self.elector: LeaderElector | None = None  # set when replicas elect a binder
         self.cordoned: set[str] = set()
         self._node_marks: dict[str, tuple[str, str, str, str]] = {}  # what of each node we follow
