@@ -37,6 +37,10 @@ def register(sub: Sub) -> None:
                      help="also replay the DRA path: comma-separated default (kube-scheduler's "
                      "allocator, first fit in slice order), ours (our claim allocator), ours-all "
                      "(ours placing pods without claims too); run as policies dra-<mode>")
+    sim.add_argument("--deployed", action="store_true",
+                     help="also replay the device-plugin path as a cluster runs it (policy "
+                     "'deployed': the extender's frag-strand with the workload it learns, its "
+                     "one-node filter, CPU-only pods on the default scheduler's scores)")
     sim.add_argument("--seeds", default=None, help="seeds, e.g. 42-51 (default: 42-51 for a "
                      "trace, 42-44 for the embedded scenario)")
     sim.add_argument("--tune", type=float, default=1.3,
@@ -78,6 +82,8 @@ def _simulate(args: argparse.Namespace, console: Console) -> int:
             if f"dra-{mode}" not in MODES:
                 raise ValidationError("--dra", "modes from default, ours, ours-all", mode)
             policies.append(f"dra-{mode}")
+    if args.deployed:
+        policies.append("deployed")
     if not policies:
         raise ValidationError("--policy", "at least one policy or a --dra mode", args.policy)
     if not args.no_plot:  # a missing matplotlib is said before the replay, not after it
