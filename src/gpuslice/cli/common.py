@@ -16,10 +16,13 @@ Exit codes, the same for every command (README, "Exit codes"):
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
+import math
 import os
 import sys
+import tempfile
 from collections.abc import Mapping
 from datetime import UTC, datetime
 from pathlib import Path
@@ -31,8 +34,6 @@ from gpuslice.core.errors import ValidationError
 from gpuslice.core.policies import make_policy, policy_names
 
 if TYPE_CHECKING:
-    import argparse
-
     from gpuslice.adapters.nvml.port import NvmlPort
 
 # the type of argparse's add_subparsers() (a string: the class is not generic at run time)
@@ -83,6 +84,88 @@ def read_key(path: Path) -> bytes:
     if len(key) < 16:
         raise ValidationError("--key-file", "a key of at least 16 bytes", len(key))
     return key
+
+
+# ---- argparse types, inputs and outputs checked before the work ----------------------------
+
+
+def positive_float(text: str) -> float:
+    """argparse ``type=``: a finite number > 0 (seconds, a window, a limit), refused at parse
+    time with the option's name."""
+    try:
+        x = float(text)
+    except ValueError:
+        x = math.nan
+    if not (math.isfinite(x) and x > 0):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return x
+
+
+def non_negative_int(text: str) -> int:
+    """argparse ``type=``: a whole number >= 0 (a seed)."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}")
+    return n
+
+
+def read_yaml(path: Path, field: str) -> object:
+    """The document of a YAML (or JSON) file; a file that is missing, unreadable or not valid
+    YAML is one line naming the file, the line and column, and the problem."""
+    import yaml
+
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ValidationError(field, "an existing file", str(path)) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValidationError(field, "a readable UTF-8 file", f"{path}: {exc}") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ValidationError(str(path), "valid YAML", yaml_problem(exc)) from None
+
+
+def yaml_problem(exc: Exception) -> str:
+    """A YAML error in one line: what went wrong and where (PyYAML's own text spans several
+    lines and quotes the input)."""
+    import yaml
+
+    if isinstance(exc, yaml.MarkedYAMLError) and exc.problem_mark is not None:
+        mark = exc.problem_mark
+        text = f"{exc.problem} at line {mark.line + 1} column {mark.column + 1}"
+        if exc.context:
+            text = f"{exc.context}: {text}"
+        return " ".join(text.split())
+    return " ".join(str(exc).split())
+
+
+def writable_dir(path: Path, field: str,
+                 expected: str = "a folder that can be created and written") -> Path:
+    """Create the output folder ``path`` if need be and check a file can be written in it,
+    before the work whose results go there."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as exc:
+        raise ValidationError(field, expected, f"{path}: {exc.strerror or exc}") from None
+    return path
+
+
+def writable_file(path: Path, field: str) -> Path:
+    """Check the output file ``path`` can be written (its folder created if need be), before
+    the work whose result goes there."""
+    expected = "a file that can be written (in a folder that exists or can be created)"
+    if path.is_dir():
+        raise ValidationError(field, expected, f"{path}: a folder")
+    writable_dir(path.parent, field, expected)
+    if path.exists() and not os.access(path, os.W_OK):
+        raise ValidationError(field, expected, f"{path}: not writable")
+    return path
 
 
 FAKE_GPUS_HELP = ("N: N simulated A100-80GB GPUs (no CUDA and no MPS: the replicas run on "

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from gpuslice.cli.common import Sub
+from gpuslice.cli.common import Sub, non_negative_int, writable_dir
 
 
 def register(sub: Sub) -> None:
@@ -21,7 +21,8 @@ def register(sub: Sub) -> None:
                    help="folder for index.html, summary.json and the plots (default "
                    "demo-report)")
     d.add_argument("--short", action="store_true", help="a shortened scenario (about 35 s)")
-    d.add_argument("--seed", type=int, default=1)
+    d.add_argument("--seed", type=non_negative_int, default=1,
+                   help="seed of the scenario's load (a whole number >= 0; default 1)")
     d.add_argument("--no-live", action="store_true",
                    help="print events line by line instead of a live display")
     d.add_argument("--no-local-gpus", action="store_true",
@@ -85,8 +86,12 @@ def _demo(args: argparse.Namespace, console: Console) -> int:
     if args.dra:
         return _dra(console)
 
+    from gpuslice.adapters.optional import pyplot
     from gpuslice.demo.scenario import DemoOptions, run_demo
 
+    # what the report needs is checked before the scenario runs, not after it
+    writable_dir(args.out, "--out")
+    pyplot()
     result = run_demo(DemoOptions(out=args.out, short=args.short, seed=args.seed,
                                   live=False if args.no_live else None,
                                   local_gpus=not args.no_local_gpus))

@@ -7,7 +7,14 @@ from pathlib import Path
 
 from rich.console import Console
 
-from gpuslice.cli.common import KUBECONFIG_HELP, Sub, add_log_format, read_key, setup_logging
+from gpuslice.cli.common import (
+    KUBECONFIG_HELP,
+    Sub,
+    add_log_format,
+    positive_float,
+    read_key,
+    setup_logging,
+)
 from gpuslice.core.errors import ValidationError
 
 
@@ -41,7 +48,7 @@ def register(sub: Sub) -> None:
                    help="several replicas: only the holder of the Lease binds")
     e.add_argument("--lease", default="gpuslice-system/gpuslice-extender",
                    help="NAMESPACE/NAME of the Lease (default gpuslice-system/gpuslice-extender)")
-    e.add_argument("--resync", type=float, default=300.0,
+    e.add_argument("--resync", type=positive_float, default=300.0,
                    help="seconds between full re-reads of nodes and pods, besides the watch "
                    "(default 300)")
     add_log_format(e)

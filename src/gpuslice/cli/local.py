@@ -17,6 +17,7 @@ from gpuslice.cli.common import (
     add_log_format,
     add_output,
     local_nvml,
+    positive_float,
     print_json,
     setup_logging,
     simulated_gpus,
@@ -57,7 +58,7 @@ def register(sub: Sub) -> None:
                         description="The running local mode's replicas: GPU, compute and "
                         "memory caps, pid, restarts and the throughput measured over --window. "
                         "Exit 3 when local mode is not running.")
-    st.add_argument("--window", type=float, default=2.0,
+    st.add_argument("--window", type=positive_float, default=2.0,
                     help="seconds over which throughput is measured (default 2)")
     st.add_argument("--json", action="store_true", help="the same as -o json")
     add_output(st)
@@ -74,7 +75,9 @@ def register(sub: Sub) -> None:
     dn = sub.add_parser("down", help="local mode: stop replicas, router and MPS daemons",
                         description="Stop the local mode of --state-dir: replicas, router and "
                         "MPS daemons, and anything they left behind.")
-    dn.add_argument("--timeout", type=float, default=20.0)
+    dn.add_argument("--timeout", type=positive_float, default=20.0,
+                    help="seconds to wait for local mode to stop before killing it "
+                    "(default 20)")
     common(dn, gpus=False)
     dn.set_defaults(handler=_down)
     se = sub.add_parser(

@@ -9,7 +9,17 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 from rich.table import Table
 
-from gpuslice.cli.common import EXIT_FAILED, EXIT_OK, Sub, add_output, print_json
+from gpuslice.cli.common import (
+    EXIT_FAILED,
+    EXIT_OK,
+    Sub,
+    add_output,
+    positive_float,
+    print_json,
+    read_yaml,
+    writable_dir,
+    writable_file,
+)
 from gpuslice.core.errors import ValidationError
 
 if TYPE_CHECKING:
@@ -43,7 +53,7 @@ def register(sub: Sub) -> None:
                    help="one service per MIG instance (no MPS sharing between services)")
     p.add_argument("--no-check", action="store_true",
                    help="skip the replay-driven re-planning (the final replay still runs)")
-    p.add_argument("--time-limit", type=float, default=1.0,
+    p.add_argument("--time-limit", type=positive_float, default=1.0,
                    help="solver seconds per planning round (default 1.0)")
     p.add_argument("--json", type=Path, help="write the plan as JSON here")
     p.add_argument("--export", type=Path,
@@ -65,6 +75,7 @@ def _plan(args: argparse.Namespace, console: Console) -> int:
         to_json,
     )
 
+    check_files(args)
     opts = PlanOptions(latency_factor=args.latency_factor, objective=args.objective,
                        solver=args.solver, time_limit_s=args.time_limit, mix=not args.no_mix)
     profiles = load_profiles(args.profiles)
@@ -114,6 +125,18 @@ def _plan(args: argparse.Namespace, console: Console) -> int:
         console.print(f"[red]invalid[/] {e}")
     _write(args, run.plan, doc, console)
     return status
+
+
+def check_files(args: argparse.Namespace) -> None:
+    """What can be said before planning: the outputs can be written and the YAML inputs
+    parse (one line naming the file and the line, not PyYAML's several)."""
+    if args.json is not None:
+        writable_file(args.json, "--json")
+    if args.export is not None:
+        writable_dir(args.export, "--export")
+    for path, field in ((args.services, "--services"), (args.fleet, "--fleet")):
+        if path is not None and path.is_file():
+            read_yaml(path, field)
 
 
 def _write(args: argparse.Namespace, plan: Plan, doc: dict[str, Any], console: Console) -> None:

@@ -9,6 +9,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from gpuslice.cli.common import Sub
+from gpuslice.core.errors import ValidationError
 
 
 def register(sub: Sub) -> None:
@@ -39,9 +40,26 @@ def register(sub: Sub) -> None:
     p.set_defaults(handler=_profile)
 
 
+def check_name(spec: str) -> None:
+    """A plain workload name is one of the built-in ones, or another torchvision model that
+    only torchvision can vouch for: without it installed, an unknown name is refused here
+    with the known ones, before any GPU is looked for (``check_workload`` checks the rest)."""
+    import importlib.util
+
+    from gpuslice.bench.workloads import BUILTIN
+
+    if spec in BUILTIN or spec.startswith(("cmd:", "http://", "https://", "timm:")):
+        return
+    if importlib.util.find_spec("torchvision") is None:
+        raise ValidationError("workload", f"one of {', '.join(BUILTIN)}, timm:NAME, "
+                              "cmd:PROGRAM or http://HOST:PORT/PATH (other torchvision model "
+                              "names once torchvision is installed)", spec)
+
+
 def _profile(args: argparse.Namespace, console: Console) -> int:
     from gpuslice.bench.profile import ProfileOptions, parse_ints, plot_knee, run_profile
 
+    check_name(args.workload)
     opts = ProfileOptions(
         workload=args.workload, out=args.out, model_name=args.name,
         caps=parse_ints("--caps", args.caps), batches=parse_ints("--batches", args.batches),

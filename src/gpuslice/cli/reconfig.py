@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
@@ -14,6 +15,7 @@ from gpuslice.cli.common import (
     add_log_format,
     add_output,
     print_json,
+    read_yaml,
     setup_logging,
 )
 from gpuslice.core.errors import ValidationError
@@ -45,13 +47,18 @@ def register(sub: Sub) -> None:
 
 
 def _reconfig(args: argparse.Namespace, console: Console) -> int:
-
-    import yaml
-
     from gpuslice.adapters.http.router_admin import HttpRouter
     from gpuslice.adapters.kube.fake import ClusterPort, load_fake_cluster
     from gpuslice.services.reconfig import PLURAL, ReconfigController
 
+    schedule: dict[str, Any] | None = None  # a file's, read before anything else is done
+    if args.action == "plan" and args.schedule is not None:
+        doc = read_yaml(args.schedule, "schedule")
+        if not isinstance(doc, dict):
+            raise ValidationError(str(args.schedule), "a SliceSchedule (a YAML mapping with "
+                                  "kind, metadata and spec)",
+                                  "an empty document" if doc is None else type(doc).__name__)
+        schedule = doc
     api: ClusterPort
     if args.fake_cluster is not None:
         api = load_fake_cluster(args.fake_cluster)
@@ -76,14 +83,7 @@ def _reconfig(args: argparse.Namespace, console: Console) -> int:
         else:
             ctl.run(lambda: False, args.every)
         return 0
-    if args.schedule is not None:
-        try:
-            objs = [yaml.safe_load(args.schedule.read_text())]
-        except (OSError, yaml.YAMLError) as exc:
-            raise ValidationError("schedule", "a readable SliceSchedule YAML file",
-                                  str(exc)) from None
-    else:
-        objs = api.list_custom(PLURAL)
+    objs = [schedule] if schedule is not None else api.list_custom(PLURAL)
     results = [ctl.dry_run(o) for o in objs]
     if args.json or args.output == "json":
         print_json(results)

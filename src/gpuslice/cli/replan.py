@@ -8,7 +8,13 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from gpuslice.cli.common import KUBECONFIG_HELP, Sub, add_output, print_json
+from gpuslice.cli.common import (
+    KUBECONFIG_HELP,
+    Sub,
+    add_output,
+    positive_float,
+    print_json,
+)
 from gpuslice.core.errors import ValidationError
 
 
@@ -29,7 +35,8 @@ def register(sub: Sub) -> None:
                    help="services file (models, SLOs, and rates unless --rates-from)")
     r.add_argument("--rates-from", metavar="URL",
                    help="router admin URL: offered rates measured over --window")
-    r.add_argument("--window", type=float, default=10.0)
+    r.add_argument("--window", type=positive_float, default=10.0,
+                   help="with --rates-from: seconds to measure over (default 10)")
     r.add_argument("--fleet", type=Path, help="fleet file (GPU types, counts, costs)")
     r.add_argument("--seed", type=int, default=1)
     r.add_argument("--json", type=Path, help="write the new plan as JSON here")
@@ -55,10 +62,12 @@ def register(sub: Sub) -> None:
 def _replan(args: argparse.Namespace, console: Console) -> int:
     import asyncio
     import json
+    from urllib.parse import urlparse
 
     import numpy as np
 
     from gpuslice.adapters.http.config import read_document
+    from gpuslice.cli.plan import check_files
     from gpuslice.core.planner import FleetType, PlanOptions, Service, validate
     from gpuslice.core.replay import plan_and_check, plan_diff, replan
     from gpuslice.planning.export import write_exports
@@ -71,16 +80,27 @@ def _replan(args: argparse.Namespace, console: Console) -> int:
         to_json,
     )
 
+    if args.rates_from:
+        url = urlparse(args.rates_from)
+        if url.scheme not in ("http", "https") or not url.hostname:
+            raise ValidationError("--rates-from", "the router's admin URL, like "
+                                  "http://HOST:PORT", args.rates_from)
+    check_files(args)
     current = plan_from_json(read_document(args.current, "--current"), str(args.current))
     profiles = load_profiles(args.profiles)
     services = read_services(args.services, positive_rate=False, models=profiles.models())
     if args.rates_from:
+        import aiohttp
+
         from gpuslice.adapters.http.metrics import request_rates
 
-        if args.window <= 0:
-            raise ValidationError("--window", "a positive number of seconds", args.window)
-        seen = asyncio.run(request_rates(args.rates_from, args.window, by="service",
-                                         ok_only=False))
+        try:
+            seen = asyncio.run(request_rates(args.rates_from, args.window, by="service",
+                                             ok_only=False))
+        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+            raise ValidationError("--rates-from", "a router admin URL that answers GET "
+                                  "/metrics", f"{args.rates_from}: "
+                                  f"{' '.join(str(exc).split()) or type(exc).__name__}") from None
         services = [Service(s.name, s.model, round(seen.get(s.name, 0.0), 3), s.slo_ms)
                     for s in services]
     fleet = read_fleet(args.fleet) if args.fleet else [
@@ -142,6 +162,7 @@ def _replan(args: argparse.Namespace, console: Console) -> int:
         doc = to_json(PlanRun(inc.plan, list(services), list(inc.replay), 0.0, 0.0, 1, {},
                               validate(inc.plan, services, opts.latency_factor), {}))
         if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(json.dumps(doc, indent=2))
             say.print(f"wrote {args.json}", highlight=False)
         if args.export:

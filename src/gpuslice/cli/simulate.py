@@ -106,6 +106,10 @@ def _simulate(args: argparse.Namespace, console: Console) -> int:
             raise ValidationError("--trace", "a pod list CSV to go with --nodes", None)
         scenario = scenario_of("embedded-default", default_nodes(), default_tasks())
     seeds = parse_seeds(args.seeds or ("42-51" if (args.trace or args.variant) else "42-44"))
+    published = []  # read before the replays: a missing data folder fails at once
+    if args.compare is not None:
+        path = published_results() if args.compare == "auto" else Path(args.compare)
+        published = read_published(path)
     if args.output == "json":  # progress and file names on stderr, the result on stdout
         console = Console(stderr=True)
     exp = Experiment(scenario, policies, seeds, args.tune, args.ties == "order")
@@ -132,10 +136,6 @@ def _simulate(args: argparse.Namespace, console: Console) -> int:
 
         written.append(plot_unallocated(ordered, args.out / "unallocated.png",
                                         f"{scenario.name}: unallocated GPU vs arrived workload"))
-    published = []
-    if args.compare is not None:
-        path = published_results() if args.compare == "auto" else Path(args.compare)
-        published = read_published(path)
     rows = compare(scenario.name, ordered, published)
     if args.output == "json":
         print_json({"scenario": scenario.name, "seeds": seeds, "tune": args.tune,
