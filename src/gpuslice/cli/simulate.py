@@ -153,7 +153,7 @@ def _simulate(args: argparse.Namespace, console: Console) -> int:
         return 0
     table = Table(title=f"unallocated GPU % at 100% arrived ({len(seeds)} seeds)")
     table.add_column("policy")
-    table.add_column("ours mean ± sd", justify="right")
+    table.add_column("measured mean ± sd", justify="right")  # every policy, run here
     if args.compare is not None:
         table.add_column("published", justify="right")
         table.add_column("published mean ± sd", justify="right")
