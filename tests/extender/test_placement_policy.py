@@ -208,3 +208,25 @@ def test_a_refused_pod_does_not_cost_a_pass_over_every_gpu(monkeypatch: Any) -> 
         assert keep == [] and len(failed) == 20
         assert state.unresolvable(too_big, list(failed)) == set(failed)
     assert calls[0] < 20 * 8, calls[0]
+
+
+def test_a_bind_to_a_node_the_pod_no_longer_fits_answers_why_and_does_not_hang() -> None:
+    """The scheduler may bind where another bind just took the room (two binds in flight):
+    the refusal gives the filter's reason (it once called filter under the state's lock,
+    which filter takes too, and hung every later call)."""
+    import threading
+
+    api = FakeApiServer()
+    api.add_node(node("a", gpus=1))
+    api.add_pod(pod("first", milli=800))
+    state = ExtenderState(api, KEY, clock=clock)
+    bind(state, api, "first")
+    late = api.add_pod(pod("late", milli=800))  # not seen by the state yet (no watch here)
+    out: list[str] = []
+    t = threading.Thread(target=lambda: out.append(
+        state.bind("default", "late", late["metadata"]["uid"], "a")), daemon=True)
+    t.start()
+    t.join(10)
+    assert not t.is_alive(), "the bind hung"
+    assert "200 milli free, pod needs 800" in out[0]
+    assert state.filter(late, ["a"])[0] == []  # and the state still answers

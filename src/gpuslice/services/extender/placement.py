@@ -346,7 +346,9 @@ class PlacementVerbs(ClusterView):
                               .get(MIG_PROFILE_ANNOTATION, ""))
                 room = self._mig_room_for(i, req, planned)
                 if room is None:
-                    return self.filter(pod, [node])[1].get(node) or \
+                    # why, as filter says it (its fit alone: filter's learning takes the
+                    # lock held here)
+                    return self._fit(pod, req, [node])[1].get(node) or \
                         "; ".join(explain(self.inv.arrays, g, i))
                 containers = tuple(ContainerAssignment(w.name, Mode.MPS, (GpuShare(
                     room.gpu, w.milli, w.memory_mib or migmps.memory_share(w.milli, room),
