@@ -461,6 +461,11 @@ class ClusterTarget:
         return Outcome(100.0 - 100.0 * allocated / cap, len(bound_names), binding_s)
 
 
+def pm(mean: float, se: float) -> str:
+    """``+m ± se``, or ``+m (one seed)`` where a standard error cannot be had."""
+    return f"{mean:+.2f} (one seed)" if math.isnan(se) else f"{mean:+.2f} ± {se:.2f}"
+
+
 def paired(a: list[float], b: list[float]) -> tuple[float, float]:
     """Mean and standard error of the per-seed differences ``a - b``."""
     d = np.array(a) - np.array(b)
@@ -511,19 +516,19 @@ def run(target: Target, seeds: list[int], console: Console,
     for a, b in pairs:
         diffs[(a, b)] = paired(unalloc[a], unalloc[b])
         m, se = diffs[(a, b)]
-        ptable.add_row(f"{LABELS.get(a, a)} - {LABELS.get(b, b)}", f"{m:+.2f} ± {se:.2f}")
+        ptable.add_row(f"{LABELS.get(a, a)} - {LABELS.get(b, b)}", pm(m, se))
     console.print(ptable)
     gates = []
     for path in ("device-plugin", "ours"):
         if (path, ref) in diffs:
             m, se = diffs[(path, ref)]
             gates.append((f"{LABELS[path]} within 0.3 points of the simulator's frag-strand "
-                          "(paired mean)", abs(m) <= 0.3, f"{m:+.2f} ± {se:.2f}"))
+                          "(paired mean)", abs(m) <= 0.3, pm(m, se)))
     for path in ("device-plugin", "ours"):
         if ("default", path) in diffs:
             m, se = diffs[("default", path)]
             gates.append((f"{LABELS[path]} better than DRA first fit by more than 2 SE",
-                          m > 2 * se, f"{m:+.2f} (2 SE = {2 * se:.2f})"))
+                          not math.isnan(se) and m > 2 * se, f"{m:+.2f} (2 SE = {2 * se:.2f})"))
     if "ours" in stats and "default" in stats and not math.isnan(base_rate):
         gates.append(("our DRA throughput >= 50% of the default's",
                       stats["ours"][2] >= 0.5 * base_rate,
@@ -563,7 +568,7 @@ def write_doc(doc: Path, name: str, seeds: list[int], unalloc: dict[str, list[fl
     lines += ["", "Paired per-seed differences (same tuned trace per seed for every path):", "",
               "| difference | mean ± standard error |", "|---|---|"]
     for (a, b), (m, se) in diffs.items():
-        lines.append(f"| {LABELS.get(a, a)} - {LABELS.get(b, b)} | {m:+.2f} ± {se:.2f} |")
+        lines.append(f"| {LABELS.get(a, a)} - {LABELS.get(b, b)} | {pm(m, se)} |")
     lines += ["", "| goal | result | measured |", "|---|---|---|"]
     for label, ok, value in gates:
         lines.append(f"| {label} | {'met' if ok else 'missed'} | {value} |")
