@@ -48,7 +48,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 from rich.console import Console
@@ -101,6 +101,8 @@ PATHS = ("default", "ours", "device-plugin", "device-plugin-sim", "device-plugin
 
 class SimTarget:
     modes = ("default", "ours", "device-plugin", "device-plugin-model")
+    labels: ClassVar[dict[str, str]] = {
+        "device-plugin": "device-plugin path, simulator's frag-strand (every pod)"}
 
     def __init__(self, scenario: Scenario, tune: float = 1.3) -> None:
         self.scenario, self.tune = scenario, tune
@@ -477,6 +479,8 @@ def run(target: Target, seeds: list[int], console: Console,
         only: list[str] | None = None, json_out: Path | None = None,
         doc: Path | None = None, doc_key: str = "main") -> int:
     rows: dict[str, list[Outcome]] = {m: [] for m in target.modes if not only or m in only}
+    # in the simulator the device-plugin row is frag-strand itself, not the deployed path
+    labels = {**LABELS, **getattr(target, "labels", {})}
     for seed in seeds:
         for mode, outs in rows.items():
             t0 = time.monotonic()
@@ -498,7 +502,7 @@ def run(target: Target, seeds: list[int], console: Console,
         stats[mode] = (float(u.mean()), float(u.std()), rate)
     base_rate = stats["default"][2] if "default" in stats else float("nan")
     for mode, (mean, sd, rate) in stats.items():
-        table.add_row(LABELS.get(mode, mode), f"{mean:.2f} ± {sd:.2f}", f"{rate:,.0f}",
+        table.add_row(labels.get(mode, mode), f"{mean:.2f} ± {sd:.2f}", f"{rate:,.0f}",
                       "-" if math.isnan(base_rate) else f"{rate / base_rate:.2f}x")
     console.print(table)
     # the simulator's frag-strand placing every pod: the figure each deployed path should reach
@@ -516,18 +520,18 @@ def run(target: Target, seeds: list[int], console: Console,
     for a, b in pairs:
         diffs[(a, b)] = paired(unalloc[a], unalloc[b])
         m, se = diffs[(a, b)]
-        ptable.add_row(f"{LABELS.get(a, a)} - {LABELS.get(b, b)}", pm(m, se))
+        ptable.add_row(f"{labels.get(a, a)} - {labels.get(b, b)}", pm(m, se))
     console.print(ptable)
     gates = []
     for path in ("device-plugin", "ours"):
         if (path, ref) in diffs:
             m, se = diffs[(path, ref)]
-            gates.append((f"{LABELS[path]} within 0.3 points of the simulator's frag-strand "
+            gates.append((f"{labels[path]} within 0.3 points of the simulator's frag-strand "
                           "(paired mean)", abs(m) <= 0.3, pm(m, se)))
     for path in ("device-plugin", "ours"):
         if ("default", path) in diffs:
             m, se = diffs[("default", path)]
-            gates.append((f"{LABELS[path]} better than DRA first fit by more than 2 SE",
+            gates.append((f"{labels[path]} better than DRA first fit by more than 2 SE",
                           not math.isnan(se) and m > 2 * se, f"{m:+.2f} (2 SE = {2 * se:.2f})"))
     if "ours" in stats and "default" in stats and not math.isnan(base_rate):
         gates.append(("our DRA throughput >= 50% of the default's",
@@ -537,7 +541,7 @@ def run(target: Target, seeds: list[int], console: Console,
         console.print(f"[{'green' if ok else 'red'}]{'PASS' if ok else 'FAIL'}[/] {label}: "
                       f"{value}")
     if doc is not None:
-        write_doc(doc, target.name, seeds, unalloc, diffs, gates, doc_key)
+        write_doc(doc, target.name, seeds, unalloc, diffs, gates, doc_key, labels)
     return 0 if all(ok for _, ok, _ in gates) else 1
 
 
@@ -554,21 +558,23 @@ def doc_markers(key: str) -> tuple[str, str]:
 
 def write_doc(doc: Path, name: str, seeds: list[int], unalloc: dict[str, list[float]],
               diffs: dict[tuple[str, str], tuple[float, float]],
-              gates: list[tuple[str, bool, str]], key: str = "main") -> None:
+              gates: list[tuple[str, bool, str]], key: str = "main",
+              labels: dict[str, str] | None = None) -> None:
     """Replace the generated section ``key`` of ``doc`` (between its markers; appended when
     absent) with this run's per-seed table, paired differences and gates."""
     start, end = doc_markers(key)
+    labels = labels or LABELS
     lines = [start, "", f"Run: {name}; seeds {seeds[0]}-{seeds[-1]} ({len(seeds)}), "
              f"{time.strftime('%Y-%m-%d')}. Unallocated GPU % at 100% arrived, per seed:", "",
              "| path | " + " | ".join(map(str, seeds)) + " | mean |",
              "|---|" + "---|" * (len(seeds) + 1)]
     for m, vals in unalloc.items():
-        lines.append(f"| {LABELS.get(m, m)} | " + " | ".join(f"{v:.2f}" for v in vals)
+        lines.append(f"| {labels.get(m, m)} | " + " | ".join(f"{v:.2f}" for v in vals)
                      + f" | {np.mean(vals):.2f} |")
     lines += ["", "Paired per-seed differences (same tuned trace per seed for every path):", "",
               "| difference | mean ± standard error |", "|---|---|"]
     for (a, b), (m, se) in diffs.items():
-        lines.append(f"| {LABELS.get(a, a)} - {LABELS.get(b, b)} | {pm(m, se)} |")
+        lines.append(f"| {labels.get(a, a)} - {labels.get(b, b)} | {pm(m, se)} |")
     lines += ["", "| goal | result | measured |", "|---|---|---|"]
     for label, ok, value in gates:
         lines.append(f"| {label} | {'met' if ok else 'missed'} | {value} |")

@@ -117,12 +117,9 @@ def read_yaml(path: Path, field: str) -> object:
     YAML is one line naming the file, the line and column, and the problem."""
     import yaml
 
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ValidationError(field, "an existing file", str(path)) from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ValidationError(field, "a readable UTF-8 file", f"{path}: {exc}") from None
+    from gpuslice.adapters.http.config import read_text
+
+    text = read_text(path, field)
     try:
         return yaml.safe_load(text)
     except yaml.YAMLError as exc:

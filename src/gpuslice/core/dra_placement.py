@@ -476,28 +476,20 @@ class DraLedger:
         if sreq is None:
             return DraDecision(None, name, 0, {REASON_UNSUPPORTED: len(self.nodes)})
         ok = self._eligible(req, sreq)
-        n = self.arrays.n_nodes
-        want = nodes_to_find(n, percentage)
-        order = (np.arange(n) + self.next_start) % n
-        hits = np.flatnonzero(ok[order])
-        if len(hits) == 0:
+        pick = default_pick(self.arrays, sreq, ok, self.next_start, rng, percentage)
+        if pick is None:
             return DraDecision(None, name, 0, self._reasons(req, sreq))
-        taken = hits[:want]
-        processed = int(taken[-1]) + 1 if len(hits) >= want else n
-        self.next_start = (self.next_start + processed) % n
-        nodes = order[taken]
-        scores = default_scores(self.arrays, sreq, nodes)
-        top = np.flatnonzero(scores == scores.max())
-        node = int(nodes[top[int(rng.integers(len(top)))]])
+        node = pick.node
+        self.next_start = pick.next_start
         results: tuple[DeviceResult, ...] | None = ()
         if req is not None:
             results = self._first_fit(node, req)
         if results is None:  # the arrays said yes; the exact rule is the judge
             return DraDecision(None, name, 0, {REASON_NO_DEVICE: 1})
         return DraDecision(
-            DraPlacement(self.nodes[node].name, results, float(scores.max()),
+            DraPlacement(self.nodes[node].name, results, pick.score,
                          ("highest NodeResourcesFit + BalancedAllocation score",
-                          "first fitting devices in slice order")), name, len(nodes))
+                          "first fitting devices in slice order")), name, pick.scored)
 
     def _why(self, node: int, slots: Sequence[int], sreq: SliceRequest) -> tuple[str, ...]:
         a = self.arrays
@@ -562,6 +554,35 @@ def nodes_to_find(n_nodes: int, percentage: int = 0) -> int:
     if pct <= 0:
         pct = max(50 - n_nodes // 125, MIN_FEASIBLE_NODES_PERCENTAGE)
     return max(n_nodes * pct // 100, MIN_FEASIBLE_NODES_TO_FIND)
+
+
+@dataclass(frozen=True, slots=True)
+class DefaultPick:
+    node: int
+    next_start: int  # where the next pick starts looking
+    scored: int  # feasible nodes scored
+    score: float
+
+
+def default_pick(arrays: ClusterArrays, req: SliceRequest, ok: BoolArray, start: int,
+                 rng: np.random.Generator, percentage: int = 0) -> DefaultPick | None:
+    """kube-scheduler's node choice with its default scores: feasible nodes (``ok``) found
+    from the rotating ``start`` (``nextStartNodeIndex``) until :func:`nodes_to_find` of them,
+    scored by :func:`default_scores`, the best taken with ties at random (``selectHost``).
+    None when no node is feasible (the start does not move then)."""
+    n = arrays.n_nodes
+    want = nodes_to_find(n, percentage)
+    order = (np.arange(n) + start) % n
+    hits = np.flatnonzero(ok[order])
+    if len(hits) == 0:
+        return None
+    taken = hits[:want]
+    processed = int(taken[-1]) + 1 if len(hits) >= want else n
+    nodes = order[taken]
+    scores = default_scores(arrays, req, nodes)
+    top = np.flatnonzero(scores == scores.max())
+    return DefaultPick(int(nodes[top[int(rng.integers(len(top)))]]), (start + processed) % n,
+                       len(nodes), float(scores.max()))
 
 
 def default_scores(arrays: ClusterArrays, req: SliceRequest, nodes: IntArray) -> FloatArray:

@@ -26,14 +26,14 @@ from collections.abc import Callable
 
 import numpy as np
 
-from gpuslice.core.dra_placement import default_scores, nodes_to_find
+from gpuslice.core.dra_placement import default_pick
 from gpuslice.core.fit import feasible
 from gpuslice.core.frag import Shape, TargetWorkload
 from gpuslice.core.learned import WorkloadEstimator
 from gpuslice.core.model import MILLI, ClusterArrays, SliceRequest
 from gpuslice.core.policies import PlacementState, choose, make_policy, tie_order
 from gpuslice.core.workload import Tasks
-from gpuslice.sim.engine import RunTrace, apply
+from gpuslice.sim.engine import Recorder, RunTrace, apply, columns
 
 MODE = "deployed"
 POLICY = "frag-strand"  # the extender's default
@@ -68,19 +68,12 @@ def replay_deployed(
     version = -1
     rank = tie_order(work.names) if tie_rank is None else tie_rank  # the extender's order
     start = 0  # the default scheduler's rotating first node (nextStartNodeIndex)
-    n = len(tasks)
-    arrived = np.zeros(n, dtype=np.int64)
-    allocated = np.zeros(n, dtype=np.int64)
-    frag = np.zeros(n, dtype=np.float64)
-    placed = np.zeros(n, dtype=np.bool_)
-    cpu, mem, num, milli = (tasks.cpu_milli.tolist(), tasks.memory_mib.tolist(),
-                            tasks.num_gpu.tolist(), tasks.gpu_milli.tolist())
-    spec = tasks.spec_id.tolist()
+    rec = Recorder(len(tasks), progress)
+    cpu, mem, num, milli, spec = columns(tasks)
     arr_sum = 0
     alloc_sum = int((work.gpu_present * MILLI - work.gpu_free).sum())
     frag_sum = float(metric.frag.sum())
-    step = max(n // 100, 1)
-    for i in range(n):
+    for i in range(len(tasks)):
         models = tasks.specs[spec[i]]
         req = SliceRequest(gpus=num[i], milli=milli[i], cpu_milli=cpu[i], memory_mib=mem[i],
                            models=models)
@@ -98,16 +91,9 @@ def replay_deployed(
             if found is not None:
                 node, gpus = found.node, found.gpus
         else:
-            hits = np.flatnonzero(np.roll(ok, -start))
-            if len(hits):
-                want = nodes_to_find(work.n_nodes)
-                taken = hits[:want]
-                processed = int(taken[-1]) + 1 if len(hits) >= want else work.n_nodes
-                nodes = (taken + start) % work.n_nodes
-                start = (start + processed) % work.n_nodes
-                scores = default_scores(work, req, nodes)
-                top = np.flatnonzero(scores == scores.max())
-                node = int(nodes[top[int(rng.integers(len(top)))]])
+            pick = default_pick(work, req, ok, start, rng)
+            if pick is not None:
+                node, start = pick.node, pick.next_start
         if node is not None:
             old = metric.frag[node]
             apply(metric, req, node, gpus)  # the arrays are shared: one update for both
@@ -116,12 +102,5 @@ def replay_deployed(
                 st.affinity[node] = metric.affinity[node]
             frag_sum += metric.frag[node] - old
             alloc_sum += num[i] * milli[i]
-            placed[i] = True
-        arrived[i] = arr_sum
-        allocated[i] = alloc_sum
-        frag[i] = frag_sum
-        if progress is not None and (i + 1) % step == 0:
-            progress(step)
-    if progress is not None and n % step:
-        progress(n % step)
-    return RunTrace(MODE, seed, int(arrays.gpu_count.sum()), arrived, allocated, frag, placed)
+        rec.record(i, arr_sum, alloc_sum, frag_sum, node is not None)
+    return rec.trace(MODE, seed, arrays)

@@ -45,7 +45,7 @@ from gpuslice.core.frag import TargetWorkload
 from gpuslice.core.model import MILLI, ClusterArrays
 from gpuslice.core.policies import make_policy
 from gpuslice.core.workload import Tasks
-from gpuslice.sim.engine import RunTrace
+from gpuslice.sim.engine import Recorder, RunTrace, columns
 
 MODES = ("dra-default", "dra-ours", "dra-ours-all")
 
@@ -95,17 +95,10 @@ def replay_dra(
     ledger = DraLedger(dra_nodes(arrays, units), {}, workload)
     policy = make_policy("frag-strand")
     rank = rng.permutation(arrays.n_nodes)  # the fixed tie order, as replay() draws it
-    n = len(tasks)
-    arrived = np.zeros(n, dtype=np.int64)
-    allocated = np.zeros(n, dtype=np.int64)
-    frag = np.zeros(n, dtype=np.float64)
-    placed = np.zeros(n, dtype=np.bool_)
-    cpu, mem, num, milli = (tasks.cpu_milli.tolist(), tasks.memory_mib.tolist(),
-                            tasks.num_gpu.tolist(), tasks.gpu_milli.tolist())
-    spec = tasks.spec_id.tolist()
+    rec = Recorder(len(tasks), progress)
+    cpu, mem, num, milli, spec = columns(tasks)
     arr_sum = alloc_sum = 0
-    step = max(n // 100, 1)
-    for i in range(n):
+    for i in range(len(tasks)):
         arr_sum += num[i] * milli[i]
         req = None
         if num[i] > 0:
@@ -121,11 +114,6 @@ def replay_dra(
         if dec.placement is not None:
             ledger.apply(dec.placement, ledger.slice_request(req, cpu[i], mem[i]))
             alloc_sum += num[i] * milli[i]
-            placed[i] = True
-        arrived[i] = arr_sum
-        allocated[i] = alloc_sum
-        frag[i] = float(ledger.state.frag.sum())
-        if progress is not None and (i + 1) % step == 0:
-            progress(step)
-    total_gpus = int(arrays.gpu_count.sum())
-    return RunTrace(mode, seed, total_gpus, arrived, allocated, frag, placed)
+        rec.record(i, arr_sum, alloc_sum, float(ledger.state.frag.sum()),
+                   dec.placement is not None)
+    return rec.trace(mode, seed, arrays)

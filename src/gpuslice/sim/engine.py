@@ -40,6 +40,39 @@ class RunTrace:
         return int((~self.placed).sum())
 
 
+class Recorder:
+    """What a replay records per task (arrived and allocated GPU milli, fragmentation, placed)
+    and its progress reports (every 1% of the tasks, the rest at the end): one for every replay
+    (plain, DRA, deployed)."""
+
+    def __init__(self, n: int, progress: Callable[[int], None] | None) -> None:
+        self.n, self.progress = n, progress
+        self.arrived = np.zeros(n, dtype=np.int64)
+        self.allocated = np.zeros(n, dtype=np.int64)
+        self.frag = np.zeros(n, dtype=np.float64)
+        self.placed = np.zeros(n, dtype=np.bool_)
+        self.step = max(n // 100, 1)
+
+    def record(self, i: int, arrived: int, allocated: int, frag: float, placed: bool) -> None:
+        self.arrived[i], self.allocated[i], self.frag[i] = arrived, allocated, frag
+        self.placed[i] = placed
+        if self.progress is not None and (i + 1) % self.step == 0:
+            self.progress(self.step)
+
+    def trace(self, policy: str, seed: int, arrays: ClusterArrays) -> RunTrace:
+        if self.progress is not None and self.n % self.step:
+            self.progress(self.n % self.step)
+        return RunTrace(policy, seed, int(arrays.gpu_count.sum()), self.arrived,
+                        self.allocated, self.frag, self.placed)
+
+
+def columns(tasks: Tasks) -> tuple[list[int], list[int], list[int], list[int], list[int]]:
+    """A task list's columns as Python lists (fast to index one task at a time): CPU milli,
+    memory MiB, GPUs, milli per GPU, allowed-model set id."""
+    return (tasks.cpu_milli.tolist(), tasks.memory_mib.tolist(), tasks.num_gpu.tolist(),
+            tasks.gpu_milli.tolist(), tasks.spec_id.tolist())
+
+
 def apply(st: PlacementState, req: SliceRequest, node: int, gpus: tuple[int, ...]) -> None:
     """Take ``req``'s resources on ``node`` (the GPUs given) and refresh the derived state."""
     a = st.arrays
@@ -77,19 +110,12 @@ def replay(
     st = PlacementState.build(arrays.copy(), policy_workload or workload)
     metric = st if policy_workload is None else PlacementState.build(st.arrays, workload)
     rank = rng.permutation(arrays.n_nodes) if tie_order else None
-    n = len(tasks)
-    arrived = np.zeros(n, dtype=np.int64)
-    allocated = np.zeros(n, dtype=np.int64)
-    frag = np.zeros(n, dtype=np.float64)
-    placed = np.zeros(n, dtype=np.bool_)
+    rec = Recorder(len(tasks), progress)
     arr_sum = 0
     alloc_sum = int((st.arrays.gpu_present * MILLI - st.arrays.gpu_free).sum())
-    cpu, mem, num, milli = (tasks.cpu_milli.tolist(), tasks.memory_mib.tolist(),
-                            tasks.num_gpu.tolist(), tasks.gpu_milli.tolist())
-    spec = tasks.spec_id.tolist()
+    cpu, mem, num, milli, spec = columns(tasks)
     frag_sum = float(metric.frag.sum())
-    step = max(n // 100, 1)
-    for i in range(n):
+    for i in range(len(tasks)):
         req = SliceRequest(gpus=num[i], milli=milli[i], cpu_milli=cpu[i], memory_mib=mem[i],
                            models=tasks.specs[spec[i]])
         arr_sum += num[i] * milli[i]
@@ -101,16 +127,8 @@ def replay(
                 metric.refresh(found.node)
             frag_sum += metric.frag[found.node] - old
             alloc_sum += num[i] * milli[i]
-            placed[i] = True
-        arrived[i] = arr_sum
-        allocated[i] = alloc_sum
-        frag[i] = frag_sum
-        if progress is not None and (i + 1) % step == 0:
-            progress(step)
-    if progress is not None and n % step:
-        progress(n % step)
-    total_gpus = int(arrays.gpu_count.sum())
-    return RunTrace(policy.name, seed, total_gpus, arrived, allocated, frag, placed)
+        rec.record(i, arr_sum, alloc_sum, frag_sum, found is not None)
+    return rec.trace(policy.name, seed, arrays)
 
 
 @dataclass(frozen=True)

@@ -10,13 +10,18 @@ from gpuslice.core.errors import ValidationError
 from gpuslice.core.routing_config import RouterConfig, parse_router_config
 
 
-def read_document(path: Path, field: str = "--config") -> object:
+def read_text(path: Path, field: str) -> str:
+    """A user's input file as text; missing or unreadable is one line naming ``field``."""
     try:
-        text = path.read_text(encoding="utf-8")
+        return path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise ValidationError(field, "an existing file", str(path)) from None
     except (OSError, UnicodeDecodeError) as exc:
         raise ValidationError(field, "a readable UTF-8 file", f"{path}: {exc}") from None
+
+
+def read_document(path: Path, field: str = "--config") -> object:
+    text = read_text(path, field)
     if path.suffix.lower() == ".toml":
         try:
             return tomllib.loads(text)
