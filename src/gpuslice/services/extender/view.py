@@ -82,8 +82,8 @@ class _PodInfo:
 def pod_info(pod: dict[str, Any]) -> _PodInfo | None:
     """A pod's :class:`_PodInfo` (its node if bound); None for a pod with bad requests."""
     try:
-        cpu, mem = pod_cpu_memory(pod)
-        req = pod_request(pod)
+        req = pod_request(pod)  # a GPU pod's request carries its CPU and memory
+        cpu, mem = pod_cpu_memory(pod) if req is None else (req.cpu_milli, req.memory_mib)
     except ValidationError:
         return None
     shape = Shape(cpu, 0, 0) if req is None else \
