@@ -14,20 +14,16 @@ session fixture (tests/cluster/conftest.py), people through ``gpuslice dev-clust
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
-import signal
-import socket
 import ssl
 import subprocess
 import sys
 import tempfile
-import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,6 +31,17 @@ from typing import Any
 import yaml
 
 from gpuslice.core.errors import GpusliceError, ValidationError
+from gpuslice.devcluster.nodes import KWOK_NODE_ANNOTATION
+from gpuslice.devcluster.procs import (
+    Pki,
+    Proc,
+    free_port,
+    http_get,
+    insecure,
+    openssl,
+    wait_until,
+)
+from gpuslice.devcluster.realnode import NODE_NAME, RealNode
 
 BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl",
             "kwok")
@@ -42,9 +49,8 @@ BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler
 FEATURE_GATES = ("DRAPartitionableDevices=true,DRAConsumableCapacity=true,"
                  "DRAExtendedResource=true,DRADeviceTaints=true")
 SERVICE_CIDR = "10.96.0.0/16"
-KWOK_NODE_ANNOTATION = "kwok.x-k8s.io/node"
 SCHEDULER_NAME = "gpuslice-scheduler"
-INVENTORY_ANNOTATION = "gpuslice.io/inventory"  # adapters.kube.objects.INVENTORY_ANNOTATION
+KUBELET_CLIENT_USER = "gpuslice-dev-apiserver-kubelet-client"
 
 
 def find_bin_dir(repo: Path | None = None) -> Path:
@@ -71,81 +77,6 @@ KWOK_STAGES = "kwok-stages.yaml"  # written by build.sh from the kwok module's s
 def missing_binaries(bin_dir: Path) -> list[str]:
     missing = [b for b in BINARIES if not os.access(bin_dir / b, os.X_OK)]
     return missing + ([] if (bin_dir / KWOK_STAGES).is_file() else [KWOK_STAGES])
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_until(what: str, check: Callable[[], bool], timeout_s: float,
-               proc: subprocess.Popen[bytes] | None = None, log: Path | None = None,
-               every_s: float = 0.25) -> None:
-    """Poll ``check`` until it is true; fail naming ``what`` (and the log's tail) when the
-    deadline passes or ``proc`` exits first."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        with contextlib.suppress(Exception):
-            if check():
-                return
-        if proc is not None and proc.poll() is not None:
-            raise GpusliceError(f"{what}: the process exited with {proc.returncode}"
-                                + _tail(log))
-        if time.monotonic() > deadline:
-            raise GpusliceError(f"{what}: not ready after {timeout_s:.0f} s" + _tail(log))
-        time.sleep(every_s)
-
-
-def _tail(log: Path | None, lines: int = 25) -> str:
-    if log is None or not log.exists():
-        return ""
-    text = log.read_text(errors="replace").splitlines()[-lines:]
-    return f"\n--- last lines of {log} ---\n" + "\n".join(text)
-
-
-def _openssl(*args: str) -> None:
-    try:
-        subprocess.run(["openssl", *args], check=True, capture_output=True, timeout=60)
-    except FileNotFoundError:
-        raise GpusliceError("the openssl command line tool is needed to make the dev "
-                            "cluster's certificates") from None
-    except subprocess.CalledProcessError as exc:
-        raise GpusliceError(f"openssl {args[0]} failed: {exc.stderr.decode()[-400:]}") from None
-
-
-@dataclass
-class Pki:
-    """A CA and the certificates signed by it (EC P-256, valid for two days)."""
-
-    folder: Path
-
-    def __post_init__(self) -> None:
-        self.folder.mkdir(parents=True, exist_ok=True)
-        self.ca_crt, self.ca_key = self.folder / "ca.crt", self.folder / "ca.key"
-        _openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
-                 "-nodes", "-days", "2", "-subj", "/CN=gpuslice-dev-cluster-ca",
-                 "-addext", "basicConstraints=critical,CA:TRUE",
-                 "-addext", "keyUsage=critical,keyCertSign,cRLSign",
-                 "-keyout", str(self.ca_key), "-out", str(self.ca_crt))
-
-    def issue(self, name: str, subject: str, *, server: bool = False) -> tuple[Path, Path]:
-        crt, key, csr = (self.folder / f"{name}.{x}" for x in ("crt", "key", "csr"))
-        ext = self.folder / f"{name}.ext"
-        lines = ["basicConstraints=critical,CA:FALSE",
-                 "keyUsage=critical,digitalSignature,keyEncipherment",
-                 "extendedKeyUsage=" + ("serverAuth,clientAuth" if server else "clientAuth"),
-                 "subjectKeyIdentifier=hash", "authorityKeyIdentifier=keyid"]
-        if server:
-            lines.append("subjectAltName=IP:127.0.0.1,DNS:localhost,DNS:kubernetes,"
-                         "DNS:kubernetes.default,DNS:kubernetes.default.svc,IP:10.96.0.1")
-        ext.write_text("\n".join(lines) + "\n")
-        _openssl("req", "-new", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
-                 "-nodes", "-subj", subject, "-keyout", str(key), "-out", str(csr))
-        _openssl("x509", "-req", "-in", str(csr), "-CA", str(self.ca_crt), "-CAkey",
-                 str(self.ca_key), "-CAcreateserial", "-days", "2", "-extfile", str(ext),
-                 "-out", str(crt))
-        return crt, key
 
 
 def scheduler_config(deploy_config: Path, kubeconfig: Path, extender_url: str | None,
@@ -182,41 +113,6 @@ def scheduler_config(deploy_config: Path, kubeconfig: Path, extender_url: str | 
 
 
 @dataclass
-class Proc:
-    name: str
-    argv: list[str]
-    log: Path
-    popen: subprocess.Popen[bytes] | None = None
-
-    def start(self, env: dict[str, str] | None = None) -> Proc:
-        out = self.log.open("ab")
-        try:
-            self.popen = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT,
-                                          stdin=subprocess.DEVNULL, start_new_session=True,
-                                          env=env)
-        finally:
-            out.close()
-        return self
-
-    @property
-    def pid(self) -> int | None:
-        return None if self.popen is None else self.popen.pid
-
-    def stop(self, timeout_s: float = 20.0) -> None:
-        p = self.popen
-        if p is None or p.poll() is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            p.send_signal(signal.SIGTERM)
-        try:
-            p.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                p.kill()
-            p.wait(10)
-
-
-@dataclass
 class DevCluster:
     """Start with :meth:`start`, end with :meth:`stop` (also a context manager).
 
@@ -245,6 +141,8 @@ class DevCluster:
         self.folder.mkdir(parents=True, exist_ok=True)
         self.extender_port = self.extender_port or free_port()
         self.ports: dict[str, int] = {}
+        self.real_node: RealNode | None = None
+        self.host_left: list[str] = []  # what a stopped real node left changed on the host
 
     # -- paths and URLs ------------------------------------------------------------------
 
@@ -294,11 +192,16 @@ class DevCluster:
         self.apiserver_cert = pki.issue("apiserver", "/CN=kube-apiserver", server=True)
         self.admin_cert = pki.issue("admin", "/O=system:masters/CN=gpuslice-dev-admin")
         self.extender_cert = pki.issue("extender", "/CN=gpuslice-extender", server=True)
+        # the API server's client certificate for kubelets (logs, exec, port-forward on a
+        # real node; a RealNode binds it to system:kubelet-api-admin)
+        self.kubelet_client_cert = pki.issue("apiserver-kubelet-client",
+                                             f"/CN={KUBELET_CLIENT_USER}")
+        self.pki = pki
         self.sa_key = self.dir / "pki" / "sa.key"
-        _openssl("ecparam", "-name", "prime256v1", "-genkey", "-noout", "-out",
+        openssl("ecparam", "-name", "prime256v1", "-genkey", "-noout", "-out",
                  str(self.sa_key))
         self.sa_pub = self.dir / "pki" / "sa.pub"
-        _openssl("ec", "-in", str(self.sa_key), "-pubout", "-out", str(self.sa_pub))
+        openssl("ec", "-in", str(self.sa_key), "-pubout", "-out", str(self.sa_pub))
         for name in ("etcd", "etcd-peer", "apiserver", "kcm", "scheduler", "kwok"):
             self.ports[name] = free_port()
         self._write_kubeconfig(self.kubeconfig, user={
@@ -326,7 +229,7 @@ class DevCluster:
             "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
             "--initial-cluster", f"dev={peer}", "--unsafe-no-fsync",
             "--quota-backend-bytes", str(4 << 30), "--log-level", "warn"])
-        wait_until("etcd /health", lambda: b'"health":"true"' in _get(client + "/health"),
+        wait_until("etcd /health", lambda: b'"health":"true"' in http_get(client + "/health"),
                    self.ready_timeout_s, p.popen, p.log)
 
     def _apiserver_argv(self) -> list[str]:
@@ -338,7 +241,12 @@ class DevCluster:
             f"--secure-port={self.ports['apiserver']}",
             f"--tls-cert-file={crt}", f"--tls-private-key-file={key}",
             f"--client-ca-file={self.ca_crt}",
-            "--authorization-mode=RBAC",
+            "--authorization-mode=Node,RBAC",
+            f"--kubelet-client-certificate={self.kubelet_client_cert[0]}",
+            f"--kubelet-client-key={self.kubelet_client_cert[1]}",
+            f"--kubelet-certificate-authority={self.ca_crt}",
+            # a real node's hostname need not resolve: the API server dials its InternalIP
+            "--kubelet-preferred-address-types=InternalIP",
             "--service-account-issuer=https://kubernetes.default.svc",
             f"--service-account-key-file={self.sa_pub}",
             f"--service-account-signing-key-file={self.sa_key}",
@@ -353,7 +261,7 @@ class DevCluster:
 
     def _start_apiserver(self) -> None:
         p = self._add("kube-apiserver", self._apiserver_argv())
-        wait_until("kube-apiserver /readyz", lambda: _get(self.server + "/readyz",
+        wait_until("kube-apiserver /readyz", lambda: http_get(self.server + "/readyz",
                                                           self._ssl()) == b"ok",
                    self.ready_timeout_s, p.popen, p.log)
 
@@ -402,7 +310,7 @@ class DevCluster:
             f"--server-address=127.0.0.1:{self.ports['kwok']}",
             "--node-lease-duration-seconds=40",
         ])
-        wait_until("kwok /healthz", lambda: _get(
+        wait_until("kwok /healthz", lambda: http_get(
             f"http://127.0.0.1:{self.ports['kwok']}/healthz") == b"ok",
             self.ready_timeout_s, p.popen, p.log)
 
@@ -428,9 +336,9 @@ class DevCluster:
             "--authorization-always-allow-paths=/healthz,/readyz,/livez,/metrics",
             f"--feature-gates={FEATURE_GATES}",
         ])
-        wait_until("kube-scheduler /healthz", lambda: _get(
+        wait_until("kube-scheduler /healthz", lambda: http_get(
             f"https://127.0.0.1:{self.ports['scheduler']}/healthz",
-            _insecure()) == b"ok", self.ready_timeout_s, p.popen, p.log)
+            insecure()) == b"ok", self.ready_timeout_s, p.popen, p.log)
 
     def start_extender(self, key_file: Path, timeout_s: float = 120.0) -> Proc:
         """(Re)start ``gpuslice extender`` as deploy/base runs it: HTTPS with a certificate of
@@ -452,12 +360,27 @@ class DevCluster:
         return p
 
     def scheduler_metrics(self) -> str:
-        return _get(f"https://127.0.0.1:{self.ports['scheduler']}/metrics",
-                    _insecure()).decode()
+        return http_get(f"https://127.0.0.1:{self.ports['scheduler']}/metrics",
+                    insecure()).decode()
+
+    def add_real_node(self, node_dir: Path, name: str = NODE_NAME) -> RealNode:
+        """Start containerd and a real kubelet on this host registered as node ``name``
+        (:class:`~gpuslice.devcluster.realnode.RealNode`; root only); stopped, and the host
+        restored, by :meth:`stop`."""
+        if self.real_node is not None:
+            raise GpusliceError(f"this cluster already has the real node {self.real_node.name}")
+        node = RealNode(self, node_dir, name)
+        self.real_node = node
+        node.start()
+        self.write_state()
+        return node
 
     def stop(self) -> None:
-        """Stop every process this cluster started (the reverse of the start order) and remove
-        its folder when it made it."""
+        """Stop every process this cluster started (the reverse of the start order; a real
+        node first, its host changes undone) and remove its folder when it made it."""
+        if self.real_node is not None:
+            self.host_left = self.real_node.stop()
+            self.real_node = None
         for name in reversed(list(self.procs)):
             self.procs[name].stop()
         self.procs.clear()
@@ -471,7 +394,8 @@ class DevCluster:
     def write_state(self) -> None:
         state = {"folder": str(self.dir), "kubeconfig": str(self.kubeconfig),
                  "server": self.server, "extender_url": self.extender_url,
-                 "ports": self.ports, "pids": {n: p.pid for n, p in self.procs.items()}}
+                 "ports": self.ports, "pids": {n: p.pid for n, p in self.procs.items()},
+                 "real_node": None if self.real_node is None else str(self.real_node.folder)}
         (self.dir / "state.json").write_text(json.dumps(state, indent=1))
 
     # -- clients -------------------------------------------------------------------------
@@ -538,62 +462,3 @@ class DevCluster:
         wait_until(f"{len(names)} kwok nodes Ready", ready, ready_timeout_s, every_s=1.0)
 
 
-def kwok_node(name: str, *, gpus: int, replicas: int = 10, labels: dict[str, str] | None = None,
-              annotations: dict[str, str] | None = None, cpu: str = "64",
-              memory: str = "512Gi", pods: int = 250,
-              gpu_memory_mib: int = 81920) -> dict[str, Any]:
-    """A Node that kwok manages: ``gpus`` GPUs served as ``gpus * replicas`` gpuslice.io/gpu
-    devices (as the device plugin advertises them), with the labels and annotations given (the
-    node agent's: see :func:`gpuslice.core.devices.inventory` and ``node_labels``)."""
-    alloc = {"cpu": cpu, "memory": memory, "pods": str(pods),
-             "gpuslice.io/gpu": str(gpus * replicas),
-             # the node agent's status patch: share and memory totals
-             "gpuslice.io/gpu-milli": str(1000 * gpus),
-             "gpuslice.io/gpu-memory": str(gpu_memory_mib * gpus)}
-    return {"apiVersion": "v1", "kind": "Node",
-            "metadata": {"name": name,
-                         "annotations": {KWOK_NODE_ANNOTATION: "fake", **(annotations or {})},
-                         "labels": {"kubernetes.io/hostname": name, "type": "kwok",
-                                    **(labels or {})}},
-            "spec": {},
-            "status": {"capacity": alloc, "allocatable": alloc}}
-
-
-def gpu_node(name: str, model: str = "A100-80GB", count: int = 2, mig: str | None = None,
-             replicas: int = 10, labels: dict[str, str] | None = None) -> dict[str, Any]:
-    """A kwok node carrying what the node agent publishes for ``count`` GPUs of ``model``
-    (the inventory annotation and GPU feature discovery labels, computed by the functions the
-    agent uses, on its fake NVML) and the device plugin's gpuslice.io/gpu capacity."""
-    from gpuslice.adapters.nvml.port import FakeNvml
-    from gpuslice.core.devices import inventory, node_labels
-
-    lines = ["gpus:"]
-    for _ in range(count):
-        lines.append(f"  - model: {model}")
-        if mig:
-            lines.append(f'    mig: "{mig}"')
-    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
-        f.write("\n".join(lines) + "\n")
-    try:
-        nv = FakeNvml.from_yaml(f.name, node=name)
-    finally:
-        os.unlink(f.name)
-    devs = nv.devices()
-    return kwok_node(name, gpus=count, replicas=replicas, gpu_memory_mib=devs[0].memory_mib,
-                     labels={**node_labels(devs, nv.driver_version()), **(labels or {})},
-                     annotations={INVENTORY_ANNOTATION: json.dumps(inventory(devs))})
-
-
-def _get(url: str, ctx: ssl.SSLContext | None = None, timeout_s: float = 5.0) -> bytes:
-    try:
-        with urllib.request.urlopen(url, context=ctx, timeout=timeout_s) as r:
-            return bytes(r.read()).strip()
-    except urllib.error.HTTPError as exc:
-        return bytes(exc.read()).strip()
-
-
-def _insecure() -> ssl.SSLContext:
-    ctx = ssl.create_default_context()
-    ctx.check_hostname = False
-    ctx.verify_mode = ssl.CERT_NONE
-    return ctx
