@@ -21,9 +21,11 @@ import json
 import logging
 import math
 import os
+import re
 import sys
 import tempfile
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeAlias
@@ -110,6 +112,40 @@ def non_negative_int(text: str) -> int:
     if n < 0:
         raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}")
     return n
+
+
+def input_path(kind: str) -> Callable[[str], Path]:
+    """argparse ``type=`` of an input file option that also takes the inputs shipped with
+    gpuslice by name (``builtin:NAME``, ``adapters/profiles/builtin.py``): a path, or the
+    shipped file's path; an unknown name is refused at parse time, listing the known ones."""
+    from gpuslice.adapters.profiles import builtin
+
+    def parse(text: str) -> Path:
+        if not builtin.is_builtin(text):
+            return Path(text)
+        try:
+            return builtin.resolve(kind, text, kind)
+        except ValidationError as exc:
+            raise argparse.ArgumentTypeError(f"expected a path or one of {exc.expected}, "
+                                             f"got {text!r}") from None
+
+    parse.__name__ = f"{kind} file"  # argparse names the type in some messages
+    return parse
+
+
+def builtin_help(kind: str) -> str:
+    """The help text's note of the shipped inputs of ``kind``."""
+    from gpuslice.adapters.profiles import builtin
+
+    shipped = ", ".join(builtin.PREFIX + n for n in builtin.names(kind)) or "none"
+    return f"or a name shipped with gpuslice: {shipped}"
+
+
+def builtin_path(kind: str, name: str) -> Path:
+    """The path of a shipped input (``--example``'s defaults)."""
+    from gpuslice.adapters.profiles import builtin
+
+    return builtin.resolve(kind, name, kind)
 
 
 def read_yaml(path: Path, field: str) -> object:
@@ -284,11 +320,53 @@ def fields(record: logging.LogRecord) -> Mapping[str, Any]:
     return {k: v for k, v in vars(record).items() if k not in _RECORD_KEYS}
 
 
-def setup_logging(fmt: str, component: str, level: int = logging.INFO) -> logging.Logger:
+_ADDRESS = re.compile(r"0x[0-9a-fA-F]{6,}")
+
+
+class RepeatFilter(logging.Filter):
+    """Identical warnings (the same text: a claim's name is in it, so it is per claim) pass
+    once per ``window_s``; the next one after the window says how many were dropped ("...
+    (and N more like it since it was last logged)", field ``repeated``). A component retrying
+    a refused write every pass thus logs it once a minute, not hundreds of times. Records
+    below WARNING always pass. ``clock`` is monotonic seconds (a fake one in tests)."""
+
+    def __init__(self, window_s: float = 60.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__()
+        self.window_s, self.clock = window_s, clock
+        self._seen: dict[str, tuple[float, int]] = {}  # text -> (last passed, dropped since)
+        self._pruned = clock()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.WARNING:
+            return True
+        now = self.clock()
+        if now - self._pruned >= self.window_s:  # forget texts not seen for two windows
+            self._seen = {k: v for k, v in self._seen.items() if now - v[0] < 2 * self.window_s}
+            self._pruned = now
+        text = record.getMessage()
+        key = _ADDRESS.sub("0x", text)  # "<... object at 0x7f...>" differs call to call
+        passed, dropped = self._seen.get(key, (-math.inf, 0))
+        if now - passed < self.window_s:
+            self._seen[key] = (passed, dropped + 1)
+            return False
+        self._seen[key] = (now, 0)
+        if dropped:
+            record.msg = f"{text} (and {dropped} more like it since it was last logged)"
+            record.args = None
+            record.repeated = dropped
+        return True
+
+
+def setup_logging(fmt: str, component: str, level: int = logging.INFO,
+                  repeats_every_s: float | None = None) -> logging.Logger:
     """Send the ``gpuslice`` loggers to stderr in ``fmt`` (text or json); returns the
-    component's logger (``gpuslice.<component>``)."""
+    component's logger (``gpuslice.<component>``). ``repeats_every_s``: let an identical
+    warning through once per that many seconds (:class:`RepeatFilter`)."""
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter(component) if fmt == "json" else TextFormatter(component))
+    if repeats_every_s is not None:
+        handler.addFilter(RepeatFilter(repeats_every_s))
     root = logging.getLogger("gpuslice")
     for old in list(root.handlers):
         root.removeHandler(old)

@@ -9,11 +9,15 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 from rich.table import Table
 
+from gpuslice.adapters.profiles import builtin
 from gpuslice.cli.common import (
     EXIT_FAILED,
     EXIT_OK,
     Sub,
     add_output,
+    builtin_help,
+    builtin_path,
+    input_path,
     positive_float,
     print_json,
     read_yaml,
@@ -32,18 +36,26 @@ def register(sub: Sub) -> None:
         "rates and latency SLOs, from measured profiles; check the plan by replaying Poisson "
         "arrivals through it; optionally export mig-parted configs and Kubernetes manifests.",
     )
-    p.add_argument("--profiles", type=Path, required=True,
-                   help="ParvaGPU folder (with prof_data/) or a gpuslice profile CSV")
+    p.add_argument("--profiles", type=input_path("profiles"),
+                   help="ParvaGPU folder (with prof_data/) or a gpuslice profile CSV (required "
+                   "unless --example), "
+                   + builtin_help("profiles"))
     p.add_argument("--slo-rate", type=Path, help="ParvaGPU SLO_req_rate.csv (default: "
                    "PROFILES/SLO/SLO_req_rate.csv)")
     p.add_argument("--slo-latency", type=Path, help="ParvaGPU SLO_latency.csv (default: "
                    "PROFILES/SLO/SLO_latency.csv)")
     p.add_argument("--scenario", type=int, help="scenario (row) of the SLO files, from 1")
-    p.add_argument("--services", type=Path,
-                   help="services YAML/JSON: [{name, model, rate, slo_ms}] (instead of SLO files)")
-    p.add_argument("--fleet", type=Path,
+    p.add_argument("--services", type=input_path("services"),
+                   help="services YAML/JSON: [{name, model, rate, slo_ms}] (instead of SLO "
+                   "files), " + builtin_help("services"))
+    p.add_argument("--fleet", type=input_path("fleet"),
                    help="fleet YAML/JSON: [{gpu, count, cost_per_hour}] (default: unlimited "
-                   "GPUs of every profiled type)")
+                   "GPUs of every profiled type), " + builtin_help("fleet"))
+    p.add_argument("--example", action="store_true",
+                   help=f"plan the example that ships with gpuslice: --profiles "
+                   f"builtin:{builtin.EXAMPLE_PROFILES} --services builtin:"
+                   f"{builtin.EXAMPLE_SERVICES} --fleet builtin:{builtin.EXAMPLE_FLEET} "
+                   "(options given beside it take their place)")
     p.add_argument("--objective", choices=("gpus", "cost"), default="gpus")
     p.add_argument("--solver", choices=("auto", "milp", "greedy"), default="auto")
     p.add_argument("--latency-factor", type=float, default=0.45,
@@ -75,6 +87,7 @@ def _plan(args: argparse.Namespace, console: Console) -> int:
         to_json,
     )
 
+    example_defaults(args)
     check_files(args)
     opts = PlanOptions(latency_factor=args.latency_factor, objective=args.objective,
                        solver=args.solver, time_limit_s=args.time_limit, mix=not args.no_mix)
@@ -125,6 +138,21 @@ def _plan(args: argparse.Namespace, console: Console) -> int:
         console.print(f"[red]invalid[/] {e}")
     _write(args, run.plan, doc, console)
     return status
+
+
+def example_defaults(args: argparse.Namespace) -> None:
+    """``--example``: the shipped profiles, services and fleet where no option names others;
+    without it, ``--profiles`` is required."""
+    if args.example:
+        if args.profiles is None:
+            args.profiles = builtin_path("profiles", builtin.EXAMPLE_PROFILES)
+        if args.services is None and args.scenario is None:
+            args.services = builtin_path("services", builtin.EXAMPLE_SERVICES)
+        if args.fleet is None:
+            args.fleet = builtin_path("fleet", builtin.EXAMPLE_FLEET)
+    if args.profiles is None:
+        raise ValidationError("--profiles", "a profile folder or CSV, "
+                              f"{builtin.expected('profiles')}, or --example", None)
 
 
 def check_files(args: argparse.Namespace) -> None:

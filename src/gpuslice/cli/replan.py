@@ -8,10 +8,14 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from gpuslice.adapters.profiles import builtin
 from gpuslice.cli.common import (
     KUBECONFIG_HELP,
     Sub,
     add_output,
+    builtin_help,
+    builtin_path,
+    input_path,
     positive_float,
     print_json,
 )
@@ -29,15 +33,26 @@ def register(sub: Sub) -> None:
         "--apply the change is made on the cluster, the safe way: the added slices' "
         "Deployments first, running and ready, then the removed slices' pods drained through "
         "the router and their Deployments deleted.")
-    r.add_argument("--current", type=Path, required=True, help="the plan in force (JSON)")
-    r.add_argument("--profiles", type=Path, required=True, help="profiles (folder or CSV)")
-    r.add_argument("--services", type=Path, required=True,
-                   help="services file (models, SLOs, and rates unless --rates-from)")
+    r.add_argument("--current", type=input_path("plan"),
+                   help="the plan in force (JSON, from gpuslice plan --json), "
+                   + builtin_help("plan"))
+    r.add_argument("--profiles", type=input_path("profiles"),
+                   help="profiles (folder or CSV), " + builtin_help("profiles"))
+    r.add_argument("--services", type=input_path("services"),
+                   help="services file (models, SLOs, and rates unless --rates-from), "
+                   + builtin_help("services"))
+    r.add_argument("--example", action="store_true",
+                   help=f"re-plan the example that ships with gpuslice: --current "
+                   f"builtin:{builtin.EXAMPLE_PLAN} (builtin:{builtin.EXAMPLE_SERVICES}'s "
+                   f"services planned) --profiles builtin:{builtin.EXAMPLE_PROFILES} "
+                   f"--services builtin:{builtin.EXAMPLE_OBSERVED} (the same services under "
+                   "another load); options given beside it take their place")
     r.add_argument("--rates-from", metavar="URL",
                    help="router admin URL: offered rates measured over --window")
     r.add_argument("--window", type=positive_float, default=10.0,
                    help="with --rates-from: seconds to measure over (default 10)")
-    r.add_argument("--fleet", type=Path, help="fleet file (GPU types, counts, costs)")
+    r.add_argument("--fleet", type=input_path("fleet"),
+                   help="fleet file (GPU types, counts, costs), " + builtin_help("fleet"))
     r.add_argument("--seed", type=int, default=1)
     r.add_argument("--json", type=Path, help="write the new plan as JSON here")
     r.add_argument("--export", type=Path, help="write plan.json, mig-parted.yaml, manifests")
@@ -80,6 +95,7 @@ def _replan(args: argparse.Namespace, console: Console) -> int:
         to_json,
     )
 
+    example_defaults(args)
     if args.rates_from:
         url = urlparse(args.rates_from)
         if url.scheme not in ("http", "https") or not url.hostname:
@@ -169,3 +185,20 @@ def _replan(args: argparse.Namespace, console: Console) -> int:
             for path in write_exports(args.export, inc.plan, doc):
                 say.print(f"wrote {path}", highlight=False)
     return 0 if all(r.ok for r in inc.replay) else 1
+
+
+def example_defaults(args: argparse.Namespace) -> None:
+    """``--example``: the shipped plan, profiles and services where no option names others;
+    without it, --current, --profiles and --services are required."""
+    if args.example:
+        for option, kind, name in (("current", "plan", builtin.EXAMPLE_PLAN),
+                                   ("profiles", "profiles", builtin.EXAMPLE_PROFILES),
+                                   ("services", "services", builtin.EXAMPLE_OBSERVED)):
+            if getattr(args, option) is None:
+                setattr(args, option, builtin_path(kind, name))
+    for option, kind, what in (("current", "plan", "the plan in force (JSON)"),
+                               ("profiles", "profiles", "a profile folder or CSV"),
+                               ("services", "services", "a services file")):
+        if getattr(args, option) is None:
+            raise ValidationError(f"--{option}", f"{what}, {builtin.expected(kind)}, or "
+                                  "--example", None)

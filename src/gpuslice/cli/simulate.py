@@ -13,6 +13,7 @@ from gpuslice.cli.common import Sub, add_output, parse_policies, parse_seeds, pr
 from gpuslice.core.errors import ValidationError
 from gpuslice.core.policies import policy_names
 
+EMBEDDED = "embedded"  # --variant: the scenario of sim/default.py, which ships in the package
 DEFAULT_POLICIES = ("random", "dotprod", "gpu-clustering", "gpu-packing", "bestfit", "fgd",
                     "ours")
 
@@ -27,8 +28,9 @@ def register(sub: Sub) -> None:
     )
     src = sim.add_mutually_exclusive_group()
     src.add_argument("--trace", type=Path, help="pod list CSV (Alibaba openb format)")
-    src.add_argument("--variant", help="a trace variant from the shared data folder "
-                     "(default, gpushare40, ...); needs GPUSLICE_DATA or ../shared")
+    src.add_argument("--variant", help=f"{EMBEDDED} (the generated scenario shipped with "
+                     "gpuslice, as with no --trace) or a trace variant from the shared data "
+                     "folder (default, gpushare40, ...; needs GPUSLICE_DATA or ../shared)")
     sim.add_argument("--nodes", type=Path, help="node list CSV (with --trace)")
     sim.add_argument("--policy", default=",".join(DEFAULT_POLICIES),
                      help=f"comma-separated policies (default: all); known: "
@@ -61,7 +63,7 @@ def register(sub: Sub) -> None:
 
 
 def _simulate(args: argparse.Namespace, console: Console) -> int:
-    from gpuslice.adapters.traces.data import published_results, variant_paths
+    from gpuslice.adapters.traces.data import published_results, trace_variants, variant_paths
     from gpuslice.adapters.traces.fgd_results import read_published
     from gpuslice.sim.compare import compare
     from gpuslice.sim.default import default_nodes, default_tasks
@@ -94,7 +96,14 @@ def _simulate(args: argparse.Namespace, console: Console) -> int:
         raise ValidationError("--tune", "a positive multiple of GPU capacity", args.tune)
     if args.workers < 0:
         raise ValidationError("--workers", "0 (CPU count) or more", args.workers)
-    if args.variant:
+    embedded = args.variant in (EMBEDDED, f"builtin:{EMBEDDED}")
+    if args.variant and not embedded:
+        have = trace_variants()
+        if args.variant not in have:
+            where = (f"the data folder's {', '.join(have)}" if have else "a trace variant "
+                     "of the shared data folder (none found in GPUSLICE_DATA or ../shared)")
+            raise ValidationError("--variant", f"{EMBEDDED} (shipped with gpuslice) or {where}",
+                                  args.variant)
         pods, nodes = variant_paths(args.variant)
         scenario = load_scenario(pods, args.nodes or nodes)
     elif args.trace:
@@ -102,10 +111,14 @@ def _simulate(args: argparse.Namespace, console: Console) -> int:
             raise ValidationError("--nodes", "a node list CSV to go with --trace", None)
         scenario = load_scenario(args.trace, args.nodes)
     else:
+        if args.nodes is not None and embedded:
+            raise ValidationError("--nodes", f"no node list with --variant {EMBEDDED} (its "
+                                  "cluster is generated)", str(args.nodes))
         if args.nodes is not None:
             raise ValidationError("--trace", "a pod list CSV to go with --nodes", None)
         scenario = scenario_of("embedded-default", default_nodes(), default_tasks())
-    seeds = parse_seeds(args.seeds or ("42-51" if (args.trace or args.variant) else "42-44"))
+    from_trace = bool(args.trace or (args.variant and not embedded))
+    seeds = parse_seeds(args.seeds or ("42-51" if from_trace else "42-44"))
     published = []  # read before the replays: a missing data folder fails at once
     if args.compare is not None:
         path = published_results() if args.compare == "auto" else Path(args.compare)

@@ -51,5 +51,14 @@ def variant_paths(name: str) -> tuple[Path, Path]:
     return pods, data / TRACE_DIR / NODE_LIST
 
 
+def trace_variants() -> list[str]:
+    """The trace variants of the shared data folder (empty when there is none)."""
+    data = find_data_dir()
+    if data is None or not (data / TRACE_DIR).is_dir():
+        return []
+    return sorted(p.stem.removeprefix("openb_pod_list_")
+                  for p in (data / TRACE_DIR).glob("openb_pod_list_*.csv"))
+
+
 def published_results() -> Path:
     return require_data_dir() / RESULTS_DIR / "analysis_allo_discrete.csv"
