@@ -11,7 +11,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from gpuslice.adapters.mps import PIPE_DIR, SHM_DIR
+from gpuslice.adapters.mps import CONTROL, PIPE_DIR, SHM_DIR
 from gpuslice.cli.common import Sub, add_log_format, setup_logging
 from gpuslice.core import dra
 from gpuslice.core.errors import ValidationError
@@ -45,7 +45,9 @@ def register(sub: Sub) -> None:
     p.add_argument("--mps-shm-dir", default=SHM_DIR,
                    help="host directory that is the MPS daemons' /dev/shm, mounted at /dev/shm "
                    "in MPS clients ('' for none: then clients need hostIPC)")
-    p.add_argument("--mps-binary", default="nvidia-cuda-mps-control")
+    p.add_argument("--mps-binary", default=None,
+                   help="the MPS control program (default nvidia-cuda-mps-control; with "
+                   "--fake, the stand-in the demo and the tests use: a fake GPU has no MPS)")
     p.add_argument("--dev-dir", default="/dev", help="where the NVIDIA device nodes are")
     p.add_argument("--fake", type=Path, help="fake GPU inventory YAML instead of NVML")
     p.add_argument("--kubeconfig", help="kubeconfig (default: in-cluster, else kubectl's)")
@@ -59,6 +61,14 @@ def register(sub: Sub) -> None:
                    "resent every quarter of it)")
     p.add_argument("--resync", type=float, default=10.0,
                    help="seconds between comparisons of the pool with the API server's")
+    p.add_argument("--claim-read-timeout", type=float, default=20.0, metavar="SECONDS",
+                   help="a prepare's claim reads from the API server, connection, reads and "
+                   "retries together, answer within this; a claim not read by then gets an "
+                   "error the kubelet retries (its own deadline is 45 s; default %(default)s)")
+    p.add_argument("--max-prepares", type=int, default=16,
+                   help="prepares at a time (waiting on the API server); one more is "
+                   "answered 'busy' at once, and unprepares and health never wait "
+                   "(default %(default)s)")
     add_log_format(p)
     p.set_defaults(handler=run)
 
@@ -76,6 +86,11 @@ def run(args: argparse.Namespace, console: Console) -> int:
     if args.quiet <= 0 or args.poll <= 0 or args.resync <= 0 or args.health_timeout <= 0:
         raise ValidationError("--quiet/--poll/--resync/--health-timeout", "positive seconds",
                               (args.quiet, args.poll, args.resync, args.health_timeout))
+    if not 0 < args.claim_read_timeout < 45:
+        raise ValidationError("--claim-read-timeout", "seconds, above 0 and below the "
+                              "kubelet's 45 s deadline", args.claim_read_timeout)
+    if args.max_prepares < 1:
+        raise ValidationError("--max-prepares", "at least 1", args.max_prepares)
     lease: tuple[str, str] | None = None
     if args.allocator_lease != "none":
         ns, sep, name = args.allocator_lease.partition("/")
@@ -84,10 +99,20 @@ def run(args: argparse.Namespace, console: Console) -> int:
                                   args.allocator_lease)
         lease = (ns, name)
     setup_logging(args.log_format, "dra-driver")
+    mps_binary = args.mps_binary or CONTROL
+    if args.fake and args.mps_binary is None:
+        # a fake inventory has no GPU behind it: MPS "daemons" are the stand-in's (as the node
+        # agent with --fake starts none), so that shares prepare without the NVIDIA driver
+        from gpuslice.adapters.mps.fake import write_fake_control
+
+        where = args.state_dir or args.kubelet_dir / "plugins" / args.driver
+        where.mkdir(parents=True, exist_ok=True)
+        mps_binary = str(write_fake_control(where / "fake-mps-control"))
     cfg = DraConfig(node, kubelet_dir=args.kubelet_dir, driver=args.driver,
                     cdi_dir=args.cdi_dir, state_dir=args.state_dir,
                     mps_pipe_dir=args.mps_pipe_dir, mps_shm_dir=args.mps_shm_dir,
-                    mps_binary=args.mps_binary,
+                    mps_binary=mps_binary, claim_read_timeout_s=args.claim_read_timeout,
+                    max_prepares=args.max_prepares,
                     default_mode=args.mode, modes=parse_modes(args.gpu_mode),
                     taints=not args.no_taints, quiet_s=args.quiet, dev_dir=args.dev_dir,
                     allocator_lease=lease, health_timeout_s=args.health_timeout,

@@ -28,6 +28,7 @@ from typing import Any
 
 import grpc
 
+from gpuslice.adapters.dra.cdi import device_node
 from gpuslice.adapters.kube.annotation import AnnotationError, decode
 from gpuslice.adapters.kube.fake import KubePort
 from gpuslice.adapters.kube.objects import PRIORITY_ANNOTATION
@@ -37,7 +38,7 @@ from gpuslice.adapters.mps import (
     PIPE_DIR,
     PIPE_IN_CONTAINER,
     SHM_DIR,
-    client_mounts,
+    ensure_client_mounts,
     pinned_mem_limit,
 )
 from gpuslice.adapters.nvml.port import NvmlPort
@@ -53,6 +54,7 @@ from gpuslice.core.assignment import (
 from gpuslice.core.errors import GpusliceError, ValidationError
 from gpuslice.core.model import PRIORITIES
 from gpuslice.core.resourcenames import check_extended_resource_name
+from gpuslice.services.grpc_limits import Slots, Streams, pool_size
 
 log = logging.getLogger("gpuslice.device_plugin")
 
@@ -76,8 +78,14 @@ class PluginConfig:
     mig_profile: str = ""  # with "mixed": the profile this plugin serves
     resource: str = RESOURCE
     # how long Allocate keeps asking an API server that does not answer before it fails the
-    # admission (the kubelet sets no deadline on Allocate; a failed one fails the pod)
+    # admission (the kubelet sets no deadline on Allocate; a failed one fails the pod): the
+    # whole of it, a frozen server's unanswered connections included
     api_retry_s: float = 10.0
+    # calls waiting on the API server at a time (Allocate, GetPreferredAllocation); one more
+    # is answered at once, and ListAndWatch streams (at most ``streams``, a new one ends the
+    # oldest) have threads of their own (grpc_limits.py)
+    api_calls: int = 8
+    streams: int = 4
     # the kubelet's PodResources socket: pods it has given this resource's devices to already
     # executed their assignment, even while still Pending (pulling an image); None: not asked
     pod_resources: Path | None = None
@@ -87,6 +95,9 @@ class PluginConfig:
     # annotation), "cdi-cri" (the CRI's CDI devices field); several may be combined
     device_list_strategy: tuple[str, ...] = ("envvar",)
     cdi_root: Path = Path("/var/run/cdi")  # where the CDI spec is written (cdi-* strategies)
+    # where the NVIDIA device nodes are on the host (the CDI spec's hostPath; they keep their
+    # /dev names in the container): another folder for fake GPUs with stand-in nodes
+    dev_dir: Path = Path("/dev")
 
 
 def note_once(problems: list[str], text: str, window: int = 10) -> None:
@@ -153,6 +164,8 @@ class DevicePlugin(pbg.DevicePluginServicer):
         self._claim_lock = threading.Lock()
         self._admitting: list[_Admission] = []  # claimed, containers still to allocate
         self.problems: list[str] = []
+        self.api_slots = Slots(cfg.api_calls)
+        self.streams = Streams(cfg.streams)
 
     def executed(self) -> list[Assignment]:
         """The assignments Allocate has executed so far."""
@@ -205,8 +218,12 @@ class DevicePlugin(pbg.DevicePluginServicer):
         return self.options()
 
     def ListAndWatch(self, request: pb.Empty, context: Any) -> Iterator[pb.ListAndWatchResponse]:
+        with self.streams.open(context.is_active) as active:
+            yield from self._list_and_watch(active)
+
+    def _list_and_watch(self, active: Callable[[], bool]) -> Iterator[pb.ListAndWatchResponse]:
         seen = -1
-        while context.is_active():
+        while active():
             with self._cond:
                 if seen == self._version:
                     self._cond.wait(0.5)
@@ -224,15 +241,21 @@ class DevicePlugin(pbg.DevicePluginServicer):
         the API server does not answer: a brief outage must not fail admissions."""
         deadline = time.monotonic() + self.cfg.api_retry_s
         wait_s = 0.1
-        while True:
-            try:
-                return self.api.list_pods(node=self.cfg.node)
-            except GpusliceError as exc:
-                if time.monotonic() + wait_s > deadline:
-                    raise GpusliceError(f"the API server is not answering, so the pods waiting "
-                                        f"for this node's GPUs cannot be read: {exc}") from None
-                time.sleep(wait_s)
-                wait_s = min(2.0, 2 * wait_s)
+        with self.api_slots.take() as free:
+            if not free:
+                raise GpusliceError(f"{self.api_slots.limit} calls are waiting on the API "
+                                    "server already; try again")
+            while True:
+                try:
+                    left = max(0.01, deadline - time.monotonic())
+                    return self.api.list_pods(node=self.cfg.node, timeout_s=left)
+                except GpusliceError as exc:
+                    if time.monotonic() + wait_s > deadline:
+                        raise GpusliceError(f"the API server is not answering, so the pods "
+                                            f"waiting for this node's GPUs cannot be read: "
+                                            f"{exc}") from None
+                    time.sleep(wait_s)
+                    wait_s = min(2.0, 2 * wait_s)
 
     def _held_by_kubelet(self) -> set[tuple[str, str]]:
         """Pods holding this resource's devices, as the kubelet's PodResources API says; empty
@@ -542,7 +565,8 @@ class DevicePlugin(pbg.DevicePluginServicer):
             if PRIORITIES[priority] != "0":
                 envs["CUDA_MPS_CLIENT_PRIORITY"] = PRIORITIES[priority]
             mounts += [pb.Mount(container_path=c, host_path=h, read_only=False) for h, c in
-                       client_mounts(self.cfg.mps_pipe_dir, gpus[0], self.cfg.mps_shm_dir)]
+                       ensure_client_mounts(self.cfg.mps_pipe_dir, gpus[0],
+                                            self.cfg.mps_shm_dir)]
         return self._runtime_response(
             gpus, envs, mounts, {"gpuslice.io/pod": f"{a.namespace}/{a.pod}",
                                  "gpuslice.io/container": c.name,
@@ -552,15 +576,17 @@ class DevicePlugin(pbg.DevicePluginServicer):
         """The CDI spec of the devices this plugin hands out (kind gpuslice.io/gpu): one
         CDI device per GPU and per MIG instance, with its device node and the driver's
         control nodes."""
-        control = [{"path": p} for p in ("/dev/nvidiactl", "/dev/nvidia-uvm",
-                                          "/dev/nvidia-uvm-tools")]
+        def node(name: str) -> dict[str, str]:
+            return device_node(str(Path(self.cfg.dev_dir) / name), str(self.cfg.dev_dir))
+
+        control = [node(n) for n in ("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools")]
         devices = []
         for g in self.nvml.devices():
-            node = {"path": f"/dev/nvidia{g.index}"}
+            gpu = node(f"nvidia{self.nvml.minor_number(g.uuid)}")
             devices.append({"name": cdi_device_name(g.uuid),
-                            "containerEdits": {"deviceNodes": [node, *control]}})
+                            "containerEdits": {"deviceNodes": [gpu, *control]}})
             devices.extend({"name": cdi_device_name(m.uuid),
-                            "containerEdits": {"deviceNodes": [node, *control]}}
+                            "containerEdits": {"deviceNodes": [gpu, *control]}}
                            for m in g.mig)
         return {"cdiVersion": CDI_VERSION, "kind": CDI_KIND, "devices": devices}
 
@@ -626,7 +652,9 @@ class PluginServer:
         if self._server is not None:
             self._server.stop(grace=None)
         self.socket.unlink(missing_ok=True)
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=16))
+        cfg = self.plugin.cfg  # no call waits behind another (grpc_limits.py)
+        server = grpc.server(futures.ThreadPoolExecutor(
+            max_workers=pool_size(cfg.api_calls, cfg.streams)))
         pbg.add_DevicePluginServicer_to_server(self.plugin, server)  # type: ignore[no-untyped-call]
         server.add_insecure_port(f"unix://{self.socket}")
         server.start()
@@ -647,6 +675,8 @@ class PluginServer:
                     f"the kubelet refused to register {self.plugin.cfg.resource}: "
                     f"{exc.details() if hasattr(exc, 'details') else exc}") from None
         self.registrations += 1
+        log.info("registered %s with the kubelet (%s, endpoint %s)", self.plugin.cfg.resource,
+                 self.kubelet_socket, self.plugin.cfg.endpoint)
 
     def _failed(self, exc: BaseException) -> None:
         """One failed registration: note it, report it, and back off."""

@@ -35,6 +35,9 @@ class CdiDevice:
     env: dict[str, str] = field(default_factory=dict)
     device_nodes: tuple[str, ...] = ()
     mounts: tuple[tuple[str, str], ...] = ()  # (host path, container path)
+    # where ``device_nodes`` are on the host: another folder than /dev (stand-in nodes of fake
+    # GPUs) keeps their /dev names in the container, the host's as hostPath
+    dev_dir: str = "/dev"
 
     def qualified(self) -> str:
         return f"{KIND}={self.name}"
@@ -44,12 +47,22 @@ class CdiDevice:
         if self.env:
             edits["env"] = [f"{k}={v}" for k, v in sorted(self.env.items())]
         if self.device_nodes:
-            edits["deviceNodes"] = [{"path": p} for p in self.device_nodes]
+            edits["deviceNodes"] = [device_node(p, self.dev_dir) for p in self.device_nodes]
         if self.mounts:
             edits["mounts"] = [{"hostPath": h, "containerPath": c, "type": "none",
                                 "options": ["rbind", "rw", "nosuid", "nodev"]}
                                for h, c in self.mounts]
         return {"name": self.name, "containerEdits": edits}
+
+
+def device_node(host_path: str, dev_dir: str = "/dev") -> dict[str, str]:
+    """A CDI ``deviceNodes`` entry: ``path`` in the container, ``hostPath`` when the node is
+    elsewhere on the host (``<dev_dir>/nvidia0`` is ``/dev/nvidia0`` in the container)."""
+    root = Path(dev_dir)
+    if root == Path("/dev") or not Path(host_path).is_relative_to(root):
+        return {"path": host_path}
+    return {"path": str(Path("/dev") / Path(host_path).relative_to(root)),
+            "hostPath": host_path}
 
 
 def device_name(claim_uid: str, device: str, share_id: str = "") -> str:

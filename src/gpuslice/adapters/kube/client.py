@@ -16,7 +16,7 @@ import contextlib
 import os
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from gpuslice.adapters.install import pip_install
@@ -30,7 +30,13 @@ class KubeClient:
     ``~/.kube/config``, as kubectl finds it. Every call goes through one ApiClient built from
     this client's own configuration (the Kubernetes client's loaders otherwise write a
     process-wide default, which the next client loaded in the same process would replace),
-    with a request timeout so that a hung API server is an error, not a stuck thread."""
+    with a request timeout so that a hung API server is an error, not a stuck thread.
+
+    That timeout is per attempt, and the client retries on its own (urllib3's three retries:
+    four attempts of ``timeout_s`` against a frozen server). Calls that must answer within a
+    deadline (a DRA prepare, an Allocate) take ``timeout_s``: the whole call, connection,
+    reads and attempts together, then runs on a second ApiClient that never retries on its own
+    (:meth:`_within` makes the attempts)."""
 
     def __init__(self, kubeconfig: str | None = None, context: str | None = None,
                  timeout_s: float = 30.0) -> None:
@@ -59,6 +65,8 @@ class KubeClient:
         self._custom = client.CustomObjectsApi(self._api_client)
         self._resource = client.ResourceV1Api(self._api_client)  # kubernetes >= 34.1
         self.timeout_s = timeout_s
+        self._bounded: Any = None  # (ApiClient, CoreV1Api) without retries, made when needed
+        self._bounded_lock = threading.Lock()
         self._followers: list[_Follower] | None = None
         self._queue: Any = None
         self._generation = 0
@@ -78,7 +86,44 @@ class KubeClient:
                 raise ApiConflict(message) from None
             raise GpusliceError(f"API server: {exc.status} {message}") from None
         except urllib3.exceptions.HTTPError as exc:  # refused, timed out, connection lost
-            raise GpusliceError(f"API server unreachable: {exc}") from None
+            raise _Unreachable(f"API server unreachable: {exc}") from None
+
+    def _no_retry(self) -> Any:
+        """(ApiClient, CoreV1Api) of this client's configuration that never retry on their
+        own: a call with a deadline makes its own attempts (:meth:`_within`)."""
+        import copy
+
+        with self._bounded_lock:
+            if self._bounded is None:
+                cfg = copy.deepcopy(self._api_client.configuration)
+                cfg.retries = False
+                api = self._client.ApiClient(cfg)
+                self._bounded = (api, self._client.CoreV1Api(api))
+            return self._bounded
+
+    @staticmethod
+    def _within(timeout_s: float, attempt: Callable[[float], Any]) -> Any:
+        """``attempt(seconds left)`` until the API server answers, all attempts within
+        ``timeout_s``: an unreachable server (refused, reset, a stale kept-alive connection)
+        is asked again after a short pause while time is left; a frozen one (connections
+        accepted, never answered) uses the time left in one attempt. An answer, error
+        statuses included, ends it."""
+        deadline = time.monotonic() + timeout_s
+        pause, attempts, last = 0.1, 0, ""
+        while True:
+            left = deadline - time.monotonic()
+            if left < 0.01:
+                raise GpusliceError(
+                    f"API server unreachable: no answer within {timeout_s:g} s "
+                    f"({attempts} attempt{'s' if attempts != 1 else ''})"
+                    + (f"; last: {last}" if attempts else ""))
+            attempts += 1
+            try:
+                return attempt(left)
+            except _Unreachable as exc:
+                last = str(exc).removeprefix("API server unreachable: ")
+            time.sleep(max(0.0, min(pause, deadline - time.monotonic() - 0.01)))
+            pause = min(1.0, 2 * pause)
 
     def _json(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         """The call's answer as the server's JSON, parsed with orjson: the generated models
@@ -171,10 +216,17 @@ class KubeClient:
     def get_node(self, name: str) -> dict[str, Any]:
         return dict(self._json(self._api.read_node, name))
 
-    def list_pods(self, node: str | None = None) -> list[dict[str, Any]]:
-        """Every pod, or (``node``) the pods bound to that node, selected by the API server."""
+    def list_pods(self, node: str | None = None,
+                  timeout_s: float | None = None) -> list[dict[str, Any]]:
+        """Every pod, or (``node``) the pods bound to that node, selected by the API server;
+        ``timeout_s``: the whole call's deadline (see the class)."""
         kw = {"field_selector": f"spec.nodeName={node}"} if node is not None else {}
-        return self._items(self._api.list_pod_for_all_namespaces, **kw)
+        if timeout_s is None:
+            return self._items(self._api.list_pod_for_all_namespaces, **kw)
+        core = self._no_retry()[1]
+        out: list[dict[str, Any]] = self._within(timeout_s, lambda left: self._items(
+            core.list_pod_for_all_namespaces, _request_timeout=left, **kw))
+        return out
 
     def get_pod(self, namespace: str, name: str) -> dict[str, Any]:
         return dict(self._json(self._api.read_namespaced_pod, name, namespace))
@@ -234,8 +286,8 @@ class KubeClient:
     # version in use does not know, and DRA's fields move with every Kubernetes release
 
     def _rest(self, method: str, path: str, query: dict[str, str] | None = None,
-              body: Any = None) -> Any:
-        api = self._api_client
+              body: Any = None, client: Any = None, timeout: float | None = None) -> Any:
+        api = self._api_client if client is None else client
         headers = {"Accept": "application/json", "Content-Type": "application/json"}
         params = list((query or {}).items())
 
@@ -254,11 +306,17 @@ class KubeClient:
                     auth_settings=["BearerToken"], response_type=None,
                     _preload_content=_preload_content, _request_timeout=_request_timeout,
                     _return_http_data_only=True)
-        return self._json(send)
+        return self._json(send, _request_timeout=timeout or self.timeout_s)
 
-    def get_resource_claim(self, namespace: str, name: str) -> dict[str, Any]:
-        return dict(self._rest("GET", f"/apis/resource.k8s.io/v1/namespaces/{namespace}/"
-                                      f"resourceclaims/{name}"))
+    def get_resource_claim(self, namespace: str, name: str,
+                           timeout_s: float | None = None) -> dict[str, Any]:
+        """``timeout_s``: the whole read's deadline (see the class)."""
+        path = f"/apis/resource.k8s.io/v1/namespaces/{namespace}/resourceclaims/{name}"
+        if timeout_s is None:
+            return dict(self._rest("GET", path))
+        api = self._no_retry()[0]
+        return dict(self._within(timeout_s, lambda left: self._rest("GET", path, client=api,
+                                                                     timeout=left)))
 
     def list_resource_slices(self, driver: str = "", node: str = "") -> list[dict[str, Any]]:
         sel = ",".join(s for s in (f"spec.driver={driver}" if driver else "",
@@ -360,6 +418,10 @@ class _Follower(threading.Thread):
                 why = str(exc) if isinstance(exc, GpusliceError) else repr(exc)
             if not self.stop.is_set():
                 self.out.put(GpusliceError(f"{self.kind.lower()} watch: {why}"))
+
+
+class _Unreachable(GpusliceError):
+    """No answer from the API server (refused, timed out, connection lost)."""
 
 
 def _status_message(exc: Any) -> str:

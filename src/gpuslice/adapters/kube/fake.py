@@ -55,9 +55,12 @@ class KubePort(Protocol):
     def get_lease(self, namespace: str, name: str) -> dict[str, Any] | None: ...
     def put_lease(self, namespace: str, name: str, spec: dict[str, Any],
                   resource_version: str | None) -> dict[str, Any]: ...
-    def list_pods(self, node: str | None = None) -> list[dict[str, Any]]:
+    def list_pods(self, node: str | None = None,
+                  timeout_s: float | None = None) -> list[dict[str, Any]]:
         """Every pod, or (``node``) those bound to that node (a ``spec.nodeName`` field
-        selector, evaluated by the API server)."""
+        selector, evaluated by the API server). ``timeout_s``: an answer or an error within
+        that many seconds, connection, reads and retries included (None: the client's own
+        per-attempt timeout and retries)."""
         ...
     def get_pod(self, namespace: str, name: str) -> dict[str, Any]: ...
     def list_pod_disruption_budgets(self, namespace: str) -> list[dict[str, Any]]:
@@ -98,7 +101,11 @@ class DraPort(Protocol):
 
     def get_node(self, name: str) -> dict[str, Any]: ...
     def get_lease(self, namespace: str, name: str) -> dict[str, Any] | None: ...
-    def get_resource_claim(self, namespace: str, name: str) -> dict[str, Any]: ...
+    def get_resource_claim(self, namespace: str, name: str,
+                           timeout_s: float | None = None) -> dict[str, Any]:
+        """``timeout_s``: an answer or an error within that many seconds, all attempts
+        included (see :meth:`KubePort.list_pods`)."""
+        ...
     def list_resource_slices(self, driver: str = "", node: str = "") -> list[dict[str, Any]]: ...
     def create_resource_slice(self, obj: dict[str, Any],
                               dry_run: bool = False) -> dict[str, Any]: ...
@@ -454,8 +461,9 @@ class FakeApiServer:
             self.events.append(copy.deepcopy({**event, "metadata": {
                 **(event.get("metadata") or {}), "namespace": namespace}}))
 
-    def list_pods(self, node: str | None = None) -> list[dict[str, Any]]:
-        with self._lock:
+    def list_pods(self, node: str | None = None,
+                  timeout_s: float | None = None) -> list[dict[str, Any]]:
+        with self._lock:  # in memory: answered at once, whatever the deadline
             return copy.deepcopy([p for p in self._pods.values()
                                   if node is None or (p.get("spec") or {}).get("nodeName", "")
                                   == node])
@@ -526,7 +534,8 @@ class FakeApiServer:
         with self._lock:
             self._claims.pop((namespace, name), None)
 
-    def get_resource_claim(self, namespace: str, name: str) -> dict[str, Any]:
+    def get_resource_claim(self, namespace: str, name: str,
+                           timeout_s: float | None = None) -> dict[str, Any]:
         with self._lock:
             c = self._claims.get((namespace, name))
             if c is None:

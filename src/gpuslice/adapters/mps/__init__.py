@@ -41,6 +41,15 @@ def client_mounts(pipe_root: str, target: str, shm_dir: str) -> list[tuple[str, 
     return mounts
 
 
+def ensure_client_mounts(pipe_root: str, target: str, shm_dir: str) -> list[tuple[str, str]]:
+    """:func:`client_mounts`, their host folders made first: a bind mount whose source is
+    missing fails the container's start (runc: "stat ...: no such file or directory")."""
+    mounts = client_mounts(pipe_root, target, shm_dir)
+    for host, _ in mounts:
+        os.makedirs(host, exist_ok=True)
+    return mounts
+
+
 def pinned_mem_limit(*mib: int) -> str:
     """``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`` for a client whose ``CUDA_VISIBLE_DEVICES`` lists
     the devices in this order: ``0=<MiB>M,1=<MiB>M,...`` (the variable takes

@@ -1,0 +1,172 @@
+"""What prepare does to a node for one planned device, and unprepare undoes: MPS control
+daemons (one per GPU or MIG instance, shared by every share on it), MIG instances of
+partitionable devices, time-slices, and the CDI device the container runtime applies."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from gpuslice.adapters.dra.cdi import CdiDevice, device_name
+from gpuslice.adapters.mps import (
+    PIPE_IN_CONTAINER,
+    MpsDaemon,
+    ensure_client_mounts,
+    pinned_mem_limit,
+)
+from gpuslice.adapters.nvml.port import NvmlError, NvmlPort
+from gpuslice.core import dra
+from gpuslice.services.dra_driver.config import ClaimError, ClaimRef, DraConfig
+from gpuslice.services.mig_executor import MigExecutor
+
+
+class Effects:
+    def __init__(self, cfg: DraConfig, nvml: NvmlPort) -> None:
+        self.cfg, self.nvml = cfg, nvml
+        self.mig = MigExecutor(nvml)
+        self.mps: dict[str, MpsDaemon] = {}  # target (GPU or MIG instance) -> its daemon
+
+    def make(self, c: ClaimRef, e: dict[str, Any]) -> CdiDevice:
+        """Make one planned device ready (idempotently) and return its CDI device."""
+        minor = self._minor(e["gpu"])
+        env = {"GPUSLICE_CLAIM": f"{c.namespace}/{c.name}", "GPUSLICE_DEVICE": e["device"]}
+        nodes = tuple(os.path.join(self.cfg.dev_dir, n) for n in
+                      ("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools", f"nvidia{minor}"))
+        mounts: tuple[tuple[str, str], ...] = ()
+        if e.get("admin"):
+            target = e["gpu"]
+            if e["type"] == dra.TYPE_MIG:  # the instance when it exists, else its GPU
+                inst = e.get("migUUID") or self._mig_uuid(e["gpu"], e["profile"], e["start"],
+                                                         missing_ok=True)
+                if inst:
+                    target = inst
+                    nodes += self._cap_nodes(e["gpu"], inst)
+            env["CUDA_VISIBLE_DEVICES"] = target
+            return CdiDevice(device_name(c.uid, e["device"], e.get("shareID", "")), env,
+                             nodes, mounts, dev_dir=self.cfg.dev_dir)
+        if e["type"] == dra.TYPE_SHARE:
+            self.ensure_mps(e["gpu"])
+            # CUDA_VISIBLE_DEVICES names the one GPU, so that the container's CUDA (and the
+            # ordinal 0 of the memory limit) is that GPU whatever else the runtime exposes
+            env.update(CUDA_VISIBLE_DEVICES=e["gpu"],
+                       CUDA_MPS_PIPE_DIRECTORY=PIPE_IN_CONTAINER,
+                       CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=str(e["threadPct"]),
+                       CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=pinned_mem_limit(e["memoryMiB"]),
+                       GPUSLICE_SHARE=e["shareID"])
+            mounts = tuple(ensure_client_mounts(self.cfg.mps_pipe_dir, e["gpu"],
+                                                    self.cfg.mps_shm_dir))
+            name = device_name(c.uid, e["device"], e["shareID"])
+        elif e["type"] == dra.TYPE_MIG:
+            if not e.get("migUUID"):  # a partitionable device: its instance is made here
+                self.mig.ensure_instance(e["gpu"], e["profile"], e["start"])
+            mig_uuid = e.get("migUUID") or self._mig_uuid(e["gpu"], e["profile"], e["start"])
+            env["CUDA_VISIBLE_DEVICES"] = mig_uuid
+            nodes += self._cap_nodes(e["gpu"], mig_uuid)
+            if e.get("strategy") == "MPS":
+                mounts = self._mps_env(mig_uuid, e, env)
+            name = device_name(c.uid, e["device"])
+        else:
+            env["CUDA_VISIBLE_DEVICES"] = e["gpu"]
+            if e.get("strategy") == "MPS":
+                mounts = self._mps_env(e["gpu"], e, env)
+            if e.get("strategy") == "TimeSlicing":
+                self._set_timeslice(e["gpu"], str(e.get("interval") or "Default"))
+            name = device_name(c.uid, e["device"])
+        return CdiDevice(name, env, nodes, mounts, dev_dir=self.cfg.dev_dir)
+
+    def undo(self, entry: dict[str, Any], others: list[dict[str, Any]]) -> None:
+        """Undo what :meth:`make` did for a checkpointed claim ``entry``: the GPU's default
+        time-slice back, its MIG instances destroyed unless ``others`` (the devices other
+        claims hold) use them. No API server is needed: the checkpoint says it all."""
+        for e in entry["devices"]:
+            if e.get("admin"):
+                continue  # admin access made nothing
+            if e.get("strategy") == "TimeSlicing" and e.get("interval", "Default") != "Default":
+                self._set_timeslice(e["gpu"], "Default")  # the next claim's default
+            if e.get("type") == dra.TYPE_MIG and not e.get("migUUID") and not any(
+                    x.get("type") == dra.TYPE_MIG and x["gpu"] == e["gpu"]
+                    and (x["profile"], x["start"]) == (e["profile"], e["start"])
+                    for x in others):
+                try:
+                    self.mig.remove_instance(e["gpu"], e["profile"], e["start"])
+                except NvmlError as exc:
+                    raise ClaimError(f"MIG instance {e['profile']}@{e['start']} on GPU "
+                                     f"{e['gpu']} not removed: {exc}") from None
+
+    def _minor(self, gpu: str) -> int:
+        """The GPU's device minor from NVML (``/dev/nvidia<minor>``: not its index, which
+        differs from it on many servers)."""
+        try:
+            return self.nvml.minor_number(gpu)
+        except NvmlError as exc:
+            raise ClaimError(f"GPU {gpu}: no device minor number: {exc}") from None
+
+    def _cap_nodes(self, gpu: str, mig_uuid: str) -> tuple[str, ...]:
+        """The MIG device's GPU- and compute-instance capability nodes
+        (``/dev/nvidia-caps/nvidia-cap<N>``, from /proc/driver/nvidia/capabilities)."""
+        from gpuslice.adapters.nvml.caps import cap_node
+
+        try:
+            gi, ci = self.nvml.mig_cap_minors(gpu, mig_uuid)
+        except NvmlError as exc:
+            raise ClaimError(f"MIG device {mig_uuid}: its capability device nodes are "
+                             f"unknown: {exc}") from None
+        return cap_node(self.cfg.dev_dir, gi), cap_node(self.cfg.dev_dir, ci)
+
+    def _set_timeslice(self, gpu: str, interval: str) -> None:
+        """Apply a GpuConfig's ``sharing.timeSlicing.interval`` to the GPU; a GPU or driver
+        that cannot fails the claim, naming the field, instead of ignoring it."""
+        from gpuslice.adapters.nvml.port import TIMESLICE_LEVELS
+
+        try:
+            self.nvml.set_timeslice(gpu, TIMESLICE_LEVELS[interval])
+        except NvmlError as exc:
+            raise ClaimError(f"opaque config sharing.timeSlicing.interval {interval!r} cannot "
+                             f"be applied to GPU {gpu}: {exc}") from None
+
+    def _mps_env(self, target: str, e: dict[str, Any], env: dict[str, str]
+                 ) -> tuple[tuple[str, str], ...]:
+        self.ensure_mps(target)
+        env["CUDA_MPS_PIPE_DIRECTORY"] = PIPE_IN_CONTAINER
+        if e.get("mpsPct"):
+            env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(e["mpsPct"])
+        if e.get("mpsMiB"):
+            env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = pinned_mem_limit(e["mpsMiB"])
+        return tuple(ensure_client_mounts(self.cfg.mps_pipe_dir, target, self.cfg.mps_shm_dir))
+
+    def _mig_uuid(self, gpu: str, profile: str, start: int, missing_ok: bool = False) -> str:
+        g = next((g for g in self.nvml.devices() if g.uuid == gpu), None)
+        inst = next((m for m in (g.mig if g else ()) if (m.profile, m.start) ==
+                     (profile, start)), None)
+        if inst is None and missing_ok:
+            return ""
+        if inst is None:
+            raise ClaimError(f"GPU {gpu}: the MIG instance {profile}@{start} was created but "
+                             "NVML does not list it")
+        return inst.uuid
+
+    def ensure_mps(self, target: str) -> None:
+        """The MPS control daemon of GPU (or MIG instance) ``target`` runs: one per GPU,
+        shared by every share on it, in the node agent's pipe directory layout; one already
+        running there (the node agent's, or a previous driver's) is adopted."""
+        d = self.mps.get(target)
+        if d is None:
+            root = Path(self.cfg.mps_pipe_dir)
+            d = MpsDaemon(target, root / target, root / f"{target}.log",
+                          binary=self.cfg.mps_binary)
+            self.mps[target] = d
+        if not d.healthy():
+            d.start()
+
+    def stop_mps(self) -> list[str]:
+        """Quit the MPS control daemons this driver started or adopted; their targets. For
+        local runs (``gpuslice demo --dra``) only: the DaemonSet leaves them running for the
+        containers that use them."""
+        stopped = []
+        for target, d in list(self.mps.items()):
+            if d.healthy():
+                d.quit()
+                stopped.append(target)
+            del self.mps[target]
+        return stopped
