@@ -393,6 +393,66 @@ def test_only_the_lease_holder_binds_and_a_standby_takes_over() -> None:
     assert b.ledger.free("GPU-a-0")[0] + b.ledger.free("GPU-a-1")[0] == 1000  # 700 + 300 taken
 
 
+def test_only_the_leader_is_ready_and_a_stopped_leader_hands_over_at_once() -> None:
+    """With two replicas behind one Service, kube-scheduler must reach the leader: readiness
+    (``/readyz``) is leadership, so a follower answers 503 and the Service leaves it out;
+    liveness (``/healthz``) passes on both. A leader told to stop gives its Lease up, and the
+    follower leads (and is ready) at its next step instead of after the Lease lapses."""
+    import time
+
+    from gpuslice.services.extender import serve
+    from gpuslice.services.leader import LeaderElector
+
+    api = small_cluster()
+    states = {n: ExtenderState(api, KEY, clock=clock) for n in ("a", "b")}
+    for n, st in states.items():  # renewed every second, lapsing after 3 s
+        st.elector = LeaderElector(api, "gpuslice-system", "ext", n, time.time, 3.0)
+
+    async def main() -> None:
+        ports: dict[str, int] = {}
+        stops = {n: asyncio.Event() for n in states}
+        tasks = {n: asyncio.create_task(serve(
+            st, "127.0.0.1", 0, ready=lambda port, n=n: ports.__setitem__(n, port),  # type: ignore[misc]
+            stop=stops[n])) for n, st in states.items()}
+
+        async def until(check: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
+            end = time.monotonic() + timeout_s
+            while not check():
+                assert time.monotonic() < end, what
+                await asyncio.sleep(0.05)
+
+        def lead() -> list[str]:
+            return [n for n, st in states.items() if st.elector and st.elector.leader]
+
+        await until(lambda: len(ports) == 2 and len(lead()) == 1, "one leader")
+        async with aiohttp.ClientSession() as session:
+            async def get(n: str, path: str) -> tuple[int, str]:
+                async with session.get(f"http://127.0.0.1:{ports[n]}{path}") as r:
+                    return r.status, await r.text()
+
+            (leader,) = lead()
+            follower = "b" if leader == "a" else "a"
+            assert (await get(leader, "/readyz"))[0] == 200
+            status, text = await get(follower, "/readyz")
+            assert status == 503 and "not the leader" in text, text
+            assert [(await get(n, "/healthz"))[0] for n in states] == [200, 200]
+            stops[leader].set()
+            await asyncio.wait_for(tasks[leader], 5)
+            el = states[leader].elector
+            assert el is not None and el.released
+            lease = api.get_lease("gpuslice-system", "ext")
+            assert lease is not None and lease["spec"]["holderIdentity"] in ("", follower)
+            # the follower takes over at its next step (1 s), not after the lease's 3 s
+            t0 = time.monotonic()
+            await until(lambda: lead() == [follower], "the follower leads", 2.5)
+            assert time.monotonic() - t0 < 2.5
+            assert (await get(follower, "/readyz"))[0] == 200
+        stops[follower].set()
+        await asyncio.wait_for(tasks[follower], 5)
+
+    asyncio.run(main())
+
+
 def test_a_bind_killed_before_its_write_leaves_nothing_and_binds_elsewhere() -> None:
     """The assignment and the node are one write (the Binding carries the annotation): an
     extender killed before it leaves the pod untouched and no share taken."""

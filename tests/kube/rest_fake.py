@@ -26,7 +26,8 @@ official Kubernetes client, is exercised through real HTTP:
 - outages: while :attr:`RestApiServer.down` is set every call gets 503 and open watches end;
 - resource.k8s.io/v1: ResourceSlices and DeviceClasses (list), ResourceClaims (list across
   namespaces, get, replace with the metadata only, and replace of the ``status`` subresource,
-  both with the resourceVersion precondition);
+  both with the resourceVersion precondition; a status write that changes the allocation or
+  reservedFor also needs ``update`` on ``resourceclaims/binding``, as Kubernetes 1.36 asks);
 - EndpointSlices of a Service (:attr:`RestApiServer.endpointslices`, selected by the
   ``kubernetes.io/service-name`` label) for the router;
 - RBAC: a bearer token ``sa:<namespace>:<name>`` is that ServiceAccount, allowed what the
@@ -288,6 +289,30 @@ class RestApiServer(FakeApiServer):
             self.denied.append(message)
             raise HttpError(403, "Forbidden", message)
 
+    def _authorize_binding(self, who: str, verb: str, namespace: str, name: str,
+                           body: Any) -> None:
+        """Kubernetes 1.36 (DRAResourceClaimGranularStatusAuthorization, beta, on): a status
+        write that changes ``status.allocation`` or ``status.reservedFor`` also needs the
+        request's verb on the synthetic ``resourceclaims/binding``, cluster-wide
+        (pkg/registry/resource/resourceclaim: AuthorizedForBinding), else 422 Invalid."""
+        cur = (self.get_resource_claim(namespace, name).get("status") or {})
+        new = (body.get("status") if isinstance(body, dict) else None) or {}
+        if all(cur.get(f) == new.get(f) for f in ("allocation", "reservedFor")):
+            return
+        if who == "admin":
+            return
+        _, ns, sa = who.split(":")
+        if self.rbac.allowed((ns, sa), "resource.k8s.io", "resourceclaims/binding", verb, "",
+                             ""):
+            return
+        message = (f'ResourceClaim.resource.k8s.io "{name}" is invalid: status: Forbidden: '
+                   "changing status.allocation or status.reservedFor requires "
+                   f'resource="resourceclaims/binding", verb="{verb}" permission: '
+                   f'User "system:serviceaccount:{ns}:{sa}" cannot {verb} resource '
+                   '"resourceclaims/binding" in API group "resource.k8s.io" at the cluster scope')
+        self.denied.append(message)
+        raise HttpError(422, "Invalid", message)
+
     def _route(self, h: BaseHTTPRequestHandler, who: str, method: str, path: str,
                query: dict[str, str], raw: bytes, ctype: str) -> tuple[int, Any]:
         seg = [s for s in path.split("/") if s]
@@ -331,6 +356,9 @@ class RestApiServer(FakeApiServer):
                 raise HttpError(400, "BadRequest", "the fake supports no JSON patch")
         key = (group, resource, method, bool(namespace), bool(name), sub)
         try:
+            if (group, resource, sub, method) == ("resource.k8s.io", "resourceclaims",
+                                                   "status", "PUT"):
+                self._authorize_binding(who, verb, namespace, name, body)
             if watching:
                 return self._watch(h, group, resource, namespace, query)
             return self._dispatch(key, namespace, name, query, body)

@@ -360,7 +360,51 @@ def test_the_command_leads_through_its_lease_and_allocates(rest: RestApiServer, 
     args = ap.parse_args(["dra-allocator", "--once", "--settle=0", "--identity=a",
                           "--kubeconfig", str(path)])
     assert args.handler(args, Console()) == 0
-    assert "allocated ml/c1 -> n1: gpu-0" in capsys.readouterr().err  # the log, on stderr
+    err = capsys.readouterr().err  # the log, on stderr
+    assert "watching ResourceClaims of unbound pods for driver gpu.gpuslice.io" in err
+    assert "holding the Lease gpuslice-system/gpuslice-dra-allocator" in err
+    assert "allocated ml/c1 -> n1: gpu-0" in err
+    # it led, and gave the Lease up on the way out: the replicas need not wait for it to lapse
+    assert "released the Lease gpuslice-system/gpuslice-dra-allocator" in err
     lease = rest.get_lease("gpuslice-system", "gpuslice-dra-allocator")
-    assert lease is not None and lease["spec"]["holderIdentity"] == "a"
+    assert lease is not None and lease["spec"]["holderIdentity"] == ""
+    assert lease["spec"]["acquireTime"] and lease["spec"]["leaseDurationSeconds"] == 1
     assert not rest.denied
+
+
+def test_kubernetes_1_36_asks_for_resourceclaims_binding(tmp_path: Path) -> None:
+    """Kubernetes 1.36 refuses a status write that sets the allocation unless the writer may
+    also update ``resourceclaims/binding`` (the message seen on a 1.36 kubelet node). The
+    shipped role grants it; without that rule every claim is refused, each one a problem of
+    its own, and the pass goes on to the next claim."""
+    import shutil
+
+    import yaml
+
+    docs = list(yaml.safe_load_all((DRA_DEPLOY / "rbac.yaml").read_text()))
+    (role,) = [d for d in docs if d["kind"] == "ClusterRole"]
+    granted = {(g, r): set(rule["verbs"]) for rule in role["rules"]
+               for g in rule["apiGroups"] for r in rule["resources"]}
+    assert {"update"} <= granted[("resource.k8s.io", "resourceclaims/binding")]
+    assert {"update"} <= granted[("resource.k8s.io", "resourceclaims/status")]
+
+    old = tmp_path / "old-rbac"
+    shutil.copytree(DRA_DEPLOY, old)
+    for rule in role["rules"]:
+        rule["resources"] = [r for r in rule["resources"] if r != "resourceclaims/binding"]
+    (old / "rbac.yaml").write_text(yaml.safe_dump_all(docs))
+    server = RestApiServer(rbac=Rbac((DEPLOY, EXAMPLES, old))).start()
+    try:
+        cluster(server)
+        for name in ("c1", "c2"):
+            server.add_resourceclaim(claim(name, 30))
+            server.add_pod(pod(f"p-{name}", name))
+        alloc = allocator(server, tmp_path)
+        assert alloc.run_once().allocated == {}
+        assert len(alloc.problems) == 2, alloc.problems
+        for name, problem in zip(("c1", "c2"), sorted(alloc.problems), strict=True):
+            assert problem.startswith(f"claim ml/{name}: not allocated: API server: 422")
+            assert 'requires resource="resourceclaims/binding", verb="update"' in problem
+        assert not (server.get_resource_claim("ml", "c1").get("status") or {}).get("allocation")
+    finally:
+        server.stop()

@@ -5,12 +5,13 @@ from __future__ import annotations
 import argparse
 import os
 import socket
-import threading
 
 from rich.console import Console
 
 from gpuslice.cli.common import KUBECONFIG_HELP, Sub, add_log_format, setup_logging
 from gpuslice.core.errors import ValidationError
+
+REPEATS_EVERY_S = 60.0  # an identical warning (a claim's refused write) at most this often
 
 
 def register(sub: Sub) -> None:
@@ -50,7 +51,9 @@ def register(sub: Sub) -> None:
 def _run(args: argparse.Namespace, console: Console) -> int:
     import time
 
+    from gpuslice.adapters.kube import dra as kdra
     from gpuslice.adapters.kube.client import KubeClient
+    from gpuslice.adapters.signals import StopSignals
     from gpuslice.services.dra_allocator import DraAllocator, PassReport
     from gpuslice.services.leader import LeaderElector
 
@@ -60,30 +63,48 @@ def _run(args: argparse.Namespace, console: Console) -> int:
         raise ValidationError("--settle", "0 or more seconds", args.settle)
     if args.max_backoff <= 0:
         raise ValidationError("--max-backoff", "a positive number of seconds", args.max_backoff)
-    log = setup_logging(args.log_format, "dra-allocator")
+    # a refused write comes back every pass (5 a second): once a minute per claim is enough
+    log = setup_logging(args.log_format, "dra-allocator", repeats_every_s=REPEATS_EVERY_S)
     api = KubeClient(args.kubeconfig, args.context)
     identity = args.identity or os.environ.get("POD_NAME") or socket.gethostname()
+    lease = f"{args.lease_namespace}/{args.lease_name}"
     elector = LeaderElector(api, args.lease_namespace, args.lease_name, identity, time.time)
     alloc = DraAllocator(api, driver=args.driver, policy=args.policy,
                          require_taint=not args.no_require_taint, settle_s=args.settle,
                          max_backoff_s=args.max_backoff,
                          elector=elector)
+    classes = sorted(alloc.classes)
+    log.info("watching ResourceClaims of unbound pods for driver %s (device classes %s), "
+             "policy %s, %s; leader election on Lease %s as %s",
+             args.driver, ", ".join(classes), args.policy,
+             "devices tainted for the allocator only" if alloc.require_taint
+             else "untainted devices too", lease, identity,
+             extra={"event": "starting", "driver": args.driver, "classes": classes,
+                    "lease": lease, "identity": identity, "taint": kdra.ALLOCATOR_TAINT
+                    if alloc.require_taint else None})
+    leading: bool | None = None
 
     def show(report: PassReport) -> None:
+        nonlocal leading
+        if report.leading != leading:
+            leading = report.leading
+            log.info("%s the Lease %s", "holding" if leading else "waiting for", lease,
+                     extra={"event": "leading" if leading else "following", "lease": lease})
         for claim, where in report.allocated.items():
             log.info("allocated %s -> %s", claim, where, extra={"claim": claim, "to": where})
         for claim in report.taken:
             log.info("%s: allocated by someone else first", claim, extra={"claim": claim})
         for problem in alloc.problems:
-            log.warning("problem: %s", problem)
+            log.warning("problem: %s", problem, extra={"event": "problem"})
         alloc.problems.clear()
 
-    if args.once:
-        show(alloc.run_once())
-        return 0
-    stop = threading.Event()
-    try:
-        alloc.run(stop, args.interval, show)
-    except KeyboardInterrupt:
-        stop.set()
+    with StopSignals() as signals:  # SIGTERM (the pod deleted) or Ctrl-C: stop, exit 0
+        if args.once:
+            show(alloc.run_once())
+        else:
+            alloc.run(signals.event, args.interval, show)
+    released = elector.release()  # a standby takes over at its next pass
+    log.info("%s", signals.stopped_line(f"released the Lease {lease}" if released
+                                        else f"did not hold the Lease {lease}"),
+             extra={"event": "stopped", "released": released})
     return 0

@@ -60,6 +60,7 @@ def _extender(args: argparse.Namespace, console: Console) -> int:
 
     from gpuslice.adapters.kube.client import KubeClient
     from gpuslice.adapters.kube.fake import KubePort, load_fake_cluster
+    from gpuslice.adapters.signals import StopSignals
     from gpuslice.services.extender import ExtenderState, bind_clock, serve, tls_context
 
     log = setup_logging(args.log_format, "extender")
@@ -98,8 +99,24 @@ def _extender(args: argparse.Namespace, console: Console) -> int:
                  extra={"event": "serving", "port": port, "nodes": len(state.inv.names),
                         "assignments": len(state.ledger.owners)})
 
+    stop = asyncio.Event()  # SIGTERM (the pod deleted) or Ctrl-C: stop serving, then exit 0
+    signals = StopSignals(stop.set)
+
+    async def main() -> None:
+        signals.install(asyncio.get_running_loop())
+        try:
+            await serve(state, host, int(port_text), ctx, args.resync, ready, stop)
+        finally:
+            signals.restore()
+
     try:
-        asyncio.run(serve(state, host, int(port_text), ctx, args.resync, ready))
+        asyncio.run(main())
     except OSError as exc:
         raise ValidationError("--listen", "a free address to listen on", str(exc)) from None
+    el = state.elector
+    log.info("%s", signals.stopped_line(
+        "not leader-elected" if el is None else
+        f"released the Lease {args.lease}" if el.released else
+        f"did not hold the Lease {args.lease}"),
+        extra={"event": "stopped", "released": el is not None and el.released})
     return 0

@@ -38,6 +38,9 @@ def register(sub: Sub) -> None:
                     "(default), volume-mounts, cdi-annotations, cdi-cri (NVIDIA's names)")
     na.add_argument("--cdi-root", type=Path, default=Path("/var/run/cdi"),
                     help="where the CDI spec (kind gpuslice.io/gpu) is written for cdi-*")
+    na.add_argument("--dev-dir", type=Path, default=Path("/dev"),
+                    help="where the NVIDIA device nodes are on the host (default /dev): the CDI "
+                    "spec's hostPath, e.g. stand-in nodes for --fake GPUs")
     na.add_argument("--quiet", type=float, default=60.0,
                     help="seconds without errors before a faulty GPU is healthy again")
     na.add_argument("--metrics", default="0.0.0.0:9402",
@@ -66,12 +69,12 @@ def register(sub: Sub) -> None:
 
 def _node_agent(args: argparse.Namespace, console: Console) -> int:
     import os
-    import signal
 
     from gpuslice.adapters.kube.client import KubeClient
     from gpuslice.adapters.kube.fake import KubePort, load_fake_cluster
     from gpuslice.adapters.nvml.port import FakeNvml
     from gpuslice.adapters.nvml.real import load
+    from gpuslice.adapters.signals import StopSignals
     from gpuslice.services.device_plugin import PluginConfig, device_list_strategy
     from gpuslice.services.node_agent import NodeAgent
 
@@ -94,27 +97,28 @@ def _node_agent(args: argparse.Namespace, console: Console) -> int:
                        pod_resources=None if args.pod_resources_socket == "off"
                        else Path(args.pod_resources_socket),
                        device_list_strategy=device_list_strategy(args.device_list_strategy),
-                       cdi_root=args.cdi_root)
+                       cdi_root=args.cdi_root, dev_dir=args.dev_dir)
     # a fake inventory has no real GPU behind it: no MPS daemons to start
     agent = NodeAgent(cfg, nvml, api, quiet_s=args.quiet,
                       mps=not args.no_mps and args.fake is None,
                       quit_mps_on_stop=args.quit_mps_on_exit)
-    signal.signal(signal.SIGTERM, lambda *_: agent.stop())
-    if args.metrics != "off":
-        from prometheus_client import start_http_server
+    with StopSignals(agent.stop) as signals:  # SIGTERM (the pod deleted) or Ctrl-C: stop, exit 0
+        if args.metrics != "off":
+            from prometheus_client import start_http_server
 
-        mhost, _, mport = args.metrics.rpartition(":")
-        if not mport.isdigit():
-            raise ValidationError("--metrics", "HOST:PORT or off", args.metrics)
-        start_http_server(int(mport), mhost or "0.0.0.0", registry=agent.metrics.registry)
-    log.info("node agent for %s: %d GPU(s), %d virtual devices each; socket dir %s", node,
-             len(nvml.devices()), args.replicas, args.socket_dir,
-             extra={"event": "starting", "node": node, "gpus": len(nvml.devices())})
-    if not nvml.devices():
-        log.warning("serving no device: %s", nvml.why_empty(), extra={"event": "no-device"})
-    for problem in agent.check_mig_tables():
-        log.warning("%s", problem, extra={"event": "mig-table"})
-    agent.run()
-    for problem in agent.problems:
-        log.warning("%s", problem, extra={"event": "problem"})
+            mhost, _, mport = args.metrics.rpartition(":")
+            if not mport.isdigit():
+                raise ValidationError("--metrics", "HOST:PORT or off", args.metrics)
+            start_http_server(int(mport), mhost or "0.0.0.0", registry=agent.metrics.registry)
+        log.info("node agent for %s: %d GPU(s), %d virtual devices each; socket dir %s", node,
+                 len(nvml.devices()), args.replicas, args.socket_dir,
+                 extra={"event": "starting", "node": node, "gpus": len(nvml.devices())})
+        if not nvml.devices():
+            log.warning("serving no device: %s", nvml.why_empty(), extra={"event": "no-device"})
+        for problem in agent.check_mig_tables():
+            log.warning("%s", problem, extra={"event": "mig-table"})
+        agent.run()
+        for problem in agent.problems:
+            log.warning("%s", problem, extra={"event": "problem"})
+    log.info("%s", signals.stopped_line(), extra={"event": "stopped"})
     return 0

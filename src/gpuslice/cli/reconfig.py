@@ -77,11 +77,21 @@ def _reconfig(args: argparse.Namespace, console: Console) -> int:
     if args.action == "run":
         if args.every <= 0:
             raise ValidationError("--every", "a positive number of seconds", args.every)
-        setup_logging(args.log_format, "reconfig")  # each step's line, as it happens
-        if args.once:
-            ctl.step()
-        else:
-            ctl.run(lambda: False, args.every)
+        from gpuslice.adapters.signals import StopSignals
+
+        log = setup_logging(args.log_format, "reconfig")  # each step's line, as it happens
+        log.info("following SliceSchedules every %g s%s", args.every,
+                 f", draining through the router at {args.router_admin}"
+                 if args.router_admin else "",
+                 extra={"event": "starting", "every_s": args.every,
+                        "router_admin": args.router_admin})
+        with StopSignals() as signals:  # SIGTERM (the pod deleted) or Ctrl-C: stop, exit 0
+            if args.once:
+                ctl.step()
+            else:
+                ctl.run(signals.event, args.every)
+        log.info("%s", signals.stopped_line("a move under way resumes at the next start"),
+                 extra={"event": "stopped"})
         return 0
     objs = [schedule] if schedule is not None else api.list_custom(PLURAL)
     results = [ctl.dry_run(o) for o in objs]

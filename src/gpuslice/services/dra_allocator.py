@@ -41,6 +41,7 @@ import numpy as np
 from gpuslice.adapters.kube import dra as kdra
 from gpuslice.adapters.kube.fake import ApiConflict, ApiNotFound, DraApiPort, KubePort
 from gpuslice.core.dra_placement import DeviceResult, DraLedger, DraPlacement
+from gpuslice.core.errors import GpusliceError
 from gpuslice.core.frag import Shape, TargetWorkload
 from gpuslice.core.learned import learned_workload
 from gpuslice.core.policies import Policy, make_policy
@@ -131,7 +132,11 @@ class DraAllocator:
             if dec.placement is None:
                 report.unplaced[name] = dec.message()
                 continue
-            outcome, claim = self._write(pc.claim, dec.placement, classes, report)
+            try:
+                outcome, claim = self._write(pc.claim, dec.placement, classes, report)
+            except GpusliceError as exc:  # refused (403, 422): this claim only, the rest go on
+                self.problems.append(f"claim {name}: not allocated: {exc}")
+                continue
             if outcome == "allocated":
                 tries = self._attempts[uid] = self._attempts.get(uid, 0) + 1
                 if tries >= self.max_attempts:  # the next release waits before a new try
@@ -216,13 +221,14 @@ class DraAllocator:
 
     def run(self, stop: threading.Event, interval_s: float = 0.5,
             on_pass: Callable[[PassReport], None] | None = None) -> None:
-        from gpuslice.core.errors import GpusliceError
-
+        """Pass after pass until ``stop`` is set; ``on_pass`` sees every pass's report, and
+        :attr:`problems` (a failed pass leaves an empty report and its problem)."""
         while not stop.is_set():
             try:
                 report = self.run_once()
-                if on_pass is not None:
-                    on_pass(report)
             except GpusliceError as exc:  # the API server away: try again next pass
                 self.problems.append(str(exc))
+                report = PassReport(leading=self.elector is None or self.elector.leader)
+            if on_pass is not None:
+                on_pass(report)
             stop.wait(interval_s)

@@ -34,6 +34,7 @@ import contextlib
 import json
 import logging
 import re
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -111,13 +112,16 @@ class ReconfigController:
         self.log.append(text)
         log.info(text)
 
-    def run(self, stop: Callable[[], bool], every_s: float = 0.5) -> None:
-        while not stop():
+    def run(self, stop: threading.Event, every_s: float = 0.5) -> None:
+        """A step every ``every_s`` until ``stop`` is set (a step is short: each GPU's move
+        is a state machine whose phase lives on its SliceSchedule, so a stopped controller
+        resumes it where it was)."""
+        while not stop.is_set():
             try:
                 self.step()
             except GpusliceError as exc:
                 self._note(f"step: {exc}")
-            time.sleep(every_s)
+            stop.wait(every_s)
 
     # -- one schedule --------------------------------------------------------------------------
 

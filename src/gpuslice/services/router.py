@@ -32,6 +32,7 @@ from gpuslice.adapters.http.proxy import (
     RequestRecord,
     ReverseProxy,
 )
+from gpuslice.adapters.signals import StopSignals
 from gpuslice.core.errors import ValidationError
 from gpuslice.core.routing import (
     DEFAULT_PRIOR_S,
@@ -533,8 +534,7 @@ async def serve(opts: ServeOptions, ready: Callable[[RouterApp], None] | None = 
         reload_every_s=opts.poll_s if opts.endpointslices else None)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    loop.add_signal_handler(signal.SIGTERM, stop.set)
-    loop.add_signal_handler(signal.SIGINT, stop.set)
+    signals = StopSignals(stop.set).install(loop)  # SIGTERM, Ctrl-C: stop, exit 0
     loop.add_signal_handler(signal.SIGHUP, lambda: asyncio.ensure_future(app.reload()))
     log.info("listening on %s:%s (admin %s)", opts.listen[0], app.port,
              "off" if app.admin_port is None else app.admin_port,
@@ -545,9 +545,12 @@ async def serve(opts: ServeOptions, ready: Callable[[RouterApp], None] | None = 
     try:
         await stop.wait()
     finally:
-        await app.close()
+        await app.close()  # no new requests; those under way are answered
+        signals.restore()
+        loop.remove_signal_handler(signal.SIGHUP)
         if log_stream is not None and log_stream is not sys.stdout:
             log_stream.close()
+    log.info("%s", signals.stopped_line(), extra={"event": "stopped"})
 
 
 def run(opts: ServeOptions) -> None:

@@ -4,6 +4,7 @@ health, and the loop that follows the API server's watch into the state."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from typing import Any
@@ -21,6 +22,10 @@ BIND_THREADS = 8  # binds writing to the API server at once
 # a bind that waited this long behind binds to its node is dropped: kube-scheduler's call has
 # timed out (httpTimeout 5s in deploy/'s scheduler configuration) and it will bind again
 BIND_QUEUE_S = 4.0
+# the longest one watch call waits for events: it runs on a thread a stopping process joins,
+# so this bounds how long a SIGTERM waits for it (each call only hands over what the
+# watches queued meanwhile)
+WATCH_WAIT_S = 1.0
 
 
 # -- HTTP ------------------------------------------------------------------------------------
@@ -100,7 +105,6 @@ def _pod(args: dict[str, Any]) -> dict[str, Any]:
 
 
 def make_app(state: ExtenderState, metrics: ExtenderMetrics | None = None) -> web.Application:
-    import asyncio
     from concurrent.futures import ThreadPoolExecutor
 
     m = metrics or ExtenderMetrics(state)
@@ -218,8 +222,17 @@ def make_app(state: ExtenderState, metrics: ExtenderMetrics | None = None) -> we
             node: {"Pods": [{"UID": u} for u in uids], "NumPDBViolations": n}
             for node, (uids, n) in kept.items()}})
 
-    async def healthz(_: web.Request) -> web.Response:
+    async def healthz(_: web.Request) -> web.Response:  # liveness: every replica passes
         return web.Response(text="ok")
+
+    async def readyz(_: web.Request) -> web.Response:
+        # readiness: only the Lease holder binds, so only it is Ready and the Service sends
+        # kube-scheduler's calls to it alone (a follower would answer binds "not the leader")
+        el = state.elector
+        if el is None or el.leader:
+            return web.Response(text="ok: leader" if el is not None else "ok")
+        return web.Response(status=503, text=f"not ready: {el.identity} is not the leader "
+                            f"(Lease {el.namespace}/{el.name}); only the leader serves")
 
     async def metrics_(_: web.Request) -> web.Response:
         return web.Response(body=m.exposition(), headers={"Content-Type": CONTENT_TYPE_LATEST})
@@ -230,6 +243,7 @@ def make_app(state: ExtenderState, metrics: ExtenderMetrics | None = None) -> we
     app.router.add_post("/bind", bind)
     app.router.add_post("/preempt", preempt)
     app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics_)
 
     async def stop_binds(_: web.Application) -> None:
@@ -264,13 +278,12 @@ def tls_context(cert: str | None, key: str | None, client_ca: str | None) -> Any
 
 
 async def serve(state: ExtenderState, host: str, port: int, ssl_context: Any = None,
-                resync_s: float = 300.0, ready: Callable[[int], None] | None = None) -> None:
-    """Serve until cancelled, following the API server's watch of pods and nodes, with a full
-    re-read every ``resync_s`` as a safety net."""
-    import asyncio
-    import time
-
-    runner = web.AppRunner(make_app(state), access_log=None)
+                resync_s: float = 300.0, ready: Callable[[int], None] | None = None,
+                stop: asyncio.Event | None = None) -> None:
+    """Serve until ``stop`` is set (or until cancelled), following the API server's watch of
+    pods and nodes, with a full re-read every ``resync_s`` as a safety net. On the way out:
+    stop serving (binds under way finish), then give the Lease up if we hold it."""
+    runner = web.AppRunner(make_app(state), access_log=None, handle_signals=False)
     await runner.setup()
     site = web.TCPSite(runner, host, port, ssl_context=ssl_context)
     await site.start()
@@ -289,18 +302,17 @@ async def serve(state: ExtenderState, host: str, port: int, ssl_context: Any = N
                 state.problems.append(f"leader election: {exc}")
             await asyncio.sleep(state.elector.duration_s / 3)
 
-    electing = asyncio.create_task(elect()) if state.elector is not None else None
-    since = ""
-    stale = False  # events were missed (a broken watch): re-read before following again
-    last = time.monotonic()
-    backoff_s = 1.0
-    try:
+    async def follow() -> None:
+        since = ""
+        stale = False  # events were missed (a broken watch): re-read before following again
+        last = time.monotonic()
+        backoff_s = 1.0
         while True:
             # an outage of the API server leaves filter and prioritize answering from the
             # last view (binds fail on their own); the loop retries with backoff, never exits
             try:
                 events, since = await loop.run_in_executor(
-                    None, state.api.watch, since, 0.0 if stale else 5.0)
+                    None, state.api.watch, since, 0.0 if stale else WATCH_WAIT_S)
                 if stale or time.monotonic() - last >= resync_s:
                     await loop.run_in_executor(None, state.rebuild)
                     stale, last = False, time.monotonic()
@@ -312,10 +324,24 @@ async def serve(state: ExtenderState, host: str, port: int, ssl_context: Any = N
                 since, stale = "", True
                 await asyncio.sleep(backoff_s)
                 backoff_s = min(30.0, 2 * backoff_s)
+
+    async def stopped() -> None:
+        await (stop or asyncio.Event()).wait()  # without a stop: until cancelled
+
+    tasks = [asyncio.create_task(follow()), asyncio.create_task(stopped())]
+    if state.elector is not None:
+        tasks.append(asyncio.create_task(elect()))
+    try:
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        for t in done:
+            t.result()  # a loop that ended on an error: raise it
     finally:
-        if electing is not None:
-            electing.cancel()
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await runner.cleanup()  # no new calls; binds under way finish their writes
+        if state.elector is not None:
+            state.elector.release()  # after the last bind: a standby takes over at once
         close = getattr(state.api, "close", None)  # the real client's background watches
         if callable(close):
             close()
-        await runner.cleanup()
