@@ -11,15 +11,21 @@ import json
 import os
 import shutil
 import signal
+import stat
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.table import Table
 
 from gpuslice.adapters.proc import alive as _alive
+from gpuslice.cli.common import examples
 from gpuslice.core.errors import GpusliceError, ValidationError
+from gpuslice.devcluster.realnode import BUSYBOX, NODE_LABEL, NODE_NAME
+
+if TYPE_CHECKING:
+    from gpuslice.devcluster import DevCluster
 
 DEFAULT_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "gpuslice" / \
     "dev-cluster"
@@ -33,8 +39,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         description="up: start etcd, kube-apiserver, kube-controller-manager, kube-scheduler "
         "(deploy/'s gpuslice-scheduler profile) and kwok on 127.0.0.1, apply deploy/base, add "
         "kwok GPU nodes and run `gpuslice extender`; prints the kubeconfig. down: stop all of it "
-        "and remove its folder. status: what runs. Binaries: tools/cluster/build.sh.")
-    d.add_argument("action", choices=("up", "down", "status"))
+        "and remove its folder. status: what runs. Binaries: tools/cluster/build.sh.",
+        epilog=examples("gpuslice dev-cluster up --nodes 2 --gpus 4",
+                        "gpuslice dev-cluster down"))
+    d.add_argument("action", choices=("up", "down", "status"),
+                   help="up: start the cluster; down: stop it and remove its folder; status: "
+                   "what runs")
     d.add_argument("--dir", type=Path, default=DEFAULT_DIR,
                    help=f"the cluster's folder (default {DEFAULT_DIR})")
     d.add_argument("--bin-dir", type=Path, help="folder of the cluster binaries (default "
@@ -44,6 +54,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     d.add_argument("--nodes", type=int, default=2, help="up: kwok GPU nodes (default 2)")
     d.add_argument("--gpus", type=int, default=4, help="up: GPUs per node (default 4)")
     d.add_argument("--model", default="A100-80GB", help="up: GPU model (default A100-80GB)")
+    d.add_argument("--real-node", action="store_true",
+                   help="up: also run containerd and a real kubelet on this host (root; "
+                   "binaries from tools/node/build.sh) as node gpuslice-real-node, with "
+                   "`gpuslice node-agent --fake` serving --gpus stand-in GPUs on it; down "
+                   "restores the host as it was")
+    d.add_argument("--node-dir", type=Path, help="folder of tools/node/build.sh's output "
+                   "(default $GPUSLICE_NODE_DIR, else what tools/node/build.sh --dir names)")
     d.set_defaults(handler=_dev_cluster)
 
 
@@ -85,6 +102,8 @@ def _up(args: argparse.Namespace, console: Console) -> int:
         if args.nodes:
             dev.add_nodes([gpu_node(f"gpu-node-{i}", args.model, args.gpus)
                            for i in range(args.nodes)])
+        if args.real_node:
+            _up_real_node(args, dev, key, console)
         dev.write_state()
     except BaseException:
         dev.stop()
@@ -92,14 +111,59 @@ def _up(args: argparse.Namespace, console: Console) -> int:
         raise
     console.print(f"dev cluster up in {time.monotonic() - t0:.0f} s: API server {dev.server}, "
                   f"{args.nodes} kwok node(s) x {args.gpus} {args.model}", highlight=False)
+    if args.real_node:
+        console.print(f"real node {NODE_NAME}: containerd + kubelet, node agent on "
+                      f"{args.gpus} fake {args.model}; pods select it with nodeSelector "
+                      f"{NODE_LABEL}=real (image {BUSYBOX}, imagePullPolicy: Never)",
+                      highlight=False)
     console.print(f"export KUBECONFIG={dev.kubeconfig}", highlight=False)
     console.print("pods with schedulerName: gpuslice-scheduler go through the extender; "
                   f"logs in {folder}; stop with: gpuslice dev-cluster down", highlight=False)
     return 0
 
 
+def _up_real_node(args: argparse.Namespace, dev: DevCluster, key: Path,
+                  console: Console) -> None:
+    """containerd + the kubelet (RealNode) and the node agent on fake GPUs with stand-in
+    device nodes, on the node agent's service account."""
+    import sys
+
+    from gpuslice.devcluster import wait_until
+    from gpuslice.devcluster.realnode import STATE_DIR, RealNode, find_node_dir
+
+    node_dir = args.node_dir or find_node_dir(args.repo)
+    console.print("starting containerd and the kubelet ...")
+    node = RealNode(dev, node_dir).start()
+    dev_dir = STATE_DIR / "dev"
+    dev_dir.mkdir(parents=True, exist_ok=True)
+    for name in ["nvidiactl", "nvidia-uvm", "nvidia-uvm-tools",
+                 *(f"nvidia{i}" for i in range(args.gpus))]:
+        if not (dev_dir / name).exists():  # /dev/null's numbers under NVIDIA's names
+            os.mknod(dev_dir / name, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+    inv = node.folder / "inventory.yaml"
+    inv.write_text("gpus:\n" + "".join(f"  - model: {args.model}\n" for _ in range(args.gpus)))
+    kubeconfig = dev.service_account_kubeconfig("gpuslice-system", "gpuslice-node-agent")
+    for d in ("mps", "mps-shm"):
+        (STATE_DIR / d).mkdir(exist_ok=True)
+    agent = dev._add("gpuslice-node-agent", [
+        sys.executable, "-m", "gpuslice.cli", "node-agent", "--node", node.name,
+        "--key-file", str(key), "--fake-gpus", str(inv), "--metrics", "off",
+        "--dev-dir", str(dev_dir), "--mps-pipe-dir", str(STATE_DIR / "mps"),
+        "--mps-shm-dir", str(STATE_DIR / "mps-shm"), "--kubeconfig", str(kubeconfig)])
+
+    def served() -> bool:
+        out = dev.kubectl("get", "node", node.name, "-o",
+                          "jsonpath={.status.allocatable.gpuslice\\.io/gpu}", check=False)
+        return out.returncode == 0 and out.stdout.strip() not in ("", "0")
+
+    wait_until("node agent: gpuslice.io/gpu on the real node", served, 90, agent.popen,
+               agent.log)
+
+
 def _down(folder: Path, console: Console) -> int:
     state = _state(folder)
+    if state.get("real_node"):
+        _down_real_node(state, console)
     pids = {n: int(p) for n, p in (state.get("pids") or {}).items() if p}
     for name, pid in reversed(list(pids.items())):
         if _alive(pid):
@@ -116,6 +180,35 @@ def _down(folder: Path, console: Console) -> int:
     shutil.rmtree(folder, ignore_errors=True)
     console.print(f"dev cluster stopped; {folder} removed")
     return 0
+
+
+def _down_real_node(state: dict[str, Any], console: Console) -> None:
+    """Delete the real node's pods (while the API server still runs), stop the node agent, the
+    kubelet and containerd, and restore the host from the snapshot taken at up."""
+    import subprocess
+
+    from gpuslice.devcluster.realnode import NodeState, teardown
+
+    node = NodeState.read(Path(state["real_node"]))
+    kubectl_bin = Path(state["bin_dir"]) / "kubectl"
+
+    def kubectl(*args: str, check: bool = False, timeout_s: float = 120.0,
+                ) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([str(kubectl_bin), f"--kubeconfig={state['kubeconfig']}", *args],
+                              capture_output=True, text=True, timeout=timeout_s, check=check)
+
+    console.print(f"stopping the real node {node.name} (pods, kubelet, containerd) ...")
+    agent = (state.get("pids") or {}).get("gpuslice-node-agent")
+    if agent and _alive(int(agent)):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(int(agent), signal.SIGTERM)
+    left = teardown(node, kubectl)
+    if left:
+        console.print("[yellow]the host still differs from before up:[/]\n  "
+                      + "\n  ".join(left))
+    else:
+        console.print("host restored: sysctls, iptables, mounts, cgroups, links and files as "
+                      "before up")
 
 
 def _status(folder: Path, console: Console) -> int:

@@ -8,7 +8,6 @@ Not imported by the rest of gpuslice; tests use it through fixtures, people thro
 
 from gpuslice.devcluster.cluster import (
     BINARIES,
-    FEATURE_GATES,
     KWOK_STAGES,
     SCHEDULER_NAME,
     SERVICE_CIDR,
@@ -23,7 +22,15 @@ from gpuslice.devcluster.nodes import (
     gpu_node,
     kwok_node,
 )
-from gpuslice.devcluster.procs import Pki, Proc, free_port, http_get, insecure, wait_until
+from gpuslice.devcluster.procs import (
+    FEATURE_GATES,
+    Pki,
+    Proc,
+    free_port,
+    http_get,
+    insecure,
+    wait_until,
+)
 
 __all__ = ["BINARIES", "FEATURE_GATES", "INVENTORY_ANNOTATION", "KWOK_NODE_ANNOTATION",
            "KWOK_STAGES", "SCHEDULER_NAME", "SERVICE_CIDR", "DevCluster", "Pki", "Proc",

@@ -23,16 +23,18 @@ import sys
 import tempfile
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import yaml
 
 from gpuslice.core.errors import GpusliceError, ValidationError
 from gpuslice.devcluster.nodes import KWOK_NODE_ANNOTATION
 from gpuslice.devcluster.procs import (
+    FEATURE_GATES,
+    KUBELET_CLIENT_USER,
     Pki,
     Proc,
     free_port,
@@ -41,16 +43,11 @@ from gpuslice.devcluster.procs import (
     openssl,
     wait_until,
 )
-from gpuslice.devcluster.realnode import NODE_NAME, RealNode
 
 BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl",
             "kwok")
-# beta (on by default) in 1.36; named anyway so that the DRA tests do not depend on defaults
-FEATURE_GATES = ("DRAPartitionableDevices=true,DRAConsumableCapacity=true,"
-                 "DRAExtendedResource=true,DRADeviceTaints=true")
 SERVICE_CIDR = "10.96.0.0/16"
 SCHEDULER_NAME = "gpuslice-scheduler"
-KUBELET_CLIENT_USER = "gpuslice-dev-apiserver-kubelet-client"
 
 
 def find_bin_dir(repo: Path | None = None) -> Path:
@@ -80,9 +77,11 @@ def missing_binaries(bin_dir: Path) -> list[str]:
 
 
 def scheduler_config(deploy_config: Path, kubeconfig: Path, extender_url: str | None,
-                     ca_file: Path | None, *, leader_elect: bool = False) -> dict[str, Any]:
+                     ca_file: Path | None, *, client_cert: tuple[Path, Path] | None = None,
+                     leader_elect: bool = False) -> dict[str, Any]:
     """deploy/base/scheduler-config.yaml's KubeSchedulerConfiguration with the extender pointed
-    at ``extender_url`` (its CA file ``ca_file`` when https), a kubeconfig, no leader election
+    at ``extender_url`` (its CA file ``ca_file`` when https, and the scheduler's client
+    certificate and key ``client_cert`` for mutual TLS), a kubeconfig, no leader election
     (one scheduler), and a ``default-scheduler`` profile beside ``gpuslice-scheduler`` for pods
     that ask for no GPU. ``extender_url=None``: the same profiles without the extender (the
     benchmark's baseline)."""
@@ -107,9 +106,18 @@ def scheduler_config(deploy_config: Path, kubeconfig: Path, extender_url: str | 
     ext["enableHTTPS"] = https
     if https and ca_file is not None:
         ext["tlsConfig"] = {"insecure": False, "caFile": str(ca_file)}
+        if client_cert is not None:
+            ext["tlsConfig"].update(certFile=str(client_cert[0]), keyFile=str(client_cert[1]))
     else:
         ext.pop("tlsConfig", None)
     return dict(cfg)
+
+
+class RealNodeLike(Protocol):
+    name: str
+    folder: Path
+
+    def stop(self) -> list[str]: ...
 
 
 @dataclass
@@ -141,7 +149,8 @@ class DevCluster:
         self.folder.mkdir(parents=True, exist_ok=True)
         self.extender_port = self.extender_port or free_port()
         self.ports: dict[str, int] = {}
-        self.real_node: RealNode | None = None
+        # a real node on this host (realnode.RealNode registers itself here; stopped first)
+        self.real_node: RealNodeLike | None = None
         self.host_left: list[str] = []  # what a stopped real node left changed on the host
 
     # -- paths and URLs ------------------------------------------------------------------
@@ -192,6 +201,9 @@ class DevCluster:
         self.apiserver_cert = pki.issue("apiserver", "/CN=kube-apiserver", server=True)
         self.admin_cert = pki.issue("admin", "/O=system:masters/CN=gpuslice-dev-admin")
         self.extender_cert = pki.issue("extender", "/CN=gpuslice-extender", server=True)
+        # kube-scheduler's client certificate for the extender (mutual TLS, as deploy/ runs
+        # it: the extender's --client-ca is this cluster's CA)
+        self.scheduler_client_cert = pki.issue("scheduler-client", "/CN=gpuslice-scheduler")
         # the API server's client certificate for kubelets (logs, exec, port-forward on a
         # real node; a RealNode binds it to system:kubelet-api-admin)
         self.kubelet_client_cert = pki.issue("apiserver-kubelet-client",
@@ -207,13 +219,32 @@ class DevCluster:
         self._write_kubeconfig(self.kubeconfig, user={
             "client-certificate": str(self.admin_cert[0]),
             "client-key": str(self.admin_cert[1])})
-        self._start_etcd()
-        self._start_apiserver()
-        self._start_controller_manager()
-        self._start_kwok()
+        self._on_free_port(("etcd", "etcd-peer"), self._start_etcd)
+        self._on_free_port(("apiserver",), self._start_apiserver)
+        self._on_free_port(("kcm",), self._start_controller_manager)
+        self._on_free_port(("kwok",), self._start_kwok)
         if self.scheduler != "none":
             self.start_scheduler(self.scheduler == "extender")
         self.write_state()
+
+    def _on_free_port(self, keys: tuple[str, ...], start: Callable[[], None],
+                      tries: int = 3) -> None:
+        """Run ``start``; when its process could not bind (a port :func:`free_port` found free
+        was taken by another process before the component bound it), pick new ports for
+        ``keys`` and start it again."""
+        for attempt in range(tries):
+            try:
+                start()
+                return
+            except GpusliceError as exc:
+                if "address already in use" not in str(exc) or attempt == tries - 1:
+                    raise
+                for k in keys:
+                    self.ports[k] = free_port()
+                if "apiserver" in keys:  # the admin kubeconfig names its port
+                    self._write_kubeconfig(self.kubeconfig, user={
+                        "client-certificate": str(self.admin_cert[0]),
+                        "client-key": str(self.admin_cert[1])})
 
     def _add(self, name: str, argv: list[str]) -> Proc:
         proc = Proc(name, argv, self.dir / f"{name}.log").start()
@@ -317,7 +348,7 @@ class DevCluster:
     def scheduler_config_path(self, with_extender: bool) -> Path:
         cfg = scheduler_config(self.deploy_dir / "base" / "scheduler-config.yaml",
                                self.kubeconfig, self.extender_url if with_extender else None,
-                               self.ca_crt)
+                               self.ca_crt, client_cert=self.scheduler_client_cert)
         path = self.dir / ("scheduler-extender.yaml" if with_extender else
                            "scheduler-plain.yaml")
         path.write_text(yaml.safe_dump(cfg, sort_keys=False))
@@ -340,18 +371,28 @@ class DevCluster:
             f"https://127.0.0.1:{self.ports['scheduler']}/healthz",
             insecure()) == b"ok", self.ready_timeout_s, p.popen, p.log)
 
+    def extender_tls_args(self) -> list[str]:
+        """``gpuslice extender``'s serving flags for :attr:`extender_url`: mutual TLS as
+        deploy/base runs it (a server certificate of this cluster's CA; only clients with a
+        certificate of that CA, kube-scheduler's ``scheduler_client_cert``, may call the
+        verbs), or plain HTTP without client authentication when ``extender_tls`` is off."""
+        if not self.extender_tls:
+            return ["--insecure-no-client-auth"]
+        crt, key = self.extender_cert
+        return ["--tls-cert", str(crt), "--tls-key", str(key), "--client-ca", str(self.ca_crt)]
+
     def start_extender(self, key_file: Path, timeout_s: float = 120.0) -> Proc:
-        """(Re)start ``gpuslice extender`` as deploy/base runs it: HTTPS with a certificate of
-        this cluster's CA at :attr:`extender_url`, the HMAC key in ``key_file``, the
+        """(Re)start ``gpuslice extender`` as deploy/base runs it: mutual TLS with a certificate
+        of this cluster's CA at :attr:`extender_url` (:meth:`extender_tls_args`), the HMAC key
+        in ``key_file``, the
         ``gpuslice-extender`` service account's token (its RBAC must be applied); returns once
         it answers /healthz. Stopped with the cluster, or by the caller (``Proc.stop``)."""
         if "gpuslice-extender" in self.procs:
             self.procs["gpuslice-extender"].stop()
         kubeconfig = self.service_account_kubeconfig("gpuslice-system", "gpuslice-extender")
-        crt, key = self.extender_cert
         p = self._add("gpuslice-extender", [
             sys.executable, "-m", "gpuslice.cli", "extender", "--listen",
-            f"127.0.0.1:{self.extender_port}", "--tls-cert", str(crt), "--tls-key", str(key),
+            f"127.0.0.1:{self.extender_port}", *self.extender_tls_args(),
             "--key-file", str(key_file), "--kubeconfig", str(kubeconfig)])
         ctx = ssl.create_default_context(cafile=str(self.ca_crt))
         wait_until("gpuslice extender /healthz", lambda: urllib.request.urlopen(
@@ -362,18 +403,6 @@ class DevCluster:
     def scheduler_metrics(self) -> str:
         return http_get(f"https://127.0.0.1:{self.ports['scheduler']}/metrics",
                     insecure()).decode()
-
-    def add_real_node(self, node_dir: Path, name: str = NODE_NAME) -> RealNode:
-        """Start containerd and a real kubelet on this host registered as node ``name``
-        (:class:`~gpuslice.devcluster.realnode.RealNode`; root only); stopped, and the host
-        restored, by :meth:`stop`."""
-        if self.real_node is not None:
-            raise GpusliceError(f"this cluster already has the real node {self.real_node.name}")
-        node = RealNode(self, node_dir, name)
-        self.real_node = node
-        node.start()
-        self.write_state()
-        return node
 
     def stop(self) -> None:
         """Stop every process this cluster started (the reverse of the start order; a real
@@ -393,6 +422,7 @@ class DevCluster:
 
     def write_state(self) -> None:
         state = {"folder": str(self.dir), "kubeconfig": str(self.kubeconfig),
+                 "bin_dir": str(self.bin_dir),
                  "server": self.server, "extender_url": self.extender_url,
                  "ports": self.ports, "pids": {n: p.pid for n, p in self.procs.items()},
                  "real_node": None if self.real_node is None else str(self.real_node.folder)}

@@ -1,5 +1,5 @@
-"""Processes, certificates and polling for the dev cluster: what the control plane and the real
-node have in common."""
+"""Processes, certificates, polling and settings for the dev cluster: what the control plane and
+the real node have in common."""
 
 from __future__ import annotations
 
@@ -16,6 +16,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpuslice.core.errors import GpusliceError
+
+# beta (on by default) in 1.36; named anyway so that the DRA tests do not depend on defaults
+FEATURE_GATES = ("DRAPartitionableDevices=true,DRAConsumableCapacity=true,"
+                 "DRAExtendedResource=true,DRADeviceTaints=true")
+# the API server's client certificate's user when it calls kubelets (logs, exec)
+KUBELET_CLIENT_USER = "gpuslice-dev-apiserver-kubelet-client"
 
 
 def free_port() -> int:

@@ -33,7 +33,13 @@ import yaml
 
 from gpuslice.core.errors import GpusliceError
 from gpuslice.devcluster import host
-from gpuslice.devcluster.procs import Proc, http_get, wait_until
+from gpuslice.devcluster.procs import (
+    FEATURE_GATES,
+    KUBELET_CLIENT_USER,
+    Proc,
+    http_get,
+    wait_until,
+)
 
 if TYPE_CHECKING:
     from gpuslice.devcluster.cluster import DevCluster
@@ -161,13 +167,19 @@ class RealNode:
         # the host as it is, before anything changes it: what teardown restores
         (self.folder / "host-before.json").write_text(json.dumps(host.snapshot().to_json()))
         self.state.write()
+        if self.cluster.real_node is not None:
+            raise GpusliceError(f"the cluster already has the real node "
+                                f"{self.cluster.real_node.name}")
+        self.cluster.real_node = self  # stopped first by DevCluster.stop
         try:
             self._start_containerd()
             self._import_images()
             self._start_kubelet(first=True)
         except BaseException:
+            self.cluster.real_node = None
             self.stop()
             raise
+        self.cluster.write_state()
         return self
 
     def _start_containerd(self) -> None:
@@ -223,8 +235,6 @@ state = '{STATE_DIR}/containerd'
         kubeconfig = self.folder / "kubelet.kubeconfig"
         self.cluster._write_kubeconfig(kubeconfig, user={
             "client-certificate": str(client[0]), "client-key": str(client[1])})
-        from gpuslice.devcluster.cluster import FEATURE_GATES, KUBELET_CLIENT_USER
-
         # the API server's kubelet client may read logs and exec (kubectl logs/exec)
         self.cluster.apply(yaml.safe_dump({
             "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
@@ -249,7 +259,9 @@ state = '{STATE_DIR}/containerd'
             "evictionHard": {"memory.available": "100Mi", "nodefs.available": "1%",
                              "imagefs.available": "1%", "nodefs.inodesFree": "1%"},
             "featureGates": {k: v == "true" for k, v in gates.items()},
-            "nodeStatusReportFrequency": "10s", "syncFrequency": "10s",
+            # node status (allocatable: healthy devices) written within 2 s of a change
+            "nodeStatusUpdateFrequency": "2s", "nodeStatusReportFrequency": "10s",
+            "syncFrequency": "10s",
         }
         path = self.folder / "kubelet-config.yaml"
         path.write_text(yaml.safe_dump(config, sort_keys=False))

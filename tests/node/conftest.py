@@ -1,0 +1,90 @@
+"""The node tier: a real kubelet with containerd on this host (tools/node/build.sh), registered
+with the real control plane of the cluster tier (tools/cluster/build.sh), running our device
+plugin and DRA driver as host processes and the busybox image as pods.
+
+Without root, the binaries or the host's runc / CNI plugins / iptables the tier is skipped with
+what is missing, except under ``CI=true`` where that is a failure (CI installs and builds them
+first). One real node runs per host: each module starts its own and stops it, and the host must
+be as it was afterwards (:mod:`gpuslice.devcluster.host`)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from gpuslice.devcluster import DevCluster, find_bin_dir, missing_binaries
+from gpuslice.devcluster.realnode import RealNode, find_node_dir, missing_prerequisites
+from tests.cluster.helpers import EXTENDER_KEY, ExtenderProcess
+from tests.node.helpers import NodeEnv
+
+REPO = Path(__file__).resolve().parents[2]
+DEPLOY = REPO / "deploy"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    here = Path(__file__).parent
+    for item in items:
+        if here in Path(str(item.fspath)).parents:
+            item.add_marker(pytest.mark.node)
+            item.add_marker(pytest.mark.slow)
+            if item.get_closest_marker("timeout") is None:
+                item.add_marker(pytest.mark.timeout(600))
+
+
+def _fail_or_skip(reason: str) -> None:
+    if os.environ.get("CI", "").lower() == "true":
+        pytest.fail(reason + " -- required under CI=true")
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def node_bins() -> tuple[Path, Path]:
+    """(cluster binaries, node build folder); skip or fail naming what is missing."""
+    pytest.importorskip("kubernetes", reason="the Kubernetes client (gpuslice[kube]) is needed")
+    try:
+        bin_dir = find_bin_dir(REPO)
+        missing = [f"{bin_dir}/{m}" for m in missing_binaries(bin_dir)]
+        node_dir = find_node_dir(REPO)
+        missing += missing_prerequisites(node_dir)
+    except Exception as exc:  # no Go, no build script
+        _fail_or_skip(f"the real node tier cannot start: {exc}")
+        raise
+    if missing:
+        _fail_or_skip("the real node tier needs " + "; ".join(missing)
+                      + " (tools/cluster/build.sh, tools/node/build.sh, run as root)")
+    return bin_dir, node_dir
+
+
+@pytest.fixture(scope="module")
+def env(node_bins: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory,
+        ) -> Iterator[NodeEnv]:
+    """The control plane with deploy/base applied, the extender, and the real node."""
+    t0 = time.monotonic()
+    bin_dir, node_dir = node_bins
+    dev = DevCluster(bin_dir, DEPLOY, folder=tmp_path_factory.mktemp("nodecluster"))
+    dev.start()
+    ext = None
+    try:
+        dev.apply(DEPLOY / "base")
+        key = dev.dir / "assignment.key"
+        key.write_text(EXTENDER_KEY)
+        ext = ExtenderProcess(dev, dev.service_account_kubeconfig(
+            "gpuslice-system", "gpuslice-extender"), key)
+        ext.start()
+        node = RealNode(dev, node_dir).start()
+        sys.stderr.write(f"\n[node tier] control plane and real node up in "
+                         f"{time.monotonic() - t0:.0f} s ({dev.dir})\n")
+        e = NodeEnv(dev, node, key)
+        yield e
+        e.close()
+    finally:
+        if ext is not None:
+            ext.stop()
+        dev.stop()
+    assert dev.host_left == [], "the real node left the host changed:\n" + "\n".join(
+        dev.host_left)

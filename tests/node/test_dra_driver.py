@@ -1,0 +1,171 @@
+"""The DRA driver on the real kubelet's DRA manager and containerd's CDI: ResourceClaims of
+every device model (a share with consumable capacity and MPS caps, a MIG partition, a whole
+GPU) allocated by the real kube-scheduler, prepared when the pod starts (NodePrepareResources
+from kubernetes pkg/kubelet/cm/dra/manager.go, ``PrepareResources``), the CDI devices injected
+by containerd into the container (the container reads its own caps), and unprepared when the
+pod is deleted (``UnprepareResources``) -- also across a kubelet restart and a driver
+restart."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from gpuslice.devcluster import wait_until
+from tests.node.conftest import DEPLOY
+from tests.node.helpers import DEV_DIR, MPS_PIPE, MPS_SHM, NS, NodeEnv, claim_pod, make_dev_dir
+
+DRIVER = "gpu.gpuslice.io"
+CDI_DIR = Path("/var/run/cdi")
+PLUGIN_DIR = Path("/var/lib/kubelet/plugins") / DRIVER
+INVENTORY = {"driver": "580.95.05", "gpus": [
+    {"model": "H100-SXM"}, {"model": "H100-SXM", "mig_enabled": True}, {"model": "A100-80GB"}]}
+
+
+def share_template(name: str, compute: str, memory: str) -> dict[str, Any]:
+    return {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate",
+            "metadata": {"name": name, "namespace": NS},
+            "spec": {"spec": {"devices": {"requests": [{"name": "gpu", "exactly": {
+                "deviceClassName": "share.gpuslice.io",
+                "capacity": {"requests": {"compute": compute, "memory": memory}}}}]}}}}
+
+
+class Driver:
+    def __init__(self, env: NodeEnv) -> None:
+        self.env, self.starts = env, 0
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.inv = env.dev.dir / "dra-gpus.yaml"
+        self.inv.write_text(yaml.safe_dump(INVENTORY))
+        self.kubeconfig = env.dev.service_account_kubeconfig("gpuslice-system",
+                                                             "gpuslice-dra-driver")
+
+    @property
+    def log(self) -> Path:
+        return self.env.dev.dir / f"dra-driver-{self.starts}.log"
+
+    def start(self) -> None:
+        self.starts += 1
+        make_dev_dir(len(INVENTORY["gpus"]))
+        with self.log.open("wb") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "gpuslice.cli", "dra-driver", "--node",
+                 self.env.node.name, "--fake", str(self.inv), "--kubeconfig",
+                 str(self.kubeconfig), "--mode", "whole", "--gpu-mode", "0=share",
+                 "--gpu-mode", "1=mig", "--dev-dir", str(DEV_DIR), "--mps-pipe-dir",
+                 str(MPS_PIPE), "--mps-shm-dir", str(MPS_SHM), "--allocator-lease", "none"],
+                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                start_new_session=True)
+        wait_until("dra-driver registered with the kubelet",
+                   lambda: "registered with the kubelet" in self.log.read_text(), 60,
+                   self.proc, self.log)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(20)
+
+    def text(self) -> str:
+        return "\n".join((self.env.dev.dir / f"dra-driver-{i}.log").read_text(errors="replace")
+                         for i in range(1, self.starts + 1))
+
+
+@pytest.fixture(scope="module")
+def driver(env: NodeEnv) -> Iterator[Driver]:
+    env.dev.apply(DEPLOY / "dra" / "namespace.yaml")
+    env.dev.apply(DEPLOY / "dra" / "rbac.yaml", "-n", "gpuslice-system")
+    env.dev.apply(DEPLOY / "dra" / "deviceclasses.yaml")
+    docs = [d for d in yaml.safe_load_all((DEPLOY / "dra" / "examples" / "claims.yaml")
+                                          .read_text()) if d and d["kind"] ==
+            "ResourceClaimTemplate"]
+    for d in [*docs, share_template("gpu-half", "50", "16Gi")]:
+        d["metadata"]["namespace"] = NS
+        env.dev.apply(json.dumps(d))
+    d = Driver(env)
+    d.start()
+
+    def published() -> bool:
+        out = env.dev.kubectl("get", "resourceslices", "-o", "json").stdout
+        return any(s["spec"].get("nodeName") == env.node.name
+                   for s in json.loads(out)["items"])
+
+    wait_until("the driver's ResourceSlices", published, 60, d.proc, d.log)
+    yield d
+    d.stop()
+
+
+def claim_uids(env: NodeEnv, pod: str) -> list[str]:
+    names = [s["resourceClaimName"] for s in
+             env.pod(pod)["status"].get("resourceClaimStatuses") or []]
+    return [json.loads(env.dev.kubectl("get", "resourceclaim", n, "-n", NS, "-o", "json")
+                       .stdout)["metadata"]["uid"] for n in names]
+
+
+def cdi_specs() -> set[str]:
+    return {p.name for p in CDI_DIR.glob(f"k8s.{DRIVER}-claim_*.json")}
+
+
+def test_every_device_model_reaches_the_container_and_is_unprepared(
+        env: NodeEnv, driver: Driver) -> None:
+    pods = {"dra-quarter": "gpu-quarter", "dra-half": "gpu-half", "dra-mig": "mig-3g",
+            "dra-whole": "whole-gpu"}
+    for pod, template in pods.items():
+        env.create(claim_pod(pod, {"gpu": template}))
+    reports = {p: env.report(p) for p in pods}
+    uids = {p: claim_uids(env, p) for p in pods}
+    # two shares of one GPU, each held to its own caps (read inside the container)
+    q, h = reports["dra-quarter"].env, reports["dra-half"].env
+    assert q["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "25", reports["dra-quarter"].text
+    assert h["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "50"
+    assert q["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=20480M"
+    assert h["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=16384M"
+    assert q["CUDA_VISIBLE_DEVICES"] == h["CUDA_VISIBLE_DEVICES"]
+    assert q["GPUSLICE_SHARE"] != h["GPUSLICE_SHARE"]
+    assert "/dev/shm" in reports["dra-quarter"].mount_points
+    assert q["CUDA_MPS_PIPE_DIRECTORY"] in reports["dra-quarter"].mount_points
+    # MIG: the instance the driver made, its capability nodes injected
+    mig = reports["dra-mig"]
+    assert mig.env["CUDA_VISIBLE_DEVICES"].startswith("MIG-"), mig.text
+    assert "nvidia-caps" in mig.dev
+    # whole GPU: the GPU and its device node (a stand-in: /dev/null's numbers)
+    whole = reports["dra-whole"]
+    assert whole.env["CUDA_VISIBLE_DEVICES"].startswith("GPU-")
+    devs = whole.char_devices()
+    assert devs.get("nvidiactl") == (1, 3) and any(
+        n.startswith("nvidia") and n[6:].isdigit() for n in devs), whole.dev
+    assert len(cdi_specs()) == 4
+    env.delete(*pods)
+
+    def unprepared() -> bool:
+        return not cdi_specs()
+
+    wait_until("CDI specs removed on unprepare", unprepared, 60)
+    checkpoint = (PLUGIN_DIR / "checkpoint.json").read_text()
+    assert not any(u in checkpoint for us in uids.values() for u in us)
+    assert "NodeUnprepareResources" in driver.text()
+
+
+def test_prepare_and_unprepare_across_kubelet_and_driver_restarts(
+        env: NodeEnv, driver: Driver) -> None:
+    env.create(claim_pod("dra-r1", {"gpu": "gpu-quarter"}))
+    env.report("dra-r1")
+    # the kubelet restarts: the driver registers again; a running pod keeps its devices,
+    # a new one is prepared
+    env.node.restart_kubelet()
+    wait_until("the driver registered again", lambda: driver.text().count(
+        "registered with the kubelet") >= 2, 60)
+    env.create(claim_pod("dra-r2", {"gpu": "gpu-half"}))
+    assert env.report("dra-r2").env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "50"
+    assert env.pod("dra-r1")["status"]["containerStatuses"][0]["restartCount"] == 0
+    # the driver restarts: its checkpoint lets it unprepare what the old one prepared
+    driver.stop()
+    driver.start()
+    env.delete("dra-r1", "dra-r2")
+    wait_until("CDI specs removed after the restarts", lambda: not cdi_specs(), 60)
+    assert "NodeUnprepareResources" in driver.log.read_text()
