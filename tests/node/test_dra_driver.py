@@ -169,3 +169,65 @@ def test_prepare_and_unprepare_across_kubelet_and_driver_restarts(
     env.delete("dra-r1", "dra-r2")
     wait_until("CDI specs removed after the restarts", lambda: not cdi_specs(), 60)
     assert "NodeUnprepareResources" in driver.log.read_text()
+
+
+def test_a_frozen_api_server_bounds_prepare_and_never_starves_unprepare(
+        env: NodeEnv, driver: Driver) -> None:
+    """kube-apiserver SIGSTOPped (connections hang): prepares of claims the driver must read
+    answer each claim an error inside the driver's budget (20 s, under the kubelet's 45 s:
+    kubernetes pkg/kubelet/cm/dra/plugin/dra_plugin.go's default timeout), while unprepare
+    (from the checkpoint) and registration keep answering at once; after SIGCONT a new pod's
+    claim is prepared by the real kubelet and deleted pods are unprepared."""
+    import threading
+    import time
+    import uuid
+
+    import grpc
+
+    from gpuslice.adapters.kubelet import pluginregistration_v1_pb2 as rpb
+    from gpuslice.adapters.kubelet import pluginregistration_v1_pb2_grpc as rpbg
+    from tests.dra.kubelet import DraClient, register
+
+    reg_socket = Path("/var/lib/kubelet/plugins_registry") / f"{DRIVER}-reg.sock"
+    env.create(claim_pod("dra-f1", {"gpu": "gpu-quarter"}))
+    env.report("dra-f1")
+    [uid] = claim_uids(env, "dra-f1")
+    claim_name = env.pod("dra-f1")["status"]["resourceClaimStatuses"][0]["resourceClaimName"]
+    client = DraClient(register(reg_socket))
+    answers: dict[str, tuple[float, str]] = {}
+    env.dev.freeze_apiserver()
+    try:
+        t0 = time.monotonic()
+
+        def prepare(i: int) -> None:
+            ghost = str(uuid.uuid4())
+            out = client.prepare([(NS, ghost, f"ghost-{i}")])
+            answers[ghost] = (time.monotonic() - t0, out[ghost].error)
+
+        threads = [threading.Thread(target=prepare, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        time.sleep(1.0)  # the four prepares are waiting on the frozen API server
+        t1 = time.monotonic()
+        assert client.unprepare([(NS, uid, claim_name)]) == {uid: ""}
+        unprepare_s = time.monotonic() - t1
+        t2 = time.monotonic()
+        with grpc.insecure_channel(f"unix://{reg_socket}") as ch:
+            info = rpbg.RegistrationStub(ch).GetInfo(rpb.InfoRequest(), timeout=5)
+        assert info.name == DRIVER
+        info_s = time.monotonic() - t2
+        for t in threads:
+            t.join(60)
+        assert unprepare_s < 2.0 and info_s < 2.0, (unprepare_s, info_s)
+        assert len(answers) == 4
+        for took, error in answers.values():
+            assert error and "did not answer" in error, error
+            assert took < 30.0, answers  # the budget (20 s) plus slack, inside the 45 s
+    finally:
+        env.dev.thaw_apiserver()
+        client.close()
+    # everything catches up: the real kubelet prepares a new claim, unprepares deleted pods
+    env.create(claim_pod("dra-f2", {"gpu": "gpu-half"}))
+    assert env.report("dra-f2", timeout_s=120).env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "50"
+    env.delete("dra-f1", "dra-f2")
+    wait_until("CDI specs removed after the outage", lambda: not cdi_specs(), 60)

@@ -14,9 +14,11 @@ session fixture (tests/cluster/conftest.py), people through ``gpuslice dev-clust
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import signal
 import ssl
 import subprocess
 import sys
@@ -151,6 +153,7 @@ class DevCluster:
         self.ports: dict[str, int] = {}
         # a real node on this host (realnode.RealNode registers itself here; stopped first)
         self.real_node: RealNodeLike | None = None
+        self.frozen = False  # kube-apiserver SIGSTOPped (freeze_apiserver)
         self.host_left: list[str] = []  # what a stopped real node left changed on the host
 
     # -- paths and URLs ------------------------------------------------------------------
@@ -306,6 +309,21 @@ class DevCluster:
     def stop_apiserver(self) -> None:
         self.procs["kube-apiserver"].stop()
 
+    def freeze_apiserver(self) -> None:
+        """SIGSTOP kube-apiserver: connections are accepted by the kernel and never answered
+        (an outage clients cannot tell from a slow server). :meth:`thaw_apiserver` ends it."""
+        pid = self.procs["kube-apiserver"].pid
+        if pid is not None:
+            os.kill(pid, signal.SIGSTOP)
+            self.frozen = True
+
+    def thaw_apiserver(self) -> None:
+        pid = self.procs["kube-apiserver"].pid
+        if pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        self.frozen = False
+
     def start_apiserver(self) -> None:
         self._start_apiserver()
 
@@ -407,6 +425,8 @@ class DevCluster:
     def stop(self) -> None:
         """Stop every process this cluster started (the reverse of the start order; a real
         node first, its host changes undone) and remove its folder when it made it."""
+        if self.frozen:
+            self.thaw_apiserver()
         if self.real_node is not None:
             self.host_left = self.real_node.stop()
             self.real_node = None
