@@ -1,18 +1,31 @@
-"""Build hook: the gRPC modules of the kubelet APIs are compiled from the .proto files in
-``src/gpuslice/adapters/kubelet`` with grpcio-tools (a build requirement) whenever gpuslice is
-built: ``pip install .`` and wheels get them in the build tree, ``pip install -e .`` writes them
-next to the .proto files (git ignores them). Everything else is in pyproject.toml."""
+"""Build hooks.
+
+- The gRPC modules of the kubelet APIs are compiled from the .proto files in
+  ``src/gpuslice/adapters/kubelet`` with grpcio-tools (a build requirement) whenever gpuslice is
+  built: ``pip install .`` and wheels get them in the build tree, ``pip install -e .`` writes them
+  next to the .proto files (git ignores them).
+- The git revision is recorded at build time: a wheel (``pip install .``, ``pip wheel .``) or an
+  sdist built from a git checkout gets ``gpuslice/_build_info.py`` with ``git describe`` of the
+  checkout, which ``gpuslice --version`` prints (an editable install asks git at run time
+  instead). A source that carries its own ``_build_info.py`` (scripts/build-image.sh, the
+  Containerfile, an sdist) keeps it.
+
+Everything else is in pyproject.toml."""
 
 from __future__ import annotations
 
+import functools
+import subprocess
 from pathlib import Path
 
 from setuptools import setup
 from setuptools.command.build_py import build_py
+from setuptools.command.sdist import sdist
 
 ROOT = Path(__file__).resolve().parent
 SRC = ROOT / "src"
 PROTO_PACKAGE = Path("gpuslice") / "adapters" / "kubelet"
+BUILD_INFO = Path("gpuslice") / "_build_info.py"
 
 
 def compile_protos(out_root: Path) -> list[Path]:
@@ -38,12 +51,48 @@ def compile_protos(out_root: Path) -> list[Path]:
     return written
 
 
+@functools.cache
+def git_revision() -> str | None:
+    """``git describe --always --dirty --abbrev=12`` of the checkout being built (what
+    gpuslice._version reports from a checkout), None when this source is not a git checkout
+    (an unpacked sdist, the image build's copy) or git is missing. Only this directory's own
+    repository: a source tree inside another repository must not take its revision."""
+    if not (ROOT / ".git").exists():
+        return None
+    try:
+        out = subprocess.run(["git", "-C", str(ROOT), "describe", "--always", "--dirty",
+                              "--abbrev=12"], capture_output=True, text=True, timeout=30,
+                             check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    revision = out.stdout.strip()
+    return revision if out.returncode == 0 and revision else None
+
+
+def write_build_info(out_root: Path) -> Path | None:
+    """``out_root``/gpuslice/_build_info.py with the checkout's revision; nothing when the
+    source has its own (the build copied it) or the revision is unknown (a stale one from an
+    earlier build in the same build tree is removed). The path written, or None."""
+    if (SRC / BUILD_INFO).exists():
+        return None
+    target = out_root / BUILD_INFO
+    revision = git_revision()
+    if revision is None:
+        target.unlink(missing_ok=True)
+        return None
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(f'"""Written by setup.py at build time."""\n\nREVISION = "{revision}"\n')
+    return target
+
+
 class BuildPyWithProtos(build_py):
     def run(self) -> None:
         super().run()
         # editable installs import from src/: the modules go next to their .proto files
         target = SRC if self.editable_mode else Path(self.build_lib)
         compile_protos(target)
+        if not self.editable_mode:  # an editable install asks git when asked its revision
+            write_build_info(target)
 
     def get_outputs(self, include_bytecode: bool = True) -> list[str]:
         outs = list(super().get_outputs(include_bytecode))
@@ -52,7 +101,17 @@ class BuildPyWithProtos(build_py):
             for proto in (SRC / PROTO_PACKAGE).glob("*.proto"):
                 for suffix in ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py"):
                     outs.append(str(base / f"{proto.stem}{suffix}"))
+            if not (SRC / BUILD_INFO).exists() and git_revision() is not None:
+                outs.append(str(Path(self.build_lib) / BUILD_INFO))
         return outs
 
 
-setup(cmdclass={"build_py": BuildPyWithProtos})
+class SdistWithRevision(sdist):
+    """An sdist from a git checkout carries the revision (its unpacked tree has no .git)."""
+
+    def make_release_tree(self, base_dir: str, files: list[str]) -> None:
+        super().make_release_tree(base_dir, files)
+        write_build_info(Path(base_dir) / "src")
+
+
+setup(cmdclass={"build_py": BuildPyWithProtos, "sdist": SdistWithRevision})

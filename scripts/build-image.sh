@@ -172,7 +172,7 @@ build() {
         "org.opencontainers.image.source=$SOURCE_URL"
         "org.opencontainers.image.revision=$REVISION"
         "org.opencontainers.image.version=$VERSION"
-        "org.opencontainers.image.licenses=Apache-2.0"
+        "org.opencontainers.image.licenses=Apache-2.0 AND MIT"
         "org.opencontainers.image.created=$CREATED")
     local cfg=(--no-history --image "$work/oci:$IMAGE_TAG" --created="$CREATED"
                --config.user=65532:65532 --config.workingdir=/tmp

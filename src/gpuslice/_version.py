@@ -1,8 +1,10 @@
 """The version and the git revision gpuslice was built from.
 
-The revision is baked in at build time (``scripts/build-image.sh`` writes ``_build_info.py``
-into the source it builds the wheel from); in a git checkout (``pip install -e .`` or running
-from ``src/``) it is ``git describe`` of that checkout; otherwise ``unknown``.
+The revision is baked in at build time as ``_build_info.py``: setup.py writes it into every
+wheel and sdist built from a git checkout (``pip install .``, ``pip wheel .``: ``git describe``
+of the checkout), ``scripts/build-image.sh`` and the Containerfile into the source they build
+the image's wheel from. In a git checkout (``pip install -e .`` or running from ``src/``) it is
+``git describe`` of that checkout, asked when needed; otherwise ``unknown``.
 """
 
 from __future__ import annotations

@@ -67,7 +67,8 @@ def gpu_pod(name: str, group: str, *, milli: int = 1000, memory: int | None = No
 
 @dataclass
 class ExtenderProcess:
-    """``gpuslice extender`` as a process on the dev cluster's extender URL and certificate."""
+    """``gpuslice extender`` as a process on the dev cluster's extender URL and certificate,
+    with mutual TLS (kube-scheduler presents its client certificate)."""
 
     dev: DevCluster
     kubeconfig: Path
@@ -76,13 +77,12 @@ class ExtenderProcess:
     starts: int = 0
 
     def start(self) -> None:
-        crt, key = self.dev.extender_cert
         self.starts += 1
         log = (self.dev.dir / f"extender-{self.starts}.log").open("wb")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "gpuslice.cli", "extender",
-             "--listen", f"127.0.0.1:{self.dev.extender_port}", "--tls-cert", str(crt),
-             "--tls-key", str(key), "--key-file", str(self.key),
+             "--listen", f"127.0.0.1:{self.dev.extender_port}",
+             *self.dev.extender_tls_args(), "--key-file", str(self.key),
              "--kubeconfig", str(self.kubeconfig), "--resync", "30"],
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             start_new_session=True)

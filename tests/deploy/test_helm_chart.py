@@ -1,13 +1,18 @@
 """The Helm chart deploy/helm/gpuslice: lints, renders with its defaults the same objects as the
-production overlay (kustomize), maps the sharing-mode values to node-agent flags the CLI accepts,
-refuses values its schema does not allow, and every object it renders validates against the
-Kubernetes 1.32 schemas."""
+production overlay (kustomize) plus the two TLS Secrets it issues, maps the sharing-mode values
+to node-agent flags the CLI accepts, refuses values its schema does not allow, and every object
+it renders validates against the Kubernetes 1.32 schemas."""
 
 from __future__ import annotations
 
+import contextlib
+import http.server
+import json
 import os
 import shutil
 import subprocess
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +66,10 @@ def test_helm_lint_strict_passes() -> None:
 
 def test_defaults_render_the_objects_of_the_production_overlay() -> None:
     chart = by_key(rendered())
+    # the one difference: the chart issues the extender's mutual-TLS certificates (tls.create),
+    # which the overlay's users bring (cert-manager or scripts/extender-certs.sh)
+    for name in ("gpuslice-extender-tls", "gpuslice-scheduler-tls"):
+        assert chart.pop(("Secret", name))["type"] == "kubernetes.io/tls"
     for d in chart.values():
         for label in HELM_ONLY_LABELS:
             d["metadata"]["labels"].pop(label)
@@ -104,6 +113,17 @@ def test_sharing_values_become_node_agent_flags_the_cli_accepts(
 
 def test_optional_parts() -> None:
     assert ("Deployment", "gpuslice-reconfig") not in by_key(rendered("reconfig.enabled=false"))
+    assert not [k for k in by_key(rendered("tls.create=false")) if k[0] == "Secret"]
+    assert ("NetworkPolicy", "gpuslice-extender") not in by_key(
+        rendered("networkPolicy.enabled=false"))
+    prometheus = {"namespaceSelector": {"matchLabels": {
+        "kubernetes.io/metadata.name": "monitoring"}}}
+    out = template("networkPolicy.extraFrom[0].namespaceSelector.matchLabels."
+                   "kubernetes\\.io/metadata\\.name=monitoring")
+    assert out.returncode == 0, out.stderr
+    policy = by_key([d for d in yaml.safe_load_all(out.stdout) if d])[
+        ("NetworkPolicy", "gpuslice-extender")]
+    assert policy["spec"]["ingress"][0]["from"][1:] == [prometheus]
     key = "k" * 64
     secret = by_key(rendered("assignmentKey.create=true", f"assignmentKey.value={key}"))[
         ("Secret", "gpuslice-assignment-key")]
@@ -123,6 +143,8 @@ def test_optional_parts() -> None:
     (("extender.replica=3",), "replica"),  # a misspelt key is refused, not ignored
     (("assignmentKey.create=true",), "assignmentKey"),
     (("assignmentKey.create=true", "assignmentKey.value=short"), "value"),
+    (("tls.clientSecretName=",), "clientSecretName"),
+    (("networkPolicy.enable=false",), "enable"),
 ])
 def test_values_the_schema_refuses_name_the_field(sets: tuple[str, ...], said: str) -> None:
     out = template(*sets)
@@ -139,3 +161,84 @@ def test_every_rendered_object_validates_against_the_kubernetes_schemas(
     assert len(docs) >= 20
     for d in docs:
         kubernetes_validate.validate(d, K8S_VERSION, strict=True)
+
+
+def test_the_guides_helm_template_renders_without_flags() -> None:
+    """``helm template deploy/helm/gpuslice`` as deploy/README.md writes it: no --kube-version
+    (a Helm built without version stamps assumes v1.20.0 then)."""
+    out = subprocess.run([helm(), "template", "deploy/helm/gpuslice"], capture_output=True,
+                         text=True, timeout=60, check=False, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert len([d for d in yaml.safe_load_all(out.stdout) if d]) >= 20
+
+
+def template_at(version: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([helm(), "template", "gpuslice", str(CHART), "--kube-version", version],
+                          capture_output=True, text=True, timeout=60, check=False)
+
+
+def test_a_kubernetes_version_given_older_than_1_29_is_refused() -> None:
+    out = template_at("1.28.5")
+    assert out.returncode != 0
+    assert "gpuslice needs Kubernetes 1.29 or newer, and the cluster is v1.28.5" in out.stderr
+    assert template_at("1.29.0").returncode == 0
+
+
+@contextlib.contextmanager
+def api_server(version: str) -> Iterator[str]:
+    """The discovery of an API server of ``version`` that serves only the core group (as a
+    cluster older than 1.29 does not serve flowcontrol.apiserver.k8s.io/v1); its URL."""
+    major, minor, _ = version.split(".")
+    answers = {"/version": {"major": major, "minor": minor, "gitVersion": f"v{version}"},
+               "/api": {"kind": "APIVersions", "versions": ["v1"]},
+               "/apis": {"kind": "APIGroupList", "apiVersion": "v1", "groups": []},
+               "/api/v1": {"kind": "APIResourceList", "groupVersion": "v1", "resources": []}}
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            answer = answers.get(self.path.split("?", 1)[0])
+            body = json.dumps(answer or {"kind": "Status", "code": 404}).encode()
+            self.send_response(404 if answer is None else 200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.mark.parametrize(("version", "refused"), [("1.20.0", True), ("1.28.5", True),
+                                                  ("1.32.0", False)])
+def test_a_cluster_older_than_1_29_is_refused_at_install(
+        tmp_path: Path, version: str, refused: bool) -> None:
+    """What ``helm install`` sees: the cluster's own version and API groups (here through
+    ``helm template --validate``, which asks the cluster as install does). A 1.20.0 cluster is
+    refused too, though v1.20.0 is also Helm's offline default version."""
+    with api_server(version) as url:
+        kubeconfig = tmp_path / "kubeconfig"
+        kubeconfig.write_text(yaml.safe_dump({
+            "apiVersion": "v1", "kind": "Config",
+            "clusters": [{"name": "c", "cluster": {"server": url}}],
+            "users": [{"name": "u", "user": {}}],
+            "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}],
+            "current-context": "c"}))
+        env = {**os.environ, "KUBECONFIG": str(kubeconfig),
+               "HELM_CACHE_HOME": str(tmp_path / "cache"),
+               "HELM_CONFIG_HOME": str(tmp_path / "config"),
+               "HELM_DATA_HOME": str(tmp_path / "data")}
+        out = subprocess.run([helm(), "template", "gpuslice", str(CHART), "--namespace",
+                              NAMESPACE, "--validate"], capture_output=True, text=True,
+                             timeout=60, check=False, env=env)
+    said = f"gpuslice needs Kubernetes 1.29 or newer, and the cluster is v{version}"
+    assert out.returncode != 0  # a 1.32 cluster renders, then this one serves no OpenAPI
+    assert (said in out.stderr) == refused, out.stderr

@@ -1,4 +1,5 @@
-"""`gpuslice extender` as a process: plain HTTP and HTTPS (with a throw-away certificate)."""
+"""`gpuslice extender` as a process: mutual TLS (throw-away CA and certificates), and plain HTTP
+only when asked for with --insecure-no-client-auth."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import ssl
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -69,7 +71,7 @@ def post(url: str, doc: object, ctx: ssl.SSLContext | None = None) -> dict[str, 
 
 
 def test_http_filter_and_bind(tmp_path: Path) -> None:
-    proc, port = start(tmp_path)
+    proc, port = start(tmp_path, "--insecure-no-client-auth")
     try:
         base = f"http://127.0.0.1:{port}"
         res = post(base + "/filter", {"Pod": POD, "NodeNames": ["t4-a"]})
@@ -83,16 +85,24 @@ def test_http_filter_and_bind(tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl CLI not installed")
-def test_https_with_a_certificate(tmp_path: Path) -> None:
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-                    "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
-                    "-keyout", str(tmp_path / "tls.key"), "-out", str(tmp_path / "tls.crt")],
-                   check=True, capture_output=True)
-    proc, port = start(tmp_path, "--tls-cert", str(tmp_path / "tls.crt"),
-                       "--tls-key", str(tmp_path / "tls.key"))
+def test_https_with_mutual_tls(tmp_path: Path) -> None:
+    from gpuslice.devcluster.procs import Pki
+
+    pki = Pki(tmp_path / "pki")
+    crt, key = pki.issue("extender", "/CN=gpuslice-extender", server=True)
+    client = pki.issue("scheduler", "/CN=gpuslice-scheduler")
+    proc, port = start(tmp_path, "--tls-cert", str(crt), "--tls-key", str(key),
+                       "--client-ca", str(pki.ca_crt))
     try:
-        ctx = ssl.create_default_context(cafile=str(tmp_path / "tls.crt"))
-        res = post(f"https://127.0.0.1:{port}/filter", {"Pod": POD, "NodeNames": ["t4-a"]}, ctx)
+        url = f"https://127.0.0.1:{port}"
+        ctx = ssl.create_default_context(cafile=str(pki.ca_crt))
+        with pytest.raises(urllib.error.HTTPError) as refused:  # no client certificate
+            post(url + "/filter", {"Pod": POD, "NodeNames": ["t4-a"]}, ctx)
+        assert refused.value.code == 403
+        with urllib.request.urlopen(url + "/healthz", context=ctx, timeout=10) as r:
+            assert r.status == 200  # the kubelet's probes present no certificate
+        ctx.load_cert_chain(str(client[0]), str(client[1]))
+        res = post(url + "/filter", {"Pod": POD, "NodeNames": ["t4-a"]}, ctx)
         assert res["NodeNames"] == ["t4-a"]
     finally:
         proc.terminate()
@@ -102,7 +112,8 @@ def test_https_with_a_certificate(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("args", "expect"),
     [(["--tls-cert", "x.pem"], "--tls-cert/--tls-key"), (["--client-ca", "ca.pem"], "--client-ca"),
-     (["--listen", "nope"], "--listen")],
+     (["--listen", "nope"], "--listen"),
+     ([], "--insecure-no-client-auth")],  # no plain HTTP unless asked for by name
 )
 def test_bad_options(tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str],
                      expect: str) -> None:

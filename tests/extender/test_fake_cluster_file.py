@@ -47,7 +47,7 @@ def test_a_wrong_file_is_refused_with_the_reason(
     bad.write_text(text)
     (tmp_path / "key").write_text("test-key-0123456789abcdef")
     assert main(["extender", "--key-file", str(tmp_path / "key"), "--fake-cluster",
-                 str(bad), "--listen", "127.0.0.1:0"]) == 2
+                 str(bad), "--listen", "127.0.0.1:0", "--insecure-no-client-auth"]) == 2
     err = capsys.readouterr().err
     assert f"--fake-cluster {bad}" in err and reason in err, err
     assert kubectl_plugin.main(["status", "--fake-cluster", str(bad)]) == 2

@@ -156,7 +156,7 @@ def test_labels_and_size(image: dict[str, Any]) -> None:
     labels = config["config"]["Labels"]
     assert labels["org.opencontainers.image.version"] == gpuslice.__version__
     assert labels["org.opencontainers.image.revision"] == image["revision"]
-    assert labels["org.opencontainers.image.licenses"] == "Apache-2.0"
+    assert labels["org.opencontainers.image.licenses"] == "Apache-2.0 AND MIT"
     assert labels["org.opencontainers.image.source"].startswith("https://")
     assert manifest["annotations"] == labels
     assert config["config"]["User"] == "65532:65532"

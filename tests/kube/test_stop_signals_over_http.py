@@ -60,7 +60,7 @@ def test_leader_extender_releases_its_lease_on_sigterm(rest: RestApiServer,
                                  "sa:gpuslice-system:gpuslice-extender")
     proc, log = spawn(tmp_path, "extender", "--listen", f"127.0.0.1:{free_port()}",
                       "--key-file", str(tmp_path / "key"), "--leader-elect", "--kubeconfig",
-                      str(kubeconfig), POD_NAME="ext-a")
+                      str(kubeconfig), "--insecure-no-client-auth", POD_NAME="ext-a")
     wait_for_line(proc, log, "serving on")
     assert wait_for(lambda: holder(rest, "gpuslice-extender") == "ext-a", 20)
     text = terminate(proc, log)

@@ -62,6 +62,49 @@ def test_revision_in_a_checkout_is_git_describe_and_unknown_elsewhere(tmp_path: 
     assert elsewhere.stdout.strip() == "unknown"
 
 
+def test_a_wheel_built_from_a_git_checkout_carries_its_revision(tmp_path: Path) -> None:
+    """``pip install .`` / ``pip wheel .`` of a checkout (not editable): setup.py writes
+    ``gpuslice/_build_info.py`` with the checkout's ``git describe``, so the installed
+    ``gpuslice --version`` names the revision it was built from, not "unknown"."""
+    import importlib.util
+    import zipfile
+
+    describe = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=12"],
+                              capture_output=True, text=True, cwd=ROOT, check=False)
+    head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], capture_output=True,
+                          text=True, cwd=ROOT, check=False)
+    if describe.returncode != 0 or head.returncode != 0:
+        pytest.skip("not a git checkout")
+    if (ROOT / "src" / "gpuslice" / "_build_info.py").exists():
+        pytest.skip("src/gpuslice/_build_info.py exists: a wheel takes that one")
+    # the build requirements of this environment when it has them (the dev extra's
+    # grpcio-tools; no index needed), else pip's isolated build environment
+    isolation = ["--no-build-isolation"] if importlib.util.find_spec("grpc_tools") else []
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps",
+                            *isolation, "-w", str(tmp_path), "-q"],
+                           capture_output=True, text=True, timeout=300, check=False)
+    assert built.returncode == 0, built.stdout + built.stderr
+    [wheel] = tmp_path.glob("gpuslice-*.whl")
+    with zipfile.ZipFile(wheel) as z:
+        info = z.read("gpuslice/_build_info.py").decode()
+        assert "gpuslice/_build_info.py" in z.read(
+            next(n for n in z.namelist() if n.endswith(".dist-info/RECORD"))).decode()
+    [revision_built] = re.findall(r'^REVISION = "(.*)"$', info, flags=re.M)
+    # the tree may turn dirty or clean while the test runs: the commit is what must match
+    assert revision_built.removesuffix("-dirty") == \
+        describe.stdout.strip().removesuffix("-dirty"), info
+    assert head.stdout.strip() in revision_built
+    # run from the wheel (a pure-Python wheel imports as a zip), outside the checkout
+    out = subprocess.run([sys.executable, "-c", "import gpuslice._version as v; "
+                          "print(v.__file__); print(v.version_line('gpuslice'))"],
+                         capture_output=True, text=True, timeout=60, check=False,
+                         cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(wheel)})
+    assert out.returncode == 0, out.stderr
+    where, line = out.stdout.splitlines()
+    assert where.startswith(str(wheel)), where
+    assert line == f"gpuslice {gpuslice.__version__} (revision {revision_built})"
+
+
 def test_components_start_without_the_plotting_and_solver_libraries() -> None:
     out = python("""
 from gpuslice.cli import main
@@ -126,3 +169,16 @@ def test_the_image_lock_satisfies_pyproject() -> None:
     for extra in ("plot", "planner"):
         for text in project["optional-dependencies"][extra]:
             assert Requirement(text).name not in pins
+
+
+def test_the_image_licence_label_is_the_distributions() -> None:
+    """Both image builds (scripts/build-image.sh, the Containerfile) label the image with the
+    distribution's SPDX licence expression (pyproject.toml: the ParvaGPU profiles it ships are
+    MIT), without building it."""
+    license_ = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["license"]
+    assert license_ == "Apache-2.0 AND MIT"
+    script = (ROOT / "scripts" / "build-image.sh").read_text()
+    assert re.findall(r'"org\.opencontainers\.image\.licenses=([^"]*)"', script) == [license_]
+    containerfile = (ROOT / "Containerfile").read_text()
+    assert re.findall(r'org\.opencontainers\.image\.licenses="([^"]*)"', containerfile) == \
+        [license_]

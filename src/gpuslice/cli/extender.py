@@ -11,6 +11,7 @@ from gpuslice.cli.common import (
     KUBECONFIG_HELP,
     Sub,
     add_log_format,
+    examples,
     positive_float,
     read_key,
     setup_logging,
@@ -24,13 +25,26 @@ def register(sub: Sub) -> None:
         description="Serve kube-scheduler's extender verbs (POST /filter, /prioritize, /bind) "
         "with GPU-level accounting and signed assignments. Talks to the API server from "
         "--kubeconfig (else in-cluster), or runs on a local --fake-cluster file to try it out.",
-    )
+        epilog=examples("gpuslice extender --key-file key --fake-cluster "
+                        "examples/fake-cluster.yaml --listen 127.0.0.1:8443 "
+                        "--insecure-no-client-auth",
+                        "gpuslice extender --key-file key --tls-cert tls.crt --tls-key tls.key "
+                        "--client-ca ca.crt --leader-elect --lease "
+                        "gpuslice-system/gpuslice-extender"))
     e.add_argument("--listen", default="0.0.0.0:8443", help="HOST:PORT (default 0.0.0.0:8443)")
     e.add_argument("--key-file", type=Path, required=True,
                    help="file holding the HMAC key shared with the node agents (>= 16 bytes)")
     e.add_argument("--tls-cert", help="serve HTTPS with this certificate (PEM)")
     e.add_argument("--tls-key", help="the certificate's private key (PEM)")
-    e.add_argument("--client-ca", help="require client certificates signed by this CA")
+    e.add_argument("--client-ca",
+                   help="mutual TLS (required unless --insecure-no-client-auth): filter, "
+                   "prioritize, bind and preempt answer only clients whose certificate this CA "
+                   "signed (kube-scheduler's extender tlsConfig certFile/keyFile); /healthz, "
+                   "/readyz and /metrics need none")
+    e.add_argument("--insecure-no-client-auth", action="store_true",
+                   help="development only: serve without client certificates (plain HTTP "
+                   "without --tls-cert, or HTTPS without --client-ca); anyone who reaches the "
+                   "port can then bind pending pods to any node")
     e.add_argument("--policy", default="frag-strand",
                    help="core placement policy (default frag-strand, the simulator's best, "
                    "scoring against the workload learned from the pods it sees)")
@@ -68,12 +82,17 @@ def _extender(args: argparse.Namespace, console: Console) -> int:
     if not host or not port_text.isdigit():
         raise ValidationError("--listen", "HOST:PORT", args.listen)
     key = read_key(args.key_file)
+    ctx = tls_context(args.tls_cert, args.tls_key, args.client_ca)
+    if args.client_ca is None and not args.insecure_no_client_auth:
+        raise ValidationError(
+            "--client-ca", "mutual TLS: --tls-cert, --tls-key and --client-ca (or "
+            "--insecure-no-client-auth, for development: then anyone who reaches the port can "
+            "bind pods)", None)
     api: KubePort
     if args.fake_cluster is not None:
         api = load_fake_cluster(args.fake_cluster)
     else:
         api = KubeClient(args.kubeconfig, args.context)
-    ctx = tls_context(args.tls_cert, args.tls_key, args.client_ca)
 
     state = ExtenderState(api, key, policy=args.policy, clock=bind_clock,
                           narrow=args.filter_keeps == "best")
@@ -92,6 +111,10 @@ def _extender(args: argparse.Namespace, console: Console) -> int:
     for problem in state.problems:
         log.warning("ignored: %s", problem, extra={"event": "ignored"})
     scheme = "https" if ctx else "http"
+    if args.client_ca is None:
+        log.warning("serving %s without client authentication (--insecure-no-client-auth): "
+                    "anyone who reaches the port can bind pods", scheme.upper(),
+                    extra={"event": "insecure"})
 
     def ready(port: int) -> None:
         log.info("serving on %s://%s:%s (%d nodes, %d assignments)", scheme, host, port,
@@ -105,7 +128,8 @@ def _extender(args: argparse.Namespace, console: Console) -> int:
     async def main() -> None:
         signals.install(asyncio.get_running_loop())
         try:
-            await serve(state, host, int(port_text), ctx, args.resync, ready, stop)
+            await serve(state, host, int(port_text), ctx, args.resync, ready, stop,
+                        tls_files=(args.tls_cert, args.tls_key) if ctx else None)
         finally:
             signals.restore()
 

@@ -42,6 +42,7 @@ from typing import Any
 import grpc
 import yaml
 
+from gpuslice import __version__
 from gpuslice.adapters.kube import dra as kdra
 from gpuslice.adapters.kube.fake import FakeApiServer
 from gpuslice.adapters.kube.objects import quantity
@@ -60,6 +61,9 @@ from gpuslice.services.dra_driver import DraConfig, DraDriver
 from gpuslice.services.dra_driver import run as run_driver
 
 NODE = "dra-node"
+# the image deploy/dra/examples runs its pod from (deploy/image.env; the demo's pods run no
+# container, the name is for show)
+IMAGE = f"registry.example.com/gpuslice:{__version__}"
 NAMESPACE = "default"
 # GPU 0 for shares, GPU 1 in MIG mode (instances made on prepare), GPU 2 handed over whole
 GPUS = ({"model": "H100-SXM"}, {"model": "A100-80GB", "mig_enabled": True}, {"model": "L4"})
@@ -372,7 +376,7 @@ def _pod(name: str, uid: str, created: str, claim_ref: dict[str, str],
             "metadata": {"name": name, "namespace": NAMESPACE, "uid": uid,
                          "creationTimestamp": created},
             "spec": {"resourceClaims": [{"name": "gpu", **claim_ref}], "containers": [{
-                "name": "server", "image": "ghcr.io/gpuslice/fake-replica:0.1.0",
+                "name": "server", "image": IMAGE,
                 "resources": {"requests": {"cpu": "500m", "memory": "1Gi"},
                               "claims": [{"name": "gpu"}]}}]},
             "status": {"phase": "Pending", "resourceClaimStatuses": claim_status}}

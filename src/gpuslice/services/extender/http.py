@@ -5,6 +5,8 @@ health, and the loop that follows the API server's watch into the state."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
@@ -26,6 +28,11 @@ BIND_QUEUE_S = 4.0
 # so this bounds how long a SIGTERM waits for it (each call only hands over what the
 # watches queued meanwhile)
 WATCH_WAIT_S = 1.0
+# how often the serving certificate's files are read for a renewal (cert-manager renews into
+# the Secret, the kubelet updates the mounted files; new connections get the new certificate)
+TLS_RELOAD_S = 60.0
+
+log = logging.getLogger("gpuslice.extender")
 
 
 # -- HTTP ------------------------------------------------------------------------------------
@@ -63,7 +70,8 @@ def _names(args: dict[str, Any]) -> tuple[list[str], dict[str, dict[str, Any]] |
         raise ValidationError("Nodes.items", "a NodeList", type(items).__name__)
     by_name = {}
     for n in items:
-        if not isinstance(n, dict) or not isinstance((n.get("metadata") or {}).get("name"), str):
+        meta = n.get("metadata") if isinstance(n, dict) else None
+        if not isinstance(meta, dict) or not isinstance(meta.get("name"), str):
             raise ValidationError("Nodes.items[].metadata.name", "a node name", n)
         by_name[n["metadata"]["name"]] = n
     return list(by_name), by_name
@@ -101,10 +109,28 @@ def _pod(args: dict[str, Any]) -> dict[str, Any]:
     pod = args.get("Pod")
     if not isinstance(pod, dict):
         raise ValidationError("Pod", "a Pod object", type(pod).__name__)
+    for part in ("metadata", "spec", "status"):  # what the verbs read with .get()
+        if pod.get(part) is not None and not isinstance(pod[part], dict):
+            raise ValidationError(f"Pod.{part}", "an object", type(pod[part]).__name__)
     return pod
 
 
-def make_app(state: ExtenderState, metrics: ExtenderMetrics | None = None) -> web.Application:
+# the scheduler's verbs: with client authentication, only a certified client may call them
+VERBS = ("filter", "prioritize", "bind", "preempt")
+
+
+def _client_certified(request: web.Request) -> bool:
+    """Whether the connection's client presented a certificate the TLS layer verified (with
+    ``CERT_OPTIONAL`` one that does not verify fails the handshake; none gives no peercert)."""
+    transport = request.transport
+    return transport is not None and bool(transport.get_extra_info("peercert"))
+
+
+def make_app(state: ExtenderState, metrics: ExtenderMetrics | None = None, *,
+             client_auth: bool = False) -> web.Application:
+    """The extender's routes. ``client_auth``: the scheduler's verbs answer only a client that
+    presented a certificate the TLS layer verified (see :func:`tls_context`); health, readiness
+    and metrics stay open to the kubelet's probes, which present none."""
     from concurrent.futures import ThreadPoolExecutor
 
     m = metrics or ExtenderMetrics(state)
@@ -114,8 +140,12 @@ def make_app(state: ExtenderState, metrics: ExtenderMetrics | None = None) -> we
     @web.middleware
     async def timed(request: web.Request, handler: Any) -> web.StreamResponse:
         verb = request.path.strip("/")
-        if verb not in ("filter", "prioritize", "bind", "preempt"):
+        if verb not in VERBS:
             return await handler(request)  # type: ignore[no-any-return]
+        if client_auth and not _client_certified(request):
+            m.unauthenticated.labels(verb).inc()
+            return _bad(f"{verb}: a client certificate signed by the extender's --client-ca "
+                        "is required (kube-scheduler's tlsConfig certFile/keyFile)", 403)
         t0 = time.perf_counter()
         try:
             return await handler(request)  # type: ignore[no-any-return]
@@ -254,8 +284,12 @@ def make_app(state: ExtenderState, metrics: ExtenderMetrics | None = None) -> we
 
 
 def tls_context(cert: str | None, key: str | None, client_ca: str | None) -> Any:
-    """The server's TLS context (None for plain HTTP); with ``client_ca``, clients must present
-    a certificate signed by it (kube-scheduler's ``tlsConfig.certFile``)."""
+    """The server's TLS context (None for plain HTTP). With ``client_ca`` (mutual TLS): a
+    client certificate that does not chain to it fails the handshake, and the scheduler's
+    verbs answer 403 to a client that presented none (:func:`make_app`'s ``client_auth``;
+    ``CERT_OPTIONAL`` rather than ``CERT_REQUIRED`` so that the kubelet's probes, which
+    present none, still reach /healthz and /readyz). A client's certificate must allow client
+    authentication (extendedKeyUsage clientAuth) when it names its uses."""
     import ssl
 
     if cert is None and key is None:
@@ -270,20 +304,57 @@ def tls_context(cert: str | None, key: str | None, client_ca: str | None) -> Any
         ctx.load_cert_chain(cert, key)
         if client_ca is not None:
             ctx.load_verify_locations(client_ca)
-            ctx.verify_mode = ssl.CERT_REQUIRED
+            ctx.verify_mode = ssl.CERT_OPTIONAL
     except (OSError, ssl.SSLError) as exc:
         raise ValidationError("--tls-cert/--tls-key/--client-ca", "readable PEM files",
                               str(exc)) from None
+    if client_ca is not None and not ctx.get_ca_certs():
+        raise ValidationError("--client-ca", "a PEM file holding at least one CA certificate",
+                              client_ca)
     return ctx
+
+
+def verifies_clients(ssl_context: Any) -> bool:
+    """Whether a context from :func:`tls_context` checks client certificates."""
+    import ssl
+
+    return ssl_context is not None and ssl_context.verify_mode != ssl.CERT_NONE
+
+
+def certificate_digest(cert: str, key: str) -> bytes:
+    """What :func:`reload_certificate` compares: the certificate and key files' contents."""
+    with open(cert, "rb") as c, open(key, "rb") as k:
+        return hashlib.sha256(c.read() + b"\0" + k.read()).digest()
+
+
+def reload_certificate(ssl_context: Any, cert: str, key: str, seen: bytes) -> bytes:
+    """Load ``cert`` and ``key`` into ``ssl_context`` again when their contents differ from
+    ``seen`` (a :func:`certificate_digest`); returns the digest now served. Connections made
+    from then on get the new certificate, those open keep theirs. A pair that does not load
+    (a half-written renewal) raises, and the old certificate stays."""
+    import ssl
+
+    now = certificate_digest(cert, key)
+    if now != seen:
+        # first on a context of its own: a failed load can leave a context holding the new
+        # certificate without its key, and then no handshake would succeed
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert, key)
+        ssl_context.load_cert_chain(cert, key)
+    return now
 
 
 async def serve(state: ExtenderState, host: str, port: int, ssl_context: Any = None,
                 resync_s: float = 300.0, ready: Callable[[int], None] | None = None,
-                stop: asyncio.Event | None = None) -> None:
+                stop: asyncio.Event | None = None, tls_files: tuple[str, str] | None = None,
+                tls_reload_s: float = TLS_RELOAD_S) -> None:
     """Serve until ``stop`` is set (or until cancelled), following the API server's watch of
-    pods and nodes, with a full re-read every ``resync_s`` as a safety net. On the way out:
-    stop serving (binds under way finish), then give the Lease up if we hold it."""
-    runner = web.AppRunner(make_app(state), access_log=None, handle_signals=False)
+    pods and nodes, with a full re-read every ``resync_s`` as a safety net; with
+    ``tls_files`` (the certificate and key ``ssl_context`` was made from), a renewed
+    certificate is served from the next connection on (checked every ``tls_reload_s``). On
+    the way out: stop serving (binds under way finish), then give the Lease up if we hold
+    it."""
+    runner = web.AppRunner(make_app(state, client_auth=verifies_clients(ssl_context)),
+                           access_log=None, handle_signals=False)
     await runner.setup()
     site = web.TCPSite(runner, host, port, ssl_context=ssl_context)
     await site.start()
@@ -325,12 +396,34 @@ async def serve(state: ExtenderState, host: str, port: int, ssl_context: Any = N
                 await asyncio.sleep(backoff_s)
                 backoff_s = min(30.0, 2 * backoff_s)
 
+    async def renew(cert: str, key: str) -> None:
+        import ssl
+
+        try:
+            seen = certificate_digest(cert, key)
+        except OSError:  # loaded a moment ago: gone meanwhile, read again next time
+            seen = b""
+        while True:
+            await asyncio.sleep(tls_reload_s)
+            try:
+                now = reload_certificate(ssl_context, cert, key, seen)
+            except (OSError, ssl.SSLError) as exc:  # tried again next time
+                log.warning("serving certificate %s not reloaded: %s", cert, exc,
+                            extra={"event": "tls-reload-failed"})
+                continue
+            if now != seen:
+                log.info("serving the renewed certificate %s", cert,
+                         extra={"event": "tls-reloaded"})
+            seen = now
+
     async def stopped() -> None:
         await (stop or asyncio.Event()).wait()  # without a stop: until cancelled
 
     tasks = [asyncio.create_task(follow()), asyncio.create_task(stopped())]
     if state.elector is not None:
         tasks.append(asyncio.create_task(elect()))
+    if ssl_context is not None and tls_files is not None:
+        tasks.append(asyncio.create_task(renew(*tls_files)))
     try:
         done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
         for t in done:

@@ -107,6 +107,10 @@ class ExtenderMetrics:
         self.errors = Counter("gpuslice_extender_bad_requests",
                               "Calls refused as malformed, by verb", ["verb"],
                               registry=self.registry)
+        self.unauthenticated = Counter(
+            "gpuslice_extender_unauthenticated_calls",
+            "Calls refused (403) for want of a verified client certificate, by verb", ["verb"],
+            registry=self.registry)
         self.registry.register(_StateCollector(state))
 
     def filtered(self, kept: int, failed: dict[str, str]) -> None:
