@@ -44,7 +44,7 @@ def main() -> int:
         kubelet = Kubelet(sock).start()
         agent = subprocess.Popen(
             [sys.executable, "-m", "gpuslice.cli", "node-agent", "--node", "n1", "--key-file",
-             str(work / "key"), "--fake", str(work / "inv.yaml"), "--socket-dir", str(sock),
+             str(work / "key"), "--fake-gpus", str(work / "inv.yaml"), "--socket-dir", str(sock),
              "--replicas", "10", "--fake-cluster", str(work / "cluster.yaml"),
              "--metrics", "127.0.0.1:0"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         idle = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])

@@ -104,6 +104,6 @@ def test_the_planner_plans_with_mps_profiles(tmp_path: Path, capsys) -> None:  #
         {"name": "b", "model": "bert-base", "rate": 60, "slo_ms": 300}]}))
     capsys.readouterr()
     assert main(["plan", "--profiles", str(out), "--services", str(tmp_path / "s.yaml"),
-                 "--json", str(tmp_path / "plan.json")]) == 0
+                 "--write-json", str(tmp_path / "plan.json")]) == 0
     plan = json.loads((tmp_path / "plan.json").read_text())
     assert plan["valid"] and plan["gpus"] >= 1 and not plan["slo_violations"]

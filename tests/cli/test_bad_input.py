@@ -53,7 +53,7 @@ def files(tmp_path: Path) -> dict[str, Path]:
 def current(files: dict[str, Path], tmp_path: Path) -> Path:
     path = tmp_path / "plan.json"
     assert main(["plan", "--profiles", str(files["prof"]), "--services", str(files["svc"]),
-                 "--json", str(path)]) == 0
+                 "--write-json", str(path)]) == 0
     return path
 
 
@@ -96,8 +96,8 @@ def test_plan_unwritable_export_is_refused_before_planning(
     code, err = run([*base, "--export", str(files["file"] / "x")], capsys)
     assert code == 2 and "--export: expected a folder that can be created and written" in err
     assert str(files["file"] / "x") in err
-    code, err = run([*base, "--json", str(files["file"] / "plan.json")], capsys)
-    assert code == 2 and "--json: expected a file that can be written" in err
+    code, err = run([*base, "--write-json", str(files["file"] / "plan.json")], capsys)
+    assert code == 2 and "--write-json: expected a file that can be written" in err
 
 
 def test_reconfig_plan_empty_or_malformed_schedule(

@@ -18,6 +18,7 @@ import pytest
 
 from gpuslice import kubectl_plugin
 from gpuslice.cli import _build_parser, main
+from gpuslice.cli.common import DeprecatedAlias
 
 ROOT = Path(__file__).resolve().parents[2]
 FAKE_CLUSTER = str(ROOT / "examples" / "fake-cluster.yaml")
@@ -63,18 +64,20 @@ def test_help_texts(path: tuple[str, ...], parser: argparse.ArgumentParser) -> N
     text = parser.format_help()
     assert "%%" not in text and "%(" not in text  # argparse formatting left in
     assert "``" not in text and ":func:" not in text  # a raw docstring
-    hidden = [a.option_strings for a in parser._actions if a.help == argparse.SUPPRESS]
+    # the only flags left out of the help are former spellings, kept with a deprecation note
+    hidden = [a.option_strings for a in parser._actions if a.help == argparse.SUPPRESS
+              and not isinstance(a, DeprecatedAlias)]
     assert hidden == [], f"undocumented flags: {hidden}"
     assert parser.description, "every command says what it does"
     if path == ("replan",):
         assert "Nothing is applied" not in text and "With --apply the change is made" in text
 
 
-LONG_RUNNING = [("extender",), ("node-agent",), ("router",), ("reconfig",), ("up",),
+LONG_RUNNING = [("extender",), ("node-agent",), ("router",), ("reconfig", "run"), ("up",),
                 ("dra-driver",), ("dra-allocator",)]
 
 
-@pytest.mark.parametrize("path", LONG_RUNNING, ids=[p[0] for p in LONG_RUNNING])
+@pytest.mark.parametrize("path", LONG_RUNNING, ids=[" ".join(p) for p in LONG_RUNNING])
 def test_long_running_components_take_log_format(path: tuple[str, ...]) -> None:
     parser = dict(parsers(_build_parser()))[path]
     (opt,) = [a for a in parser._actions if "--log-format" in a.option_strings]
@@ -105,8 +108,8 @@ def test_every_listing_and_status_command_speaks_json(
     assert as_json(["mig", "A30"])["maximal_layouts"]  # type: ignore[index]
     assert as_json(["mig", "A30", "--used", "2g.12gb@0"])["fits"]  # type: ignore[index]
     assert as_json(["mig", "A30", "--layout", "4g.24gb@0,2g.12gb@0"], 1)["valid"] is False  # type: ignore[index]
-    doc = as_json(["plan", "--profiles", files["prof"], "--services", files["svc"], "--json",
-                   files["plan"]])
+    doc = as_json(["plan", "--profiles", files["prof"], "--services", files["svc"],
+                   "--write-json", files["plan"]])
     assert doc["gpus"] == 1  # type: ignore[index]
     assert "changes" in as_json(["replan", "--current", files["plan"], "--profiles",  # type: ignore[operator]
                                  files["prof"], "--services", files["svc"]])
@@ -138,8 +141,8 @@ def test_a_pipe_gets_whole_lines() -> None:
     (["plan", "--profiles", "{prof}"], 2),  # a scenario or --services is missing
     (["plan", "--profiles", "{prof}", "--services", "{svc}"], 0),
     (["status", "--state-dir", "{dir}"], 3),  # not running
-    (["mig-apply", "{mp}", "--config", "all-1g", "--fake", "{none}"], 1),  # no GPU
-    (["mig-apply", "{mp}", "--config", "nope", "--fake", "{none}"], 2),
+    (["mig-apply", "{mp}", "--config", "all-1g", "--fake-gpus", "{none}"], 1),  # no GPU
+    (["mig-apply", "{mp}", "--config", "nope", "--fake-gpus", "{none}"], 2),
     (["profile", "no such model"], 2),  # checked before looking for a GPU
     (["profile", "tiny", "--device", "-1"], 2),
     (["bench", "sharing", "--fake-timer", "resnet50@H100-SXM", "--workload", "tiny",

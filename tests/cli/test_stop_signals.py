@@ -77,7 +77,7 @@ def test_extender_stops_on_sigterm_and_gives_its_lease_up(files: Path) -> None:
     port = free_port()
     proc, log = spawn(files, "extender", "--listen", f"127.0.0.1:{port}", "--key-file",
                       str(files / "key"), "--fake-cluster", str(files / "fake.yaml"),
-                      "--leader-elect", POD_NAME="ext-a")
+                      "--leader-elect", "--insecure-no-client-auth", POD_NAME="ext-a")
     wait_for_line(proc, log, "serving on http://127.0.0.1")
     end = time.monotonic() + 20
     while get(f"http://127.0.0.1:{port}/readyz") != 200:  # alone: it leads, so it is ready
@@ -117,7 +117,7 @@ def test_node_agent_stops_on_sigterm(files: Path) -> None:
         kubelet = Kubelet(Path(d)).start()
         try:
             proc, log = spawn(files, "node-agent", "--node", "n1", "--key-file",
-                              str(files / "key"), "--fake", str(files / "inv.yaml"),
+                              str(files / "key"), "--fake-gpus", str(files / "inv.yaml"),
                               "--socket-dir", d, "--fake-cluster", str(files / "cluster.yaml"),
                               "--metrics", "off")
             assert kubelet.registered.wait(15), log.read_text()

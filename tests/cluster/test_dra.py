@@ -120,7 +120,7 @@ def _start_driver(dev: DevCluster, node: str, kubeconfig: Path) -> DriverProc:
     mps = write_fake_mps(root / "mps-control")
     log = dev.dir / f"dra-driver-{node}.log"
     argv = [sys.executable, "-m", "gpuslice.cli", "dra-driver", "--node", node,
-            "--fake", str(inv), "--kubeconfig", str(kubeconfig),
+            "--fake-gpus", str(inv), "--kubeconfig", str(kubeconfig),
             "--kubelet-dir", str(root / "k"), "--cdi-dir", str(root / "cdi"),
             "--mps-pipe-dir", str(root / "mps"), "--mps-binary", str(mps),
             *[x for m in modes for x in ("--gpu-mode", m)]]

@@ -95,7 +95,7 @@ def _driver_process(root: Path, kubeconfig: Path, hang: Path) -> subprocess.Pope
     return subprocess.Popen(
         [sys.executable, "-m", "gpuslice.cli", "dra-driver",
          "--node", NODE, "--kubelet-dir", str(root / "k"), "--cdi-dir", str(root / "cdi"),
-         "--mode", "share", "--fake", str(inv), "--kubeconfig", str(kubeconfig),
+         "--mode", "share", "--fake-gpus", str(inv), "--kubeconfig", str(kubeconfig),
          "--mps-pipe-dir", str(root / "mps"), "--mps-binary", str(root / "mps-control"),
          "--poll", "0.2"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 

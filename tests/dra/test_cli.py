@@ -33,10 +33,10 @@ def test_fake_share_mode_prepares_a_share_without_the_mps_binary(short_dir: Path
         env = dict(os.environ, PATH=os.path.dirname(sys.executable))
         proc = subprocess.Popen(
             [sys.executable, "-m", "gpuslice.cli", "dra-driver", "--node", NODE,
-             "--fake", str(inventory(short_dir / "gpus.yaml", [{"model": "T4"}])),
+             "--fake-gpus", str(inventory(short_dir / "gpus.yaml", [{"model": "T4"}])),
              "--mode", "share", "--kubeconfig", str(rest.kubeconfig(short_dir / "kc")),
              "--kubelet-dir", str(short_dir / "k"), "--cdi-dir", str(short_dir / "cdi"),
-             "--mps-pipe-dir", str(short_dir / "mps"), "--allocator-lease", "none"],
+             "--mps-pipe-dir", str(short_dir / "mps"), "--lease", "none"],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         reg = short_dir / "k" / "plugins_registry" / f"{dra.DRIVER}-reg.sock"
         deadline = time.monotonic() + 30

@@ -57,10 +57,11 @@ def test_node_agent_and_leader_elected_extenders_as_deployed(rest: RestApiServer
             for name, port in zip(("ext-a", "ext-b"), ports, strict=True):
                 run("extender", "--listen", f"127.0.0.1:{port}", "--key-file",
                     str(tmp_path / "key"), "--leader-elect", "--lease", LEASE,
+                    "--insecure-no-client-auth",
                     token="sa:gpuslice-system:gpuslice-extender", POD_NAME=name)
             assert wait_for(lambda: rest.get_lease(*LEASE.split("/")) is not None, 30)
             time.sleep(1.0)
-            run("node-agent", "--node", "n1", "--key-file", str(tmp_path / "key"), "--fake",
+            run("node-agent", "--node", "n1", "--key-file", str(tmp_path / "key"), "--fake-gpus",
                 str(tmp_path / "inv.yaml"), "--socket-dir", d, "--replicas", "4",
                 "--metrics", "off", "--no-mps", token="sa:gpuslice-system:gpuslice-node-agent")
             assert kubelet.registered.wait(30)
@@ -115,7 +116,7 @@ def test_mig_apply_reports_progress_as_node_labels_through_the_client(
     (tmp_path / "mp.yaml").write_text(yaml.safe_dump(CONFIG))
     kubeconfig = rest.kubeconfig(tmp_path / "agent.kubeconfig",
                                  "sa:gpuslice-system:gpuslice-node-agent")
-    assert main(["mig-apply", str(tmp_path / "mp.yaml"), "--config", "all-1g.10gb", "--fake",
+    assert main(["mig-apply", str(tmp_path / "mp.yaml"), "--config", "all-1g.10gb", "--fake-gpus",
                  str(tmp_path / "inv.yaml"), "--node", "n1", "--kubeconfig",
                  str(kubeconfig)]) == 0
     assert "state: success" in capsys.readouterr().out

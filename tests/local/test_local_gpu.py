@@ -56,7 +56,7 @@ def test_three_models_as_mps_slices_of_one_gpu(tmp_path: Path) -> None:
             t.start()
         time.sleep(2)
         try:
-            r = cli("status", "--state-dir", str(state), "--json", "--window", "3")
+            r = cli("status", "--state-dir", str(state), "-o", "json", "--window", "3")
             table = cli("status", "--state-dir", str(state), "--window", "3")
         finally:
             stop.set()

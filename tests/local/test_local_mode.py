@@ -94,7 +94,7 @@ def test_up_status_restart_select_and_down(setup: tuple[Path, list[str]]) -> Non
     t = threading.Thread(target=load)
     t.start()
     try:
-        r = cli("status", "--state-dir", str(state), "--json", "--window", "1")
+        r = cli("status", "--state-dir", str(state), "-o", "json", "--window", "1")
     finally:
         stop.set()
         t.join()

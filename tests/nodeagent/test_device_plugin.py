@@ -263,7 +263,7 @@ def test_node_agent_command_on_a_fake_inventory(tmp_path: Path) -> None:
         (tmp_path / "key").write_bytes(KEY)
         proc = subprocess.Popen(
             [sys.executable, "-m", "gpuslice.cli", "node-agent", "--node", "n1", "--key-file",
-             str(tmp_path / "key"), "--fake", str(tmp_path / "inv.yaml"), "--socket-dir",
+             str(tmp_path / "key"), "--fake-gpus", str(tmp_path / "inv.yaml"), "--socket-dir",
              str(sock_dir), "--replicas", "3", "--fake-cluster", str(tmp_path / "cluster.yaml"),
              "--metrics", "off"],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)

@@ -91,7 +91,7 @@ def test_cli_dry_run_and_apply(tmp_path: Path, capsys: pytest.CaptureFixture[str
 
     (tmp_path / "inv.yaml").write_text('gpus:\n  - model: H100-SXM\n    mig: "7g.80gb@0"\n')
     (tmp_path / "mp.yaml").write_text(yaml.safe_dump(CONFIG))
-    args = ["mig-apply", str(tmp_path / "mp.yaml"), "--config", "all-1g.10gb", "--fake",
+    args = ["mig-apply", str(tmp_path / "mp.yaml"), "--config", "all-1g.10gb", "--fake-gpus",
             str(tmp_path / "inv.yaml")]
     assert main([*args, "--dry-run"]) == 0
     out = capsys.readouterr().out

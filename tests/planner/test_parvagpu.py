@@ -19,7 +19,7 @@ def test_plan_beats_or_matches_parvagpu_with_zero_violations(
     folder = shared_data / "profiles" / "parvagpu-a100-80gb"
     # a generous solver time limit: this test checks the plan, not the speed (a loaded CI
     # machine must not turn a time-out into a worse plan); benchmarks/planner.py times it
-    assert main(["plan", "--profiles", str(folder), "--scenario", str(scenario), "--json",
+    assert main(["plan", "--profiles", str(folder), "--scenario", str(scenario), "--write-json",
                  str(out), "--time-limit", "4"]) == 0
     doc = json.loads(out.read_text())
     assert doc["valid"] and not doc["errors"]

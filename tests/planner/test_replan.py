@@ -74,7 +74,7 @@ def test_cli_replan_from_a_plan_file(shared_data: Path, tmp_path: Path, capsys) 
     from gpuslice.cli import main
 
     prof = shared_data / "profiles" / "parvagpu-a100-80gb"
-    assert main(["plan", "--profiles", str(prof), "--scenario", "3", "--json",
+    assert main(["plan", "--profiles", str(prof), "--scenario", "3", "--write-json",
                  str(tmp_path / "plan.json")]) == 0
     doc = json.loads((tmp_path / "plan.json").read_text())
     services = [{"name": s["name"], "model": s["model"], "rate": s["rate_rps"] * 0.6,
@@ -82,7 +82,8 @@ def test_cli_replan_from_a_plan_file(shared_data: Path, tmp_path: Path, capsys) 
     (tmp_path / "s.yaml").write_text(yaml.safe_dump({"services": services}))
     capsys.readouterr()
     code = main(["replan", "--current", str(tmp_path / "plan.json"), "--profiles", str(prof),
-                 "--services", str(tmp_path / "s.yaml"), "--json", str(tmp_path / "new.json")])
+                 "--services", str(tmp_path / "s.yaml"), "--write-json",
+                 str(tmp_path / "new.json")])
     out = capsys.readouterr().out
     assert code == 0, out
     assert "re-plan:" in out and "a full re-plan would use" in out

@@ -183,14 +183,14 @@ def test_cli_plan_shows_what_would_change_and_run_once_starts_it(tmp_path: Path,
     (tmp_path / "cluster.yaml").write_text(yaml.safe_dump(doc))
     (tmp_path / "s.yaml").write_text(yaml.safe_dump(schedule()))
     assert main(["reconfig", "plan", str(tmp_path / "s.yaml"), "--fake-cluster",
-                 str(tmp_path / "cluster.yaml"), "--at", "23:00", "--json"]) == 0
+                 str(tmp_path / "cluster.yaml"), "--at", "23:00", "-o", "json"]) == 0
     res = json.loads(capsys.readouterr().out)[0]
     assert res["target"] == "batch" and len(res["changes"]) == 2
     first = res["changes"][0]
     assert first["from"] == INFERENCE and first["to"] == BATCH
     assert first["moves"] == ["ml/r0"] and first["blocked"] is None
     assert main(["reconfig", "plan", "--fake-cluster", str(tmp_path / "cluster.yaml"),
-                 "--at", "12:00", "--json"]) == 0
+                 "--at", "12:00", "-o", "json"]) == 0
     assert json.loads(capsys.readouterr().out)[0]["changes"] == []  # daytime: nothing to do
     assert main(["reconfig", "run", "--once", "--fake-cluster", str(tmp_path / "cluster.yaml"),
                  "--at", "23:00"]) == 0

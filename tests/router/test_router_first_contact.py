@@ -35,7 +35,7 @@ def plan_json(tmp_path: Path) -> Path:
     (tmp_path / "s.yaml").write_text("- {name: v, model: vgg19, rate: 100, slo_ms: 200}\n")
     out = tmp_path / "plan.json"
     assert main(["plan", "--profiles", str(tmp_path / "p.csv"), "--services",
-                 str(tmp_path / "s.yaml"), "--json", str(out), "-o", "json"]) == 0
+                 str(tmp_path / "s.yaml"), "--write-json", str(out), "-o", "json"]) == 0
     return out
 
 

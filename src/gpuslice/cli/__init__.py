@@ -32,6 +32,8 @@ from gpuslice.cli.common import (
     EXIT_FAILED,
     EXIT_INTERRUPTED,
     EXIT_USAGE,
+    Parser,
+    examples,
     make_console,
     parse_policies,
     parse_seeds,
@@ -46,12 +48,15 @@ COMMANDS = (simulate, plan, replan, router, extender, node_agent, dra_driver, mi
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
+    ap = Parser(
         prog="gpuslice", description="GPU sharing for ML inference on Kubernetes: slices, "
         "fragmentation-aware placement, SLA planning and request routing. Exit codes: 0 ok, "
-        "1 a check failed, 2 usage error or bad input, 3 not running, 130 interrupted.")
+        "1 a check failed, 2 usage error or bad input, 3 not running, 130 interrupted.",
+        epilog=examples("gpuslice plan --example", "gpuslice up examples/local/tiny.yaml "
+                        "--fake-gpus 1"))
     ap.add_argument("--version", action=VersionAction)
-    sub = ap.add_subparsers(dest="command", required=True)
+    sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                            title="commands (gpuslice COMMAND --help for each)")
     for command in COMMANDS:
         command.register(sub)
     return ap

@@ -8,36 +8,57 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from gpuslice.cli.common import EXIT_FAILED, Sub
+from gpuslice.cli.common import EXIT_FAILED, Sub, examples
 from gpuslice.core.errors import ValidationError
 
 
 def register(sub: Sub) -> None:
     b = sub.add_parser("bench", help="GPU sharing benchmarks on the local GPU",
                        description="GPU sharing benchmarks on the local GPU; each prints PASS or "
-                       "FAIL per check and exits 1 when a check fails.")
-    bs = b.add_subparsers(dest="bench", required=True)
+                       "FAIL per check and exits 1 when a check fails.",
+                       epilog=examples("gpuslice bench sharing --profile profiles.csv",
+                                       "gpuslice bench sharing --fake-timer resnet50@A100-80GB "
+                                       "--workload tiny"))
+    bs = b.add_subparsers(dest="bench", required=True, metavar="COMMAND",
+                          title="commands (gpuslice bench COMMAND --help for each)")
     s = bs.add_parser(
         "sharing", help="time-slicing vs MPS vs gpuslice slices, noisy neighbour, memory cap",
         description="N replicas under exclusive-sequential, time-slicing, MPS without limits "
         "and gpuslice slices (caps from --profile, else an even split); a latency-critical "
         "replica next to best-effort ones; a replica allocating past its memory cap. Prints a "
-        "table with the acceptance gates and writes JSON and a plot to --out.")
-    s.add_argument("--workload", default="resnet50")
-    s.add_argument("--replicas", type=int, default=7)
-    s.add_argument("--batch", type=int, default=8)
-    s.add_argument("--lc-batch", type=int, default=1)
-    s.add_argument("--be-batch", type=int, default=64)
-    s.add_argument("--be-replicas", type=int, default=3)
-    s.add_argument("--warmup-s", type=float, default=3.0)
-    s.add_argument("--window-s", type=float, default=10.0)
+        "table with the acceptance gates and writes JSON and a plot to --out.",
+        epilog=examples("gpuslice bench sharing --profile profiles.csv",
+                        "gpuslice bench sharing --fake-timer resnet50@A100-80GB --workload tiny "
+                        "--parts throughput"))
+    s.add_argument("--workload", default="resnet50",
+                   help="the model every replica runs (default resnet50; as gpuslice profile)")
+    s.add_argument("--replicas", type=int, default=7,
+                   help="replicas sharing the GPU in the throughput part (default 7)")
+    s.add_argument("--batch", type=int, default=8,
+                   help="batch size of those replicas (default 8)")
+    s.add_argument("--lc-batch", type=int, default=1,
+                   help="noisy neighbour: batch size of the latency-critical replica "
+                   "(default 1)")
+    s.add_argument("--be-batch", type=int, default=64,
+                   help="noisy neighbour: batch size of the best-effort replicas (default 64)")
+    s.add_argument("--be-replicas", type=int, default=3,
+                   help="noisy neighbour: best-effort replicas (default 3)")
+    s.add_argument("--warmup-s", type=float, default=3.0,
+                   help="seconds of warm-up before each measurement (default 3)")
+    s.add_argument("--window-s", type=float, default=10.0,
+                   help="seconds each measurement lasts (default 10)")
     s.add_argument("--profile", type=Path, help="profile CSV (gpuslice profile) for the caps")
     s.add_argument("--gpu", default="", help="GPU model in the profile (default: the only one)")
-    s.add_argument("--mem-cap-mib", type=int, default=4096)
-    s.add_argument("--alloc-mib", type=int, default=6144)
-    s.add_argument("--parts", default="throughput,noisy,memory")
+    s.add_argument("--mem-cap-mib", type=int, default=4096,
+                   help="memory part: the replica's MPS memory cap in MiB (default 4096)")
+    s.add_argument("--alloc-mib", type=int, default=6144,
+                   help="memory part: MiB it then tries to allocate, past the cap "
+                   "(default 6144)")
+    s.add_argument("--parts", default="throughput,noisy,memory",
+                   help="comma-separated parts to run (default throughput,noisy,memory)")
     s.add_argument("--device", type=int, default=0, help="GPU index (NVML) to run on")
-    s.add_argument("--out", type=Path, default=Path("bench-out"))
+    s.add_argument("--out", type=Path, default=Path("bench-out"),
+                   help="folder for sharing.json and sharing.png (default bench-out)")
     s.add_argument("--fake-timer", metavar="MODEL@GPU",
                    help="no GPU: run the tiny workload timed by the speed model as if on GPU "
                    "(e.g. resnet50@A100-80GB); stand-in numbers, for trying it and for CI")

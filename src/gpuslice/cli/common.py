@@ -17,6 +17,7 @@ Exit codes, the same for every command (README, "Exit codes"):
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import logging
 import math
@@ -24,15 +25,16 @@ import os
 import re
 import sys
 import tempfile
+import textwrap
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeAlias
+from typing import TYPE_CHECKING, Any, NoReturn, TypeAlias
 
 from rich.console import Console
 
-from gpuslice.core.errors import ValidationError
+from gpuslice.core.errors import Unavailable, ValidationError
 from gpuslice.core.policies import make_policy, policy_names
 
 if TYPE_CHECKING:
@@ -43,6 +45,172 @@ Sub: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 
 KUBECONFIG_HELP = ("kubeconfig file (default: the service account's in a pod, else $KUBECONFIG "
                    "or ~/.kube/config)")
+
+
+# ---- the parsers: help layout, examples, unknown options, deprecated spellings ---------------
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """argparse's layout, except that in a description or an epilog a line that starts with
+    a space is kept as written (the examples), while the other lines are wrapped."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        out: list[str] = []
+        for line in text.splitlines():
+            if line.startswith(" ") or not line.strip():
+                out.append(indent + line if line.strip() else "")
+            else:
+                out.append(textwrap.fill(" ".join(line.split()), width,
+                                         initial_indent=indent, subsequent_indent=indent))
+        return "\n".join(out)
+
+
+def examples(*lines: str) -> str:
+    """The epilog of a command's help: one or two example command lines."""
+    return "examples:\n" + "\n".join(f"  {line}" for line in lines)
+
+
+class Parser(argparse.ArgumentParser):
+    """Every ``gpuslice`` parser (``add_subparsers`` makes its sub-commands of the same class):
+    examples kept as written; an unknown option is refused by the sub-command it was given to,
+    with that sub-command's usage (argparse would show the top level's); a missing
+    sub-command is named with the choices and what each does."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def parse_known_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
+                         namespace: argparse.Namespace | None = None,
+                         ) -> tuple[argparse.Namespace, list[str]]:
+        ns, extra = super().parse_known_args(args, namespace)
+        if extra:
+            self.error(unknown_arguments(self, extra))
+        return ns, extra
+
+    def error(self, message: str) -> NoReturn:
+        missing = re.fullmatch(r"the following arguments are required: (.*)", message)
+        commands = self._commands()
+        if missing and commands is not None and {commands.dest, commands.metavar} & set(
+                missing.group(1).split(", ")):
+            message = missing_command(self.prog, commands)
+        super().error(message)
+
+    def _commands(self) -> argparse._SubParsersAction[argparse.ArgumentParser] | None:
+        for a in self._actions:
+            if isinstance(a, argparse._SubParsersAction):
+                return a
+        return None
+
+
+def unknown_arguments(parser: argparse.ArgumentParser, extra: list[str]) -> str:
+    """``unrecognized arguments: --exmaple (--exmaple: did you mean --example?)``: the
+    options given that the parser does not know, and a close match of each where there is
+    one (among the options its help lists)."""
+    known = [o for a in parser._actions if a.help != argparse.SUPPRESS
+             for o in a.option_strings]
+    hints = []
+    for text in extra:
+        if text.startswith("-"):
+            close = difflib.get_close_matches(text.split("=", 1)[0], known, n=1, cutoff=0.75)
+            if close:
+                hints.append(f"{text}: did you mean {close[0]}?")
+    return f"unrecognized arguments: {' '.join(extra)}" + (f" ({'; '.join(hints)})"
+                                                           if hints else "")
+
+
+def missing_command(prog: str, commands: argparse._SubParsersAction[argparse.ArgumentParser],
+                    ) -> str:
+    """``gpuslice bench``, no command: which there are, and what each does (names only when
+    there are many)."""
+    helps = {a.dest: a.help for a in commands._choices_actions}
+    if len(helps) <= 4:
+        listed = "; ".join(f"{name} ({helps[name]})" if helps.get(name) else name
+                           for name in commands.choices)
+    else:
+        listed = ", ".join(commands.choices)
+    return f"which command? '{prog}' needs one of: {listed} ('{prog} COMMAND --help' for more)"
+
+
+class DeprecatedAlias(argparse.Action):
+    """An old spelling of an option, kept working but hidden from the help: it does what the
+    new spelling does, after a one-line note on stderr naming the new one."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, *, new: str,
+                 apply: Callable[[argparse.ArgumentParser, argparse.Namespace, Any], None],
+                 **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, help=argparse.SUPPRESS, **kwargs)
+        self.new, self.apply = new, apply
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        sys.stderr.write(f"{parser.prog}: note: {option_string} is deprecated and will be "
+                         f"removed; use {self.new}\n")
+        self.apply(parser, namespace, values)
+
+
+def deprecated_alias(p: argparse.ArgumentParser, old: str, new: argparse.Action, *,
+                     value: object = None,
+                     apply: Callable[[argparse.Namespace, str], None] | None = None,
+                     metavar: str | None = None) -> argparse.Action:
+    """Keep ``old`` working as a hidden spelling of the option ``new`` (the action
+    ``add_argument`` returned): given ``value``, ``old`` takes no argument and means ``new
+    value`` (``--json`` -> ``-o json``); given ``apply``, its argument goes to ``apply(args,
+    text)``; else it takes what ``new`` takes."""
+    name = max(new.option_strings, key=len)
+    if value is not None:
+        fixed = str(value)
+
+        def set_value(parser: argparse.ArgumentParser, ns: argparse.Namespace,
+                      _: object) -> None:
+            new(parser, ns, fixed, name)
+
+        return p.add_argument(old, action=DeprecatedAlias, dest=argparse.SUPPRESS, nargs=0,
+                              default=argparse.SUPPRESS,
+                              new=f"{'/'.join(new.option_strings)} {value}",
+                              apply=set_value)
+    if apply is not None:
+        fn = apply
+
+        def apply_text(parser: argparse.ArgumentParser, ns: argparse.Namespace,
+                       text: str) -> None:
+            fn(ns, text)
+
+        return p.add_argument(old, action=DeprecatedAlias, dest=argparse.SUPPRESS,
+                              default=argparse.SUPPRESS, new=f"{name} {new.metavar or ''}"
+                              .strip(), apply=apply_text, metavar=metavar)
+
+    def same(parser: argparse.ArgumentParser, ns: argparse.Namespace, values: Any) -> None:
+        new(parser, ns, values, name)
+
+    kwargs: dict[str, Any] = {"type": new.type} if new.type is not None else {}
+    return p.add_argument(old, action=DeprecatedAlias, dest=argparse.SUPPRESS, nargs=new.nargs,
+                          choices=new.choices, default=argparse.SUPPRESS, metavar=new.metavar,
+                          new=name, apply=same, **kwargs)
+
+
+def add_write_json(p: argparse.ArgumentParser, what: str) -> None:
+    """``--write-json FILE`` (formerly ``--json FILE``: ``--json`` is ``-o json`` elsewhere)."""
+    new = p.add_argument("--write-json", type=Path, metavar="FILE",
+                         help=f"write {what} as JSON to FILE (-o json prints it instead)")
+    deprecated_alias(p, "--json", new)
+
+
+def add_lease(p: argparse.ArgumentParser, default: str, help: str, *,
+              none: bool = False) -> argparse.Action:
+    """``--lease NAMESPACE/NAME`` (``|none`` where a Lease is optional): one spelling of a
+    Lease on every command."""
+    return p.add_argument("--lease", default=default,
+                          metavar="NAMESPACE/NAME|none" if none else "NAMESPACE/NAME",
+                          help=f"{help} (default {default})")
+
+
+def parse_lease(text: str, expected: str = "NAMESPACE/NAME") -> tuple[str, str]:
+    """``--lease``'s value: (namespace, name)."""
+    ns, sep, name = text.partition("/")
+    if not sep or not ns or not name or "/" in name:
+        raise ValidationError("--lease", expected, text)
+    return ns, name
 
 
 def parse_seeds(text: str) -> list[int]:
@@ -203,6 +371,43 @@ def writable_file(path: Path, field: str) -> Path:
 
 FAKE_GPUS_HELP = ("N: N simulated A100-80GB GPUs (no CUDA and no MPS: the replicas run on "
                   "the CPU; to try local mode on a laptop), or a fake NVML inventory (YAML)")
+FAKE_INVENTORY_HELP = ("instead of NVML: FILE, a fake NVML inventory (YAML, with MIG "
+                       "instances and faults), or N simulated A100-80GB GPUs")
+
+
+def add_fake_gpus(p: argparse.ArgumentParser, help: str = FAKE_GPUS_HELP, *,
+                  old_fake: bool = False) -> argparse.Action:
+    """``--fake-gpus N|FILE``, the one spelling of "no real GPU" (``old_fake``: keep the
+    former ``--fake FILE`` of node-agent, dra-driver and mig-apply as a deprecated one)."""
+    new = p.add_argument("--fake-gpus", metavar="N|FILE", help=help)
+    if old_fake:
+        deprecated_alias(p, "--fake", new)
+    return new
+
+
+def fake_nvml(args: argparse.Namespace, node: str = "local") -> NvmlPort | None:
+    """The NVML stand-in ``--fake-gpus`` asks for, or None (real NVML)."""
+    from gpuslice.adapters.nvml.port import FakeNvml
+
+    if not getattr(args, "fake_gpus", None):
+        return None
+    n = simulated_gpus(args)
+    if n is not None:
+        return FakeNvml.simulated(n)
+    path = Path(args.fake_gpus)
+    if not path.is_file():
+        raise ValidationError("--fake-gpus", "a number of simulated GPUs or a YAML "
+                              "inventory file", str(path))
+    return FakeNvml.from_yaml(path, node)
+
+
+def no_gpu(nvml: NvmlPort, what: str = "") -> Unavailable:
+    """The one error of every command that needs a GPU and finds none (exit 1): why, and
+    how to try the command without one."""
+    why = nvml.why_empty() or "none found"
+    return Unavailable(f"no GPU{' ' + what if what else ''}: {why}; to try it without one, "
+                       "--fake-gpus N simulates N GPUs (--fake-gpus FILE reads a YAML "
+                       "inventory)")
 
 
 def simulated_gpus(args: argparse.Namespace) -> int | None:
@@ -216,20 +421,20 @@ def simulated_gpus(args: argparse.Namespace) -> int | None:
     return n
 
 
-def local_nvml(args: argparse.Namespace) -> NvmlPort:
-    from gpuslice.adapters.nvml.port import FakeNvml
+def local_nvml(args: argparse.Namespace, node: str = "local") -> NvmlPort:
+    """NVML, or the stand-in ``--fake-gpus`` names."""
     from gpuslice.adapters.nvml.real import load
 
-    n = simulated_gpus(args)
-    if n is not None:
-        return FakeNvml.simulated(n)
-    if args.fake_gpus:
-        path = Path(args.fake_gpus)
-        if not path.is_file():
-            raise ValidationError("--fake-gpus", "a number of simulated GPUs or a YAML "
-                                  "inventory file", str(path))
-        return FakeNvml.from_yaml(path, "local")
-    return load()
+    fake = fake_nvml(args, node)
+    return fake if fake is not None else load()
+
+
+def local_gpus_or_fail(args: argparse.Namespace) -> NvmlPort:
+    """:func:`local_nvml`, refusing with :func:`no_gpu` when it has no GPU."""
+    nvml = local_nvml(args)
+    if not nvml.devices():
+        raise no_gpu(nvml)
+    return nvml
 
 
 # ---- exit codes ---------------------------------------------------------------------------
@@ -254,10 +459,13 @@ def make_console(*, stderr: bool = False) -> Console:
     return Console(stderr=stderr, width=int(os.environ.get("COLUMNS") or PIPE_WIDTH))
 
 
-def add_output(p: argparse.ArgumentParser) -> None:
-    """``-o/--output table|json`` on a listing or status command."""
-    p.add_argument("-o", "--output", choices=("table", "json"), default="table",
-                   help="table (default) or json: one JSON document on stdout")
+def add_output(p: argparse.ArgumentParser, *, json_alias: bool = False) -> None:
+    """``-o/--output table|json`` on a listing or status command (``json_alias``: the old
+    ``--json`` flag of the same meaning, kept as a deprecated spelling)."""
+    new = p.add_argument("-o", "--output", choices=("table", "json"), default="table",
+                         help="table (default) or json: one JSON document on stdout")
+    if json_alias:
+        deprecated_alias(p, "--json", new, value="json")
 
 
 def print_json(doc: object) -> None:

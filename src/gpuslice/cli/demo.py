@@ -7,7 +7,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from gpuslice.cli.common import Sub, non_negative_int, writable_dir
+from gpuslice.cli.common import Sub, examples, non_negative_int, writable_dir
 
 
 def register(sub: Sub) -> None:
@@ -16,7 +16,8 @@ def register(sub: Sub) -> None:
         description="Bring up the real node agents (device plugin over gRPC), extender, "
         "planner and router on this machine, with the API server, kubelet, scheduler and GPUs "
         "simulated; run a scripted scenario (plan, deploy, serve load, crash a replica, re-slice "
-        "a GPU under load, add a node) and write a one-page HTML report.")
+        "a GPU under load, add a node) and write a one-page HTML report.",
+        epilog=examples("gpuslice demo --short --out demo-report", "gpuslice demo --dra"))
     d.add_argument("--out", type=Path, default=Path("demo-report"),
                    help="folder for index.html, summary.json and the plots (default "
                    "demo-report)")

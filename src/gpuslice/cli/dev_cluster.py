@@ -57,7 +57,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     d.add_argument("--real-node", action="store_true",
                    help="up: also run containerd and a real kubelet on this host (root; "
                    "binaries from tools/node/build.sh) as node gpuslice-real-node, with "
-                   "`gpuslice node-agent --fake` serving --gpus stand-in GPUs on it; down "
+                   "`gpuslice node-agent --fake-gpus` serving --gpus stand-in GPUs on it; down "
                    "restores the host as it was")
     d.add_argument("--node-dir", type=Path, help="folder of tools/node/build.sh's output "
                    "(default $GPUSLICE_NODE_DIR, else what tools/node/build.sh --dir names)")

@@ -8,7 +8,16 @@ import socket
 
 from rich.console import Console
 
-from gpuslice.cli.common import KUBECONFIG_HELP, Sub, add_log_format, setup_logging
+from gpuslice.cli.common import (
+    KUBECONFIG_HELP,
+    Sub,
+    add_lease,
+    add_log_format,
+    deprecated_alias,
+    examples,
+    parse_lease,
+    setup_logging,
+)
 from gpuslice.core.errors import ValidationError
 
 REPEATS_EVERY_S = 60.0  # an identical warning (a claim's refused write) at most this often
@@ -22,7 +31,9 @@ def register(sub: Sub) -> None:
         "one device (a share or whole GPUs) and writes the claim's allocation chosen by the "
         "policy; kube-scheduler then only checks that the node can reach it. Only devices "
         "tainted for the allocator (our drivers do so while its Lease is fresh) are used; "
-        "see docs/dra-placement.md.")
+        "see docs/dra-placement.md.",
+        epilog=examples("gpuslice dra-allocator --kubeconfig ~/.kube/config",
+                        "gpuslice dra-allocator --once --lease gpuslice-system/my-allocator"))
     a.add_argument("--kubeconfig", help=KUBECONFIG_HELP)
     a.add_argument("--context", help="kubeconfig context")
     a.add_argument("--driver", default="gpu.gpuslice.io", help="DRA driver name")
@@ -39,8 +50,15 @@ def register(sub: Sub) -> None:
     a.add_argument("--max-backoff", type=float, default=60.0,
                    help="longest wait (seconds) before placing again a claim the scheduler "
                    "released three times (the wait doubles from 2 s; default 60)")
-    a.add_argument("--lease-namespace", default="gpuslice-system")
-    a.add_argument("--lease-name", default="gpuslice-dra-allocator")
+    lease = add_lease(a, "gpuslice-system/gpuslice-dra-allocator",
+                      "the Lease one replica holds to lead, and the DRA drivers watch (their "
+                      "--lease)")
+    deprecated_alias(a, "--lease-namespace", lease, metavar="NAMESPACE",
+                     apply=lambda ns, text: setattr(
+                         ns, "lease", f"{text}/{ns.lease.partition('/')[2]}"))
+    deprecated_alias(a, "--lease-name", lease, metavar="NAME",
+                     apply=lambda ns, text: setattr(
+                         ns, "lease", f"{ns.lease.partition('/')[0]}/{text}"))
     a.add_argument("--identity", default=None, help="lease holder identity (default: "
                    "$POD_NAME or the host name)")
     a.add_argument("--once", action="store_true", help="one pass, then exit")
@@ -63,12 +81,13 @@ def _run(args: argparse.Namespace, console: Console) -> int:
         raise ValidationError("--settle", "0 or more seconds", args.settle)
     if args.max_backoff <= 0:
         raise ValidationError("--max-backoff", "a positive number of seconds", args.max_backoff)
+    lease_ns, lease_name = parse_lease(args.lease)
+    lease = args.lease
     # a refused write comes back every pass (5 a second): once a minute per claim is enough
     log = setup_logging(args.log_format, "dra-allocator", repeats_every_s=REPEATS_EVERY_S)
     api = KubeClient(args.kubeconfig, args.context)
     identity = args.identity or os.environ.get("POD_NAME") or socket.gethostname()
-    lease = f"{args.lease_namespace}/{args.lease_name}"
-    elector = LeaderElector(api, args.lease_namespace, args.lease_name, identity, time.time)
+    elector = LeaderElector(api, lease_ns, lease_name, identity, time.time)
     alloc = DraAllocator(api, driver=args.driver, policy=args.policy,
                          require_taint=not args.no_require_taint, settle_s=args.settle,
                          max_backoff_s=args.max_backoff,

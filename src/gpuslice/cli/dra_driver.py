@@ -12,7 +12,18 @@ from pathlib import Path
 from rich.console import Console
 
 from gpuslice.adapters.mps import CONTROL, PIPE_DIR, SHM_DIR
-from gpuslice.cli.common import Sub, add_log_format, setup_logging
+from gpuslice.cli.common import (
+    FAKE_INVENTORY_HELP,
+    Sub,
+    add_fake_gpus,
+    add_lease,
+    add_log_format,
+    deprecated_alias,
+    examples,
+    local_nvml,
+    parse_lease,
+    setup_logging,
+)
 from gpuslice.core import dra
 from gpuslice.core.errors import ValidationError
 
@@ -23,7 +34,10 @@ def register(sub: Sub) -> None:
         description="Serve fractional GPUs (consumable capacity + per-share MPS caps), "
         "partitionable MIG devices and whole GPUs through Dynamic Resource Allocation: "
         "registers with the kubelet, prepares claims into CDI specs, publishes the node's "
-        "ResourceSlices.")
+        "ResourceSlices.",
+        epilog=examples("gpuslice dra-driver --mode share --gpu-mode 1=mig",
+                        "gpuslice dra-driver --node n1 --fake-gpus inventory.yaml --kubeconfig "
+                        "kubeconfig --kubelet-dir /tmp/kubelet"))
     p.add_argument("--node", help="this node's name (default: $NODE_NAME)")
     p.add_argument("--driver", default=dra.DRIVER, help="driver name (default %(default)s)")
     p.add_argument("--kubelet-dir", type=Path, default=Path("/var/lib/kubelet"),
@@ -47,15 +61,17 @@ def register(sub: Sub) -> None:
                    "in MPS clients ('' for none: then clients need hostIPC)")
     p.add_argument("--mps-binary", default=None,
                    help="the MPS control program (default nvidia-cuda-mps-control; with "
-                   "--fake, the stand-in the demo and the tests use: a fake GPU has no MPS)")
+                   "--fake-gpus, the stand-in the demo and the tests use: a fake GPU has no "
+                   "MPS)")
     p.add_argument("--dev-dir", default="/dev", help="where the NVIDIA device nodes are")
-    p.add_argument("--fake", type=Path, help="fake GPU inventory YAML instead of NVML")
+    add_fake_gpus(p, FAKE_INVENTORY_HELP, old_fake=True)
     p.add_argument("--kubeconfig", help="kubeconfig (default: in-cluster, else kubectl's)")
     p.add_argument("--poll", type=float, default=1.0, help="health poll interval, seconds")
-    p.add_argument("--allocator-lease", default="gpuslice-system/gpuslice-dra-allocator",
-                   metavar="NAMESPACE/NAME|none",
-                   help="the claim allocator's Lease: while it is fresh, consumable-capacity "
-                   "devices carry its taint (docs/dra-placement.md); 'none' never taints")
+    lease = add_lease(p, "gpuslice-system/gpuslice-dra-allocator",
+                      "the claim allocator's Lease (gpuslice dra-allocator --lease): while it "
+                      "is fresh, consumable-capacity devices carry its taint "
+                      "(docs/dra-placement.md); 'none' never taints", none=True)
+    deprecated_alias(p, "--allocator-lease", lease)
     p.add_argument("--health-timeout", type=int, default=120,
                    help="health_check_timeout_seconds reported to the kubelet (the list is "
                    "resent every quarter of it)")
@@ -75,8 +91,7 @@ def register(sub: Sub) -> None:
 
 def run(args: argparse.Namespace, console: Console) -> int:
     from gpuslice.adapters.kube.client import KubeClient
-    from gpuslice.adapters.nvml.port import FakeNvml, NvmlPort
-    from gpuslice.adapters.nvml.real import load
+    from gpuslice.adapters.nvml.port import NvmlPort
     from gpuslice.services.dra_driver import DraConfig, DraDriver, parse_modes
     from gpuslice.services.dra_driver import run as serve
 
@@ -92,15 +107,11 @@ def run(args: argparse.Namespace, console: Console) -> int:
     if args.max_prepares < 1:
         raise ValidationError("--max-prepares", "at least 1", args.max_prepares)
     lease: tuple[str, str] | None = None
-    if args.allocator_lease != "none":
-        ns, sep, name = args.allocator_lease.partition("/")
-        if not sep or not ns or not name or "/" in name:
-            raise ValidationError("--allocator-lease", "NAMESPACE/NAME or none",
-                                  args.allocator_lease)
-        lease = (ns, name)
+    if args.lease != "none":
+        lease = parse_lease(args.lease, "NAMESPACE/NAME or none")
     setup_logging(args.log_format, "dra-driver")
     mps_binary = args.mps_binary or CONTROL
-    if args.fake and args.mps_binary is None:
+    if args.fake_gpus and args.mps_binary is None:
         # a fake inventory has no GPU behind it: MPS "daemons" are the stand-in's (as the node
         # agent with --fake starts none), so that shares prepare without the NVIDIA driver
         from gpuslice.adapters.mps.fake import write_fake_control
@@ -117,7 +128,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
                     taints=not args.no_taints, quiet_s=args.quiet, dev_dir=args.dev_dir,
                     allocator_lease=lease, health_timeout_s=args.health_timeout,
                     resync_s=args.resync)
-    nvml: NvmlPort = FakeNvml.from_yaml(args.fake, node) if args.fake else load()
+    nvml: NvmlPort = local_nvml(args, node)
     driver = DraDriver(cfg, nvml, KubeClient(args.kubeconfig))
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())

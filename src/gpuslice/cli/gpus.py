@@ -12,8 +12,11 @@ from gpuslice.cli.common import (
     EXIT_FAILED,
     FAKE_GPUS_HELP,
     Sub,
+    add_fake_gpus,
     add_output,
+    examples,
     local_nvml,
+    no_gpu,
     print_json,
 )
 from gpuslice.core import catalog
@@ -23,9 +26,10 @@ def register(sub: Sub) -> None:
     g = sub.add_parser("gpus", help="list the GPU catalogue, or this machine's GPUs (--local)",
                        description="Without options: the catalogue of GPU models the planner and "
                        "extender know. --local: the GPUs NVML reports on this machine, with their "
-                       "MIG profiles and placements checked against the catalogue.")
+                       "MIG profiles and placements checked against the catalogue.",
+                       epilog=examples("gpuslice gpus -o json", "gpuslice gpus --local"))
     g.add_argument("--local", action="store_true", help="this machine's GPUs, through NVML")
-    g.add_argument("--fake-gpus", metavar="N|FILE", help="with --local: " + FAKE_GPUS_HELP)
+    add_fake_gpus(g, "with --local: " + FAKE_GPUS_HELP)
     add_output(g)
     g.set_defaults(handler=_gpus_command)
 
@@ -72,7 +76,9 @@ def _local_json(args: argparse.Namespace) -> int:
             "catalogue_differs": diff})
     print_json({"driver": nv.driver_version(), "gpus": out,
                 "why_empty": nv.why_empty() if not gpus else None})
-    return EXIT_FAILED if not gpus or any(g["catalogue_differs"] for g in out) else 0
+    if not gpus:
+        raise no_gpu(nv)  # the document above on stdout, the error on stderr, exit 1
+    return EXIT_FAILED if any(g["catalogue_differs"] for g in out) else 0
 
 
 def _gpus(console: Console) -> int:
@@ -107,8 +113,7 @@ def _local_gpus(args: argparse.Namespace, console: Console) -> int:
     nv = local_nvml(args)
     gpus = nv.devices()
     if not gpus:
-        console.print(f"no GPU: {nv.why_empty()}", highlight=False, markup=False)
-        return 1
+        raise no_gpu(nv)
     console.print(f"driver {nv.driver_version()}", highlight=False)
     disagree = 0
     for gpu in gpus:

@@ -12,11 +12,12 @@ from rich.table import Table
 from gpuslice.adapters.proc import alive
 from gpuslice.cli.common import (
     EXIT_NOT_RUNNING,
-    FAKE_GPUS_HELP,
     Sub,
+    add_fake_gpus,
     add_log_format,
     add_output,
-    local_nvml,
+    examples,
+    local_gpus_or_fail,
     positive_float,
     print_json,
     setup_logging,
@@ -31,14 +32,16 @@ def register(sub: Sub) -> None:
                        help="local mode's state (default $GPUSLICE_STATE_DIR, else "
                        "$XDG_STATE_HOME/gpuslice or ~/.local/state/gpuslice)")
         if gpus:
-            p.add_argument("--fake-gpus", metavar="N|FILE", help=FAKE_GPUS_HELP)
+            add_fake_gpus(p)
 
     up = sub.add_parser(
         "up", help="local mode: run inference services as GPU slices on this machine",
         description="Place a slice per replica on the local GPUs, start MPS daemons, launch "
         "each replica's command with its slice's environment, and serve them all through the "
         "router on one port, restarting replicas that crash. Ctrl-C (or gpuslice down) stops "
-        "everything.")
+        "everything.",
+        epilog=examples("gpuslice up examples/local/services.yaml --port 8080",
+                        "gpuslice up examples/local/tiny.yaml --fake-gpus 1 --detach"))
     up.add_argument("services", type=Path, help="services file (the planner's format plus "
                     "command, replicas, compute, memory)")
     up.add_argument("--port", type=int, default=8080, help="router port (default 8080)")
@@ -57,24 +60,28 @@ def register(sub: Sub) -> None:
     st = sub.add_parser("status", help="local mode: slices, caps and measured throughput",
                         description="The running local mode's replicas: GPU, compute and "
                         "memory caps, pid, restarts and the throughput measured over --window. "
-                        "Exit 3 when local mode is not running.")
+                        "Exit 3 when local mode is not running.",
+                        epilog=examples("gpuslice status", "gpuslice status -o json --window 5"))
     st.add_argument("--window", type=positive_float, default=2.0,
                     help="seconds over which throughput is measured (default 2)")
-    st.add_argument("--json", action="store_true", help="the same as -o json")
-    add_output(st)
+    add_output(st, json_alias=True)
     common(st, gpus=False)
     st.set_defaults(handler=_status)
     sw = sub.add_parser("switch", help="local mode: switch to a slice profile (layout) now",
                         description="Ask the running local mode for one of its services file's "
                         "layouts now (replicas move one at a time without dropping requests), "
-                        "or with --auto go back to following the file's windows.")
-    sw.add_argument("layout", nargs="?")
+                        "or with --auto go back to following the file's windows.",
+                        epilog=examples("gpuslice switch night", "gpuslice switch --auto"))
+    sw.add_argument("layout", nargs="?",
+                    help="the name of a layout in the services file (unless --auto)")
     sw.add_argument("--auto", action="store_true", help="follow the windows again")
     common(sw, gpus=False)
     sw.set_defaults(handler=_switch)
     dn = sub.add_parser("down", help="local mode: stop replicas, router and MPS daemons",
                         description="Stop the local mode of --state-dir: replicas, router and "
-                        "MPS daemons, and anything they left behind.")
+                        "MPS daemons, and anything they left behind.",
+                        epilog=examples("gpuslice down", "gpuslice down --state-dir /tmp/gs "
+                                        "--timeout 5"))
     dn.add_argument("--timeout", type=positive_float, default=20.0,
                     help="seconds to wait for local mode to stop before killing it "
                     "(default 20)")
@@ -84,7 +91,9 @@ def register(sub: Sub) -> None:
         "select", help="print the local GPU (or MIG instance) that best fits a workload",
         description="Print the UUID of the local GPU or MIG instance with room for --memory "
         "and --compute, by free memory and utilisation measured through NVML less the slices "
-        "local mode has handed out; a value for CUDA_VISIBLE_DEVICES.")
+        "local mode has handed out; a value for CUDA_VISIBLE_DEVICES.",
+        epilog=examples("gpuslice select --memory 8G --compute 30",
+                        "CUDA_VISIBLE_DEVICES=$(gpuslice select --memory 8G) python serve.py"))
     se.add_argument("--memory", default="0", help="GPU memory needed, e.g. 8G (default 0)")
     se.add_argument("--compute", default="0", help="percent of a GPU needed (default 0)")
     se.add_argument("--index", action="store_true", help="print the GPU index, not the UUID")
@@ -112,7 +121,8 @@ def _up(args: argparse.Namespace, console: Console) -> int:
     if not 0 <= args.port <= 65535:
         raise ValidationError("--port", "a port from 0 to 65535", args.port)
     simulated = simulated_gpus(args)
-    nvml = local_nvml(args)  # a bad --fake-gpus stops here, before anything starts
+    nvml = local_gpus_or_fail(args)  # a bad --fake-gpus, or no GPU, stops here, before
+    # anything starts
     if args.detach:
         return _up_detached(args, state_dir, console)
     setup_logging(args.log_format, "local")
@@ -169,7 +179,7 @@ def _status(args: argparse.Namespace, console: Console) -> int:
     state_dir = args.state_dir or default_state_dir()
     st = read_state(state_dir)
     if st is None or not alive(int(st.get("pid", 0))):
-        if args.json or args.output == "json":
+        if args.output == "json":
             print_json({"status": "not running", "state_dir": str(state_dir)})
         else:
             console.print(f"local mode is not running (state: {state_dir})", highlight=False)
@@ -180,7 +190,7 @@ def _status(args: argparse.Namespace, console: Console) -> int:
         rates = asyncio.run(replica_throughput(admin, args.window))
     for r in st["replicas"]:
         r["throughput_rps"] = round(rates.get(r.get("router_name", r["name"]), 0.0), 2)
-    if args.json or args.output == "json":
+    if args.output == "json":
         print_json(st)
         return 0
     sim = st.get("simulated")
@@ -246,7 +256,7 @@ def _select(args: argparse.Namespace, console: Console) -> int:
     memory = 0 if str(args.memory) == "0" else parse_memory("--memory", args.memory)
     compute = 0 if str(args.compute) in ("0", "0%") else parse_percent("--compute",
                                                                        args.compute)
-    nvml = local_nvml(args)
+    nvml = local_gpus_or_fail(args)
     gpus = local_gpus(nvml)
     held = held_slices(read_state(args.state_dir or default_state_dir()))
     g = select_gpu(gpus, held, memory, compute)

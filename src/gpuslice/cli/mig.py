@@ -8,9 +8,20 @@ from typing import TYPE_CHECKING
 
 from rich.console import Console
 
-from gpuslice.cli.common import EXIT_FAILED, KUBECONFIG_HELP, Sub, add_output, print_json
+from gpuslice.cli.common import (
+    EXIT_FAILED,
+    FAKE_INVENTORY_HELP,
+    KUBECONFIG_HELP,
+    Sub,
+    add_fake_gpus,
+    add_output,
+    examples,
+    local_nvml,
+    no_gpu,
+    print_json,
+)
 from gpuslice.core import catalog, mig
-from gpuslice.core.errors import Unavailable, ValidationError
+from gpuslice.core.errors import ValidationError
 
 if TYPE_CHECKING:
     from gpuslice.adapters.nvml.port import NvmlPort
@@ -20,7 +31,10 @@ def register(sub: Sub) -> None:
     m = sub.add_parser("mig", help="MIG geometry of a GPU model: maximal layouts, or check one",
                        description="MIG geometry from the catalogue: every maximal layout of a "
                        "GPU model, whether a layout is legal (--layout), or what still fits "
-                       "next to a partly used GPU (--used). Exit 1 when a layout is invalid.")
+                       "next to a partly used GPU (--used). Exit 1 when a layout is invalid.",
+                       epilog=examples("gpuslice mig H100-SXM --layout "
+                                       "3g.40gb@0,2g.20gb@4,1g.10gb@6",
+                                       "gpuslice mig A30 --used 2g.12gb@0"))
     m.add_argument("model", help="GPU model, e.g. A100-80GB, H100-SXM, A30")
     m.add_argument("--layout", help="check a layout such as '3g.40gb@0,2g.20gb@4,1g.10gb@6'")
     m.add_argument("--used", help="partly used GPU: list what still fits next to this layout")
@@ -31,11 +45,13 @@ def register(sub: Sub) -> None:
         description="Apply one config of an NVIDIA mig-parted file (mig-devices counts, or "
         "gpuslice's mig-placements) to this node's MIG-enabled GPUs; never changes MIG mode; "
         "--dry-run prints what would change.",
-    )
+        epilog=examples("gpuslice mig-apply mig-parted.yaml --config all-1g.10gb --dry-run",
+                        "gpuslice mig-apply mig-parted.yaml --config all-1g.10gb --fake-gpus "
+                        "inventory.yaml"))
     ma.add_argument("file", type=Path, help="mig-parted YAML (version v1, mig-configs)")
     ma.add_argument("--config", required=True, help="the config name inside the file")
     ma.add_argument("--dry-run", action="store_true", help="show the changes, change nothing")
-    ma.add_argument("--fake", type=Path, help="fake NVML: a YAML GPU inventory")
+    add_fake_gpus(ma, FAKE_INVENTORY_HELP, old_fake=True)
     ma.add_argument("--node", help="label this node with the progress (in-cluster access, "
                     "--kubeconfig or --fake-cluster)")
     msrc = ma.add_mutually_exclusive_group()
@@ -92,17 +108,15 @@ def _mig(args: argparse.Namespace, console: Console) -> int:
 def _mig_apply(args: argparse.Namespace, console: Console) -> int:
     from gpuslice.adapters.kube.client import KubeClient
     from gpuslice.adapters.kube.fake import KubePort, load_fake_cluster
-    from gpuslice.adapters.nvml.port import FakeNvml
-    from gpuslice.adapters.nvml.real import load
     from gpuslice.services.mig_executor import MigExecutor, read_config
 
     config = read_config(args.file)  # the file first: a bad one is bad input with or without GPUs
     if args.config not in config["mig-configs"]:
         raise ValidationError("--config", f"one of {', '.join(config['mig-configs'])}",
                               args.config)
-    nvml: NvmlPort = FakeNvml.from_yaml(args.fake, args.node or "node") if args.fake else load()
+    nvml: NvmlPort = local_nvml(args, args.node or "node")
     if not nvml.devices():
-        raise Unavailable(f"no GPU to apply a MIG layout to: {nvml.why_empty() or 'none found'}")
+        raise no_gpu(nvml, "to apply a MIG layout to")
     api: KubePort | None = None
     if args.node:
         api = (load_fake_cluster(args.fake_cluster) if args.fake_cluster

@@ -9,7 +9,17 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 
 from gpuslice.adapters.mps import PIPE_DIR, SHM_DIR
-from gpuslice.cli.common import KUBECONFIG_HELP, Sub, add_log_format, read_key, setup_logging
+from gpuslice.cli.common import (
+    FAKE_INVENTORY_HELP,
+    KUBECONFIG_HELP,
+    Sub,
+    add_fake_gpus,
+    add_log_format,
+    examples,
+    local_nvml,
+    read_key,
+    setup_logging,
+)
 from gpuslice.core.errors import ValidationError
 
 if TYPE_CHECKING:
@@ -21,12 +31,15 @@ def register(sub: Sub) -> None:
         "node-agent", help="node agent: NVML discovery, kubelet device plugin, health, labels",
         description="Serve gpuslice.io/gpu to the kubelet (device plugin API v1beta1), execute "
         "the extender's signed assignments, publish the GPU inventory and GFD labels on the "
-        "node, and follow GPU health. --fake runs it on a YAML inventory instead of NVML.",
-    )
+        "node, and follow GPU health. --fake-gpus runs it on a YAML inventory (or N simulated "
+        "GPUs) instead of NVML.",
+        epilog=examples("gpuslice node-agent --key-file key",
+                        "gpuslice node-agent --node n1 --key-file key --fake-gpus inventory.yaml "
+                        "--socket-dir /tmp/dp --fake-cluster examples/fake-cluster.yaml"))
     na.add_argument("--node", help="this node's name (default $NODE_NAME)")
     na.add_argument("--key-file", type=Path, required=True,
                     help="file holding the HMAC key shared with the extender")
-    na.add_argument("--fake", type=Path, help="fake NVML: a YAML GPU inventory")
+    add_fake_gpus(na, FAKE_INVENTORY_HELP, old_fake=True)
     na.add_argument("--socket-dir", type=Path, default=Path("/var/lib/kubelet/device-plugins"),
                     help="the kubelet's device plugin directory")
     na.add_argument("--replicas", type=int, default=10, help="virtual devices per GPU")
@@ -40,7 +53,7 @@ def register(sub: Sub) -> None:
                     help="where the CDI spec (kind gpuslice.io/gpu) is written for cdi-*")
     na.add_argument("--dev-dir", type=Path, default=Path("/dev"),
                     help="where the NVIDIA device nodes are on the host (default /dev): the CDI "
-                    "spec's hostPath, e.g. stand-in nodes for --fake GPUs")
+                    "spec's hostPath, e.g. stand-in nodes for --fake-gpus GPUs")
     na.add_argument("--quiet", type=float, default=60.0,
                     help="seconds without errors before a faulty GPU is healthy again")
     na.add_argument("--metrics", default="0.0.0.0:9402",
@@ -72,8 +85,6 @@ def _node_agent(args: argparse.Namespace, console: Console) -> int:
 
     from gpuslice.adapters.kube.client import KubeClient
     from gpuslice.adapters.kube.fake import KubePort, load_fake_cluster
-    from gpuslice.adapters.nvml.port import FakeNvml
-    from gpuslice.adapters.nvml.real import load
     from gpuslice.adapters.signals import StopSignals
     from gpuslice.services.device_plugin import PluginConfig, device_list_strategy
     from gpuslice.services.node_agent import NodeAgent
@@ -88,7 +99,7 @@ def _node_agent(args: argparse.Namespace, console: Console) -> int:
     if not args.socket_dir.is_dir():
         raise ValidationError("--socket-dir", "the kubelet's device plugin directory",
                               str(args.socket_dir))
-    nvml: NvmlPort = FakeNvml.from_yaml(args.fake, node) if args.fake else load()
+    nvml: NvmlPort = local_nvml(args, node)
     api: KubePort = (load_fake_cluster(args.fake_cluster) if args.fake_cluster
                      else KubeClient(args.kubeconfig))
     cfg = PluginConfig(node, args.socket_dir, key, args.replicas,
@@ -100,7 +111,7 @@ def _node_agent(args: argparse.Namespace, console: Console) -> int:
                        cdi_root=args.cdi_root, dev_dir=args.dev_dir)
     # a fake inventory has no real GPU behind it: no MPS daemons to start
     agent = NodeAgent(cfg, nvml, api, quiet_s=args.quiet,
-                      mps=not args.no_mps and args.fake is None,
+                      mps=not args.no_mps and args.fake_gpus is None,
                       quit_mps_on_stop=args.quit_mps_on_exit)
     with StopSignals(agent.stop) as signals:  # SIGTERM (the pod deleted) or Ctrl-C: stop, exit 0
         if args.metrics != "off":

@@ -15,8 +15,10 @@ from gpuslice.cli.common import (
     EXIT_OK,
     Sub,
     add_output,
+    add_write_json,
     builtin_help,
     builtin_path,
+    examples,
     input_path,
     positive_float,
     print_json,
@@ -35,7 +37,9 @@ def register(sub: Sub) -> None:
         description="Plan MIG slices (with MPS processes inside) for services with request "
         "rates and latency SLOs, from measured profiles; check the plan by replaying Poisson "
         "arrivals through it; optionally export mig-parted configs and Kubernetes manifests.",
-    )
+        epilog=examples("gpuslice plan --example --objective cost --export out/",
+                        "gpuslice plan --profiles profiles.csv --services services.yaml "
+                        "--write-json plan.json"))
     p.add_argument("--profiles", type=input_path("profiles"),
                    help="ParvaGPU folder (with prof_data/) or a gpuslice profile CSV (required "
                    "unless --example), "
@@ -44,7 +48,8 @@ def register(sub: Sub) -> None:
                    "PROFILES/SLO/SLO_req_rate.csv)")
     p.add_argument("--slo-latency", type=Path, help="ParvaGPU SLO_latency.csv (default: "
                    "PROFILES/SLO/SLO_latency.csv)")
-    p.add_argument("--scenario", type=int, help="scenario (row) of the SLO files, from 1")
+    p.add_argument("--scenario", type=int, help="scenario (row) of the SLO files, from 1 "
+                   "(instead of --services)")
     p.add_argument("--services", type=input_path("services"),
                    help="services YAML/JSON: [{name, model, rate, slo_ms}] (instead of SLO "
                    "files), " + builtin_help("services"))
@@ -56,8 +61,12 @@ def register(sub: Sub) -> None:
                    f"builtin:{builtin.EXAMPLE_PROFILES} --services builtin:"
                    f"{builtin.EXAMPLE_SERVICES} --fleet builtin:{builtin.EXAMPLE_FLEET} "
                    "(options given beside it take their place)")
-    p.add_argument("--objective", choices=("gpus", "cost"), default="gpus")
-    p.add_argument("--solver", choices=("auto", "milp", "greedy"), default="auto")
+    p.add_argument("--objective", choices=("gpus", "cost"), default="gpus",
+                   help="minimise the number of GPUs (default) or their cost per hour (the "
+                   "fleet's cost_per_hour)")
+    p.add_argument("--solver", choices=("auto", "milp", "greedy"), default="auto",
+                   help="milp (exact, within --time-limit), greedy, or auto (default: milp up "
+                   "to 60 services, greedy above)")
     p.add_argument("--latency-factor", type=float, default=0.45,
                    help="a configuration serves a model only if its batch latency <= this x "
                    "SLO (default 0.45, ParvaGPU's rule)")
@@ -67,7 +76,7 @@ def register(sub: Sub) -> None:
                    help="skip the replay-driven re-planning (the final replay still runs)")
     p.add_argument("--time-limit", type=positive_float, default=1.0,
                    help="solver seconds per planning round (default 1.0)")
-    p.add_argument("--json", type=Path, help="write the plan as JSON here")
+    add_write_json(p, "the plan")
     p.add_argument("--export", type=Path,
                    help="write plan.json, mig-parted.yaml and manifests.yaml into this folder")
     p.add_argument("--seed", type=int, default=1, help="seed of the replay")
@@ -158,8 +167,8 @@ def example_defaults(args: argparse.Namespace) -> None:
 def check_files(args: argparse.Namespace) -> None:
     """What can be said before planning: the outputs can be written and the YAML inputs
     parse (one line naming the file and the line, not PyYAML's several)."""
-    if args.json is not None:
-        writable_file(args.json, "--json")
+    if args.write_json is not None:
+        writable_file(args.write_json, "--write-json")
     if args.export is not None:
         writable_dir(args.export, "--export")
     for path, field in ((args.services, "--services"), (args.fleet, "--fleet")):
@@ -168,16 +177,16 @@ def check_files(args: argparse.Namespace) -> None:
 
 
 def _write(args: argparse.Namespace, plan: Plan, doc: dict[str, Any], console: Console) -> None:
-    """--json and --export files; with -o json their names go to stderr."""
+    """--write-json and --export files; with -o json their names go to stderr."""
     import json
 
     from gpuslice.planning.export import write_exports
 
     say = console if args.output == "table" else Console(stderr=True)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(doc, indent=2))
-        say.print(f"wrote {args.json}", highlight=False)
+    if args.write_json:
+        args.write_json.parent.mkdir(parents=True, exist_ok=True)
+        args.write_json.write_text(json.dumps(doc, indent=2))
+        say.print(f"wrote {args.write_json}", highlight=False)
     if args.export:
         for path in write_exports(args.export, plan, doc):
             say.print(f"wrote {path}", highlight=False)

@@ -8,7 +8,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from gpuslice.cli.common import Sub
+from gpuslice.cli.common import Sub, examples
 from gpuslice.core.errors import ValidationError
 
 
@@ -20,15 +20,22 @@ def register(sub: Sub) -> None:
         "windows; rows go to the CSV as they are measured (an interrupted run resumes), and a "
         "plot of throughput against slice size is written beside it. Workloads: resnet50, "
         "mobilenet_v3, vit_b_16, efficientnet_b0, encoder, tiny, cmd:PROGRAM (RUN <batch> / "
-        "OK lines on stdin/stdout) or an http:// URL (POST per batch, X-Batch-Size).")
-    p.add_argument("workload")
-    p.add_argument("--out", type=Path, default=Path("profiles.csv"))
+        "OK lines on stdin/stdout) or an http:// URL (POST per batch, X-Batch-Size).",
+        epilog=examples("gpuslice profile resnet50 --out profiles.csv",
+                        "gpuslice profile \"cmd:python my_model.py\" --name mymodel --out "
+                        "profiles.csv"))
+    p.add_argument("workload", help="what to measure: a built-in model (resnet50, tiny, ...), "
+                   "cmd:PROGRAM or an http:// URL (see above)")
+    p.add_argument("--out", type=Path, default=Path("profiles.csv"),
+                   help="the profile CSV to write (and resume; default profiles.csv)")
     p.add_argument("--name", default="", help="model name in the CSV (default: the workload)")
     p.add_argument("--caps", default="10,20,30,50,70,100", help="MPS thread percentages")
-    p.add_argument("--batches", default="1,2,4,8")
+    p.add_argument("--batches", default="1,2,4,8", help="batch sizes (default 1,2,4,8)")
     p.add_argument("--procs", default="1,2,3", help="processes sharing the slice")
-    p.add_argument("--warmup-s", type=float, default=2.0)
-    p.add_argument("--window-s", type=float, default=5.0)
+    p.add_argument("--warmup-s", type=float, default=2.0,
+                   help="seconds of warm-up before each measurement (default 2)")
+    p.add_argument("--window-s", type=float, default=5.0,
+                   help="seconds each measurement lasts (default 5)")
     p.add_argument("--device", type=int, default=0, help="GPU index")
     p.add_argument("--no-mig", action="store_true", help="skip the MIG instances")
     p.add_argument("--fake-timer", metavar="MODEL@GPU",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.table import Table
@@ -14,11 +14,19 @@ from gpuslice.cli.common import (
     Sub,
     add_log_format,
     add_output,
+    examples,
     print_json,
     read_yaml,
     setup_logging,
 )
 from gpuslice.core.errors import ValidationError
+
+if TYPE_CHECKING:
+    from gpuslice.adapters.kube.fake import ClusterPort
+
+# what ReconfigController.dry_run says of a GPU whose node agent has not reported its layout
+NOT_REPORTED = "(not reported yet)"
+MIG_DISABLED = "MIG disabled"
 
 
 def register(sub: Sub) -> None:
@@ -26,29 +34,51 @@ def register(sub: Sub) -> None:
         "reconfig", help="change GPU slicing by SliceSchedule without dropping traffic",
         description="'run' follows SliceSchedule objects and moves each selected GPU to the "
         "layout wanted now, one GPU at a time (cordon, move replicas, drain, apply, reopen); "
-        "'plan' shows what a schedule would change now, changing nothing.")
-    r.add_argument("action", choices=("run", "plan"))
-    r.add_argument("schedule", nargs="?", type=Path,
-                   help="with plan: a SliceSchedule YAML file (default: the cluster's)")
-    src = r.add_mutually_exclusive_group()
-    src.add_argument("--kubeconfig", help=KUBECONFIG_HELP)
-    src.add_argument("--fake-cluster", type=Path,
-                     help="nodes, pods and sliceschedules from a YAML file (to try it out)")
-    r.add_argument("--context", help="kubeconfig context")
-    r.add_argument("--router-admin", help="router admin URL: drain until it reports no "
-                   "request in flight (default: wait the schedule's drain timeout)")
-    r.add_argument("--every", type=float, default=2.0, help="seconds between passes")
-    r.add_argument("--once", action="store_true", help="run: one pass, then exit")
-    r.add_argument("--at", help="plan: as if it were this time of day (HH:MM, UTC)")
-    r.add_argument("--json", action="store_true", help="plan: the same as -o json")
-    add_output(r)
-    add_log_format(r)
+        "'plan' shows what a schedule would change now, changing nothing.",
+        epilog=examples("gpuslice reconfig plan deploy/examples/day-night.yaml --at 23:00",
+                        "gpuslice reconfig run --router-admin http://gpuslice-router:9901"))
+    rs = r.add_subparsers(dest="action", required=True, metavar="COMMAND",
+                          title="commands (gpuslice reconfig COMMAND --help for each)")
+    run = rs.add_parser(
+        "run", help="the controller: follow SliceSchedules, one GPU at a time",
+        description="Follow the cluster's SliceSchedule objects: move each selected GPU to the "
+        "layout wanted now, one GPU at a time (cordon, move replicas, drain, apply, reopen), "
+        "its progress in the schedule's status. SIGTERM or Ctrl-C stops it; a move under way "
+        "resumes at the next start.",
+        epilog=examples("gpuslice reconfig run --router-admin http://gpuslice-router:9901",
+                        "gpuslice reconfig run --once --fake-cluster examples/fake-cluster.yaml"))
+    plan = rs.add_parser(
+        "plan", help="what a schedule would change now, changing nothing",
+        description="For a SliceSchedule file (or the cluster's SliceSchedules): the layout "
+        "wanted now and, per selected GPU not in it, its current layout (from the node agent's "
+        "report, else the GPU inventory kubectl gpuslice status shows), the replicas that "
+        "would move and what would block the move.",
+        epilog=examples("gpuslice reconfig plan deploy/examples/day-night.yaml --at 23:00 "
+                        "--fake-cluster examples/fake-cluster.yaml",
+                        "gpuslice reconfig plan -o json"))
+    plan.add_argument("schedule", nargs="?", type=Path,
+                      help="a SliceSchedule YAML file (default: the cluster's SliceSchedules)")
+    for p in (run, plan):
+        src = p.add_mutually_exclusive_group()
+        src.add_argument("--kubeconfig", help=KUBECONFIG_HELP)
+        src.add_argument("--fake-cluster", type=Path,
+                         help="nodes, pods and sliceschedules from a YAML file (to try it out)")
+        p.add_argument("--context", help="kubeconfig context")
+        p.add_argument("--at", metavar="HH:MM",
+                       help="as if it were this time of day (UTC; default: now)")
+    run.add_argument("--router-admin", help="router admin URL: drain until it reports no "
+                     "request in flight (default: wait the schedule's drain timeout)")
+    run.add_argument("--every", type=float, default=2.0,
+                     help="seconds between passes (default 2)")
+    run.add_argument("--once", action="store_true", help="one pass, then exit")
+    add_log_format(run)
+    add_output(plan, json_alias=True)
     r.set_defaults(handler=_reconfig)
 
 
 def _reconfig(args: argparse.Namespace, console: Console) -> int:
     from gpuslice.adapters.http.router_admin import HttpRouter
-    from gpuslice.adapters.kube.fake import ClusterPort, load_fake_cluster
+    from gpuslice.adapters.kube.fake import load_fake_cluster
     from gpuslice.services.reconfig import PLURAL, ReconfigController
 
     schedule: dict[str, Any] | None = None  # a file's, read before anything else is done
@@ -72,7 +102,7 @@ def _reconfig(args: argparse.Namespace, console: Console) -> int:
 
         at = minutes_of_day("--at", args.at)
         minute = lambda: at  # noqa: E731
-    router = HttpRouter(args.router_admin) if args.router_admin else None
+    router = HttpRouter(args.router_admin) if getattr(args, "router_admin", None) else None
     ctl = ReconfigController(api, router=router, minute_of_day=minute)
     if args.action == "run":
         if args.every <= 0:
@@ -94,8 +124,8 @@ def _reconfig(args: argparse.Namespace, console: Console) -> int:
                  extra={"event": "stopped"})
         return 0
     objs = [schedule] if schedule is not None else api.list_custom(PLURAL)
-    results = [ctl.dry_run(o) for o in objs]
-    if args.json or args.output == "json":
+    results = [from_inventory(api, ctl.dry_run(o)) for o in objs]
+    if args.output == "json":
         print_json(results)
         return 0
     for res in results:
@@ -109,3 +139,35 @@ def _reconfig(args: argparse.Namespace, console: Console) -> int:
                       str(len(ch["moves"])), ch["blocked"] or "-")
         console.print(t)
     return 0
+
+
+def from_inventory(api: ClusterPort, res: dict[str, Any]) -> dict[str, Any]:
+    """A dry run's changes, each GPU's current layout named as kubectl gpuslice status names
+    it: where the node agent has not reported the layout (or reports none: MIG disabled), from
+    the GPU inventory it published on the node; a GPU already in the target layout by that
+    inventory is no change."""
+    from gpuslice.adapters.kube.objects import InventoryGpu, node_inventory
+
+    inventory: dict[str, InventoryGpu] = {}
+    for n in api.list_nodes():
+        try:
+            inventory.update((g.uuid, g) for g in node_inventory(n))
+        except ValidationError:
+            continue  # an unreadable inventory: the controller skips the node too
+    changes = []
+    for change in res["changes"]:
+        g = inventory.get(change["gpu"])
+        ch = dict(change)
+        if ch["from"] == NOT_REPORTED and g is not None:
+            if not g.mig_enabled:
+                ch["from"] = MIG_DISABLED
+                ch["blocked"] = ch["blocked"] or ("MIG mode is disabled on this GPU (enabling "
+                                                  "it is an administrator's action)")
+            else:
+                layout = ",".join(f"{m.profile}@{m.start}"
+                                  for m in sorted(g.mig, key=lambda m: m.start))
+                if layout == ch["to"]:
+                    continue
+                ch["from"] = layout or "(no MIG instance)"
+        changes.append(ch)
+    return {**res, "changes": changes}

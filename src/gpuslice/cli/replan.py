@@ -13,8 +13,10 @@ from gpuslice.cli.common import (
     KUBECONFIG_HELP,
     Sub,
     add_output,
+    add_write_json,
     builtin_help,
     builtin_path,
+    examples,
     input_path,
     positive_float,
     print_json,
@@ -25,16 +27,20 @@ from gpuslice.core.errors import ValidationError
 def register(sub: Sub) -> None:
     r = sub.add_parser(
         "replan", help="re-plan from observed request rates: the smallest set of slice changes",
-        description="Read the current plan (gpuslice plan --json), take each service's request "
-        "rate from the router's metrics (or the services file), and propose the fewest slice "
-        "changes that restore every SLO or free GPUs, checked by replay; a full re-plan is "
-        "shown beside it for comparison. Without --apply nothing changes: --json/--export "
-        "write the new plan for the usual path (manifests, SliceSchedule layouts). With "
+        description="Read the current plan (gpuslice plan --write-json), take each service's "
+        "request rate from the router's metrics (or the services file), and propose the "
+        "fewest slice changes that restore every SLO or free GPUs, checked by replay; a full "
+        "re-plan is shown beside it for comparison. Without --apply nothing changes: "
+        "--write-json/--export write the new plan for the usual path (manifests, "
+        "SliceSchedule layouts). With "
         "--apply the change is made on the cluster, the safe way: the added slices' "
         "Deployments first, running and ready, then the removed slices' pods drained through "
-        "the router and their Deployments deleted.")
+        "the router and their Deployments deleted.",
+        epilog=examples("gpuslice replan --example",
+                        "gpuslice replan --current plan.json --profiles profiles.csv --services "
+                        "services.yaml --rates-from http://127.0.0.1:9901 --write-json new.json"))
     r.add_argument("--current", type=input_path("plan"),
-                   help="the plan in force (JSON, from gpuslice plan --json), "
+                   help="the plan in force (JSON, from gpuslice plan --write-json), "
                    + builtin_help("plan"))
     r.add_argument("--profiles", type=input_path("profiles"),
                    help="profiles (folder or CSV), " + builtin_help("profiles"))
@@ -53,9 +59,10 @@ def register(sub: Sub) -> None:
                    help="with --rates-from: seconds to measure over (default 10)")
     r.add_argument("--fleet", type=input_path("fleet"),
                    help="fleet file (GPU types, counts, costs), " + builtin_help("fleet"))
-    r.add_argument("--seed", type=int, default=1)
-    r.add_argument("--json", type=Path, help="write the new plan as JSON here")
-    r.add_argument("--export", type=Path, help="write plan.json, mig-parted.yaml, manifests")
+    r.add_argument("--seed", type=int, default=1, help="seed of the replays (default 1)")
+    add_write_json(r, "the new plan")
+    r.add_argument("--export", type=Path, help="write plan.json, mig-parted.yaml and "
+                   "manifests.yaml of the new plan into this folder")
     r.add_argument("--apply", action="store_true",
                    help="apply the change to the cluster: added slices' Deployments first, "
                    "ready, then the removed slices' pods drained and their Deployments deleted")
@@ -64,7 +71,9 @@ def register(sub: Sub) -> None:
                    help="with --apply: the model server image of the Deployments")
     r.add_argument("--router-admin", help="with --apply: ask this router when the removed "
                    "pods have drained (default: wait --drain-s)")
-    r.add_argument("--drain-s", type=float, default=60.0)
+    r.add_argument("--drain-s", type=float, default=60.0,
+                   help="with --apply: seconds to wait for the removed pods to drain when "
+                   "there is no --router-admin to ask, and at most with one (default 60)")
     src = r.add_mutually_exclusive_group()
     src.add_argument("--kubeconfig", help="with --apply: " + KUBECONFIG_HELP)
     src.add_argument("--fake-cluster", type=Path,
@@ -174,13 +183,13 @@ def _replan(args: argparse.Namespace, console: Console) -> int:
                                router=HttpRouter(args.router_admin) if args.router_admin
                                else None):
             say.print(line, highlight=False)
-    if args.json or args.export:
+    if args.write_json or args.export:
         doc = to_json(PlanRun(inc.plan, list(services), list(inc.replay), 0.0, 0.0, 1, {},
                               validate(inc.plan, services, opts.latency_factor), {}))
-        if args.json:
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps(doc, indent=2))
-            say.print(f"wrote {args.json}", highlight=False)
+        if args.write_json:
+            args.write_json.parent.mkdir(parents=True, exist_ok=True)
+            args.write_json.write_text(json.dumps(doc, indent=2))
+            say.print(f"wrote {args.write_json}", highlight=False)
         if args.export:
             for path in write_exports(args.export, inc.plan, doc):
                 say.print(f"wrote {path}", highlight=False)

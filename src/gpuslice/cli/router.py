@@ -8,7 +8,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from gpuslice.cli.common import Sub, add_log_format, setup_logging
+from gpuslice.cli.common import Sub, add_log_format, examples, setup_logging
 from gpuslice.core.errors import ValidationError
 
 
@@ -22,7 +22,8 @@ def register(sub: Sub) -> None:
         "The planner's plan.json names slices, not addresses: give it with --endpointslices "
         "(the Service's ready pods are the replicas, the plan gives their weights), or write "
         "a url per replica into it.",
-    )
+        epilog=examples("gpuslice router --config router.json --listen 0.0.0.0:8080",
+                        "gpuslice router --plan plan.json --endpointslices ml/resnet50"))
     src = r.add_mutually_exclusive_group()
     src.add_argument("--config", type=Path, help="router config (JSON or TOML)")
     src.add_argument("--plan", type=Path, help="the planner's JSON plan (weights from it)")

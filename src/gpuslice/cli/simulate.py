@@ -9,7 +9,14 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from gpuslice.cli.common import Sub, add_output, parse_policies, parse_seeds, print_json
+from gpuslice.cli.common import (
+    Sub,
+    add_output,
+    examples,
+    parse_policies,
+    parse_seeds,
+    print_json,
+)
 from gpuslice.core.errors import ValidationError
 from gpuslice.core.policies import policy_names
 
@@ -25,7 +32,8 @@ def register(sub: Sub) -> None:
         description="Replay a task trace against placement policies: tasks arrive one by one "
         "and never leave; metrics in 1% bins of arrived GPU demand. With no --trace it runs "
         "an embedded generated scenario.",
-    )
+        epilog=examples("gpuslice simulate --variant embedded --policy fgd,ours --out out/",
+                        "gpuslice simulate --variant default --seeds 42-51 --compare"))
     src = sim.add_mutually_exclusive_group()
     src.add_argument("--trace", type=Path, help="pod list CSV (Alibaba openb format)")
     src.add_argument("--variant", help=f"{EMBEDDED} (the generated scenario shipped with "

@@ -390,12 +390,14 @@ def _bind_order(pod: dict[str, Any]) -> tuple[str, str]:
 
 class SchedulerSim:
     """kube-scheduler's side of the extender protocol: for each pending gpuslice pod, POST
-    /filter with every node, /prioritize with the survivors, and /bind to the best."""
+    /filter with every node, /prioritize with the survivors when there are several (a lone
+    feasible node is taken unscored, as kube-scheduler does), and /bind to the best."""
 
     def __init__(self, api: FakeApiServer, url: str, log: EventLog) -> None:
         self.api, self.url, self.log = api, url, log
         self.pending: dict[str, dict[str, str]] = {}  # pod -> node -> why not
-        self.placed: dict[str, tuple[str, int]] = {}  # pod -> (node, score)
+        # pod -> (node, its extender score 0..10; None: the lone node the filter kept)
+        self.placed: dict[str, tuple[str, int | None]] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True, name="scheduler")
 
@@ -440,17 +442,24 @@ class SchedulerSim:
                         f"{n}: {r}" for n, r in sorted(why.items())))
                 self.pending[key] = why
                 continue
-            scores = self._post("/prioritize", {"Pod": p, "NodeNames": fits})
-            best = max(scores, key=lambda h: (h["Score"], -fits.index(h["Host"])))
+            score: int | None = None
+            if len(fits) == 1:  # kube-scheduler scores no lone feasible node (schedule_one.go)
+                host = fits[0]
+                how = f"the one node of {len(nodes)} the filter kept"
+            else:
+                scores = self._post("/prioritize", {"Pod": p, "NodeNames": fits})
+                best = max(scores, key=lambda h: (h["Score"], -fits.index(h["Host"])))
+                host, score = best["Host"], int(best["Score"])
+                how = (f"score {score}/10, the best of the {len(fits)} nodes of {len(nodes)} "
+                       "the filter kept")
             out = self._post("/bind", {"PodName": meta["name"], "PodNamespace": meta["namespace"],
-                                       "PodUID": meta["uid"], "Node": best["Host"]})
+                                       "PodUID": meta["uid"], "Node": host})
             if out.get("Error"):
                 self.log.add("error", f"bind {key}: {out['Error']}")
                 continue
             self.pending.pop(key, None)
-            self.placed[key] = (best["Host"], int(best["Score"]))
-            self.log.add("bind", f"{key} -> {best['Host']} (score {best['Score']} of "
-                         f"{len(fits)} feasible node(s))")
+            self.placed[key] = (host, score)
+            self.log.add("bind", f"{key} -> {host} ({how})")
 
 
 def _milli(pod: dict[str, Any]) -> int:
