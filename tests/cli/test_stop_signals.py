@@ -58,12 +58,13 @@ def terminate(proc: subprocess.Popen[bytes], log: Path) -> str:
     return text
 
 
-def get(url: str) -> int:
+def read(url: str) -> tuple[int, str]:
+    """The status and body of a GET (an HTTP error status too)."""
     try:
         with urllib.request.urlopen(url, timeout=5) as r:
-            return int(r.status)
+            return int(r.status), r.read().decode()
     except urllib.error.HTTPError as exc:
-        return exc.code
+        return exc.code, exc.read().decode(errors="replace")
 
 
 @pytest.fixture
@@ -80,7 +81,8 @@ def test_extender_stops_on_sigterm_and_gives_its_lease_up(files: Path) -> None:
                       "--leader-elect", "--insecure-no-client-auth", POD_NAME="ext-a")
     wait_for_line(proc, log, "serving on http://127.0.0.1")
     end = time.monotonic() + 20
-    while get(f"http://127.0.0.1:{port}/readyz") != 200:  # alone: it leads, so it is ready
+    # Ready from the start (leader or not); alone, it leads at its first step
+    while read(f"http://127.0.0.1:{port}/readyz") != (200, "ok: leader"):
         assert time.monotonic() < end and proc.poll() is None, log.read_text()
         time.sleep(0.1)
     text = terminate(proc, log)

@@ -53,6 +53,10 @@ def _can(dev: DevCluster, account: str, verb: str, resource: str,
 @pytest.mark.parametrize(("account", "verb", "resource", "namespace", "allowed"), [
     ("gpuslice-extender", "get", "pods", "ml", True),
     ("gpuslice-extender", "patch", "pods", "ml", False),  # the assignment rides on the Binding
+    ("gpuslice-extender", "patch", "pods", SYSTEM, True),  # the leader labels its own pod
+    ("gpuslice-extender", "get", "pods", SYSTEM, True),
+    ("gpuslice-extender", "update", "pods", SYSTEM, False),
+    ("gpuslice-extender", "delete", "pods", SYSTEM, False),
     ("gpuslice-extender", "create", "pods/binding", "ml", True),
     ("gpuslice-extender", "watch", "nodes", "default", True),
     ("gpuslice-extender", "update", "leases", SYSTEM, True),

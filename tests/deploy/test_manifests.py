@@ -213,3 +213,47 @@ def test_the_node_agents_dev_shm_is_the_directory_mps_clients_get(overlay: str) 
     (vol,) = [v for v in spec["volumes"] if v["name"] == mount["name"]]
     assert vol["hostPath"]["path"] == args.mps_shm_dir != ""
     assert not mount.get("readOnly")
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_extender_service_reaches_the_leader_while_every_replica_is_ready(
+        overlay: str) -> None:
+    """Readiness is health, not leadership (both replicas Ready: rollouts and ``helm
+    --wait`` finish): the Service selects the label the leader puts on its own pod, which no
+    pod template carries; the Deployment rolls an ordinary update, a new pod Ready before an
+    old one goes; the pod knows its name and namespace (the downward API) and the extender's
+    account may get and patch pods in its own namespace only."""
+    from gpuslice.services.extender import LEADER_LABEL
+
+    docs = render(overlay)
+    obj = {(d["kind"], d["metadata"]["name"]): d for d in docs}
+    deploy = obj[("Deployment", "gpuslice-extender")]
+    svc = obj[("Service", "gpuslice-extender")]
+    template = deploy["spec"]["template"]
+    assert svc["spec"]["selector"] == {**deploy["spec"]["selector"]["matchLabels"],
+                                       LEADER_LABEL: "leader"}
+    assert LEADER_LABEL not in template["metadata"]["labels"]
+    assert deploy["spec"]["replicas"] == 2
+    assert deploy["spec"]["strategy"] == {
+        "type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
+    (c,) = template["spec"]["containers"]
+    env = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in c["env"]}
+    assert env == {"POD_NAME": "metadata.name", "POD_NAMESPACE": "metadata.namespace"}
+    assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
+
+    ns = deploy["metadata"]["namespace"]
+    bound = [d for d in docs if d["kind"] in ("RoleBinding", "ClusterRoleBinding")
+             and {"kind": "ServiceAccount", "name": "gpuslice-extender", "namespace": ns}
+             in d["subjects"]]
+    grants: dict[str, set[tuple[str, str]]] = {}  # verb on pods -> (kind, namespace) granting
+    for b in bound:
+        role = obj[(b["roleRef"]["kind"], b["roleRef"]["name"])]
+        for rule in role["rules"]:
+            if "" in rule["apiGroups"] and "pods" in rule["resources"] and \
+                    not rule.get("resourceNames"):
+                for verb in rule["verbs"]:
+                    grants.setdefault(verb, set()).add(
+                        (b["kind"], b["metadata"].get("namespace", "")))
+    assert grants["patch"] == {("RoleBinding", ns)}  # never cluster-wide
+    assert ("RoleBinding", ns) in grants["get"]
+    assert not {"update", "delete", "create"} & set(grants)

@@ -10,8 +10,8 @@ official Kubernetes client, is exercised through real HTTP:
 - errors as ``Status`` objects with their code (404 NotFound, 409 Conflict / AlreadyExists,
   400 BadRequest, 415 UnsupportedMediaType, 422 Invalid, 401, 403 Forbidden);
 - patches only in the patch media types, a JSON patch must be a list, a strategic-merge or
-  merge patch merges maps and a ``null`` deletes; ``metadata.resourceVersion`` in a patch or a
-  replace is a precondition (409);
+  merge patch merges maps and a ``null`` deletes (a pod's annotations and labels);
+  ``metadata.resourceVersion`` in a patch or a replace is a precondition (409);
 - creation checks (a name, no resourceVersion, the namespace of the path; pods and
   Deployments against the Kubernetes 1.32 schema, and a pod's containers need an image); a
   new pod gets ``status.phase`` Pending and a fresh ``uid``;
@@ -566,10 +566,17 @@ class RestApiServer(FakeApiServer):
 
     def _patch_pod(self, ns: str, name: str, body: dict[str, Any]) -> dict[str, Any]:
         meta = body.get("metadata") or {}
-        extra = set(body) - {"metadata"} or set(meta) - {"annotations", "resourceVersion"}
+        extra = set(body) - {"metadata"} or \
+            set(meta) - {"annotations", "labels", "resourceVersion"}
         if extra:
             raise HttpError(400, "BadRequest", f"the fake patches only metadata.annotations "
-                            f"of pods, not {sorted(extra)}")
+                            f"and metadata.labels of pods, not {sorted(extra)}")
+        for field in ("annotations", "labels"):
+            values = meta.get(field) or {}
+            if not isinstance(values, dict) or not all(
+                    isinstance(v, str) or v is None for v in values.values()):
+                raise HttpError(400, "BadRequest", f"metadata.{field}: a map of strings "
+                                "(null removes a key)")
         with self._lock:
             cur = self._pods.get((ns, name))
             if cur is None:
@@ -579,7 +586,8 @@ class RestApiServer(FakeApiServer):
                 raise ApiConflict(f'Operation cannot be fulfilled on pods "{name}": the object '
                                   "has been modified; please apply your changes to the "
                                   "latest version and try again")
-            strategic_merge(cur["metadata"], {"annotations": meta.get("annotations") or {}})
+            strategic_merge(cur["metadata"], {"annotations": meta.get("annotations") or {},
+                                              "labels": meta.get("labels") or {}})
             self._bump(cur)
             return copy.deepcopy(cur)
 

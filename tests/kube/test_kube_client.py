@@ -59,6 +59,31 @@ def test_pods_and_nodes_read_and_patched_with_optimistic_concurrency(
     assert patches == {"application/strategic-merge-patch+json"}, patches
 
 
+def test_pod_labels_set_and_removed_with_a_json_merge_patch_on_the_own_namespace_only(
+        rest: RestApiServer, tmp_path: Path) -> None:
+    """The extender leader's label on its own pod: a JSON merge patch (``null`` removes, an
+    absent label removed is no error), which the extender's account may make in
+    gpuslice-system and nowhere else."""
+    rest.add_pod(pod("ext-a", ns="gpuslice-system"))
+    rest.add_pod(pod("victim", ns="ml"))
+    api = client(rest, tmp_path, EXTENDER)
+    role = "gpuslice.io/extender-role"
+    out = api.patch_pod_labels("gpuslice-system", "ext-a", {role: "leader"})
+    assert out["metadata"]["labels"] == {role: "leader"}
+    assert out["metadata"]["annotations"] == {}  # the rest of the pod stays
+    api.patch_pod_labels("gpuslice-system", "ext-a", {role: None})
+    api.patch_pod_labels("gpuslice-system", "ext-a", {role: None})  # gone already: no error
+    assert not rest.get_pod("gpuslice-system", "ext-a")["metadata"].get("labels")
+    with pytest.raises(ApiNotFound):
+        api.patch_pod_labels("gpuslice-system", "nope", {role: None})
+    assert rest.denied == []
+    with pytest.raises(GpusliceError, match="403"):  # another namespace's pods: never
+        api.patch_pod_labels("ml", "victim", {role: "leader"})
+    assert not rest.get_pod("ml", "victim")["metadata"].get("labels")
+    patches = {ct for _, verb, _, ct in rest.requests if verb == "PATCH"}
+    assert patches == {"application/merge-patch+json"}, patches
+
+
 def test_leases_create_renew_and_refuse_a_stale_writer(rest: RestApiServer,
                                                        tmp_path: Path) -> None:
     api = client(rest, tmp_path)

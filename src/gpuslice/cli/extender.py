@@ -59,7 +59,9 @@ def register(sub: Sub) -> None:
                      help="YAML with 'nodes' and 'pods' lists: an in-memory API server")
     e.add_argument("--context", help="kubeconfig context")
     e.add_argument("--leader-elect", action="store_true",
-                   help="several replicas: only the holder of the Lease binds")
+                   help="several replicas: only the holder of the Lease binds, and labels "
+                   "its pod gpuslice.io/extender-role=leader (from $POD_NAMESPACE/$POD_NAME) "
+                   "for the Service to select")
     e.add_argument("--lease", default="gpuslice-system/gpuslice-extender",
                    help="NAMESPACE/NAME of the Lease (default gpuslice-system/gpuslice-extender)")
     e.add_argument("--resync", type=positive_float, default=300.0,
@@ -73,9 +75,16 @@ def _extender(args: argparse.Namespace, console: Console) -> int:
     import asyncio
 
     from gpuslice.adapters.kube.client import KubeClient
-    from gpuslice.adapters.kube.fake import KubePort, load_fake_cluster
+    from gpuslice.adapters.kube.fake import FakeApiServer, KubePort, load_fake_cluster
     from gpuslice.adapters.signals import StopSignals
-    from gpuslice.services.extender import ExtenderState, bind_clock, serve, tls_context
+    from gpuslice.services.extender import (
+        LEADER_LABEL,
+        ExtenderState,
+        bind_clock,
+        serve,
+        tls_context,
+    )
+    from gpuslice.services.leader import LeaderElector, LeaderLabel
 
     log = setup_logging(args.log_format, "extender")
     host, _, port_text = args.listen.rpartition(":")
@@ -88,26 +97,35 @@ def _extender(args: argparse.Namespace, console: Console) -> int:
             "--client-ca", "mutual TLS: --tls-cert, --tls-key and --client-ca (or "
             "--insecure-no-client-auth, for development: then anyone who reaches the port can "
             "bind pods)", None)
-    api: KubePort
+    client: KubeClient | FakeApiServer
     if args.fake_cluster is not None:
-        api = load_fake_cluster(args.fake_cluster)
+        client = load_fake_cluster(args.fake_cluster)
     else:
-        api = KubeClient(args.kubeconfig, args.context)
+        client = KubeClient(args.kubeconfig, args.context)
+    api: KubePort = client
 
     state = ExtenderState(api, key, policy=args.policy, clock=bind_clock,
                           narrow=args.filter_keeps == "best")
+    label: LeaderLabel | None = None
     if args.leader_elect:
         import os
         import socket
         import time
-
-        from gpuslice.services.leader import LeaderElector
 
         ns, sep, lease_name = args.lease.partition("/")
         if not sep or not ns or not lease_name:
             raise ValidationError("--lease", "NAMESPACE/NAME", args.lease)
         identity = os.environ.get("POD_NAME") or socket.gethostname()
         state.elector = LeaderElector(api, ns, lease_name, identity, time.time)
+        # the pod, from the downward API: the leader labels it for the Service to select
+        pod_ns, pod_name = os.environ.get("POD_NAMESPACE"), os.environ.get("POD_NAME")
+        if pod_ns and pod_name:
+            label = LeaderLabel(client, pod_ns, pod_name, LEADER_LABEL)
+        else:
+            log.warning("POD_NAME and POD_NAMESPACE are not both set (the downward API, as "
+                        "deploy/ sets them): the leader does not label its pod %s, so a "
+                        "Service that selects it finds no endpoint", f"{LEADER_LABEL}=leader",
+                        extra={"event": "no-leader-label"})
     for problem in state.problems:
         log.warning("ignored: %s", problem, extra={"event": "ignored"})
     scheme = "https" if ctx else "http"
@@ -129,7 +147,8 @@ def _extender(args: argparse.Namespace, console: Console) -> int:
         signals.install(asyncio.get_running_loop())
         try:
             await serve(state, host, int(port_text), ctx, args.resync, ready, stop,
-                        tls_files=(args.tls_cert, args.tls_key) if ctx else None)
+                        tls_files=(args.tls_cert, args.tls_key) if ctx else None,
+                        leader_label=label)
         finally:
             signals.restore()
 

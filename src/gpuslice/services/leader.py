@@ -4,19 +4,24 @@ let one of them write: the scheduler extender (binds) and the DRA claim allocato
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from collections.abc import Callable
 
-from gpuslice.adapters.kube.fake import ApiConflict, ApiNotFound, KubePort
+from gpuslice.adapters.kube.fake import ApiConflict, ApiNotFound, KubePort, PodLabelPort
 from gpuslice.core.errors import GpusliceError
 from gpuslice.core.lease import LeaseAction, LeaseState, decide
+
+log = logging.getLogger("gpuslice.leader")
 
 
 class LeaderElector:
     """Holds (or waits for) the extender's Lease; only the leader binds. Filter and prioritize
     are read-only and every replica follows the same watch, so any replica may answer them;
-    the extender reports Ready (``/readyz``) only while it leads, so the Service sends the
-    scheduler's calls to the leader. :meth:`release` on the way out hands the Lease over."""
+    every replica that serves is Ready, and the leader marks its own pod
+    (:class:`LeaderLabel`) for the Service that sends the scheduler's calls to it.
+    :meth:`release` on the way out hands the Lease over."""
 
     def __init__(self, api: KubePort, namespace: str, name: str, identity: str,
                  clock: Callable[[], float], duration_s: float = 15.0) -> None:
@@ -105,3 +110,89 @@ class LeaderElector:
                 return True
             except GpusliceError:  # taken meanwhile (409), gone (404), or the API server away
                 return False
+
+
+class LeaderLabel:
+    """The label on the leader's own pod that a Service selects (its ``spec.selector``), so
+    that the Service's one endpoint is the replica that binds while every replica is Ready
+    (readiness is health, not leadership), as Patroni and Vault route to their leader.
+
+    :meth:`sync` is called after each election step with whether we lead: it puts the label on
+    the pod, or takes it off, when the pod does not carry what leadership asks. What the pod
+    carries is read from the API server the first time (a container restarted in the same
+    pod finds the label of its previous life: it is not the leader yet, and removes it) and
+    every ``refresh_s`` after (someone may have changed it); in between, the last write is
+    trusted. A failed read or write is logged and tried again at the next call: the label
+    never holds up an election step or a scheduler's call. :meth:`release` takes the label off
+    on the way out, and no call puts it back afterwards."""
+
+    def __init__(self, api: PodLabelPort, namespace: str, pod: str, key: str,
+                 value: str = "leader", refresh_s: float = 60.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.api, self.namespace, self.pod, self.key, self.value = api, namespace, pod, key, value
+        self.refresh_s, self.clock = refresh_s, clock
+        self.marked: bool | None = None  # whether the pod carries the label; None: not known
+        self.failures = 0  # failed reads and writes in a row
+        self._read_at = 0.0
+        self._lock = threading.Lock()  # one sync (or the release) at a time: writes in order
+        self._stopped = False
+
+    @property
+    def selector(self) -> str:
+        return f"{self.key}={self.value}"
+
+    def sync(self, leader: bool) -> bool:
+        """Make the pod carry the label if ``leader`` (after :meth:`release`: never), else
+        not; returns whether it does (False: the API server did not answer or refused; tried
+        again at the next call)."""
+        with self._lock:
+            return self._sync(leader and not self._stopped)
+
+    def _sync(self, leader: bool) -> bool:
+        where = f"pod {self.namespace}/{self.pod}"
+        try:
+            now = self.clock()
+            if self.marked is None or now - self._read_at >= self.refresh_s:
+                labels = (self.api.get_pod(self.namespace, self.pod).get("metadata") or {}
+                          ).get("labels") or {}
+                self.marked, self._read_at = labels.get(self.key) == self.value, now
+            if self.marked is not leader:
+                self.marked = None  # unknown until the write answers
+                self.api.patch_pod_labels(self.namespace, self.pod,
+                                          {self.key: self.value if leader else None})
+                self.marked = leader
+                log.info("%s %s %s", "labelled" if leader else "unlabelled", where,
+                         self.selector, extra={"event": "leader-label", "leader": leader})
+        except GpusliceError as exc:
+            self.failures += 1
+            # the first failure of a run is a warning, the rest (every step) quieter
+            log.log(logging.WARNING if self.failures == 1 else logging.DEBUG,
+                    "%s: cannot %s %s (tried again at the next election step): %s", where,
+                    "set" if leader else "remove", self.selector, exc,
+                    extra={"event": "leader-label-failed", "leader": leader})
+            return False
+        if self.failures:
+            log.info("%s: %s %s after %d failed tries", where,
+                     "carries" if leader else "does not carry", self.selector, self.failures,
+                     extra={"event": "leader-label", "leader": leader})
+        self.failures = 0
+        return True
+
+    def release(self, timeout_s: float = 2.0) -> bool:
+        """Take the label off on the way out (after the Lease is given up): the Service has no
+        endpoint until the next leader labels its pod, rather than one that no longer binds.
+        No :meth:`sync` puts it back afterwards (one under way finishes first, so this write
+        is the last). Waits at most ``timeout_s`` for the API server. Returns whether the pod
+        is known not to carry the label."""
+        done: list[bool] = []
+
+        self._stopped = True  # before the lock: a sync waiting for it writes nothing
+
+        def off() -> None:
+            with self._lock:
+                done.append(self._sync(False))
+
+        t = threading.Thread(target=off, daemon=True, name="leader-label-release")
+        t.start()
+        t.join(timeout_s)
+        return bool(done and done[0])

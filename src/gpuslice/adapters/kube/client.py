@@ -6,7 +6,8 @@ same semantics as kubectl, and its kubeconfig / in-cluster loading is the refere
 extender is synchronous per request, so the async clients bring nothing here.
 
 Patches are maps, which the client sends as strategic-merge patches (a list would be a JSON
-patch). Optimistic concurrency: the assignment patch carries the pod's ``resourceVersion``; the API
+patch), except a pod's labels, sent as a JSON merge patch (``null`` removes a label).
+Optimistic concurrency: the assignment patch carries the pod's ``resourceVersion``; the API
 server answers 409 when the pod changed since it was read, which becomes :class:`ApiConflict`.
 """
 
@@ -238,6 +239,15 @@ class KubeClient:
                               resource_version: str) -> dict[str, Any]:
         body = {"metadata": {"annotations": annotations, "resourceVersion": resource_version}}
         return dict(self._json(self._api.patch_namespaced_pod, name, namespace, body))
+
+    def patch_pod_labels(self, namespace: str, name: str,
+                         labels: Mapping[str, str | None]) -> dict[str, Any]:
+        """Set (a value) or remove (``None``) labels of the pod, as a JSON merge patch
+        (RFC 7386, ``application/merge-patch+json``): no resourceVersion, so it applies
+        whatever else changed on the pod meanwhile (RBAC: pods patch)."""
+        body = {"metadata": {"labels": dict(labels)}}
+        return dict(self._json(self._api.patch_namespaced_pod, name, namespace, body,
+                               _content_type="application/merge-patch+json"))
 
     def create_pod(self, pod: dict[str, Any]) -> dict[str, Any]:
         ns = (pod.get("metadata") or {}).get("namespace", "default")

@@ -77,6 +77,16 @@ class KubePort(Protocol):
         ...
 
 
+class PodLabelPort(Protocol):
+    """What a replica needs to mark its own pod (a Service that selects the label then sends
+    its traffic there): read the pod, and set or remove labels with a JSON merge patch
+    (``None`` removes a label; one absent already is no error)."""
+
+    def get_pod(self, namespace: str, name: str) -> dict[str, Any]: ...
+    def patch_pod_labels(self, namespace: str, name: str,
+                         labels: Mapping[str, str | None]) -> dict[str, Any]: ...
+
+
 class ClusterPort(KubePort, Protocol):
     """What a controller that moves pods needs on top of :class:`KubePort`: creating and
     deleting pods, and gpuslice's custom objects (``SliceSchedule``) with optimistic
@@ -485,6 +495,22 @@ class FakeApiServer:
                 raise ApiConflict(f"pod {namespace}/{name} changed (resourceVersion "
                                   f"{p['metadata']['resourceVersion']} != {resource_version})")
             p["metadata"].setdefault("annotations", {}).update(annotations)
+            self._bump(p)
+            return copy.deepcopy(p)
+
+    def patch_pod_labels(self, namespace: str, name: str,
+                         labels: Mapping[str, str | None]) -> dict[str, Any]:
+        """A JSON merge patch of the pod's labels: ``None`` removes one."""
+        with self._lock:
+            p = self._pods.get((namespace, name))
+            if p is None:
+                raise ApiNotFound(f"pod {namespace}/{name} not found")
+            mine = p["metadata"].setdefault("labels", {})
+            for k, v in labels.items():
+                if v is None:
+                    mine.pop(k, None)
+                else:
+                    mine[k] = v
             self._bump(p)
             return copy.deepcopy(p)
 

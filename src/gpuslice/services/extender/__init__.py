@@ -17,7 +17,7 @@ pods, so a restart loses nothing and doubles nothing.
 The composition root is ``gpuslice extender`` (:mod:`gpuslice.cli.extender`).
 """
 
-from gpuslice.services.extender.http import make_app, serve, tls_context
+from gpuslice.services.extender.http import LEADER_LABEL, make_app, serve, tls_context
 from gpuslice.services.extender.state import ExtenderState, bind_clock
 
-__all__ = ["ExtenderState", "bind_clock", "make_app", "serve", "tls_context"]
+__all__ = ["LEADER_LABEL", "ExtenderState", "bind_clock", "make_app", "serve", "tls_context"]

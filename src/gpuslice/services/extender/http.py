@@ -18,6 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from gpuslice.core.errors import GpusliceError, ValidationError
 from gpuslice.services.extender.metrics import ExtenderMetrics
 from gpuslice.services.extender.state import ExtenderState
+from gpuslice.services.leader import LeaderLabel
 
 MAX_BODY = 8 * 1024 * 1024
 BIND_THREADS = 8  # binds writing to the API server at once
@@ -31,6 +32,9 @@ WATCH_WAIT_S = 1.0
 # how often the serving certificate's files are read for a renewal (cert-manager renews into
 # the Secret, the kubelet updates the mounted files; new connections get the new certificate)
 TLS_RELOAD_S = 60.0
+# the label the leader puts on its own pod (value "leader"); deploy/'s Service selects it, so
+# kube-scheduler's calls reach the replica that binds while both replicas are Ready
+LEADER_LABEL = "gpuslice.io/extender-role"
 
 log = logging.getLogger("gpuslice.extender")
 
@@ -47,7 +51,11 @@ def _bad(message: str, status: int = 400) -> web.Response:
 
 
 async def _json(request: web.Request) -> dict[str, Any]:
-    body = await request.read()
+    try:
+        body = await request.read()
+    except (web.RequestPayloadError, ConnectionError) as exc:  # a Content-Encoding it lies
+        # about, a body cut short
+        raise web.HTTPBadRequest(text=f"request body unreadable: {exc}") from None
     try:
         doc = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
@@ -256,13 +264,18 @@ def make_app(state: ExtenderState, metrics: ExtenderMetrics | None = None, *,
         return web.Response(text="ok")
 
     async def readyz(_: web.Request) -> web.Response:
-        # readiness: only the Lease holder binds, so only it is Ready and the Service sends
-        # kube-scheduler's calls to it alone (a follower would answer binds "not the leader")
+        # readiness is health, not leadership: every replica that serves from a full read of
+        # the cluster is Ready (a Deployment shows 2/2, rollouts and `helm --wait` finish).
+        # The Service reaches the leader alone through the label on the leader's pod
+        # (services.leader.LeaderLabel); a follower that gets a call anyway answers filter
+        # and prioritize and refuses binds
+        if not state.synced:
+            return web.Response(status=503, text="not ready: nodes and pods not read yet")
         el = state.elector
-        if el is None or el.leader:
-            return web.Response(text="ok: leader" if el is not None else "ok")
-        return web.Response(status=503, text=f"not ready: {el.identity} is not the leader "
-                            f"(Lease {el.namespace}/{el.name}); only the leader serves")
+        if el is None:
+            return web.Response(text="ok")
+        return web.Response(text="ok: leader" if el.leader else
+                            f"ok: follower (Lease {el.namespace}/{el.name}: the leader binds)")
 
     async def metrics_(_: web.Request) -> web.Response:
         return web.Response(body=m.exposition(), headers={"Content-Type": CONTENT_TYPE_LATEST})
@@ -346,13 +359,17 @@ def reload_certificate(ssl_context: Any, cert: str, key: str, seen: bytes) -> by
 async def serve(state: ExtenderState, host: str, port: int, ssl_context: Any = None,
                 resync_s: float = 300.0, ready: Callable[[int], None] | None = None,
                 stop: asyncio.Event | None = None, tls_files: tuple[str, str] | None = None,
-                tls_reload_s: float = TLS_RELOAD_S) -> None:
+                tls_reload_s: float = TLS_RELOAD_S,
+                leader_label: LeaderLabel | None = None) -> None:
     """Serve until ``stop`` is set (or until cancelled), following the API server's watch of
     pods and nodes, with a full re-read every ``resync_s`` as a safety net; with
     ``tls_files`` (the certificate and key ``ssl_context`` was made from), a renewed
-    certificate is served from the next connection on (checked every ``tls_reload_s``). On
-    the way out: stop serving (binds under way finish), then give the Lease up if we hold
-    it."""
+    certificate is served from the next connection on (checked every ``tls_reload_s``). With
+    ``leader_label`` (and an elector): the label follows leadership after each election
+    step, on a task of its own (a slow or failing write holds up neither the election nor a
+    call), so a label a previous container of the pod left is taken off after the first
+    step unless that step won the Lease. On the way out: stop serving (binds under way
+    finish), give the Lease up if we hold it, then take the label off."""
     runner = web.AppRunner(make_app(state, client_auth=verifies_clients(ssl_context)),
                            access_log=None, handle_signals=False)
     await runner.setup()
@@ -363,6 +380,8 @@ async def serve(state: ExtenderState, host: str, port: int, ssl_context: Any = N
         ready(int(addresses[0][1]) if addresses else port)
     loop = asyncio.get_running_loop()
 
+    stepped = asyncio.Event()  # an election step ended: the label follows leadership
+
     async def elect() -> None:
         assert state.elector is not None
         while True:
@@ -371,7 +390,18 @@ async def serve(state: ExtenderState, host: str, port: int, ssl_context: Any = N
             except GpusliceError as exc:
                 state.elector.leader = False
                 state.problems.append(f"leader election: {exc}")
+            stepped.set()
             await asyncio.sleep(state.elector.duration_s / 3)
+
+    async def mark(label: LeaderLabel) -> None:
+        el = state.elector
+        assert el is not None
+        while True:  # after each step (a failed write is tried again after the next one);
+            # the first comes at once: a stale label from a previous container of the pod
+            # is taken off then, unless that step won the Lease
+            await stepped.wait()
+            stepped.clear()
+            await loop.run_in_executor(None, label.sync, el.leader)
 
     async def follow() -> None:
         since = ""
@@ -422,6 +452,8 @@ async def serve(state: ExtenderState, host: str, port: int, ssl_context: Any = N
     tasks = [asyncio.create_task(follow()), asyncio.create_task(stopped())]
     if state.elector is not None:
         tasks.append(asyncio.create_task(elect()))
+        if leader_label is not None:
+            tasks.append(asyncio.create_task(mark(leader_label)))
     if ssl_context is not None and tls_files is not None:
         tasks.append(asyncio.create_task(renew(*tls_files)))
     try:
@@ -435,6 +467,8 @@ async def serve(state: ExtenderState, host: str, port: int, ssl_context: Any = N
         await runner.cleanup()  # no new calls; binds under way finish their writes
         if state.elector is not None:
             state.elector.release()  # after the last bind: a standby takes over at once
+            if leader_label is not None:  # the Service leaves us out (a sync under way first)
+                leader_label.release()
         close = getattr(state.api, "close", None)  # the real client's background watches
         if callable(close):
             close()

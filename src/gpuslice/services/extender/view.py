@@ -160,6 +160,9 @@ class ClusterView:
         self.elector: LeaderElector | None = None  # set when replicas elect a binder
         self.cordoned: set[str] = set()
         self._node_marks: dict[str, tuple[str, str, str, str]] = {}  # what of each node we follow
+        # a full read of nodes and pods has completed (then the watch keeps the view; the
+        # extender is Ready from here on, leader or not)
+        self.synced = False
         self.rebuild()
 
     # -- state --------------------------------------------------------------------------------
@@ -243,6 +246,7 @@ class ClusterView:
                 self._refresh_row(i, derived=False)
             self._st_version = -1
             self._sync_workload_locked()
+            self.synced = True
 
     def _assignment_of(self, pod: dict[str, Any]) -> Assignment | None:
         ann = (pod.get("metadata") or {}).get("annotations") or {}
