@@ -104,7 +104,7 @@ def test_the_leader_labels_its_pod_for_the_service_and_hands_the_label_over_on_s
     # the label is written as a JSON merge patch of the pod, on the extender's own account
     patches = [(who, ctype) for who, verb, path, ctype in rest.requests
                if verb == "PATCH" and path.startswith(f"/api/v1/namespaces/{NS}/pods/")]
-    assert patches and set(patches) == {(EXTENDER, "application/merge-patch+json")}
+    assert patches and set(patches) == {(EXTENDER, "application/strategic-merge-patch+json")}
 
     proc, log, _ = replicas[leader]
     text = terminate(proc, log)

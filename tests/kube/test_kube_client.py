@@ -81,7 +81,7 @@ def test_pod_labels_set_and_removed_with_a_json_merge_patch_on_the_own_namespace
         api.patch_pod_labels("ml", "victim", {role: "leader"})
     assert not rest.get_pod("ml", "victim")["metadata"].get("labels")
     patches = {ct for _, verb, _, ct in rest.requests if verb == "PATCH"}
-    assert patches == {"application/merge-patch+json"}, patches
+    assert patches == {"application/strategic-merge-patch+json"}, patches
 
 
 def test_leases_create_renew_and_refuse_a_stale_writer(rest: RestApiServer,

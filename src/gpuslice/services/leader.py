@@ -163,7 +163,7 @@ class LeaderLabel:
                 self.marked = leader
                 log.info("%s %s %s", "labelled" if leader else "unlabelled", where,
                          self.selector, extra={"event": "leader-label", "leader": leader})
-        except GpusliceError as exc:
+        except Exception as exc:  # any failure is logged and tried again; serving goes on
             self.failures += 1
             # the first failure of a run is a warning, the rest (every step) quieter
             log.log(logging.WARNING if self.failures == 1 else logging.DEBUG,

@@ -242,12 +242,13 @@ class KubeClient:
 
     def patch_pod_labels(self, namespace: str, name: str,
                          labels: Mapping[str, str | None]) -> dict[str, Any]:
-        """Set (a value) or remove (``None``) labels of the pod, as a JSON merge patch
-        (RFC 7386, ``application/merge-patch+json``): no resourceVersion, so it applies
-        whatever else changed on the pod meanwhile (RBAC: pods patch)."""
+        """Set (a value) or remove (``None``) labels of the pod, as a strategic merge patch
+        (the client's content type for a mapping body, every client version the image may
+        carry: ``_content_type`` is not accepted before kubernetes 36; ``null`` deletes a key
+        there as in a JSON merge patch): no resourceVersion, so it applies whatever else
+        changed on the pod meanwhile (RBAC: pods patch)."""
         body = {"metadata": {"labels": dict(labels)}}
-        return dict(self._json(self._api.patch_namespaced_pod, name, namespace, body,
-                               _content_type="application/merge-patch+json"))
+        return dict(self._json(self._api.patch_namespaced_pod, name, namespace, body))
 
     def create_pod(self, pod: dict[str, Any]) -> dict[str, Any]:
         ns = (pod.get("metadata") or {}).get("namespace", "default")
