@@ -28,7 +28,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from decimal import Decimal, InvalidOperation
+from decimal import Decimal
 from typing import Any
 
 from gpuslice.core import catalog
@@ -80,6 +80,7 @@ _SUFFIX = {None: Decimal(1), "n": Decimal("1e-9"), "u": Decimal("1e-6"), "m": De
            "T": Decimal(10) ** 12, "P": Decimal(10) ** 15, "E": Decimal(10) ** 18,
            "Ki": Decimal(2) ** 10, "Mi": Decimal(2) ** 20, "Gi": Decimal(2) ** 30,
            "Ti": Decimal(2) ** 40, "Pi": Decimal(2) ** 50, "Ei": Decimal(2) ** 60}
+_MAX_QUANTITY = Decimal(2) ** 63 - 1
 
 
 def parse_quantity(value: object, fieldname: str) -> Decimal:
@@ -88,20 +89,26 @@ def parse_quantity(value: object, fieldname: str) -> Decimal:
     if isinstance(value, bool):
         raise ValidationError(fieldname, "a Kubernetes quantity", value)
     if isinstance(value, int):
-        return Decimal(value)
-    if not isinstance(value, str):
+        number = Decimal(value)
+    elif not isinstance(value, str):
         raise ValidationError(fieldname, "a Kubernetes quantity such as 16Gi or 25", value)
-    m = _QUANTITY.match(value.strip())
-    if not m:
-        raise ValidationError(fieldname, "a Kubernetes quantity such as 16Gi or 25", value)
-    try:
-        number = Decimal(m.group(1))
-    except InvalidOperation:
-        raise ValidationError(fieldname, "a Kubernetes quantity", value) from None
-    suffix = m.group(2)
-    if suffix and suffix[0] in "eE":
-        return number * Decimal(10) ** int(suffix[1:])
-    return number * _SUFFIX[suffix]
+    else:
+        m = _QUANTITY.match(value.strip())
+        if not m:
+            raise ValidationError(fieldname, "a Kubernetes quantity such as 16Gi or 25", value)
+        suffix = m.group(2)
+        try:
+            number = Decimal(m.group(1))
+            if suffix not in _SUFFIX:  # an exponent (e3, E-2); "E" and "Ei" are suffixes
+                number *= Decimal(10) ** int(suffix[1:])
+            else:
+                number *= _SUFFIX[suffix]
+        except (ArithmeticError, ValueError):  # an exponent past Decimal's (or int's) range
+            raise ValidationError(fieldname, "a Kubernetes quantity", value) from None
+    if abs(number) > _MAX_QUANTITY:  # and arithmetic on it stays exact
+        raise ValidationError(fieldname, "a quantity of at most 2^63-1 (an int64, as "
+                              "Kubernetes holds it)", value)
+    return number
 
 
 def mib_quantity(mib: int) -> str:

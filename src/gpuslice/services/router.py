@@ -348,7 +348,10 @@ async def start_router(config: RouterConfig, *, host: str = "127.0.0.1", port: i
         return web.BaseRequest(message, payload, protocol, writer, task,
                                asyncio.get_running_loop(), client_max_size=max_body)
 
-    server = web.Server(proxy.handle, access_log=None, request_factory=request_factory)
+    # auto_decompress off: a request body is forwarded as the client encoded it (decoded, it
+    # would reach the replica still labelled gzip; undecodable, it failed the request)
+    server = web.Server(proxy.handle, access_log=None, request_factory=request_factory,
+                        auto_decompress=False)
     runner = web.ServerRunner(server, handle_signals=False)
     await runner.setup()
     await web.TCPSite(runner, host, port, backlog=4096).start()

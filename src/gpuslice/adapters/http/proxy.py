@@ -3,9 +3,10 @@
 It knows nothing about policies: for every request it asks a :class:`Balancer` for a replica
 (or a rejection), forwards the request, streams or relays the answer, reports the outcome back,
 and retries a failed idempotent request once on another replica. Errors are answered as JSON
-with a clear status: 400 malformed, 404 unknown model, 413 too large, 429 over the SLO (with
-Retry-After), 502 the replica failed or answered garbage, 503 no healthy replica, 504 timeout,
-508 the request came back to this router (a replica URL that points at a router).
+with a clear status: 400 malformed, 404 unknown model, 405 CONNECT (not a tunnel), 413 too
+large, 429 over the SLO (with Retry-After), 502 the replica failed or answered garbage, 503 no
+healthy replica, 504 timeout, 508 the request came back to this router (a replica URL that
+points at a router).
 
 Each router adds itself to ``Via`` (RFC 9110, section 7.6.3: a proxy appends its
 protocol and a received-by pseudonym, in requests and responses); a request whose ``Via``
@@ -174,6 +175,10 @@ class ReverseProxy:
             rec.error = (f"loop: this request already passed through this router (Via: {via}); "
                          "a replica's URL points back at a router")
             return _error(508, rec.error)
+        if request.method == "CONNECT":  # a tunnel: answered 2xx, the connection never ends
+            rec.status = 405
+            rec.error = "CONNECT: this router is a reverse proxy for inference, not a tunnel"
+            return _error(405, rec.error)
         svc = self.balancer.service_for(model_from_path(request.path))
         if isinstance(svc, Reject):
             rec.status, rec.error = svc.status, svc.message
@@ -195,7 +200,7 @@ class ReverseProxy:
             rec.status = 413
             return _error(413, f"request body exceeds the limit of "
                           f"{self.settings.max_body_bytes} bytes")
-        except (aiohttp.ClientPayloadError, ConnectionError) as exc:
+        except (aiohttp.ClientPayloadError, web.RequestPayloadError, ConnectionError) as exc:
             rec.status, rec.error = 400, f"unreadable request body: {exc}"
             return _error(400, rec.error)
         if size is None:

@@ -48,10 +48,16 @@ def _get(obj: dict[str, Any], key: str, kind: type, where: str) -> Any:
 
 
 def decode(text: str) -> Assignment:
-    if len(text.encode()) > MAX_BYTES:
+    if len(text.encode("utf-8", "surrogatepass")) > MAX_BYTES:
         raise AnnotationError(f"assignment: larger than {MAX_BYTES} bytes")
     try:
         doc = json.loads(text)
+        # a lone UTF-16 surrogate (raw, or escaped as \ud800) is no text: the MAC's canonical
+        # bytes could not be made of it
+        json.dumps(doc, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        raise AnnotationError("assignment: not valid Unicode text (a lone UTF-16 surrogate, "
+                              "\\ud800-\\udfff)") from None
     except (ValueError, RecursionError) as exc:
         raise AnnotationError(f"assignment: not JSON ({exc})") from None
     if not isinstance(doc, dict):

@@ -70,10 +70,17 @@ def checked(c: ClaimRef, claim: dict[str, Any]) -> dict[str, Any]:
     """The claim as the kubeletplugin helper checks it (draplugin.go,
     ``getResourceClaims``): it is the claim the kubelet means (same UID, else it "got
     replaced"), and it is allocated."""
+    for part in ("metadata", "status"):
+        if not isinstance(claim.get(part) or {}, dict):
+            raise ClaimError(f"{part}: expected an object, got {type(claim[part]).__name__}")
     uid = (claim.get("metadata") or {}).get("uid")
     if uid != c.uid:
         raise ClaimError(f"got replaced: it has UID {uid}, the kubelet asked for {c.uid} "
                          "(the claim was deleted and recreated)")
-    if not (claim.get("status") or {}).get("allocation"):
+    allocation = (claim.get("status") or {}).get("allocation")
+    if not allocation:
         raise ClaimError("is not allocated")
+    if not isinstance(allocation, dict):
+        raise ClaimError(f"status.allocation: expected an object, got "
+                         f"{type(allocation).__name__}")
     return claim

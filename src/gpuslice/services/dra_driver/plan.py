@@ -20,16 +20,22 @@ class ClaimPlanner:
 
     def _configs(self, allocation: dict[str, Any]) -> list[tuple[list[str], dra.Config]]:
         out = []
-        for i, cfg in enumerate((allocation.get("devices") or {}).get("config") or []):
-            opaque = cfg.get("opaque") or {}
+        devices = _object(allocation.get("devices"), "status.allocation.devices")
+        for i, cfg in enumerate(_objects(devices.get("config"),
+                                         "status.allocation.devices.config")):
+            opaque = _object(cfg.get("opaque"), f"status.allocation.devices.config[{i}].opaque")
             if opaque.get("driver") != self.cfg.driver:
                 continue  # another driver's
+            requests = cfg.get("requests") or []
+            if not isinstance(requests, list) or not all(isinstance(r, str) for r in requests):
+                raise ClaimError(f"status.allocation.devices.config[{i}].requests: expected a "
+                                 f"list of request names, got {requests!r}")
             where = f"status.allocation.devices.config[{i}].opaque.parameters"
             try:
                 decoded = dra.decode_config(opaque.get("parameters"), where)
             except ValidationError as exc:
                 raise ClaimError(f"bad opaque config: {exc}") from None
-            out.append((list(cfg.get("requests") or []), decoded))
+            out.append((list(requests), decoded))
         return out
 
     def plan(self, c: ClaimRef, allocation: dict[str, Any], pool: dra.PoolPlan,
@@ -37,7 +43,9 @@ class ClaimPlanner:
         """The devices of claim ``c``'s allocation to prepare, checked against ``pool`` (what
         this node publishes) and ``prepared`` (the checkpoint's claims, UID -> entry)."""
         configs = self._configs(allocation)
-        results = [r for r in (allocation.get("devices") or {}).get("results") or []
+        results = [r for r in _objects(_object(allocation.get("devices"),
+                                               "status.allocation.devices").get("results"),
+                                       "status.allocation.devices.results")
                    if r.get("driver") == self.cfg.driver]
         # what other claims hold; admin-access results hold nothing (resource/v1 types.go,
         # DeviceRequestAllocationResult.AdminAccess: the device may be in use by others)
@@ -76,10 +84,13 @@ class ClaimPlanner:
                     raise ClaimError(f"{where}.shareID: missing for a device that allows "
                                      "multiple allocations (DRAConsumableCapacity off in the "
                                      "scheduler?)")
+                if not isinstance(share, str):
+                    raise ClaimError(f"{where}.shareID: expected a string, got {share!r}")
                 mps = last.mps if isinstance(last, dra.MpsConfig) else dra.MpsSettings()
                 try:
-                    caps = dra.share_caps(r.get("consumedCapacity") or {}, ref.memory_mib, mps,
-                                          f"{where}.consumedCapacity")
+                    caps = dra.share_caps(_object(r.get("consumedCapacity"),
+                                                  f"{where}.consumedCapacity"),
+                                          ref.memory_mib, mps, f"{where}.consumedCapacity")
                 except ValidationError as exc:
                     raise ClaimError(str(exc)) from None
                 held = [dra.ShareCaps(x["threadPct"], x["memoryMiB"])
@@ -146,6 +157,27 @@ class ClaimPlanner:
         model = catalog.lookup(g.model)
         assert model is not None and model.mig is not None
         return model.mig
+
+
+def _object(value: object, where: str) -> dict[str, Any]:
+    """``value`` as an object (None: empty), else a claim error naming ``where``."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ClaimError(f"{where}: expected an object, got {type(value).__name__}")
+    return value
+
+
+def _objects(value: object, where: str) -> list[dict[str, Any]]:
+    """``value`` as a list of objects (None: empty), else a claim error naming ``where``."""
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise ClaimError(f"{where}: expected a list, got {type(value).__name__}")
+    for i, x in enumerate(value):
+        if not isinstance(x, dict):
+            raise ClaimError(f"{where}[{i}]: expected an object, got {type(x).__name__}")
+    return value
 
 
 def _mps_target(e: dict[str, Any]) -> str:
