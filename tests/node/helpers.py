@@ -105,7 +105,7 @@ class NodeEnv:
         with log.open("wb") as out:
             p = subprocess.Popen(
                 [sys.executable, "-m", "gpuslice.cli", "node-agent", "--node", self.node.name,
-                 "--key-file", str(self.key), "--fake", str(inv), "--metrics", "off",
+                 "--key-file", str(self.key), "--fake-gpus", str(inv), "--metrics", "off",
                  "--dev-dir", str(DEV_DIR), "--mps-pipe-dir", str(MPS_PIPE),
                  "--mps-shm-dir", str(MPS_SHM), "--kubeconfig", str(kubeconfig), *args],
                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,

@@ -56,10 +56,10 @@ class Driver:
         with self.log.open("wb") as out:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "gpuslice.cli", "dra-driver", "--node",
-                 self.env.node.name, "--fake", str(self.inv), "--kubeconfig",
+                 self.env.node.name, "--fake-gpus", str(self.inv), "--kubeconfig",
                  str(self.kubeconfig), "--mode", "whole", "--gpu-mode", "0=share",
                  "--gpu-mode", "1=mig", "--dev-dir", str(DEV_DIR), "--mps-pipe-dir",
-                 str(MPS_PIPE), "--mps-shm-dir", str(MPS_SHM), "--allocator-lease", "none"],
+                 str(MPS_PIPE), "--mps-shm-dir", str(MPS_SHM), "--lease", "none"],
                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 start_new_session=True)
         wait_until("dra-driver registered with the kubelet",

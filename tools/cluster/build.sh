@@ -15,7 +15,16 @@ cd "$here"
 
 command -v go >/dev/null || { echo "build.sh: 'go' is not on PATH; the cluster tier needs Go >= 1.26" >&2; exit 2; }
 
-ldflags='-s -w'
+# the Kubernetes version stamped as the release build does (k8s.io/component-base/version,
+# hack/lib/version.sh): unstamped binaries report v0.0.0-master, which clients that check the
+# server's version refuse (helm's kubeVersion, the chart's check). Link-time only: a stamp change
+# relinks, it does not recompile.
+kver="$(sed -n 's/^[[:space:]]*k8s.io\/kubernetes \(v[0-9.]*\).*/\1/p' go.mod | head -n 1)"
+[[ -n "$kver" ]] || { echo "build.sh: no k8s.io/kubernetes version in go.mod" >&2; exit 2; }
+kminor="${kver#v*.}"; kminor="${kminor%%.*}"
+v=k8s.io/component-base/version
+ldflags="-s -w -X $v.gitVersion=$kver -X $v.gitMajor=1 -X $v.gitMinor=$kminor \
+-X $v.gitTreeState=clean -X $v.buildDate=1970-01-01T00:00:00Z"
 flags=(-trimpath -buildvcs=false "-ldflags=$ldflags")
 tools=(
   "etcd=go.etcd.io/etcd/server/v3"

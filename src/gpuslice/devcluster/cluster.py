@@ -40,6 +40,7 @@ from gpuslice.devcluster.procs import (
     Pki,
     Proc,
     free_port,
+    host_ip,
     http_get,
     insecure,
     openssl,
@@ -135,12 +136,17 @@ class DevCluster:
     folder: Path | None = None
     extender_port: int = 0
     extender_tls: bool = True
+    # the API server reachable from pods on a real node: listening on every address and
+    # advertised at this host's (the ``kubernetes`` Service's endpoint; kube-proxy routes
+    # 10.96.0.1 to it); off: loopback only
+    pod_network: bool = False
     ready_timeout_s: float = 240.0
     procs: dict[str, Proc] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.scheduler not in ("extender", "plain", "none"):
-            raise ValidationError("scheduler", "extender, plain or none", self.scheduler)
+        if self.scheduler not in ("extender", "plain", "default", "none"):
+            raise ValidationError("scheduler", "extender, plain, default or none",
+                                  self.scheduler)
         missing = missing_binaries(self.bin_dir)
         if missing:
             raise GpusliceError(f"cluster binaries missing in {self.bin_dir}: "
@@ -227,7 +233,8 @@ class DevCluster:
         self._on_free_port(("kcm",), self._start_controller_manager)
         self._on_free_port(("kwok",), self._start_kwok)
         if self.scheduler != "none":
-            self.start_scheduler(self.scheduler == "extender")
+            self.start_scheduler(self.scheduler == "extender",
+                                 default_only=self.scheduler == "default")
         self.write_state()
 
     def _on_free_port(self, keys: tuple[str, ...], start: Callable[[], None],
@@ -271,7 +278,7 @@ class DevCluster:
         return [
             self.bin("kube-apiserver"),
             f"--etcd-servers=http://127.0.0.1:{self.ports['etcd']}",
-            "--bind-address=127.0.0.1", "--advertise-address=127.0.0.1",
+            *self._apiserver_address(),
             f"--secure-port={self.ports['apiserver']}",
             f"--tls-cert-file={crt}", f"--tls-private-key-file={key}",
             f"--client-ca-file={self.ca_crt}",
@@ -288,10 +295,15 @@ class DevCluster:
             "--allow-privileged=true",
             "--runtime-config=resource.k8s.io/v1=true",
             f"--feature-gates={FEATURE_GATES}",
-            "--endpoint-reconciler-type=none",
             "--profiling=false",
             f"--cert-dir={self.dir / 'apiserver-certs'}",
         ]
+
+    def _apiserver_address(self) -> list[str]:
+        if not self.pod_network:
+            return ["--bind-address=127.0.0.1", "--advertise-address=127.0.0.1",
+                    "--endpoint-reconciler-type=none"]
+        return ["--bind-address=0.0.0.0", f"--advertise-address={host_ip()}"]
 
     def _start_apiserver(self) -> None:
         p = self._add("kube-apiserver", self._apiserver_argv())
@@ -363,21 +375,26 @@ class DevCluster:
             f"http://127.0.0.1:{self.ports['kwok']}/healthz") == b"ok",
             self.ready_timeout_s, p.popen, p.log)
 
-    def scheduler_config_path(self, with_extender: bool) -> Path:
+    def scheduler_config_path(self, with_extender: bool, default_only: bool = False) -> Path:
         cfg = scheduler_config(self.deploy_dir / "base" / "scheduler-config.yaml",
                                self.kubeconfig, self.extender_url if with_extender else None,
                                self.ca_crt, client_cert=self.scheduler_client_cert)
+        if default_only:  # the gpuslice profile is left to a scheduler installed in the cluster
+            cfg["profiles"] = [p for p in cfg["profiles"]
+                               if p.get("schedulerName") == "default-scheduler"]
         path = self.dir / ("scheduler-extender.yaml" if with_extender else
-                           "scheduler-plain.yaml")
+                           "scheduler-default.yaml" if default_only else "scheduler-plain.yaml")
         path.write_text(yaml.safe_dump(cfg, sort_keys=False))
         return path
 
-    def start_scheduler(self, with_extender: bool = True) -> None:
-        """(Re)start kube-scheduler, with or without the gpuslice extender."""
+    def start_scheduler(self, with_extender: bool = True, default_only: bool = False) -> None:
+        """(Re)start kube-scheduler, with or without the gpuslice extender (``default_only``:
+        the default-scheduler profile alone)."""
         if "kube-scheduler" in self.procs:
             self.procs["kube-scheduler"].stop()
+        config = self.scheduler_config_path(with_extender, default_only)
         p = self._add("kube-scheduler", [
-            self.bin("kube-scheduler"), f"--config={self.scheduler_config_path(with_extender)}",
+            self.bin("kube-scheduler"), f"--config={config}",
             f"--authentication-kubeconfig={self.kubeconfig}",
             f"--authorization-kubeconfig={self.kubeconfig}",
             "--bind-address=127.0.0.1", f"--secure-port={self.ports['scheduler']}",

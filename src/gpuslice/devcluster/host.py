@@ -26,7 +26,13 @@ KUBELET_SYSCTLS = ("vm.overcommit_memory", "vm.panic_on_oom", "kernel.panic",
                    "kernel.panic_on_oops", "kernel.keys.root_maxkeys",
                    "kernel.keys.root_maxbytes")
 # the CNI bridge plugin with isGateway turns forwarding on
-SYSCTLS = (*KUBELET_SYSCTLS, "net.ipv4.ip_forward")
+# kube-proxy's (with the conntrack and localhost-NodePort settings realnode.py gives it, it
+# should leave them alone)
+KUBE_PROXY_SYSCTLS = ("net.ipv4.conf.all.route_localnet", "net.bridge.bridge-nf-call-iptables",
+                      "net.netfilter.nf_conntrack_max",
+                      "net.netfilter.nf_conntrack_tcp_timeout_established",
+                      "net.netfilter.nf_conntrack_tcp_timeout_close_wait")
+SYSCTLS = (*KUBELET_SYSCTLS, "net.ipv4.ip_forward", *KUBE_PROXY_SYSCTLS)
 # files and folders the node's components make (kubelet, containerd as configured by
 # realnode.py, CNI, CDI specs written by plugins)
 PATHS = ("/var/lib/kubelet", "/var/log/pods", "/var/log/containers", "/var/lib/cni",

@@ -151,3 +151,13 @@ def insecure() -> ssl.SSLContext:
     ctx.check_hostname = False
     ctx.verify_mode = ssl.CERT_NONE
     return ctx
+
+
+def host_ip() -> str:
+    """This host's IPv4 address on its default route (a real node's address; the kubelet
+    refuses a loopback one)."""
+    out = subprocess.run(["ip", "-4", "-o", "route", "get", "192.0.2.1"], capture_output=True,
+                         text=True, timeout=10, check=False).stdout.split()
+    if "src" in out:
+        return out[out.index("src") + 1]
+    raise GpusliceError("no IPv4 default route: a real node needs a non-loopback address")

@@ -37,6 +37,8 @@ from gpuslice.devcluster.procs import (
     FEATURE_GATES,
     KUBELET_CLIENT_USER,
     Proc,
+    free_port,
+    host_ip,
     http_get,
     wait_until,
 )
@@ -53,11 +55,15 @@ KUBELET_DIR = Path("/var/lib/kubelet")
 KUBELET_HEALTHZ = "http://127.0.0.1:10248/healthz"
 BRIDGE = "gpuslice0"
 POD_SUBNET = "10.89.0.0/16"
+CLUSTER_DOMAIN = "cluster.local"
 CNI_DIRS = ("/usr/lib/cni", "/opt/cni/bin")
 CNI_PLUGINS = ("bridge", "host-local", "loopback")
-NODE_BINARIES = ("containerd", "containerd-shim-runc-v2", "ctr", "kubelet")
+NODE_BINARIES = ("containerd", "containerd-shim-runc-v2", "ctr", "kubelet", "kube-proxy",
+                 "coredns")
 IMAGES = ("pause.tar", "busybox.tar")
+SCHEDULER_IMAGE = "kube-scheduler.tar"  # localhost/kube-scheduler:v1.36.3, for the chart
 BUSYBOX = "localhost/busybox:test"  # tools/node/build.sh's busybox_ref
+KUBE_SCHEDULER = "localhost/kube-scheduler:v1.36.3"  # its scheduler_ref
 PAUSE = "registry.k8s.io/pause:3.10.1"  # tools/node/build.sh's pause_ref
 
 
@@ -82,7 +88,7 @@ def missing_prerequisites(node_dir: Path) -> list[str]:
         out.append("root (the kubelet and containerd manage mounts, cgroups and iptables)")
     out += [f"{node_dir}/bin/{b} (tools/node/build.sh)" for b in NODE_BINARIES
             if not os.access(node_dir / "bin" / b, os.X_OK)]
-    out += [f"{node_dir}/images/{i} (tools/node/build.sh)" for i in IMAGES
+    out += [f"{node_dir}/images/{i} (tools/node/build.sh)" for i in (*IMAGES, SCHEDULER_IMAGE)
             if not (node_dir / "images" / i).is_file()]
     if shutil.which("runc") is None:
         out.append("runc (apt-get install runc)")
@@ -97,15 +103,6 @@ def missing_prerequisites(node_dir: Path) -> list[str]:
 def _cni_dir() -> str | None:
     return next((d for d in CNI_DIRS if all(os.access(f"{d}/{p}", os.X_OK)
                                             for p in CNI_PLUGINS)), None)
-
-
-def node_ip() -> str:
-    """The host's address on its default route (the kubelet refuses a loopback node IP)."""
-    out = subprocess.run(["ip", "-4", "-o", "route", "get", "192.0.2.1"], capture_output=True,
-                         text=True, timeout=10, check=False).stdout.split()
-    if "src" in out:
-        return out[out.index("src") + 1]
-    raise GpusliceError("no IPv4 default route: the real node needs a non-loopback address")
 
 
 def _cgroup_v1() -> bool:
@@ -135,8 +132,12 @@ class RealNode:
     :meth:`start`; :meth:`stop` deletes its pods, stops both and restores the host."""
 
     def __init__(self, cluster: DevCluster, node_dir: Path, name: str = NODE_NAME,
-                 ready_timeout_s: float = 180.0) -> None:
+                 ready_timeout_s: float = 180.0, network: bool = False) -> None:
+        """``network``: also Services for pods (kube-proxy, and CoreDNS as the kubelet's
+        cluster DNS), which needs the cluster's ``pod_network`` and tools/node/build.sh's
+        ``net`` binaries."""
         self.cluster, self.node_dir, self.name = cluster, node_dir, name
+        self.network = network
         self.folder = cluster.dir / "node"
         self.ready_timeout_s = ready_timeout_s
         self.procs: dict[str, Proc] = {}
@@ -175,6 +176,8 @@ class RealNode:
             self._start_containerd()
             self._import_images()
             self._start_kubelet(first=True)
+            if self.network:
+                self._start_network()
         except BaseException:
             self.cluster.real_node = None
             self.stop()
@@ -223,12 +226,12 @@ state = '{STATE_DIR}/containerd'
                    60, p.popen, p.log, every_s=0.25)
 
     def _import_images(self) -> None:
-        for image in IMAGES:
+        for image in IMAGES + ((SCHEDULER_IMAGE,) if self.network else ()):
             self.ctr("images", "import", str(self.node_dir / "images" / image))
 
     def _kubelet_files(self) -> tuple[Path, Path]:
         pki = self.cluster.pki
-        ip = node_ip()
+        ip = host_ip()
         serving = pki.issue("kubelet-serving", f"/CN={self.name}", server=True,
                             sans=f"IP:{ip},IP:127.0.0.1,DNS:{self.name}")
         client = pki.issue("kubelet-client", f"/O=system:nodes/CN=system:node:{self.name}")
@@ -260,6 +263,8 @@ state = '{STATE_DIR}/containerd'
                              "imagefs.available": "1%", "nodefs.inodesFree": "1%"},
             "featureGates": {k: v == "true" for k, v in gates.items()},
             # node status (allocatable: healthy devices) written within 2 s of a change
+            **({"clusterDNS": [host_ip()], "clusterDomain": CLUSTER_DOMAIN}
+               if self.network else {}),
             "nodeStatusUpdateFrequency": "2s", "nodeStatusReportFrequency": "10s",
             "syncFrequency": "10s",
         }
@@ -273,12 +278,51 @@ state = '{STATE_DIR}/containerd'
         config, kubeconfig = self._kubelet_config
         p = self._add("kubelet", [
             self.bin("kubelet"), f"--config={config}", f"--kubeconfig={kubeconfig}",
-            f"--hostname-override={self.name}", f"--node-ip={node_ip()}",
+            f"--hostname-override={self.name}", f"--node-ip={host_ip()}",
             f"--node-labels={NODE_LABEL}=real", "--v=2"])
         wait_until("kubelet /healthz", lambda: http_get(KUBELET_HEALTHZ) == b"ok",
                    self.ready_timeout_s, p.popen, p.log)
         wait_until(f"node {self.name} Ready", self.ready, self.ready_timeout_s, p.popen,
                    p.log, every_s=0.5)
+
+    def _start_network(self) -> None:
+        """CoreDNS on this host's address (the kubelet's clusterDNS), answering Service names
+        from the API server, and kube-proxy in iptables mode (ClusterIPs, 10.96.0.1 for the
+        API server among them), both as host processes on the admin kubeconfig."""
+        if not self.cluster.pod_network:
+            raise GpusliceError("a real node's network needs the cluster's pod_network (the API "
+                                "server reachable from pods)")
+        ip, admin = host_ip(), self.cluster.kubeconfig
+        corefile = self.folder / "Corefile"
+        corefile.write_text(f""".:53 {{
+    bind {ip}
+    errors
+    kubernetes {CLUSTER_DOMAIN} in-addr.arpa ip6.arpa {{
+        kubeconfig {admin} dev
+        pods insecure
+        fallthrough in-addr.arpa ip6.arpa
+    }}
+    cache 5
+}}
+""")
+        p = self._add("coredns", [self.bin("coredns"), "-conf", str(corefile)])
+        wait_until("coredns", lambda: _udp_dns_ready(ip), 60, p.popen, p.log)
+        config = self.folder / "kube-proxy.yaml"
+        health = free_port()
+        config.write_text(yaml.safe_dump({
+            "apiVersion": "kubeproxy.config.k8s.io/v1alpha1", "kind": "KubeProxyConfiguration",
+            "clientConnection": {"kubeconfig": str(admin)}, "mode": "iptables",
+            "hostnameOverride": self.name, "clusterCIDR": POD_SUBNET,
+            "healthzBindAddress": f"127.0.0.1:{health}",
+            "metricsBindAddress": f"127.0.0.1:{free_port()}",
+            # leave the host's conntrack sysctls and route_localnet alone
+            "conntrack": {"maxPerCore": 0, "min": 0, "tcpEstablishedTimeout": "0s",
+                          "tcpCloseWaitTimeout": "0s"},
+            "iptables": {"localhostNodePorts": False},
+        }))
+        p = self._add("kube-proxy", [self.bin("kube-proxy"), f"--config={config}"])
+        wait_until("kube-proxy /healthz", lambda: http_get(
+            f"http://127.0.0.1:{health}/healthz").startswith(b"{"), 60, p.popen, p.log)
 
     def ready(self) -> bool:
         out = self.cluster.kubectl("get", "node", self.name, "-o", "json", check=False)
@@ -315,6 +359,21 @@ state = '{STATE_DIR}/containerd'
     def _api_up(self) -> bool:
         p = self.cluster.procs.get("kube-apiserver")
         return p is not None and p.popen is not None and p.popen.poll() is None
+
+
+def _udp_dns_ready(ip: str) -> bool:
+    """Whether a DNS server answers on ``ip``:53 (a query for kubernetes.default's name)."""
+    import socket
+    import struct
+
+    query = struct.pack(">HHHHHH", 0x1234, 0x0100, 1, 0, 0, 0) + b"".join(
+        bytes([len(p)]) + p.encode() for p in f"kubernetes.default.svc.{CLUSTER_DOMAIN}".split(
+            ".")) + b"\x00" + struct.pack(">HH", 1, 1)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.settimeout(1.0)
+        s.sendto(query, (ip, 53))
+        data = s.recv(512)
+    return data[:2] == b"\x12\x34" and (data[3] & 0x0F) == 0  # our id, NOERROR
 
 
 def _alive(pid: int) -> bool:
@@ -371,6 +430,9 @@ def teardown(state: NodeState, kubectl: Callable[..., Any] | None) -> list[str]:
         with contextlib.suppress(Exception):
             kubectl("delete", "node", state.name, "--wait=false", check=False)
     _step("pods deleted", t0)
+    for name in ("kube-proxy", "coredns"):
+        if name in state.pids:
+            _kill(state.pids[name])
     if "kubelet" in state.pids:
         _kill(state.pids["kubelet"])
     _step("kubelet stopped", t0)

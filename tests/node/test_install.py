@@ -1,0 +1,185 @@
+"""The install, as a user does it, on the real node: the image ``scripts/build-image.sh``
+builds, imported into containerd (no registry), the Helm chart installed with ``helm install``
+on this cluster; the node agent DaemonSet runs as a real pod with the chart's securityContext
+and mounts, the extender Deployment serves the chart's second kube-scheduler over mutual TLS,
+and the fractional Deployment of ``deploy/examples`` (its image swapped for busybox) runs with
+its caps. Pods reach the API server through kube-proxy (10.96.0.1) and the extender's Service
+name through CoreDNS: the real node's ``network`` mode. What breaks here is a bug in the chart or
+the image, not in the test."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from gpuslice.devcluster import DevCluster, wait_until
+from gpuslice.devcluster.realnode import BUSYBOX, KUBE_SCHEDULER, RealNode
+from tests.node.conftest import DEPLOY, REPO, _fail_or_skip
+from tests.node.helpers import END, REPORT, NodeEnv, Report
+
+NS = "gpuslice-system"
+APP_NS = "inference"
+KEY = "node-tier-install-key-0123456789abcdef0123456789"
+# what the example asks for: T4 or L4 (gpuslice.io/gpu-model)
+FAKE_GPUS = "gpus:\n  - model: L4\n  - model: L4\n"
+
+
+@pytest.fixture(scope="module")
+def image() -> dict[str, Any]:
+    """The image scripts/build-image.sh built ($GPUSLICE_IMAGE_JSON, as CI sets it), else built
+    here (minutes; reused when its inputs are unchanged)."""
+    given = os.environ.get("GPUSLICE_IMAGE_JSON")
+    if given:
+        return dict(json.loads(Path(given).read_text()))
+    missing = [t for t in ("umoci", "skopeo", "mmdebstrap") if shutil.which(t) is None]
+    if missing:
+        _fail_or_skip(f"building the image needs {', '.join(missing)}")
+    out = REPO / "dist" / "image"
+    subprocess.run([str(REPO / "scripts" / "build-image.sh"), "--out", str(out)], check=True,
+                   timeout=3000)
+    return dict(json.loads((out / "image.json").read_text()))
+
+
+@pytest.fixture(scope="module")
+def helm() -> str:
+    found = shutil.which("helm") or str(Path.home() / ".cache/gpuslice-tools/bin/helm")
+    if not os.access(found, os.X_OK):
+        _fail_or_skip("helm is needed (.ci/run installs it: go install helm.sh/helm/v3/cmd/helm)")
+    return found
+
+
+@pytest.fixture(scope="module")
+def net(node_bins: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory,
+        ) -> Iterator[NodeEnv]:
+    """A control plane whose API server pods reach (default scheduler only: the chart brings
+    the gpuslice one) and the real node with kube-proxy and CoreDNS."""
+    bin_dir, node_dir = node_bins
+    dev = DevCluster(bin_dir, DEPLOY, scheduler="default", pod_network=True,
+                     folder=tmp_path_factory.mktemp("installcluster"))
+    dev.start()
+    try:
+        node = RealNode(dev, node_dir, network=True).start()
+        yield NodeEnv(dev, node, Path("/nonexistent"))
+    finally:
+        dev.stop()
+    assert dev.host_left == [], "the real node left the host changed:\n" + "\n".join(
+        dev.host_left)
+
+
+def kubectl_json(env: NodeEnv, *args: str) -> Any:
+    return json.loads(env.dev.kubectl(*args, "-o", "json").stdout)
+
+
+def wait_ready(env: NodeEnv, what: str, selector: str, count: int = 1,
+               timeout_s: float = 240) -> None:
+    def ready() -> bool:
+        pods = kubectl_json(env, "get", "pods", "-n", NS, "-l", selector)["items"]
+        return sum(any(c["type"] == "Ready" and c["status"] == "True"
+                       for c in p["status"].get("conditions") or []) for p in pods) >= count
+
+    try:
+        wait_until(what, ready, timeout_s, every_s=1.0)
+    except Exception as exc:
+        out = env.dev.kubectl("describe", "pods", "-n", NS, "-l", selector, check=False)
+        logs = env.dev.kubectl("logs", "-n", NS, "-l", selector, "--tail=30",
+                               "--all-containers", check=False)
+        raise AssertionError(f"{exc}\n{out.stdout[-4000:]}\n{logs.stdout[-3000:]}"
+                             f"{logs.stderr[-500:]}") from None
+
+
+def example_deployment() -> dict[str, Any]:
+    """deploy/examples/fractional.yaml's first Deployment, one replica, its model server
+    swapped for busybox printing what the container sees."""
+    [dep] = [d for d in yaml.safe_load_all((DEPLOY / "examples" / "fractional.yaml").read_text())
+             if d and d["kind"] == "Deployment"][:1]
+    dep["metadata"]["namespace"] = APP_NS
+    dep["spec"]["replicas"] = 1
+    pod = dep["spec"]["template"]["spec"]
+    pod["terminationGracePeriodSeconds"] = 1
+    c = pod["containers"][0]
+    c.update(image=BUSYBOX, imagePullPolicy="Never", command=["sh", "-c", REPORT + "sleep 3600"])
+    c.pop("args", None)
+    c.pop("ports", None)
+    c.pop("readinessProbe", None)
+    c.pop("livenessProbe", None)
+    return dict(dep)
+
+
+def test_helm_chart_on_the_real_node_runs_a_fractional_example_with_its_caps(
+        net: NodeEnv, image: dict[str, Any], helm: str) -> None:
+    # the image, loaded as deploy/README.md says for a cluster without a registry
+    net.node.ctr("images", "import", image["archive"])
+    listed = net.node.ctr("images", "ls", "-q").stdout.split()
+    assert image["reference"] in listed, listed
+    repo, tag = image["reference"].rsplit(":", 1)
+    values = {
+        "image": {"repository": repo, "tag": tag, "digest": ""},
+        "assignmentKey": {"create": True, "value": KEY},
+        "scheduler": {"image": KUBE_SCHEDULER},
+        "nodeAgent": {"fakeGpus": FAKE_GPUS},
+    }
+    # what GPU feature discovery (or the GPU operator) says of a GPU node: the chart's node
+    # agent runs on such nodes
+    net.dev.kubectl("label", "node", net.node.name, "nvidia.com/gpu.present=true")
+    vfile = net.dev.dir / "values.yaml"
+    vfile.write_text(yaml.safe_dump(values))
+    res = subprocess.run([helm, "install", "gpuslice", str(DEPLOY / "helm" / "gpuslice"),
+                          "-n", NS, "--create-namespace", "-f", str(vfile),
+                          "--kubeconfig", str(net.dev.kubeconfig), "--wait", "--timeout", "5m"],
+                         capture_output=True, text=True, timeout=400, check=False)
+    if res.returncode != 0:  # what did not come up
+        wait_ready(net, "the node agent pod", "app.kubernetes.io/name=gpuslice-node-agent", 1, 1)
+        wait_ready(net, "both extenders", "app.kubernetes.io/name=gpuslice-extender", 2, 1)
+        wait_ready(net, "the second scheduler", "app.kubernetes.io/name=gpuslice-scheduler", 1, 1)
+    assert res.returncode == 0, res.stdout + res.stderr
+    # helm --wait: every Deployment and the DaemonSet rolled out; one extender leads
+    wait_ready(net, "the extender leader",
+               "app.kubernetes.io/name=gpuslice-extender,gpuslice.io/extender-role=leader")
+    wait_until("node agent: gpuslice.io/gpu on the real node",
+               lambda: int(net.allocatable().get("gpuslice.io/gpu", "0")) > 0, 120)
+    net.dev.kubectl("create", "namespace", APP_NS)
+    net.dev.kubectl("apply", "-f", "-", input=json.dumps(example_deployment()))
+    pods: list[dict[str, Any]] = []
+
+    def running() -> bool:
+        pods[:] = kubectl_json(net, "get", "pods", "-n", APP_NS)["items"]
+        return bool(pods) and pods[0]["status"].get("phase") == "Running"
+
+    try:
+        wait_until("the example's pod running", running, 180, every_s=1.0)
+    except Exception as exc:
+        ev = net.dev.kubectl("get", "events", "-A", check=False).stdout[-4000:]
+        ev += net.dev.kubectl("get", "endpointslices,pods", "-n", NS, "--show-labels",
+                              check=False).stdout[-2000:]
+        ev += net.dev.kubectl("logs", "-n", NS, "-l", "app.kubernetes.io/name=gpuslice-extender",
+                              "--tail=20", check=False).stdout[-3000:]
+        sched = net.dev.kubectl("logs", "-n", NS, "-l",
+                                "app.kubernetes.io/name=gpuslice-scheduler", "--tail=40",
+                                check=False)
+        raise AssertionError(f"{exc}\n{ev}\n{sched.stdout[-3000:]}") from None
+    name = pods[0]["metadata"]["name"]
+    logs = ""
+    for _ in range(60):
+        logs = net.dev.kubectl("logs", "-n", APP_NS, name, check=False).stdout
+        if END in logs:
+            break
+    r = Report(logs)
+    assert r.env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "25", logs
+    assert r.env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=8192M"
+    assert r.env["NVIDIA_VISIBLE_DEVICES"].startswith("GPU-")
+    assert pods[0]["spec"]["nodeName"] == net.node.name
+    # uninstall: the chart's objects go, the node's pods with them
+    net.dev.kubectl("delete", "namespace", APP_NS, "--wait=true", "--timeout=120s",
+                    timeout_s=150)
+    res = subprocess.run([helm, "uninstall", "gpuslice", "-n", NS, "--wait", "--timeout",
+                          "120s", "--kubeconfig", str(net.dev.kubeconfig)],
+                         capture_output=True, text=True, timeout=200, check=False)
+    assert res.returncode == 0, res.stdout + res.stderr
