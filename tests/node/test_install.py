@@ -183,3 +183,60 @@ def test_helm_chart_on_the_real_node_runs_a_fractional_example_with_its_caps(
                           "120s", "--kubeconfig", str(net.dev.kubeconfig)],
                          capture_output=True, text=True, timeout=200, check=False)
     assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_dra_manifests_on_the_real_node_allocate_and_prepare_a_share(
+        net: NodeEnv, image: dict[str, Any]) -> None:
+    """deploy/dra (through deploy/overlays/dra-fake-gpus: two stand-in GPUs) and
+    deploy/dra-allocator from the built image: the driver DaemonSet runs as a real pod (root,
+    the kubelet's plugin folders), registers and publishes the node's slices; the claim
+    allocator allocates the example's quarter-GPU claim on Kubernetes 1.36 (its
+    resourceclaims/binding right); the kubelet prepares it and the container reads its caps."""
+    net.node.ctr("images", "import", image["archive"])
+    net.dev.kubectl("label", "node", net.node.name, "gpuslice.io/fake-gpus=true", "--overwrite")
+    net.dev.apply(DEPLOY / "overlays" / "dra-fake-gpus")
+    net.dev.apply(DEPLOY / "dra-allocator")
+
+    def published() -> bool:
+        items = kubectl_json(net, "get", "resourceslices")["items"]
+        return any(s["spec"].get("nodeName") == net.node.name for s in items)
+
+    try:
+        wait_until("the driver pod's ResourceSlices", published, 180, every_s=1.0)
+    except Exception as exc:
+        wait_ready(net, str(exc), "app=gpuslice-dra-driver", 1, 1)
+        raise
+    wait_ready(net, "an allocator", "app.kubernetes.io/name=gpuslice-dra-allocator")
+    net.dev.apply(DEPLOY / "dra" / "examples")
+    logs = ""
+
+    def reported() -> bool:
+        nonlocal logs
+        logs = net.dev.kubectl("logs", "-n", "default", "inference-quarter", check=False).stdout
+        return "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" in logs
+
+    try:
+        wait_until("the quarter-GPU example's caps", reported, 180, every_s=1.0)
+    except Exception as exc:
+        out = net.dev.kubectl("describe", "pod", "-n", "default", "inference-quarter",
+                              check=False).stdout[-3000:]
+        alloc = net.dev.kubectl("logs", "-n", NS, "-l",
+                                "app.kubernetes.io/name=gpuslice-dra-allocator", "--tail=30",
+                                check=False).stdout[-3000:]
+        drv = net.dev.kubectl("logs", "-n", NS, "-l", "app=gpuslice-dra-driver", "--tail=30",
+                              check=False).stdout[-3000:]
+        raise AssertionError(f"{exc}\n{out}\n--- allocator\n{alloc}\n--- driver\n{drv}") from None
+    env = dict(line.split("=", 1) for line in logs.splitlines() if "=" in line)
+    assert env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "25", logs
+    assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=20480M"
+    claims = kubectl_json(net, "get", "resourceclaims", "-n", "default")["items"]
+    quarter = next(c for c in claims if c["metadata"]["name"].startswith("inference-quarter"))
+    assert quarter["status"]["allocation"]["devices"]["results"][0]["driver"] == "gpu.gpuslice.io"
+    # the allocator placed it: its log names the claim (kube-scheduler cannot: the slices carry
+    # the allocator's taint while its Lease is fresh)
+    alloc = net.dev.kubectl("logs", "-n", NS, "-l",
+                            "app.kubernetes.io/name=gpuslice-dra-allocator", "--tail=200",
+                            check=False).stdout
+    assert quarter["metadata"]["name"] in alloc, alloc[-2000:]
+    net.dev.kubectl("delete", "-k", str(DEPLOY / "dra" / "examples"), "--wait=true",
+                    "--timeout=120s", timeout_s=150)

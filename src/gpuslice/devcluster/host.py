@@ -37,7 +37,8 @@ SYSCTLS = (*KUBELET_SYSCTLS, "net.ipv4.ip_forward", *KUBE_PROXY_SYSCTLS)
 # realnode.py, CNI, CDI specs written by plugins)
 PATHS = ("/var/lib/kubelet", "/var/log/pods", "/var/log/containers", "/var/lib/cni",
          "/run/netns", "/var/run/cdi", "/etc/cdi", "/var/lib/gpuslice-node",
-         "/run/gpuslice-node", "/run/nvidia-container-devices", "/dev/shm/gpuslice-test")
+         "/run/gpuslice-node", "/run/nvidia-container-devices", "/dev/shm/gpuslice-test",
+         "/run/gpuslice", "/opt/containerd")  # /run/gpuslice: the manifests' hostPaths
 LISTED = ("/var/run/cdi", "/etc/cdi", "/run/netns")  # folders whose entries are compared
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 IPTABLES = ("iptables", "ip6tables")
