@@ -1,6 +1,6 @@
 """Latency while the reconfiguration controller re-slices GPUs under load, against the same load
-with no reconfiguration, measured in the same run (the README's "Reconfiguration without
-dropping traffic" figures).
+with no reconfiguration, measured in the same run (the figures of docs/reconfiguration.md,
+"Measured").
 
 The cluster of tests/reconfig (tests/reconfig/harness.py): 4 nodes x 4 A100-80GB in MIG, the
 real node agents on fake NVML, the extender and the router over HTTP, 10 MPS replicas of each of

@@ -74,7 +74,7 @@ def test_a_command_speaking_the_run_ok_protocol_is_measured(tmp_path: Path) -> N
 def test_missing_pieces_are_named(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
     code = main(["profile", "resnet50", "--out", str(tmp_path / "p.csv")])
     err = capsys.readouterr().err
-    assert code == 1  # the arguments are fine; what they need is not here (README: exit codes)
+    assert code == 1  # the arguments are fine; what they need is not here (docs/cli.md: exit codes)
     assert "nvidia-ml-py is not installed" in err or "no NVIDIA GPU" in err or \
         "PyTorch is not installed" in err
     from gpuslice.bench.worker import main as worker

@@ -1,13 +1,15 @@
-"""README's commands run from a fresh install (issue 30, inputs that ship).
+"""README's and docs/'s commands run from a fresh install (issue 30, inputs that ship).
 
-Every ``gpuslice ...`` command in README.md's fenced shell blocks that needs no cluster, GPU,
-network, long run or shared data folder is run, in README order, by a real shell in one empty
-working folder, with ``GPUSLICE_DATA`` pointing at an empty folder: so what they read must ship
-in the package (``builtin:NAME``, ``--example``, ``--variant embedded``), and an earlier
-command's output (``plan.json``) is there for a later one, as for a reader who types them in
-turn. Which commands are left out is decided by the explicit rules of ``SKIP`` (each with its
-reason); anything else is run, so a new README command is tested unless a rule says why not.
-``EXPECTED`` are commands that must be found and run, so the test cannot pass on nothing.
+Every ``gpuslice ...`` command in the fenced shell blocks of README.md and of the docs/ pages
+(README first, then the pages in name order; docs/index.md is README's mirror and is not read
+twice) that needs no cluster, GPU, network, long run or shared data folder is run, in that
+order, by a real shell in one empty working folder, with ``GPUSLICE_DATA`` pointing at an
+empty folder: so what they read must ship in the package (``builtin:NAME``, ``--example``,
+``--variant embedded``), and an earlier command's output (``plan.json``) is there for a later
+one, as for a reader who types them in turn. Which commands are left out is decided by the
+explicit rules of ``SKIP`` (each with its reason); anything else is run, so a new README or
+docs command is tested unless a rule says why not. ``EXPECTED`` are, per file, commands that
+must be found there and run, so the test cannot pass on nothing.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
+DOCS = ROOT / "docs"
 SHELLS = {"bash", "sh", "shell", "console"}
 
 # (pattern searched in the command without its comment, why it is not run here); first match
@@ -43,16 +46,33 @@ SKIP: list[tuple[str, str]] = [
     (r"https?://|\bcurl\b", "the network"),
 ]
 
-# commands (their beginnings) that must be among those run
-EXPECTED = [
-    "gpuslice simulate --variant embedded --policy fgd,ours",
-    "gpuslice plan --profiles builtin:a100-80gb --scenario 1",
-    "gpuslice plan --example",
-    "gpuslice plan --profiles builtin:a100-80gb --services builtin:example "
-    "--fleet builtin:example",
-    "gpuslice replan --example",
-    "gpuslice replan --current plan.json --profiles builtin:a100-80gb",
-]
+# per file (relative to the repository), commands (their beginnings) that must be among those run
+EXPECTED: dict[str, list[str]] = {
+    "README.md": [
+        "gpuslice simulate --variant embedded --policy fgd,ours",
+        "gpuslice plan --example",
+        "gpuslice router --plan plan.json --export istio",
+        "gpuslice demo --dra",
+    ],
+    "docs/simulator.md": ["gpuslice simulate --variant embedded --policy fgd,ours --out"],
+    "docs/planner.md": [
+        "gpuslice plan --profiles builtin:a100-80gb --scenario 1",
+        "gpuslice plan --example",
+        "gpuslice plan --profiles builtin:a100-80gb --services builtin:example "
+        "--fleet builtin:example",
+    ],
+    "docs/reconfiguration.md": [
+        "gpuslice replan --example",
+        "gpuslice replan --current plan.json --profiles builtin:a100-80gb",
+    ],
+    "docs/router.md": ["gpuslice router --plan plan.json --export istio"],
+    "docs/demo.md": ["gpuslice demo --dra"],
+}
+
+
+def documents() -> list[Path]:
+    """README.md, then the docs/ pages by name (not index.md, README's mirror)."""
+    return [README, *sorted(p for p in DOCS.glob("*.md") if p.name != "index.md")]
 
 
 def shell_blocks(text: str) -> list[tuple[int, str]]:
@@ -122,6 +142,12 @@ def picked(text: str) -> list[tuple[int, str]]:
     return [(line, cmd) for line, cmd in readme_commands(text) if skip_reason(cmd) is None]
 
 
+def picked_everywhere() -> list[tuple[str, int, str]]:
+    """(file, line, command) of the commands to run, README's first, then docs/'s."""
+    return [(str(path.relative_to(ROOT)), line, cmd)
+            for path in documents() for line, cmd in picked(path.read_text())]
+
+
 def test_the_parser_reads_blocks_comments_continuations_and_chains() -> None:
     text = ("```bash\n"
             "pip install . && gpuslice demo   # about 90 s\n"
@@ -157,17 +183,35 @@ def test_the_rules_leave_out_what_needs_more_than_an_install() -> None:
         assert skip_reason(command) is None, command
 
 
-def test_the_readme_has_the_expected_commands() -> None:
-    commands = [cmd for _, cmd in picked(README.read_text())]
-    missing = [e for e in EXPECTED if not any(c.startswith(e) for c in commands)]
-    assert not missing, f"README commands not found (or left out by a rule): {missing}"
+def test_the_readme_and_docs_have_the_expected_commands() -> None:
+    found = picked_everywhere()
+    missing = [f"{name}: {e}" for name, expected in EXPECTED.items() for e in expected
+               if not any(f == name and c.startswith(e) for f, _, c in found)]
+    assert not missing, f"commands not found (or left out by a rule): {missing}"
+
+
+def test_docs_index_is_the_readme_with_its_links_for_docs() -> None:
+    """docs/index.md (the site's front page) is what scripts/sync-docs-index.py writes from
+    README.md, and none of README's links leads out of docs/ there (mkdocs --strict refuses)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("sync_docs_index",
+                                                  ROOT / "scripts" / "sync-docs-index.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    want = module.index_from_readme(README.read_text())
+    assert (DOCS / "index.md").read_text() == want, \
+        "docs/index.md is stale: run python scripts/sync-docs-index.py"
+    links = re.findall(r"\]\(([^)#]+)", want)
+    assert all((DOCS / link).is_file() for link in links if "://" not in link), links
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_readme_commands_run_without_shared_data(tmp_path: Path) -> None:
-    commands = picked(README.read_text())
-    assert len(commands) >= len(EXPECTED)
+    commands = picked_everywhere()
+    assert len(commands) >= sum(map(len, EXPECTED.values()))
     work, empty = tmp_path / "work", tmp_path / "no-data"
     work.mkdir()
     empty.mkdir()
@@ -179,11 +223,11 @@ def test_readme_commands_run_without_shared_data(tmp_path: Path) -> None:
     # the gpuslice of this interpreter, whatever is on PATH
     prelude = 'gpuslice() { "$GPUSLICE_PY" -m gpuslice.cli "$@"; }\nset -e\n'
     failures = []
-    for line, command in commands:
+    for name, line, command in commands:
         proc = subprocess.run(["bash", "-c", prelude + command], cwd=work, env=env,
                               capture_output=True, text=True, timeout=300, check=False)
         if proc.returncode != 0:
-            failures.append(f"README.md:{line}: {command}\n  exit {proc.returncode}: "
+            failures.append(f"{name}:{line}: {command}\n  exit {proc.returncode}: "
                             f"{(proc.stderr or proc.stdout).strip()[-800:]}")
     assert not failures, "\n".join(failures)
     assert (work / "plan.json").is_file() and (work / "out" / "manifests.yaml").is_file()

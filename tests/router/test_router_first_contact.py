@@ -160,11 +160,13 @@ def test_one_service_config_refuses_another_model(tmp_path: Path, replica: int) 
 
 
 def readme_commands(prog: str) -> list[list[str]]:
-    """Every ``gpuslice <prog>`` command of the README's code blocks, continuation lines joined,
-    comments and redirections dropped."""
+    """Every ``gpuslice <prog>`` command of the code blocks of README.md and the docs/ pages,
+    continuation lines joined, comments and redirections dropped."""
     import shlex
 
-    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    root = Path(__file__).resolve().parents[2]
+    text = "\n".join(p.read_text() for p in [root / "README.md", *sorted(
+        (root / "docs").glob("*.md"))] if p.name != "index.md")
     out: list[list[str]] = []
     for block in re.findall(r"```bash\n(.*?)```", text, re.S):
         for line in block.replace("\\\n", " ").splitlines():

@@ -1,6 +1,6 @@
 """``gpuslice`` command line: one module per command group, each with ``register(sub)``.
 
-``main()`` returns an exit code (``cli/common.py`` and the README's table): 0 ok, 1 a check
+``main()`` returns an exit code (``cli/common.py`` and docs/cli.md's table): 0 ok, 1 a check
 failed, 2 usage error or bad input, 3 not running, 130 interrupted.
 """
 

@@ -1,7 +1,7 @@
 """What several command modules share: argument parsers, small readers, the console, the
 ``-o json`` output and the ``--log-format`` logging of long-running components.
 
-Exit codes, the same for every command (README, "Exit codes"):
+Exit codes, the same for every command (docs/cli.md, "Exit codes"):
 
 ====  =====================================================================================
 0     success
