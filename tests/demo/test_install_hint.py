@@ -60,6 +60,8 @@ def test_the_cli_says_it_too(tmp_path: Path) -> None:
     r = subprocess.run([sys.executable, "-m", "gpuslice.cli", "gpus", "--local"],
                        capture_output=True, text=True, env=env, timeout=60, check=False)
     assert r.returncode == 1  # no GPU to list: a failure, not a usage error
-    line = r.stdout.strip()
-    assert line.startswith("no GPU: nvidia-ml-py is not installed: pip install"), line
-    _check_command(line.split("is not installed: ")[1], "gpu")
+    line = r.stderr.strip()  # one error line, as every command's "no GPU" (--fake-gpus named)
+    assert line.startswith("gpuslice: error: no GPU: nvidia-ml-py is not installed: "
+                           "pip install"), line
+    assert "--fake-gpus" in line
+    _check_command(line.split("is not installed: ")[1].split(";")[0], "gpu")
