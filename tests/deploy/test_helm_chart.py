@@ -64,12 +64,28 @@ def test_helm_lint_strict_passes() -> None:
     assert out.returncode == 0, out.stdout + out.stderr
 
 
+def hooks(docs: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]:
+    """The objects Helm runs as hooks (not installed with the release)."""
+    return {k: d for k, d in by_key(docs).items()
+            if "helm.sh/hook" in (d["metadata"].get("annotations") or {})}
+
+
+CLEANUP_HOOK = {(kind, "gpuslice-node-agent-cleanup") for kind in (
+    "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding", "Job")}
+
+
 def test_defaults_render_the_objects_of_the_production_overlay() -> None:
-    chart = by_key(rendered())
-    # the one difference: the chart issues the extender's mutual-TLS certificates (tls.create),
-    # which the overlay's users bring (cert-manager or scripts/extender-certs.sh)
+    docs = rendered()
+    chart = by_key(docs)
+    # the differences: the chart issues the extender's mutual-TLS certificates (tls.create),
+    # which the overlay's users bring (cert-manager or scripts/extender-certs.sh), and has
+    # helm uninstall's pre-delete hook (deploy/README.md: kubectl delete's users delete the
+    # DaemonSet first themselves)
     for name in ("gpuslice-extender-tls", "gpuslice-scheduler-tls"):
         assert chart.pop(("Secret", name))["type"] == "kubernetes.io/tls"
+    assert set(hooks(docs)) == CLEANUP_HOOK
+    for key in CLEANUP_HOOK:
+        del chart[key]
     for d in chart.values():
         for label in HELM_ONLY_LABELS:
             d["metadata"]["labels"].pop(label)
@@ -109,6 +125,35 @@ def test_sharing_values_become_node_agent_flags_the_cli_accepts(
     [mount] = [m for m in ds["containers"][0]["volumeMounts"] if m["name"] == "mps"]
     pipe = next(a for a in args if a.startswith("--mps-pipe-dir=")).split("=", 1)[1]
     assert mps["hostPath"]["path"] == mount["mountPath"] == pipe
+
+
+def test_the_uninstall_hook_stops_the_agents_then_cleans_the_nodes() -> None:
+    """helm uninstall runs the hook Job before it deletes anything (pre-delete): its command
+    line parses, it deletes only the agents' DaemonSet (foreground) and patches nodes, its own
+    objects go once it succeeded, and it can be turned off. Its calls over the REST API, on
+    these rules: tests/kube/test_node_cleanup_over_http.py."""
+    from gpuslice.cli import _build_parser
+
+    objs = hooks(rendered())
+    for d in objs.values():
+        ann = d["metadata"]["annotations"]
+        assert ann["helm.sh/hook"] == "pre-delete"
+        assert ann["helm.sh/hook-delete-policy"] == "before-hook-creation,hook-succeeded"
+        # the RBAC and the ServiceAccount exist before the Job starts
+        assert int(ann["helm.sh/hook-weight"]) < 0 or d["kind"] == "Job"
+    job = objs[("Job", "gpuslice-node-agent-cleanup")]
+    spec = job["spec"]["template"]["spec"]
+    args = _build_parser().parse_args(spec["containers"][0]["args"])
+    assert (args.command, args.cleanup, args.all_nodes) == ("node-agent", True, True)
+    assert args.stop_daemonset == f"{NAMESPACE}/gpuslice-node-agent"
+    assert args.stop_wait < job["spec"]["activeDeadlineSeconds"] < 300  # helm's --timeout 5m
+    assert spec["serviceAccountName"] == "gpuslice-node-agent-cleanup"
+    [rule] = objs[("Role", "gpuslice-node-agent-cleanup")]["rules"]
+    assert rule == {"apiGroups": ["apps"], "resources": ["daemonsets"],
+                    "resourceNames": ["gpuslice-node-agent"], "verbs": ["get", "delete"]}
+    rules = objs[("ClusterRole", "gpuslice-node-agent-cleanup")]["rules"]
+    assert {v for r in rules for v in r["verbs"]} == {"get", "list", "patch"}
+    assert not hooks(rendered("nodeAgent.cleanupOnUninstall=false"))
 
 
 def test_optional_parts() -> None:

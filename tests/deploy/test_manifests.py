@@ -216,6 +216,42 @@ def test_the_node_agents_dev_shm_is_the_directory_mps_clients_get(overlay: str) 
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_node_agent_can_tell_an_uninstall_and_undo_what_it_published(overlay: str) -> None:
+    """On SIGTERM the agent reads its own pod (the downward API names it) and that pod's
+    DaemonSet, in its own namespace only, and on uninstall removes its resources with a JSON
+    patch of nodes/status; it empties the MPS shm folder under its host path, mounted there
+    as well as at /dev/shm (issue 27)."""
+    from gpuslice.cli import _build_parser
+
+    docs = render(overlay)
+    obj = {(d["kind"], d["metadata"]["name"]): d for d in docs}
+    ds = obj[("DaemonSet", "gpuslice-node-agent")]
+    ns = ds["metadata"]["namespace"]
+    (c,) = ds["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in c["env"]
+           if "valueFrom" in e}
+    assert env == {"NODE_NAME": "spec.nodeName", "POD_NAME": "metadata.name",
+                   "POD_NAMESPACE": "metadata.namespace"}
+    args = _build_parser().parse_args(c["args"])
+    shm = {m["mountPath"] for m in c["volumeMounts"] if m["name"] == "mps-shm"}
+    assert shm == {"/dev/shm", args.mps_shm_dir}
+    sa = {"kind": "ServiceAccount", "name": "gpuslice-node-agent", "namespace": ns}
+    grants: set[tuple[str, str, str, str]] = set()  # (scope, group, resource, verb)
+    for b in docs:
+        if b["kind"] in ("RoleBinding", "ClusterRoleBinding") and sa in b["subjects"]:
+            scope = b["metadata"].get("namespace", "") if b["kind"] == "RoleBinding" else "*"
+            for rule in obj[(b["roleRef"]["kind"], b["roleRef"]["name"])]["rules"]:
+                assert not rule.get("resourceNames")
+                grants |= {(scope, g, r, v) for g in rule["apiGroups"]
+                           for r in rule["resources"] for v in rule["verbs"]}
+    assert {(ns, "apps", "daemonsets", "get"), (ns, "", "pods", "get"),
+            ("*", "", "nodes/status", "patch"), ("*", "", "nodes", "patch")} <= grants
+    # nothing more on DaemonSets, nowhere else
+    assert {g for g in grants if g[2] == "daemonsets"} == {(ns, "apps", "daemonsets", "get")}
+    assert not {g for g in grants if g[2] == "pods" and g[3] == "get" and g[0] != ns}
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
 def test_the_extender_service_reaches_the_leader_while_every_replica_is_ready(
         overlay: str) -> None:
     """Readiness is health, not leadership (both replicas Ready: rollouts and ``helm

@@ -4,13 +4,18 @@ The in-memory fake is the port's stand-in everywhere else; this puts kube-apiser
 behaviour in front of it so that :class:`gpuslice.adapters.kube.client.KubeClient`, on the
 official Kubernetes client, is exercised through real HTTP:
 
-- paths and verbs of the core, apps, coordination.k8s.io, policy (PodDisruptionBudgets, list)
+- paths and verbs of the core, apps (Deployments; DaemonSets: get, and delete with a
+  ``propagationPolicy``, ``Foreground`` keeping the object with a deletionTimestamp),
+  coordination.k8s.io, policy (PodDisruptionBudgets, list)
   and gpuslice.io groups the project
   calls; a call to anything else is a 404, so an unexpected path fails the test;
 - errors as ``Status`` objects with their code (404 NotFound, 409 Conflict / AlreadyExists,
   400 BadRequest, 415 UnsupportedMediaType, 422 Invalid, 401, 403 Forbidden);
 - patches only in the patch media types, a JSON patch must be a list, a strategic-merge or
-  merge patch merges maps and a ``null`` deletes (a pod's annotations and labels);
+  merge patch merges maps and a ``null`` deletes (a pod's and a node's annotations and
+  labels); JSON patches (RFC 6902: add, remove, replace, test) of a node's ``status``
+  subresource only, all operations or none, a ``remove`` of a missing key 422 as
+  kube-apiserver answers;
   ``metadata.resourceVersion`` in a patch or a replace is a precondition (409);
 - creation checks (a name, no resourceVersion, the namespace of the path; pods and
   Deployments against the Kubernetes 1.32 schema, and a pod's containers need an image); a
@@ -51,7 +56,7 @@ from urllib.parse import parse_qs, urlsplit
 
 import yaml
 
-from gpuslice.adapters.kube.fake import ApiConflict, ApiNotFound, FakeApiServer
+from gpuslice.adapters.kube.fake import ApiConflict, ApiInvalid, ApiNotFound, FakeApiServer
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "base"
 EXAMPLES = DEPLOY.parent / "examples"  # the router example's role
@@ -96,23 +101,27 @@ class Rbac:
         default_ns = kust.get("namespace", "default")
         for res in kust["resources"]:
             for doc in yaml.safe_load_all((base / res).read_text()):
-                if not doc:
-                    continue
-                kind = doc["kind"]
-                ns = (doc["metadata"].get("namespace") or default_ns
-                      if kind in NAMESPACED_RBAC else "")
-                name = doc["metadata"]["name"]
-                if kind in ("ClusterRole", "Role"):
-                    self.roles[(ns, name)] = [Rule(
-                        frozenset(r.get("apiGroups", [])), frozenset(r.get("resources", [])),
-                        frozenset(r.get("verbs", [])), frozenset(r.get("resourceNames", [])))
-                        for r in doc.get("rules", [])]
-                elif kind in ("ClusterRoleBinding", "RoleBinding"):
-                    subjects = [dict(s, namespace=s.get("namespace") or ns)
-                                for s in doc.get("subjects", [])]
-                    self.bindings.append((ns, doc["roleRef"], subjects))
-                elif kind == "ServiceAccount":
-                    self.service_accounts.add((ns, name))
+                if doc:
+                    self.add(doc, default_ns)
+
+    def add(self, doc: dict[str, Any], default_ns: str = "default") -> None:
+        """One object (a role, binding or ServiceAccount; others are ignored), e.g. from a
+        rendered Helm chart."""
+        kind = doc["kind"]
+        ns = (doc["metadata"].get("namespace") or default_ns
+              if kind in NAMESPACED_RBAC else "")
+        name = doc["metadata"]["name"]
+        if kind in ("ClusterRole", "Role"):
+            self.roles[(ns, name)] = [Rule(
+                frozenset(r.get("apiGroups", [])), frozenset(r.get("resources", [])),
+                frozenset(r.get("verbs", [])), frozenset(r.get("resourceNames", [])))
+                for r in doc.get("rules", [])]
+        elif kind in ("ClusterRoleBinding", "RoleBinding"):
+            subjects = [dict(s, namespace=s.get("namespace") or ns)
+                        for s in doc.get("subjects", [])]
+            self.bindings.append((ns, doc["roleRef"], subjects))
+        elif kind == "ServiceAccount":
+            self.service_accounts.add((ns, name))
 
     def allowed(self, sa: tuple[str, str], group: str, resource: str, verb: str,
                 namespace: str, name: str) -> bool:
@@ -352,8 +361,10 @@ class RestApiServer(FakeApiServer):
                                 "value of type []handlers.jsonPatchOp")
             if not isinstance(body, dict) and ctype != "application/json-patch+json":
                 raise HttpError(400, "BadRequest", "the request body must be an object")
-            if method == "PATCH" and ctype == "application/json-patch+json":
-                raise HttpError(400, "BadRequest", "the fake supports no JSON patch")
+            if method == "PATCH" and ctype == "application/json-patch+json" and \
+                    (group, resource, sub) != ("", "nodes", "status"):
+                raise HttpError(400, "BadRequest", "the fake supports JSON patches of a "
+                                "node's status only")
         key = (group, resource, method, bool(namespace), bool(name), sub)
         try:
             if (group, resource, sub, method) == ("resource.k8s.io", "resourceclaims",
@@ -367,6 +378,9 @@ class RestApiServer(FakeApiServer):
         except ApiConflict as exc:
             reason = "AlreadyExists" if "exists" in str(exc) else "Conflict"
             raise HttpError(409, reason, str(exc)) from None
+        except ApiInvalid as exc:
+            raise HttpError(422, "Invalid", f"the server rejected our request due to an error "
+                            f"in our request: {exc}") from None
 
     def _dispatch(self, key: tuple[str, str, str, bool, bool, str], ns: str, name: str,
                   query: dict[str, str], body: Any) -> tuple[int, Any]:
@@ -382,6 +396,14 @@ class RestApiServer(FakeApiServer):
                 return 200, self.get_node(name)
             if key[2:] == ("PATCH", False, True, ""):
                 return 200, self._patch_node(name, body)
+            if key[2:] == ("PATCH", False, True, "status") and isinstance(body, list):
+                for op in body:  # the status strategy would drop anything else silently
+                    if not isinstance(op, dict) or \
+                            not str(op.get("path", "")).startswith("/status/"):
+                        raise HttpError(400, "BadRequest", f"the fake's JSON patches of a "
+                                        f"node's status touch /status only, not {op!r}")
+                self.patch_node_status(name, body)
+                return 200, self.get_node(name)
             if key[2:] == ("PATCH", False, True, "status"):
                 status = body.get("status") if isinstance(body, dict) else None
                 if set(body) != {"status"} or not isinstance(status, dict) or \
@@ -406,6 +428,16 @@ class RestApiServer(FakeApiServer):
                 if not any(d["metadata"]["name"] == name for d in self.list_deployments(ns)):
                     raise ApiNotFound(f'deployments.apps "{name}" not found')
                 self.delete_deployment(ns, name)
+                return 200, {"kind": "Status", "apiVersion": "v1", "status": "Success"}
+        if (group, resource) == ("apps", "daemonsets"):
+            if key[2:] == ("GET", True, True, ""):
+                return 200, self.get_daemonset(ns, name)
+            if key[2:] == ("DELETE", True, True, ""):
+                policy = query.get("propagationPolicy") or \
+                    (body or {}).get("propagationPolicy") or "Background"
+                if policy not in ("Background", "Foreground", "Orphan"):
+                    raise HttpError(400, "BadRequest", f"unknown propagationPolicy {policy!r}")
+                self.delete_daemonset(ns, name, policy)
                 return 200, {"kind": "Status", "apiVersion": "v1", "status": "Success"}
         if group == "gpuslice.io":
             return self._custom_calls(key, ns, name, body)

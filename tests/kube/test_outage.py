@@ -53,7 +53,8 @@ def test_the_node_agent_publishes_its_gpus_once_the_api_server_is_back(
                 rest.get_node("node-1")["metadata"].get("annotations") or {}), 5)
             time.sleep(0.3)
             # no MIG-enabled GPU here: no layout to read, so no read of the node every pass
-            assert not [r for r in rest.requests if r[1] == "GET" and "/nodes" in r[2]]
+            # (one: the labels the node had before the agent's first publish)
+            assert len([r for r in rest.requests if r[1] == "GET" and "/nodes" in r[2]]) <= 1
         finally:
             agent.stop()
             kubelet.stop()

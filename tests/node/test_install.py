@@ -183,6 +183,17 @@ def test_helm_chart_on_the_real_node_runs_a_fractional_example_with_its_caps(
                           "120s", "--kubeconfig", str(net.dev.kubeconfig)],
                          capture_output=True, text=True, timeout=200, check=False)
     assert res.returncode == 0, res.stdout + res.stderr
+    # the node as it was: what the agent published is gone (its pre-delete hook stopped the
+    # DaemonSet first, each agent cleaned its node), the admin's own label stays
+    node = net.node_obj()
+    labels = node["metadata"].get("labels") or {}
+    assert "gpuslice.io/gpu-model" not in labels and "nvidia.com/gpu.count" not in labels, labels
+    assert labels.get("nvidia.com/gpu.present") == "true"
+    assert "gpuslice.io/inventory" not in (node["metadata"].get("annotations") or {})
+    for field in ("capacity", "allocatable"):
+        left = [k for k in node["status"][field] if k in ("gpuslice.io/gpu-milli",
+                                                           "gpuslice.io/gpu-memory")]
+        assert left == [], (field, node["status"][field])
 
 
 def test_dra_manifests_on_the_real_node_allocate_and_prepare_a_share(

@@ -89,3 +89,31 @@ def test_two_mps_slices_from_the_plugin_run_real_cuda(tmp_path: Path) -> None:
             kubelet.stop()
             agent.quit_mps()
     assert not any((sock / "mps").glob("*/control*"))
+
+
+@pytest.mark.usefixtures("gpu_with_mps")
+def test_an_uninstalled_agent_quits_a_real_mps_daemon_and_removes_its_folders() -> None:
+    """Issue 27 on the real MPS control tool: a daemon started by one agent, then the
+    uninstall path of a restarted agent that never used it (it finds it by its folder)."""
+    from gpuslice.adapters.mps import MpsDaemon
+    from gpuslice.adapters.nvml.real import load
+    from gpuslice.services.node_agent import NodeAgent
+
+    nv = load()
+    gpu = nv.devices()[0]
+    with tempfile.TemporaryDirectory(prefix="gu-") as d:
+        pipe = Path(d) / "mps"
+        cfg = PluginConfig("node-1", Path(d), KEY, replicas=2, mps_pipe_dir=str(pipe),
+                           mps_shm_dir="")
+        first = NodeAgent(cfg, nv, FakeApiServer(), mps=True)
+        first.ensure_mps(gpu.uuid)
+        daemon = MpsDaemon(gpu.uuid, pipe / gpu.uuid, pipe / f"{gpu.uuid}.log")
+        try:
+            assert daemon.healthy()
+            again = NodeAgent(cfg, nv, FakeApiServer(), mps=True)
+            removed = again.remove_mps_state(timeout_s=10.0)
+            assert not daemon.healthy(), again.problems
+            assert str(pipe / gpu.uuid) in removed and not pipe.exists(), removed
+        finally:
+            if daemon.healthy():
+                daemon.quit()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -23,7 +24,10 @@ from gpuslice.cli.common import (
 from gpuslice.core.errors import ValidationError
 
 if TYPE_CHECKING:
+    from gpuslice.adapters.kube.client import KubeClient
+    from gpuslice.adapters.kube.fake import FakeApiServer
     from gpuslice.adapters.nvml.port import NvmlPort
+    from gpuslice.services.node_agent import NodeAgent
 
 
 def register(sub: Sub) -> None:
@@ -32,13 +36,32 @@ def register(sub: Sub) -> None:
         description="Serve gpuslice.io/gpu to the kubelet (device plugin API v1beta1), execute "
         "the extender's signed assignments, publish the GPU inventory and GFD labels on the "
         "node, and follow GPU health. --fake-gpus runs it on a YAML inventory (or N simulated "
-        "GPUs) instead of NVML.",
-        epilog=examples("gpuslice node-agent --key-file key",
-                        "gpuslice node-agent --node n1 --key-file key --fake-gpus inventory.yaml "
-                        "--socket-dir /tmp/dp --fake-cluster examples/fake-cluster.yaml"))
+        "GPUs) instead of NVML. Stopped while its DaemonSet is gone or being deleted (an "
+        "uninstall; $POD_NAMESPACE/$POD_NAME name its pod), it removes what it put on the "
+        "node (labels, annotations, the gpu-milli and gpu-memory resources) and its MPS "
+        "daemons and folders; a rolling update or a restart keeps them. --cleanup does the "
+        "node's part once, for nodes whose agent is gone.",
+        epilog=examples("gpuslice node-agent --node n1 --key-file key --fake-gpus inventory.yaml "
+                        "--socket-dir /tmp/dp --fake-cluster examples/fake-cluster.yaml",
+                        "gpuslice node-agent --cleanup --all-nodes"))
     na.add_argument("--node", help="this node's name (default $NODE_NAME)")
-    na.add_argument("--key-file", type=Path, required=True,
-                    help="file holding the HMAC key shared with the extender")
+    na.add_argument("--key-file", type=Path,
+                    help="file holding the HMAC key shared with the extender (required, "
+                    "except with --cleanup)")
+    na.add_argument("--cleanup", action="store_true",
+                    help="one-shot: remove from the node (--node) or from every node with a "
+                    "GPU inventory (--all-nodes) the labels, annotations and gpu-milli / "
+                    "gpu-memory resources gpuslice put there, then exit (no GPU, no device "
+                    "plugin)")
+    na.add_argument("--all-nodes", action="store_true",
+                    help="with --cleanup: every node carrying the gpuslice.io/inventory "
+                    "annotation")
+    na.add_argument("--stop-daemonset", metavar="NAMESPACE/NAME",
+                    help="with --cleanup: first delete the node agents' DaemonSet (foreground) "
+                    "and wait until its pods are gone, each agent cleaning its own node, MPS "
+                    "folders included (the Helm chart's pre-delete hook)")
+    na.add_argument("--stop-wait", type=float, default=120.0, metavar="SECONDS",
+                    help="with --stop-daemonset: how long to wait for the agents (default 120)")
     add_fake_gpus(na, FAKE_INVENTORY_HELP, old_fake=True)
     na.add_argument("--socket-dir", type=Path, default=Path("/var/lib/kubelet/device-plugins"),
                     help="the kubelet's device plugin directory")
@@ -80,28 +103,74 @@ def register(sub: Sub) -> None:
     na.set_defaults(handler=_node_agent)
 
 
+def _cleanup(args: argparse.Namespace, console: Console) -> int:
+    """``--cleanup``: the node's part of an uninstall, for nodes whose agent is gone."""
+    import os
+
+    from gpuslice.adapters.kube.client import KubeClient
+    from gpuslice.adapters.kube.fake import load_fake_cluster
+    from gpuslice.services.node_cleanup import clean_nodes, stop_daemonset
+
+    log = setup_logging(args.log_format, "node-agent")
+    node = args.node or (None if args.all_nodes else os.environ.get("NODE_NAME"))
+    if args.all_nodes == bool(node):
+        raise ValidationError("--cleanup", "one node (--node NAME, or $NODE_NAME) or "
+                              "--all-nodes", "both" if node else "neither")
+    stop_ns, _, stop_name = (args.stop_daemonset or "").rpartition("/")
+    if args.stop_daemonset is not None and not (stop_ns and stop_name):
+        raise ValidationError("--stop-daemonset", "NAMESPACE/NAME", args.stop_daemonset)
+    api: KubeClient | FakeApiServer = (load_fake_cluster(args.fake_cluster)
+                                       if args.fake_cluster else KubeClient(args.kubeconfig))
+    if args.stop_daemonset:
+        log.info("deleting DaemonSet %s (foreground): each agent cleans its own node",
+                 args.stop_daemonset, extra={"event": "stop-daemonset"})
+        if stop_daemonset(api, stop_ns, stop_name, args.stop_wait):
+            log.info("DaemonSet %s and its pods are gone", args.stop_daemonset,
+                     extra={"event": "stopped-daemonset"})
+        else:
+            log.warning("DaemonSet %s still has pods after %g s (a node not ready?): "
+                        "cleaning the nodes from here", args.stop_daemonset, args.stop_wait,
+                        extra={"event": "stop-daemonset-timeout"})
+    done = clean_nodes(api, None if args.all_nodes else [str(node)])
+    for plan in done:
+        console.print(f"{plan.node}: {'removed ' if plan else ''}{plan.summary()}",
+                      markup=False, highlight=False)
+    if not done:
+        console.print("no node carries a gpuslice inventory", markup=False, highlight=False)
+    return 0
+
+
 def _node_agent(args: argparse.Namespace, console: Console) -> int:
     import os
 
     from gpuslice.adapters.kube.client import KubeClient
-    from gpuslice.adapters.kube.fake import KubePort, load_fake_cluster
+    from gpuslice.adapters.kube.fake import load_fake_cluster
     from gpuslice.adapters.signals import StopSignals
     from gpuslice.services.device_plugin import PluginConfig, device_list_strategy
     from gpuslice.services.node_agent import NodeAgent
 
+    if args.cleanup:
+        return _cleanup(args, console)
+    for flag, given in (("--all-nodes", args.all_nodes),
+                        ("--stop-daemonset", args.stop_daemonset is not None)):
+        if given:
+            raise ValidationError(flag, "only with --cleanup", "without it")
     log = setup_logging(args.log_format, "node-agent")
     node = args.node or os.environ.get("NODE_NAME")
     if not node:
         raise ValidationError("--node", "the node's name (or $NODE_NAME)", node)
     if args.replicas < 1:
         raise ValidationError("--replicas", "at least 1 virtual device per GPU", args.replicas)
+    if args.key_file is None:
+        raise ValidationError("--key-file", "the file holding the HMAC key shared with the "
+                              "extender", None)
     key = read_key(args.key_file)
     if not args.socket_dir.is_dir():
         raise ValidationError("--socket-dir", "the kubelet's device plugin directory",
                               str(args.socket_dir))
     nvml: NvmlPort = local_nvml(args, node)
-    api: KubePort = (load_fake_cluster(args.fake_cluster) if args.fake_cluster
-                     else KubeClient(args.kubeconfig))
+    api: KubeClient | FakeApiServer = (load_fake_cluster(args.fake_cluster)
+                                       if args.fake_cluster else KubeClient(args.kubeconfig))
     cfg = PluginConfig(node, args.socket_dir, key, args.replicas,
                        mps_pipe_dir=args.mps_pipe_dir, mps_shm_dir=args.mps_shm_dir,
                        mig_strategy=args.mig_strategy,
@@ -129,7 +198,44 @@ def _node_agent(args: argparse.Namespace, console: Console) -> int:
         for problem in agent.check_mig_tables():
             log.warning("%s", problem, extra={"event": "mig-table"})
         agent.run()
+        if signals.received:
+            _uninstall(agent, api, node, log)
         for problem in agent.problems:
             log.warning("%s", problem, extra={"event": "problem"})
     log.info("%s", signals.stopped_line(), extra={"event": "stopped"})
     return 0
+
+
+def _uninstall(agent: NodeAgent, api: KubeClient | FakeApiServer, node: str,
+               log: logging.Logger) -> None:
+    """After a stop signal: when the agent's DaemonSet is gone or being deleted, take what
+    the agent put on the node off it (API side, then MPS daemons and folders); else (a
+    rolling update, a restart) leave everything."""
+    import os
+
+    from gpuslice.core.errors import GpusliceError
+    from gpuslice.services.node_cleanup import check_uninstall, clean_node
+
+    ns, pod = os.environ.get("POD_NAMESPACE"), os.environ.get("POD_NAME")
+    if not (ns and pod):
+        log.info("not in a pod ($POD_NAMESPACE/$POD_NAME unset): the node keeps its labels "
+                 "and resources", extra={"event": "kept"})
+        return
+    uninstalling, why = check_uninstall(api, ns, pod)
+    if not uninstalling:
+        log.info("%s: node %s keeps its labels and resources", why, node,
+                 extra={"event": "kept"})
+        return
+    log.info("%s: uninstalling, removing what gpuslice put on node %s", why, node,
+             extra={"event": "uninstalling"})
+    try:
+        plan = clean_node(api, node)
+        log.info("node %s: %s%s", node, "removed " if plan else "", plan.summary(),
+                 extra={"event": "cleaned", "node": node})
+    except GpusliceError as exc:
+        log.warning("node %s keeps what gpuslice put there (%s): run `gpuslice node-agent "
+                    "--cleanup --node %s`", node, exc, node, extra={"event": "cleanup-failed"})
+    removed = agent.remove_mps_state()
+    if removed:
+        log.info("removed the MPS daemons' folders: %s", ", ".join(removed),
+                 extra={"event": "mps-removed"})

@@ -5,15 +5,23 @@ driver) to the device plugin, publishes the GPU inventory annotation and GPU-fea
 labels on its Node, and follows NVML health events: an XID marks the GPU unhealthy in
 ListAndWatch (and drops it from the inventory); after ``quiet_s`` seconds without a new error it
 is healthy again, without restarting the agent.
+
+The labels it publishes are recorded on the node (``gpuslice.io/agent-labels``): those it
+added, not those that were there already with the same value (``nvidia.com/gpu.present=true``
+that selects the node for the DaemonSet, GPU feature discovery's). A label it no longer
+publishes (a MIG profile count after a layout change) is removed; on uninstall
+(:mod:`gpuslice.services.node_cleanup`) the recorded ones are.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
+import shutil
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -36,8 +44,28 @@ INVENTORY = "gpuslice.io/inventory"
 # agent reports back (JSON {uuid: {layout, state: success|pending|failed, message}})
 MIG_DESIRED = "gpuslice.io/mig-desired"
 MIG_LAYOUTS = "gpuslice.io/mig-layouts"
+# the node labels this agent added (comma-separated keys): what it removes on uninstall
+AGENT_LABELS = "gpuslice.io/agent-labels"
 # XIDs that are the application's fault, not the GPU's (NVIDIA's device plugin skips them too)
 APPLICATION_XIDS = frozenset({13, 31, 43, 45, 68, 109})
+
+
+def label_keys(text: str | None) -> set[str]:
+    """The keys of a comma-separated list (the :data:`AGENT_LABELS` annotation)."""
+    return {k.strip() for k in (text or "").split(",") if k.strip()}
+
+
+def labels_to_publish(wanted: Mapping[str, str], on_node: Mapping[str, str],
+                      recorded: set[str]) -> tuple[dict[str, str | None], set[str]]:
+    """The labels patch (``None`` removes a label) and the keys the agent owns after it.
+
+    A wanted key is the agent's when it owned it already (``recorded``) or the node lacks it;
+    a key that was there with another owner's value stays that owner's (the agent writes its
+    value all the same). An owned key the agent no longer wants is removed."""
+    owned = {k for k in wanted if k in recorded or k not in on_node}
+    patch: dict[str, str | None] = dict(wanted)
+    patch.update({k: None for k in sorted(recorded - set(wanted))})
+    return patch, owned
 
 
 class AgentMetrics:
@@ -106,6 +134,9 @@ class NodeAgent:
         self._publish_at = 0.0
         self._publish_backoff_s = 0.0
         self.max_backoff_s = 30.0
+        # the labels this agent owns (AGENT_LABELS), and those the node had when first read
+        self._owned: set[str] | None = None
+        self._found_labels: dict[str, str] = {}
 
     def registration_failed(self, resource: str, message: str) -> None:
         """A device plugin registration failed: count it, and tell the cluster with a
@@ -174,7 +205,14 @@ class NodeAgent:
         gpus = [g for g in self.nvml.devices() if g.uuid not in self._last_error]
         labels = node_labels(self.nvml.devices(), self.nvml.driver_version())
         try:
-            self.api.patch_node(self.cfg.node, labels, {INVENTORY: json.dumps(inventory(gpus))})
+            if self._owned is None:  # once: which labels were there before this agent's
+                meta = self.api.get_node(self.cfg.node).get("metadata") or {}
+                self._found_labels = dict(meta.get("labels") or {})
+                self._owned = label_keys((meta.get("annotations") or {}).get(AGENT_LABELS))
+            patch, owned = labels_to_publish(labels, self._found_labels, self._owned)
+            self.api.patch_node(self.cfg.node, patch, {
+                INVENTORY: json.dumps(inventory(gpus)), AGENT_LABELS: ",".join(sorted(owned))})
+            self._owned = owned
             # the node's GPU share total, counted by kube-scheduler (deploy/base/scheduler-
             # config.yaml): its preemption then sees share contention; per-GPU fit stays the
             # extender's. The memory total is ignored by the scheduler's fit but must be in
@@ -336,6 +374,73 @@ class NodeAgent:
                 self.reconcile_layouts()
             except GpusliceError as exc:
                 note_once(self.problems, f"MIG layouts: {exc}")
+
+    def mps_targets(self) -> set[str]:
+        """The GPUs and MIG instances this agent may run an MPS daemon for (each one's pipe
+        directory is ``<mps_pipe_dir>/<UUID>``)."""
+        out = set(self._mps)
+        for g in self.nvml.devices():
+            out.add(g.uuid)
+            out.update(m.uuid for m in g.mig)
+        return out
+
+    def remove_mps_state(self, timeout_s: float = 5.0) -> list[str]:
+        """On uninstall: quit the MPS daemons of this node's GPUs (started by this agent or
+        by an earlier one), then remove their pipe and log directories and, when no other
+        daemon's directory is left in ``mps_pipe_dir``, the daemons' shared memory directory
+        (``mps_shm_dir``'s contents; never the host's own /dev/shm). A daemon that does not
+        quit within ``timeout_s`` (clients still attached) keeps its directories, and says
+        so in :attr:`problems`. Returns the paths removed."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        root = Path(self.cfg.mps_pipe_dir)
+        if not root.is_dir():
+            return []
+        with self._mps_lock:
+            known = dict(self._mps)
+        daemons = [known.get(t) or MpsDaemon(t, root / t, root / f"{t}.log",
+                                             binary=self.mps_binary)
+                   for t in sorted(self.mps_targets()) if (root / t).is_dir()]
+
+        def quit_one(d: MpsDaemon) -> str | None:
+            if not d.healthy():
+                return None  # no daemon answers there (never started, or gone)
+            try:
+                d.quit(timeout_s=timeout_s)
+            except GpusliceError as exc:
+                return str(exc)
+            return None
+
+        removed: list[str] = []
+        with ThreadPoolExecutor(max_workers=max(1, min(8, len(daemons)))) as pool:
+            for d, problem in zip(daemons, pool.map(quit_one, daemons), strict=True):
+                if problem:
+                    self.problems.append(f"MPS daemon for {d.uuid} left running, its "
+                                         f"directories kept: {problem}")
+                    continue
+                for path in (d.pipe_dir, d.log_dir):
+                    if path.exists():
+                        shutil.rmtree(path, ignore_errors=True)
+                        removed.append(str(path))
+        # the shared memory folder serves every daemon: emptied once none is left
+        others = list(root.iterdir()) if root.is_dir() else []
+        shm = Path(self.cfg.mps_shm_dir) if self.cfg.mps_shm_dir and not others else None
+        if shm is not None and (os.path.realpath(shm) == "/dev/shm" or not shm.is_dir()):
+            shm = None  # never the host's own /dev/shm (clients with hostIPC)
+        for entry in list(shm.iterdir()) if shm is not None else []:
+            with contextlib.suppress(OSError):
+                if entry.is_dir() and not entry.is_symlink():
+                    shutil.rmtree(entry)
+                else:
+                    entry.unlink()
+                removed.append(str(entry))
+        for folder in (root, shm):
+            # a hostPath volume's mount point (the DaemonSet's) cannot go: it stays, empty
+            if folder is not None:
+                with contextlib.suppress(OSError):
+                    folder.rmdir()
+                    removed.append(str(folder))
+        return removed
 
     def stop(self) -> None:
         self._stop.set()

@@ -5,8 +5,10 @@ because its generated API covers every call we need (pod binding subresource inc
 same semantics as kubectl, and its kubeconfig / in-cluster loading is the reference one; the
 extender is synchronous per request, so the async clients bring nothing here.
 
-Patches are maps, which the client sends as strategic-merge patches (a list would be a JSON
-patch), except a pod's labels, sent as a JSON merge patch (``null`` removes a label).
+Patches are maps, which the client sends as strategic-merge patches (``null`` removes a key),
+except the removal of a node's extended resources, a list of JSON patch operations on the
+node's ``status`` subresource (the client sends a list as ``application/json-patch+json`` by
+itself: ``_content_type`` is not passed, kubernetes 35, the image's, refuses it).
 Optimistic concurrency: the assignment patch carries the pod's ``resourceVersion``; the API
 server answers 409 when the pod changed since it was read, which becomes :class:`ApiConflict`.
 """
@@ -21,7 +23,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from gpuslice.adapters.install import pip_install
-from gpuslice.adapters.kube.fake import ApiConflict, ApiNotFound, WatchEvent
+from gpuslice.adapters.kube.fake import ApiConflict, ApiInvalid, ApiNotFound, WatchEvent
 from gpuslice.core.errors import GpusliceError
 
 
@@ -85,6 +87,8 @@ class KubeClient:
                 raise ApiNotFound(message) from None
             if exc.status == 409:
                 raise ApiConflict(message) from None
+            if exc.status == 422:
+                raise ApiInvalid(f"API server: 422 {message}") from None
             raise GpusliceError(f"API server: {exc.status} {message}") from None
         except urllib3.exceptions.HTTPError as exc:  # refused, timed out, connection lost
             raise _Unreachable(f"API server unreachable: {exc}") from None
@@ -196,10 +200,29 @@ class KubeClient:
             return dict(self._json(self._leases.create_namespaced_lease, namespace, body))
         return dict(self._json(self._leases.replace_namespaced_lease, name, namespace, body))
 
-    def patch_node(self, name: str, labels: dict[str, str],
-                   annotations: dict[str, str]) -> None:
-        body = {"metadata": {"labels": labels, "annotations": annotations}}
+    def patch_node(self, name: str, labels: Mapping[str, str | None],
+                   annotations: Mapping[str, str | None]) -> None:
+        """A strategic merge patch of the node's labels and annotations (``None``: ``null``,
+        which removes the key)."""
+        body = {"metadata": {"labels": dict(labels), "annotations": dict(annotations)}}
         self._call(self._api.patch_node, name, body)
+
+    def patch_node_status(self, name: str, ops: list[dict[str, Any]]) -> None:
+        """A JSON patch (RFC 6902 operations) of the node's ``status`` subresource (RBAC:
+        nodes/status patch), as ``kubectl patch node N --subresource=status --type=json``."""
+        if not isinstance(ops, list):  # a map would go out as a strategic merge patch
+            raise TypeError("a JSON patch is a list of operations")
+        self._call(self._api.patch_node_status, name, list(ops), _preload_content=False)
+
+    def get_daemonset(self, namespace: str, name: str) -> dict[str, Any]:
+        return dict(self._json(self._apps.read_namespaced_daemon_set, name, namespace))
+
+    def delete_daemonset(self, namespace: str, name: str,
+                         propagation: str = "Background") -> None:
+        """Delete a DaemonSet (RBAC: daemonsets delete); ``Foreground``: it stays, with a
+        deletionTimestamp, until the garbage collector has deleted its pods."""
+        self._call(self._apps.delete_namespaced_daemon_set, name, namespace,
+                   propagation_policy=propagation, _preload_content=False)
 
     def patch_node_capacity(self, name: str, resources: dict[str, str]) -> None:
         """Node-level extended resources through the node's ``status`` subresource (RBAC:

@@ -27,6 +27,55 @@ class ApiNotFound(GpusliceError):
     """No such object (HTTP 404)."""
 
 
+class ApiInvalid(GpusliceError):
+    """The request cannot apply to the object as it is (HTTP 422), e.g. a JSON patch that
+    removes a key the object does not have."""
+
+
+def json_pointer(*parts: str) -> str:
+    """An RFC 6901 pointer to ``parts``: ``~`` is written ``~0`` and ``/`` ``~1``
+    (``/status/capacity/gpuslice.io~1gpu-milli``), as ``kubectl patch --type=json`` wants."""
+    return "".join("/" + p.replace("~", "~0").replace("/", "~1") for p in parts)
+
+
+def apply_json_patch(doc: Any, ops: list[dict[str, Any]]) -> Any:
+    """``doc`` with the RFC 6902 operations ``add``, ``remove``, ``replace`` and ``test``
+    applied, all or none (a copy is changed): a missing path (``remove``, ``replace``) or a
+    failed ``test`` raises :class:`ApiInvalid`, as kube-apiserver answers 422."""
+    out = copy.deepcopy(doc)
+    for i, op in enumerate(ops):
+        kind, path = op.get("op"), op.get("path")
+        if kind not in ("add", "remove", "replace", "test") or not isinstance(path, str) or \
+                (path and not path.startswith("/")):
+            raise ApiInvalid(f"patch[{i}]: unsupported operation {op!r}")
+        keys = [k.replace("~1", "/").replace("~0", "~") for k in path.split("/")[1:]]
+        if not keys:
+            raise ApiInvalid(f"patch[{i}]: the whole document cannot be patched")
+        parent = out
+        for k in keys[:-1]:
+            if isinstance(parent, dict) and k in parent:
+                parent = parent[k]
+            elif isinstance(parent, list) and k.isdigit() and int(k) < len(parent):
+                parent = parent[int(k)]
+            else:
+                raise ApiInvalid(f"patch[{i}] {kind} {path}: no such path")
+        last = keys[-1]
+        if not isinstance(parent, dict):
+            raise ApiInvalid(f"patch[{i}] {kind} {path}: only object members are supported")
+        if kind == "add":
+            parent[last] = copy.deepcopy(op.get("value"))
+        elif last not in parent:
+            raise ApiInvalid(f"patch[{i}] {kind} {path}: Unable to {kind} nonexistent key: "
+                             f"{last}: missing value")
+        elif kind == "remove":
+            del parent[last]
+        elif kind == "replace":
+            parent[last] = copy.deepcopy(op.get("value"))
+        elif parent[last] != op.get("value"):
+            raise ApiInvalid(f"patch[{i}] test {path}: testing value {parent[last]!r} failed")
+    return out
+
+
 @dataclass(frozen=True)
 class WatchEvent:
     """A change to a pod or node: ``ADDED``, ``MODIFIED`` or ``DELETED``, with the object."""
@@ -46,8 +95,11 @@ class KubePort(Protocol):
 
     def list_nodes(self) -> list[dict[str, Any]]: ...
     def get_node(self, name: str) -> dict[str, Any]: ...
-    def patch_node(self, name: str, labels: dict[str, str],
-                   annotations: dict[str, str]) -> None: ...
+    def patch_node(self, name: str, labels: Mapping[str, str | None],
+                   annotations: Mapping[str, str | None]) -> None:
+        """Set labels and annotations of the node (``None`` removes one; one absent already
+        is no error)."""
+        ...
     def patch_node_capacity(self, name: str, resources: dict[str, str]) -> None:
         """Set node-level extended resources in ``status.capacity`` and ``allocatable`` (the
         node's status subresource, as the Kubernetes docs advertise extended resources)."""
@@ -85,6 +137,31 @@ class PodLabelPort(Protocol):
     def get_pod(self, namespace: str, name: str) -> dict[str, Any]: ...
     def patch_pod_labels(self, namespace: str, name: str,
                          labels: Mapping[str, str | None]) -> dict[str, Any]: ...
+
+
+class NodeCleanupPort(Protocol):
+    """What taking gpuslice off a node needs (the node agent when it is uninstalled, and
+    ``gpuslice node-agent --cleanup``): its nodes, their labels and annotations, a JSON patch
+    of a node's ``status`` subresource (a list of RFC 6902 operations: extended resources are
+    removed with ``remove`` operations, as ``kubectl patch --subresource=status --type=json``
+    does), and, to tell an uninstall from a restart, the agent's own pod and its DaemonSet."""
+
+    def list_nodes(self) -> list[dict[str, Any]]: ...
+    def get_node(self, name: str) -> dict[str, Any]: ...
+    def patch_node(self, name: str, labels: Mapping[str, str | None],
+                   annotations: Mapping[str, str | None]) -> None: ...
+    def patch_node_status(self, name: str, ops: list[dict[str, Any]]) -> None: ...
+    def get_pod(self, namespace: str, name: str) -> dict[str, Any]: ...
+    def get_daemonset(self, namespace: str, name: str) -> dict[str, Any]: ...
+
+
+class DaemonSetPort(Protocol):
+    """Deleting a DaemonSet (``propagation``: Background, Foreground or Orphan) and reading
+    it until it is gone."""
+
+    def get_daemonset(self, namespace: str, name: str) -> dict[str, Any]: ...
+    def delete_daemonset(self, namespace: str, name: str,
+                         propagation: str = "Background") -> None: ...
 
 
 class ClusterPort(KubePort, Protocol):
@@ -211,6 +288,7 @@ class FakeApiServer:
         self._leases: dict[tuple[str, str], dict[str, Any]] = {}
         self._custom: dict[tuple[str, str, str], dict[str, Any]] = {}
         self._deployments: dict[tuple[str, str], dict[str, Any]] = {}
+        self._daemonsets: dict[tuple[str, str], dict[str, Any]] = {}
         self._claims: dict[tuple[str, str], dict[str, Any]] = {}
         self._slices: dict[str, dict[str, Any]] = {}
         self.events: list[dict[str, Any]] = []  # core/v1 Events created
@@ -357,6 +435,52 @@ class FakeApiServer:
         with self._lock:
             self._deployments.pop((namespace, name), None)
 
+    # -- DaemonSets (stored as given: no controller; tests delete the pods themselves) --------
+
+    def add_daemonset(self, obj: dict[str, Any]) -> dict[str, Any]:
+        meta = obj.get("metadata") or {}
+        key = (str(meta.get("namespace", "default")), str(meta.get("name")))
+        with self._lock:
+            d = copy.deepcopy(obj)
+            d.setdefault("kind", "DaemonSet")
+            d.setdefault("apiVersion", "apps/v1")
+            d.setdefault("metadata", {})["namespace"] = key[0]
+            d["metadata"].setdefault("uid", f"uid-ds-{key[0]}-{key[1]}")
+            self._rv += 1
+            d["metadata"]["resourceVersion"] = str(self._rv)
+            self._daemonsets[key] = d
+            return copy.deepcopy(d)
+
+    def get_daemonset(self, namespace: str, name: str) -> dict[str, Any]:
+        with self._lock:
+            d = self._daemonsets.get((namespace, name))
+            if d is None:
+                raise ApiNotFound(f'daemonsets.apps "{name}" not found')
+            return copy.deepcopy(d)
+
+    def delete_daemonset(self, namespace: str, name: str, propagation: str = "Background",
+                         timestamp: str = "") -> None:
+        """``Background`` (and ``Orphan``): gone at once; ``Foreground``: kept with a
+        ``deletionTimestamp`` and the ``foregroundDeletion`` finalizer until
+        :meth:`finish_daemonset_deletion` (the garbage collector, once its pods are gone)."""
+        with self._lock:
+            d = self._daemonsets.get((namespace, name))
+            if d is None:
+                raise ApiNotFound(f'daemonsets.apps "{name}" not found')
+            if propagation != "Foreground":
+                del self._daemonsets[(namespace, name)]
+                return
+            meta = d["metadata"]
+            meta.setdefault("deletionTimestamp", timestamp or _now())
+            if "foregroundDeletion" not in meta.setdefault("finalizers", []):
+                meta["finalizers"].append("foregroundDeletion")
+            self._rv += 1
+            meta["resourceVersion"] = str(self._rv)
+
+    def finish_daemonset_deletion(self, namespace: str, name: str) -> None:
+        with self._lock:
+            self._daemonsets.pop((namespace, name), None)
+
     # -- resource.k8s.io/v1: ResourceSlices, DeviceClasses, ResourceClaims --------------------
 
     def add_resourceslice(self, obj: dict[str, Any]) -> None:
@@ -445,15 +569,31 @@ class FakeApiServer:
                 raise ApiNotFound(f"node {name} not found")
             return copy.deepcopy(n)
 
-    def patch_node(self, name: str, labels: dict[str, str],
-                   annotations: dict[str, str]) -> None:
+    def patch_node(self, name: str, labels: Mapping[str, str | None],
+                   annotations: Mapping[str, str | None]) -> None:
         with self._lock:
             n = self._nodes.get(name)
             if n is None:
                 raise ApiNotFound(f"node {name} not found")
             meta = n.setdefault("metadata", {})
-            meta.setdefault("labels", {}).update(labels)
-            meta.setdefault("annotations", {}).update(annotations)
+            for field, values in (("labels", labels), ("annotations", annotations)):
+                mine = meta.setdefault(field, {})
+                for k, v in values.items():
+                    if v is None:
+                        mine.pop(k, None)
+                    else:
+                        mine[k] = v
+            self._bump(n)
+
+    def patch_node_status(self, name: str, ops: list[dict[str, Any]]) -> None:
+        """A JSON patch (RFC 6902) of the node's ``status`` subresource: only ``status``
+        changes (the API server's status strategy keeps the rest); all operations or none."""
+        with self._lock:
+            n = self._nodes.get(name)
+            if n is None:
+                raise ApiNotFound(f"node {name} not found")
+            patched = apply_json_patch(n, ops)
+            n["status"] = patched.get("status") or {}
             self._bump(n)
 
     def patch_node_capacity(self, name: str, resources: dict[str, str]) -> None:
