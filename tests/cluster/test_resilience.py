@@ -26,6 +26,16 @@ def _nodes(kube: Kube, group: str) -> list[dict[str, Any]]:
     return list(json.loads(raw.data)["items"])
 
 
+def _events(kube: Kube, group: str) -> str:
+    """The namespace's events (Preempted, FailedScheduling, Scheduled), oldest first."""
+    raw = kube.core.list_namespaced_event(group, _preload_content=False)
+    items = json.loads(raw.data)["items"]
+    items.sort(key=lambda e: str(e.get("lastTimestamp") or e.get("eventTime") or ""))
+    return "\n".join(f"{e.get('lastTimestamp') or e.get('eventTime')} "
+                     f"{e['involvedObject'].get('name')} {e.get('reason')}: {e.get('message')}"
+                     for e in items)
+
+
 def _priority_classes(dev: DevCluster, group: str) -> None:
     """PriorityClasses ``<group>-high`` (1000) and ``<group>-low`` (10)."""
     dev.apply(f"""
@@ -77,10 +87,11 @@ spec:
 
     pods = kube.wait_pods(group, "urgent bound after preemption", urgent_bound, 150)
     urgent = next(p for p in pods if p["metadata"]["name"] == "urgent")
-    assert urgent["spec"]["nodeName"] == f"{group}-b"
     live = {p["metadata"]["name"] for p in pods if not p["metadata"].get("deletionTimestamp")}
-    assert {"protected-0", "protected-1"} <= live
-    assert not {"free-0", "free-1"} & live
+    why = _events(kube, group)  # which preemption went where, should one go wrong
+    assert urgent["spec"]["nodeName"] == f"{group}-b", why
+    assert {"protected-0", "protected-1"} <= live, why
+    assert not {"free-0", "free-1"} & live, why
     assert over_allocation(pods, _nodes(kube, group)) == []
 
 

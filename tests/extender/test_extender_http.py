@@ -909,6 +909,46 @@ def test_a_nominated_pod_is_not_refused_for_victims_the_watch_has_not_seen_go() 
     asyncio.run(serving(api, body))
 
 
+def test_victims_offered_by_preempt_are_read_back_before_the_nomination_is_seen() -> None:
+    """The pod kube-scheduler retries after preempting need not carry its nomination yet
+    (``handleSchedulingFailure``, pkg/scheduler/schedule_one.go, requeues the informer's copy
+    before patching ``nominatedNodeName``): the victims this extender's preempt offered are
+    read back as a nominated node's are, else the refusal makes the scheduler preempt again
+    on the one node it still sees victims on, the one a PodDisruptionBudget protects
+    (issue 29). The offered victims still alive stay."""
+    api = FakeApiServer()
+    api.add_node(node("a", "A100-80GB", 1))
+    api.add_node(node("b", "A100-80GB", 1))
+    for name in ("free", "protected"):
+        api.add_pod(pod(name, 1000))
+    api.add_pod(pod("urgent", 1000))
+
+    async def body(url: str, state: ExtenderState) -> None:
+        async with aiohttp.ClientSession() as s:
+            await bound(s, url, api, api.get_pod("default", "free"), "b")
+            await bound(s, url, api, api.get_pod("default", "protected"), "a")
+            uid = {n: api.get_pod("default", n)["metadata"]["uid"]
+                   for n in ("free", "protected")}
+            urgent = api.get_pod("default", "urgent")
+            offered = {"a": {"Pods": [{"UID": uid["protected"]}], "NumPDBViolations": 1},
+                       "b": {"Pods": [{"UID": uid["free"]}], "NumPDBViolations": 0}}
+            _, res = await post(s, url + "/preempt", {"Pod": urgent,
+                                                      "NodeNameToMetaVictims": offered})
+            assert set(res["NodeNameToMetaVictims"]) == {"a", "b"}
+            api.delete_pod("default", "free")  # the scheduler chose b; no watch event applied
+            assert not (urgent.get("status") or {}).get("nominatedNodeName")
+            _, res = await post(s, url + "/filter", {"Pod": urgent, "NodeNames": ["a", "b"]})
+            assert res["NodeNames"] == ["b"] and set(reasons(res)) == {"a"}
+            assert ("default", "free") not in state.ledger.owners
+            assert ("default", "protected") in state.ledger.owners
+            other = api.get_pod("default", "urgent")
+            other["metadata"]["uid"] = "another-pod"  # offers are the preemptor's own
+            _, res = await post(s, url + "/filter", {"Pod": other, "NodeNames": ["a"]})
+            assert res["NodeNames"] == []
+
+    asyncio.run(serving(api, body))
+
+
 def test_a_cordoned_gpu_takes_no_new_slice_and_the_reason_says_so() -> None:
     api = FakeApiServer()
     n = node("a", "T4", 1)

@@ -113,6 +113,11 @@ def _victims(args: dict[str, Any]) -> tuple[dict[str, list[str]], dict[str, int]
     return victims, pdb
 
 
+def _pod_name(pod: dict[str, Any]) -> str:
+    meta = pod.get("metadata") or {}
+    return f"{meta.get('namespace', '')}/{meta.get('name', '')}"
+
+
 def _pod(args: dict[str, Any]) -> dict[str, Any]:
     pod = args.get("Pod")
     if not isinstance(pod, dict):
@@ -173,6 +178,12 @@ def make_app(state: ExtenderState, metrics: ExtenderMetrics | None = None, *,
                 freed = await asyncio.get_running_loop().run_in_executor(
                     binds, state.verify_held, stale)
                 m.stale_freed.inc(freed)
+                if freed:  # victims the watch had not yet seen go (placement.stale_holders)
+                    nominated = (pod.get("status") or {}).get("nominatedNodeName") or ""
+                    log.info("filter: %d share(s) of deleted pods given back for %s "
+                             "(nominated: %s)", freed, _pod_name(pod), nominated or "not yet",
+                             extra={"event": "stale_freed", "freed": freed,
+                                    "nominated": nominated})
             keep, failed = state.filter(pod, names)
             state.remember(pod)
             m.filtered(len(keep), failed)

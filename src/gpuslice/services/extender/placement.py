@@ -114,27 +114,45 @@ class PlacementVerbs(ClusterView):
     def stale_holders(self, pod: dict[str, Any], names: list[str]) -> list[Assignment]:
         """The shares to check against the API server before filtering ``pod``: those held on
         its nominated node (``status.nominatedNodeName``, where kube-scheduler preempted for
-        it) when it does not fit there. The scheduler retries the pod as soon as its cache
+        it) when it does not fit there, and those of the victims this extender's preempt
+        last offered for the pod (:meth:`.preemption.Preemption.preempt` remembers them) on
+        nodes where it does not fit. The scheduler retries the pod as soon as its cache
         drops the victims; if this ledger has not yet followed their deletion, a refusal
         would make it preempt again on another node (``PodEligibleToPreemptOthers`` in
         pkg/scheduler/framework/plugins/defaultpreemption/default_preemption.go only holds
-        back while the scheduler itself still sees victims terminating). At most
-        ``STALE_CHECKS`` shares; none when the pod fits or has no nomination."""
+        back while the scheduler itself still sees victims terminating), and there, with
+        the node it preempted on no longer a candidate (no victim left in its cache), take
+        the very pods a PodDisruptionBudget protects. The pod the scheduler sends need not
+        carry its nomination yet: ``handleSchedulingFailure`` (pkg/scheduler/schedule_one.go)
+        requeues the informer's copy and patches ``nominatedNodeName`` afterwards ("there
+        would be a race condition between the next scheduling cycle and the time the
+        scheduler receives a Pod Update for the nominated pod"), and with asynchronous
+        preemption the pod is retried once the victims' deletions return, possibly before
+        that update; hence the remembered victims (issue 29). At most ``STALE_CHECKS``
+        shares; none when the pod fits or has neither a nomination nor remembered victims."""
+        uid = (pod.get("metadata") or {}).get("uid")
         node = (pod.get("status") or {}).get("nominatedNodeName")
-        i = self.inv.index.get(node) if isinstance(node, str) else None
-        if i is None or node not in names:
+        offered = self._offered_victims(uid) if isinstance(uid, str) and uid else {}
+        nodes = {n for n in offered if n in names}
+        if isinstance(node, str) and node in names:
+            nodes.add(node)
+        nodes = {n for n in nodes if n in self.inv.index}
+        if not nodes:
             return []
         try:
             req = pod_request(pod)
         except ValidationError:
             return []
-        if req is None or self._fits_with(i, req, self.ledger):
+        if req is None:
             return []
-        uid = (pod.get("metadata") or {}).get("uid")
+        nodes = {n for n in nodes if not self._fits_with(self.inv.index[n], req, self.ledger)}
+        if not nodes:
+            return []
         with self._lock:
             flying = set(self._in_flight)
             held = [a for key, a in self.ledger.owners.items()
-                    if a.node == node and a.pod_uid != uid and key not in flying]
+                    if a.node in nodes and a.pod_uid != uid and key not in flying and
+                    (a.node == node or a.pod_uid in offered.get(a.node, ()))]
         return held[:STALE_CHECKS]
 
     def verify_held(self, shares: list[Assignment]) -> int:

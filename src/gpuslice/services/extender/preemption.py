@@ -85,6 +85,9 @@ class Preemption(PlacementVerbs):
                 chosen.insert(at, uid)
                 known[uid] = prio
             out[node] = (chosen, violations.get(node, 0) + added)
+        preemptor = (pod.get("metadata") or {}).get("uid")
+        if isinstance(preemptor, str) and preemptor and out:  # filter reads them back
+            self.remember_offer(preemptor, {node: uids for node, (uids, _) in out.items()})
         return out
 
     def _more_victims(self, i: int, req: SliceRequest, led: Ledger, node: str, priority: int,

@@ -7,6 +7,7 @@ kept up to date row by row as pods come and go. :mod:`.placement`, :mod:`.preemp
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -43,6 +44,12 @@ from gpuslice.core.migmps import InstanceRoom
 from gpuslice.core.model import ClusterArrays, Gpu, Isolation, Node, SliceRequest, build_arrays
 from gpuslice.core.policies import PlacementState, make_policy, tie_order
 from gpuslice.services.leader import LeaderElector
+
+# how long, and for how many preemptors, the victims offered by preempt are remembered for
+# the filter's stale-share check (placement.stale_holders): the ledger follows a deletion
+# within a watch event's delay, seconds at the very worst
+OFFER_TTL_S = 60.0
+OFFERS_KEPT = 1024
 
 
 def _node_mark(node: dict[str, Any]) -> tuple[str, str, str, str]:
@@ -153,6 +160,9 @@ class ClusterView:
         self._seen: dict[str, dict[str, Any]] = {}
         self._held: dict[tuple[str, str], Any] = {}
         self._busy: set[tuple[str, str]] = set()  # pods a bind thread is working on
+        # victims the preempt verb last offered per preemptor UID (monotonic time, node ->
+        # victim UIDs): filter reads them back while the ledger may lag their deletion
+        self._offers: dict[str, tuple[float, dict[str, frozenset[str]]]] = {}
         self._mig_use_of: tuple[Ledger, dict[tuple[str, int], tuple[int, int, bool]]] | None = \
             None
         # the arrays with every pod gone, per inventory and cordon (placement.unresolvable)
@@ -405,6 +415,26 @@ class ClusterView:
             self._follow_pod((namespace, name), None)
             if a is not None and a.node in self.inv.index:
                 self._refresh_row(self.inv.index[a.node])
+
+    def remember_offer(self, preemptor_uid: str, victims: dict[str, list[str]]) -> None:
+        """Keep the victims the preempt verb offered for ``preemptor_uid`` (per node) for
+        ``OFFER_TTL_S``, at most ``OFFERS_KEPT`` preemptors (the oldest forgotten first)."""
+        now = time.monotonic()
+        with self._lock:
+            for uid in [u for u, (t, _) in self._offers.items() if now - t > OFFER_TTL_S]:
+                del self._offers[uid]
+            self._offers.pop(preemptor_uid, None)
+            self._offers[preemptor_uid] = (now, {n: frozenset(v) for n, v in victims.items()})
+            while len(self._offers) > OFFERS_KEPT:
+                del self._offers[next(iter(self._offers))]
+
+    def _offered_victims(self, preemptor_uid: str) -> dict[str, frozenset[str]]:
+        """The victims per node last offered for ``preemptor_uid``, if not expired."""
+        with self._lock:
+            got = self._offers.get(preemptor_uid)
+        if got is None or time.monotonic() - got[0] > OFFER_TTL_S:
+            return {}
+        return got[1]
 
     # -- the verbs ----------------------------------------------------------------------------
 
