@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from gpuslice.adapters.install import pip_install
-from gpuslice.adapters.kube.fake import ApiConflict, ApiInvalid, ApiNotFound, WatchEvent
+from gpuslice.adapters.kube.ports import ApiConflict, ApiInvalid, ApiNotFound, WatchEvent
 from gpuslice.core.errors import GpusliceError
 
 

@@ -1,0 +1,192 @@
+"""Finding the assignment an Allocate executes: the pods waiting for this node's GPUs, the
+containers the kubelet will allocate for, and claiming one (one set insertion under a lock)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from gpuslice.adapters.kube.annotation import AnnotationError, decode
+from gpuslice.adapters.kube.objects import PRIORITY_ANNOTATION
+from gpuslice.core.assignment import ANNOTATION, Assignment, ContainerAssignment, verify
+from gpuslice.core.errors import GpusliceError
+from gpuslice.services.device_plugin.config import note_once
+from gpuslice.services.device_plugin.state import PluginState, _Admission
+
+
+class Admissions(PluginState):
+    """Matching an Allocate to the assignment it executes, and claiming it."""
+
+    def _pending(self) -> list[Assignment]:
+        """Verified assignments for this node not executed yet, oldest first."""
+        return [w.a for w in self._waiting()]
+
+    def _pods_here(self) -> list[dict[str, Any]]:
+        """The pods bound to this node, asking again (up to ``api_retry_s``, backing off) while
+        the API server does not answer: a brief outage must not fail admissions."""
+        deadline = time.monotonic() + self.cfg.api_retry_s
+        wait_s = 0.1
+        with self.api_slots.take() as free:
+            if not free:
+                raise GpusliceError(f"{self.api_slots.limit} calls are waiting on the API "
+                                    "server already; try again")
+            while True:
+                try:
+                    left = max(0.01, deadline - time.monotonic())
+                    return self.api.list_pods(node=self.cfg.node, timeout_s=left)
+                except GpusliceError as exc:
+                    if time.monotonic() + wait_s > deadline:
+                        raise GpusliceError(f"the API server is not answering, so the pods "
+                                            f"waiting for this node's GPUs cannot be read: "
+                                            f"{exc}") from None
+                    time.sleep(wait_s)
+                    wait_s = min(2.0, 2 * wait_s)
+
+    def _held_by_kubelet(self) -> set[tuple[str, str]]:
+        """Pods holding this resource's devices, as the kubelet's PodResources API says; empty
+        (and noted once) when it is not configured or does not answer."""
+        if self.cfg.pod_resources is None:
+            return set()
+        from gpuslice.adapters.kubelet.podresources import pods_holding
+
+        try:
+            return set(pods_holding(self.cfg.resource, self.cfg.pod_resources))
+        except GpusliceError as exc:
+            note_once(self.problems, str(exc))
+            return set()
+
+    def _plan(self, pod: dict[str, Any], a: Assignment) -> tuple[ContainerAssignment, ...]:
+        """The containers of ``a`` the kubelet will call Allocate for, in its order: the
+        init containers in declared order, then the app containers, each only when its
+        limits name this plugin's resource (the device manager allocates nothing else)."""
+        spec = pod.get("spec") or {}
+        order: dict[str, int] = {}
+        asks: set[str] = set()
+        for field_name in ("initContainers", "containers"):
+            for c in spec.get(field_name) or []:
+                if not isinstance(c, dict):
+                    continue
+                name = str(c.get("name") or "")
+                order.setdefault(name, len(order))
+                res = c.get("resources") or {}
+                if any(self.cfg.resource in (res.get(k) or {}) for k in ("limits", "requests")):
+                    asks.add(name)
+        ordered = sorted(a.containers, key=lambda c: order.get(c.name, len(order)))
+        plan = tuple(c for c in ordered if c.name not in order or c.name in asks)
+        return plan or tuple(ordered)
+
+    def _waiting(self) -> list[_Admission]:
+        """Verified assignments for this node not claimed yet, oldest first, each with the
+        containers the kubelet will allocate and its pod's priority annotation."""
+        out = []
+        held = self._held_by_kubelet()
+        for p in self._pods_here():
+            meta = p.get("metadata") or {}
+            text = (meta.get("annotations") or {}).get(ANNOTATION)
+            if not text:
+                continue
+            # the kubelet allocates devices while admitting a pod, never for one already
+            # running or finished: after an agent restart those are not waiting for Allocate
+            if (p.get("status") or {}).get("phase") not in (None, "", "Pending"):
+                continue
+            if (meta.get("namespace", "default"), meta.get("name")) in held:
+                continue  # the kubelet gave it devices already: executed before a restart
+            try:
+                a = decode(text)
+            except AnnotationError:
+                continue
+            if a.node != self.cfg.node or not verify(a, self.cfg.key):
+                continue
+            if (a.namespace, a.pod) in self._claimed:
+                continue
+            priority = str((meta.get("annotations") or {}).get(PRIORITY_ANNOTATION, "normal"))
+            out.append(_Admission(a, self._plan(p, a), priority))
+        return sorted(out, key=lambda w: (w.a.bind_time, w.a.namespace, w.a.pod))
+
+    def _fits_next(self, adm: _Admission, ids: list[str]) -> bool:
+        """Whether the devices the kubelet chose can be ``adm``'s next container's: as many
+        as it has GPUs, on its GPUs; for whole GPUs any of the pod's own GPUs (the kubelet
+        reuses an init container's devices for the app containers in an order of its own)."""
+        if adm.done >= len(adm.plan):
+            return False
+        c = adm.plan[adm.done]
+        gpus = self._gpus_of(ids)
+        if len(ids) != len(c.gpus):
+            return False
+        if gpus == {g.uuid for g in c.gpus}:
+            return True
+        whole = all(g.milli == 1000 and not g.mig_profile for g in c.gpus)
+        return adm.done > 0 and whole and len(gpus) == len(ids) and gpus <= adm.a.gpu_uuids()
+
+    def _claim_for(self, ids: list[str]) -> tuple[_Admission | None, list[str]]:
+        """The admission these devices belong to, its next container taken: the pod the
+        kubelet is admitting (its containers come one Allocate at a time), else the oldest
+        waiting assignment whose first container is on these GPUs and can be executed; and
+        why older ones were passed over (their MIG instance is gone: a layout changed after
+        the bind). One that can never run must not hold up the pods behind it."""
+        with self._claim_lock:
+            for adm in self._admitting:
+                if self._fits_next(adm, ids):
+                    adm.done += 1
+                    if adm.done >= len(adm.plan):
+                        self._admitting.remove(adm)
+                    return adm, []
+        stale: list[str] = []
+        for w in self._waiting():
+            if not self._fits_next(w, ids):
+                continue
+            mig = [g for c in w.a.containers for g in c.gpus if g.mig_profile]
+            try:
+                for g in mig:
+                    self._visible(g)
+            except GpusliceError as exc:
+                stale.append(f"{w.a.namespace}/{w.a.pod}: {exc}")
+                continue
+            with self._claim_lock:
+                key = (w.a.namespace, w.a.pod)
+                if key in self._claimed:
+                    continue
+                self._claimed.add(key)
+                self._executed.append(w.a)
+                w.done = 1
+                if len(w.plan) > 1:
+                    self._admitting.append(w)
+            return w, stale
+        return None, stale
+
+    def _undo(self, adm: _Admission) -> None:
+        """Give back the container just taken (and the pod, when it was its first)."""
+        with self._claim_lock:
+            adm.done -= 1
+            if adm.done == 0:
+                self._claimed.discard((adm.a.namespace, adm.a.pod))
+                self._executed = [x for x in self._executed
+                                  if (x.namespace, x.pod) != (adm.a.namespace, adm.a.pod)]
+                if adm in self._admitting:
+                    self._admitting.remove(adm)
+            elif adm not in self._admitting:
+                self._admitting.append(adm)
+
+    def _target(self, size: int) -> list[str]:
+        """The GPUs the next Allocate of ``size`` devices should be on: the next container
+        of the pod being admitted, else the first of the oldest waiting assignment."""
+        with self._claim_lock:
+            for adm in self._admitting:
+                c = adm.plan[min(adm.done, len(adm.plan) - 1)]
+                if len(c.gpus) == size:
+                    return [g.uuid for g in c.gpus]
+        try:
+            waiting = self._waiting()
+        except GpusliceError:
+            return []  # no steer: the kubelet's own choice, and Allocate says what failed
+        for w in waiting:
+            if len(w.plan[0].gpus) == size:
+                return [g.uuid for g in w.plan[0].gpus]
+        return []
+
+    def _unclaim(self, a: Assignment) -> None:
+        with self._claim_lock:
+            self._claimed.discard((a.namespace, a.pod))
+            self._executed = [x for x in self._executed if (x.namespace, x.pod) !=
+                              (a.namespace, a.pod)]
+            self._admitting = [w for w in self._admitting if w.a is not a]
