@@ -4,8 +4,6 @@ NVIDIA device nodes for fake GPUs, and pods whose log says what their container 
 from __future__ import annotations
 
 import json
-import os
-import stat
 import subprocess
 import sys
 import time
@@ -16,7 +14,7 @@ from typing import Any
 import yaml
 
 from gpuslice.devcluster import DevCluster, wait_until
-from gpuslice.devcluster.realnode import BUSYBOX, STATE_DIR, RealNode
+from gpuslice.devcluster.realnode import BUSYBOX, STATE_DIR, RealNode, make_stand_in_devices
 
 DEV_DIR = STATE_DIR / "dev"  # stand-in /dev/nvidia* (c 1 3, /dev/null's numbers)
 MPS_PIPE = STATE_DIR / "mps"
@@ -37,16 +35,8 @@ def fake_inventory(path: Path, gpus: int = 2, model: str = "A100-80GB",
 
 
 def make_dev_dir(gpus: int = 8) -> Path:
-    """Character devices with /dev/null's numbers named as the NVIDIA driver's."""
-    (DEV_DIR / "nvidia-caps").mkdir(parents=True, exist_ok=True)
-    # MIG capability nodes as the fake NVML numbers them (1 + 100 * minor + 2 * GI ...)
-    caps = [f"nvidia-caps/nvidia-cap{i}" for i in range(1, 100 * gpus + 20)]
-    for name in ["nvidiactl", "nvidia-uvm", "nvidia-uvm-tools",
-                 *(f"nvidia{i}" for i in range(gpus)), *caps]:
-        p = DEV_DIR / name
-        if not p.exists():
-            os.mknod(p, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
-    return DEV_DIR
+    """Stand-in NVIDIA device nodes in :data:`DEV_DIR`."""
+    return make_stand_in_devices(DEV_DIR, gpus)
 
 
 @dataclass

@@ -11,7 +11,6 @@ import json
 import os
 import shutil
 import signal
-import stat
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -129,17 +128,17 @@ def _up_real_node(args: argparse.Namespace, dev: DevCluster, key: Path,
     import sys
 
     from gpuslice.devcluster import wait_until
-    from gpuslice.devcluster.realnode import STATE_DIR, RealNode, find_node_dir
+    from gpuslice.devcluster.realnode import (
+        STATE_DIR,
+        RealNode,
+        find_node_dir,
+        make_stand_in_devices,
+    )
 
     node_dir = args.node_dir or find_node_dir(args.repo)
     console.print("starting containerd and the kubelet ...")
     node = RealNode(dev, node_dir).start()
-    dev_dir = STATE_DIR / "dev"
-    dev_dir.mkdir(parents=True, exist_ok=True)
-    for name in ["nvidiactl", "nvidia-uvm", "nvidia-uvm-tools",
-                 *(f"nvidia{i}" for i in range(args.gpus))]:
-        if not (dev_dir / name).exists():  # /dev/null's numbers under NVIDIA's names
-            os.mknod(dev_dir / name, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+    dev_dir = make_stand_in_devices(STATE_DIR / "dev", args.gpus)
     inv = node.folder / "inventory.yaml"
     inv.write_text("gpus:\n" + "".join(f"  - model: {args.model}\n" for _ in range(args.gpus)))
     kubeconfig = dev.service_account_kubeconfig("gpuslice-system", "gpuslice-node-agent")

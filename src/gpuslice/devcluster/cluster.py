@@ -39,6 +39,7 @@ from gpuslice.devcluster.procs import (
     KUBELET_CLIENT_USER,
     Pki,
     Proc,
+    build_output,
     free_port,
     host_ip,
     http_get,
@@ -56,19 +57,8 @@ SCHEDULER_NAME = "gpuslice-scheduler"
 def find_bin_dir(repo: Path | None = None) -> Path:
     """``$GPUSLICE_CLUSTER_BIN``, else what ``tools/cluster/build.sh --bin-dir`` names (the cache
     folder keyed by the pinned modules) under ``repo`` (default: the current directory)."""
-    env = os.environ.get("GPUSLICE_CLUSTER_BIN")
-    if env:
-        return Path(env)
-    script = (repo or Path.cwd()) / "tools" / "cluster" / "build.sh"
-    if not script.is_file():
-        raise GpusliceError(f"no {script}: run from the repository root or set "
-                            "GPUSLICE_CLUSTER_BIN to the folder of the cluster binaries")
-    try:
-        out = subprocess.run([str(script), "--bin-dir"], check=True, capture_output=True,
-                             text=True, timeout=60).stdout.strip()
-    except (OSError, subprocess.SubprocessError) as exc:
-        raise GpusliceError(f"{script} --bin-dir failed: {exc}") from None
-    return Path(out.splitlines()[-1])
+    return build_output("GPUSLICE_CLUSTER_BIN",
+                        (repo or Path.cwd()) / "tools" / "cluster" / "build.sh", "--bin-dir")
 
 
 KWOK_STAGES = "kwok-stages.yaml"  # written by build.sh from the kwok module's stage files

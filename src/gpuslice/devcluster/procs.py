@@ -4,6 +4,7 @@ the real node have in common."""
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import socket
 import ssl
@@ -161,3 +162,19 @@ def host_ip() -> str:
     if "src" in out:
         return out[out.index("src") + 1]
     raise GpusliceError("no IPv4 default route: a real node needs a non-loopback address")
+
+
+def build_output(env: str, script: Path, flag: str) -> Path:
+    """``$env`` when set, else the folder a ``tools/*/build.sh`` prints for ``flag`` (its
+    cache folder keyed by the pinned modules; nothing is built)."""
+    given = os.environ.get(env)
+    if given:
+        return Path(given)
+    if not script.is_file():
+        raise GpusliceError(f"no {script}: run from the repository root or set {env}")
+    try:
+        out = subprocess.run([str(script), flag], check=True, capture_output=True,
+                             text=True, timeout=60).stdout.strip()
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise GpusliceError(f"{script} {flag} failed: {exc}") from None
+    return Path(out.splitlines()[-1])

@@ -37,6 +37,7 @@ from gpuslice.devcluster.procs import (
     FEATURE_GATES,
     KUBELET_CLIENT_USER,
     Proc,
+    build_output,
     free_port,
     host_ip,
     http_get,
@@ -69,16 +70,24 @@ PAUSE = "registry.k8s.io/pause:3.10.1"  # tools/node/build.sh's pause_ref
 
 def find_node_dir(repo: Path | None = None) -> Path:
     """``$GPUSLICE_NODE_DIR``, else what ``tools/node/build.sh --dir`` names."""
-    env = os.environ.get("GPUSLICE_NODE_DIR")
-    if env:
-        return Path(env)
-    script = (repo or Path.cwd()) / "tools" / "node" / "build.sh"
-    if not script.is_file():
-        raise GpusliceError(f"no {script}: run from the repository root or set "
-                            "GPUSLICE_NODE_DIR to tools/node/build.sh's output folder")
-    out = subprocess.run([str(script), "--dir"], check=True, capture_output=True, text=True,
-                         timeout=60).stdout.strip()
-    return Path(out.splitlines()[-1])
+    return build_output("GPUSLICE_NODE_DIR",
+                        (repo or Path.cwd()) / "tools" / "node" / "build.sh", "--dir")
+
+
+def make_stand_in_devices(folder: Path, gpus: int) -> Path:
+    """Character devices with /dev/null's numbers (c 1 3) named as the NVIDIA driver's, for
+    fake GPUs whose CDI specs and device plugin responses name device nodes: the control
+    nodes, ``nvidia0..``, and the MIG capability nodes as the fake NVML numbers them
+    (1 + 100 * minor + 2 * GI ...)."""
+    import stat
+
+    (folder / "nvidia-caps").mkdir(parents=True, exist_ok=True)
+    caps = [f"nvidia-caps/nvidia-cap{i}" for i in range(1, 100 * gpus + 20)]
+    for name in ["nvidiactl", "nvidia-uvm", "nvidia-uvm-tools",
+                 *(f"nvidia{i}" for i in range(gpus)), *caps]:
+        if not (folder / name).exists():
+            os.mknod(folder / name, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+    return folder
 
 
 def missing_prerequisites(node_dir: Path) -> list[str]:
