@@ -97,7 +97,9 @@ def test_a_multi_container_pod_holds_the_sum_of_its_containers_shares(
     kube.create([gpu_pod(f"more-{i}", group, milli=300, memory=4096) for i in range(3)])
     kube.wait_pods(group, "FailedScheduling for two of more-*", lambda _: sum(
         ": FailedScheduling" in e and "more-" in e for e in kube.events(group)) >= 2, 120)
-    pods = kube.pods(group)
+    # the refusals can be seen before the one that fits is bound (two events may also be one
+    # pod retried): wait for its bind, then exactly two are bound
+    pods = kube.wait_bound(group, 2, timeout_s=120)
     assert len(bound(pods)) == 2
     held = sum(g.milli for p in bound(pods) for c in assignment(p).containers for g in c.gpus)
     assert held == 900
