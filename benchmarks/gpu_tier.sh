@@ -12,6 +12,9 @@
 #
 #   bash benchmarks/gpu_tier.sh check      # what is there, what is missing (seconds)
 #   bash benchmarks/gpu_tier.sh tests      # the gpu test tier + the demo on the real GPU (~4 min)
+#   bash benchmarks/gpu_tier.sh caps       # MPS caps, a client raising its own, the daemon
+#                                          # killed, the agent on NVML (issue 31; ~2 min)
+#   bash benchmarks/gpu_tier.sh agentcpu   # the node agent's CPU on the real GPU (30 s)
 #   MODELS="resnet50 mobilenet_v3" bash benchmarks/gpu_tier.sh profile   # ~4 min a model
 #   MODELS="vit_b_16 encoder" bash benchmarks/gpu_tier.sh profile
 #   bash benchmarks/gpu_tier.sh sharing    # the sharing benchmark (~5 min)
@@ -26,6 +29,7 @@ cd "$(dirname "$0")/.."
 RESULTS=${RESULTS:-gpu-out}
 MODELS=${MODELS:-resnet50 mobilenet_v3 vit_b_16 encoder}
 mkdir -p "$RESULTS"
+RESULTS=$(cd "$RESULTS" && pwd)
 export PYTHONUNBUFFERED=1
 # the driver's tools live in different places on different images
 for d in /usr/local/nvidia/bin /usr/local/cuda/bin; do
@@ -43,6 +47,10 @@ GS=(python3 -m gpuslice.cli)
 GPU_TESTS=(tests/nodeagent/test_nvml.py tests/nodeagent/test_mps.py
            tests/nodeagent/test_gpu_tier.py tests/local/test_local_gpu.py
            tests/bench/test_sharing.py)
+CAPS_TESTS=(tests/nodeagent/test_gpu_mps_caps.py)
+# each stage's limit in seconds (a hung step must not eat a lent machine's whole time)
+STAGE_S=${STAGE_S:-300}
+export GPUSLICE_GPU_RESULTS=$RESULTS
 
 check() {
     nvidia-smi --query-gpu=name,driver_version,memory.total,mig.mode.current,compute_mode \
@@ -94,10 +102,17 @@ for stage in "${@:-check}"; do
       check)
         check || status=1 ;;
       tests)
-        python3 -m pytest -m gpu -s -p no:cacheprovider -rs "${GPU_TESTS[@]}" 2>&1 \
-            | tee "$RESULTS/gpu-tier.log"
-        "${GS[@]}" demo --short --no-live --out "$RESULTS/demo" 2>&1 | tail -60 \
-            | tee "$RESULTS/demo.txt" ;;
+        timeout "$STAGE_S" python3 -m pytest -m gpu -s -p no:cacheprovider -rs \
+            "${GPU_TESTS[@]}" 2>&1 | tee "$RESULTS/gpu-tier.log"
+        pack
+        timeout "$STAGE_S" "${GS[@]}" demo --short --no-live --out "$RESULTS/demo" 2>&1 \
+            | tail -60 | tee "$RESULTS/demo.txt" ;;
+      caps)
+        timeout "$STAGE_S" python3 -m pytest -m gpu -s -p no:cacheprovider -rs \
+            "${CAPS_TESTS[@]}" 2>&1 | tee "$RESULTS/caps.log" ;;
+      agentcpu)
+        timeout "$STAGE_S" python3 benchmarks/node_agent_cpu.py --real --seconds 20 2>&1 \
+            | tee "$RESULTS/agent-cpu.txt" ;;
       profile)
         for model in $MODELS; do
             "${GS[@]}" profile "$model" --out "$RESULTS/profiles.csv" --caps 10,20,30,50,100 \
@@ -109,7 +124,7 @@ for stage in "${@:-check}"; do
         "${GS[@]}" bench sharing --profile "$RESULTS/profiles.csv" --out "$RESULTS" --warmup-s 2 \
             --window-s 6 2>&1 | tee "$RESULTS/sharing.txt" ;;
       *)
-        echo "unknown stage $stage (check, tests, profile, sharing)" >&2; status=2 ;;
+        echo "unknown stage $stage (check, tests, caps, agentcpu, profile, sharing)" >&2; status=2 ;;
     esac
     pack
 done

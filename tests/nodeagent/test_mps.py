@@ -134,3 +134,72 @@ def test_a_restarted_agent_adopts_the_mps_daemon_its_pods_still_use(
     assert len(starts) == 1  # adopted, not started again
     second.quit_mps()
     assert not (tmp_path / "mps" / "GPU-a" / "control").exists()
+
+
+def test_the_agent_holds_each_server_to_the_largest_share_handed_out(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client's own CUDA_MPS_* variables only lower the server's limits, so the agent sets
+    the server side to the largest share on the GPU: the defaults of the next server and the
+    limits of the running ones, widened as bigger shares arrive, never narrowed under a
+    share already handed out (also not by an agent that adopts the daemon)."""
+    import json
+
+    from gpuslice.adapters.kube.fake import FakeApiServer
+    from gpuslice.adapters.nvml.port import FakeNvml
+    from gpuslice.core.devices import GpuDevice
+    from gpuslice.services.device_plugin import PluginConfig
+    from gpuslice.services.node_agent import NodeAgent
+
+    tool = write_fake_mps(tmp_path / "mps-control")
+    nvml = FakeNvml([GpuDevice(0, "GPU-a", "NVIDIA T4", "T4", 15360)])
+    cfg = PluginConfig("n1", tmp_path, b"k" * 16, mps_pipe_dir=str(tmp_path / "mps"))
+    state_file = tmp_path / "mps" / "GPU-a" / "fake-state.json"
+
+    def agent() -> NodeAgent:
+        return NodeAgent(cfg, nvml, FakeApiServer(), mps=True, mps_binary=str(tool),
+                         quit_mps_on_stop=False)
+
+    def state() -> dict[str, object]:
+        return dict(json.loads(state_file.read_text()))
+
+    first = agent()
+    first.ensure_mps("GPU-a", 25, 4096)
+    assert state()["pct"] == 25.0 and state()["mem"] == "4096M"
+    s = state()
+    s["servers"] = ["4242"]  # a server is running now
+    state_file.write_text(json.dumps(s))
+    first.ensure_mps("GPU-a", 10, 1024)  # smaller: nothing changes
+    assert "server_pct" not in state()
+    first.ensure_mps("GPU-a", 50, 8192)
+    assert state()["pct"] == 50.0 and state()["mem"] == "8192M"
+    assert state()["server_pct"] == {"4242": 50.0} and state()["server_mem"] == {"4242": "8192M"}
+    first.ensure_mps("GPU-a", 30, None)  # a share with no memory cap lifts the memory ceiling
+    assert state()["server_mem"] == {"4242": "1048576M"} and state()["pct"] == 50.0
+    first.stop()
+    second = agent()  # adopts the daemon: a 20% share does not narrow it under 50%
+    second.ensure_mps("GPU-a", 20, 2048)
+    assert state()["pct"] == 50.0 and state()["server_pct"] == {"4242": 50.0}
+    second.quit_mps()
+
+
+def test_the_agent_restarts_a_daemon_that_stopped_answering_with_its_ceiling(
+        tmp_path: Path) -> None:
+    import json
+
+    from gpuslice.adapters.kube.fake import FakeApiServer
+    from gpuslice.adapters.nvml.port import FakeNvml
+    from gpuslice.core.devices import GpuDevice
+    from gpuslice.services.device_plugin import PluginConfig
+    from gpuslice.services.node_agent import NodeAgent
+
+    tool = write_fake_mps(tmp_path / "mps-control")
+    nvml = FakeNvml([GpuDevice(0, "GPU-a", "NVIDIA T4", "T4", 15360)])
+    cfg = PluginConfig("n1", tmp_path, b"k" * 16, mps_pipe_dir=str(tmp_path / "mps"))
+    agent = NodeAgent(cfg, nvml, FakeApiServer(), mps=True, mps_binary=str(tool))
+    agent.ensure_mps("GPU-a", 30, 2048)
+    assert agent.watch_mps() == []  # answering: left alone
+    (tmp_path / "mps" / "GPU-a" / "control").unlink()  # the daemon died
+    assert agent.watch_mps() == ["GPU-a"] and agent.mps_restarts == 1
+    state = json.loads((tmp_path / "mps" / "GPU-a" / "fake-state.json").read_text())
+    assert state["pct"] == 30.0 and state["mem"] == "2048M"
+    agent.quit_mps()

@@ -27,7 +27,7 @@ from typing import Any
 
 from gpuslice.adapters.kube.fake import ApiNotFound, KubePort
 from gpuslice.adapters.kube.objects import GPU_MEMORY, GPU_MILLI
-from gpuslice.adapters.mps import MpsDaemon
+from gpuslice.adapters.mps import Ceiling, MpsDaemon
 from gpuslice.adapters.nvml.port import NvmlError, NvmlPort
 from gpuslice.core.devices import inventory, node_labels
 from gpuslice.core.errors import GpusliceError
@@ -115,7 +115,11 @@ class NodeAgent:
         self.cfg, self.nvml, self.api = cfg, nvml, api
         self.quiet_s, self.clock = quiet_s, clock
         self._mps: dict[str, MpsDaemon] = {}
+        self._ceilings: dict[str, Ceiling] = {}  # per daemon: kept across its restarts
         self._mps_lock = threading.Lock()
+        self.mps_check_s = 5.0  # how often run() checks that its MPS daemons still answer
+        self._mps_checked = 0.0
+        self.mps_restarts = 0
         ensure = self.ensure_mps if mps else None
         # one plugin (or, with the "mixed" MIG strategy, one per MIG profile)
         self.plugins = [DevicePlugin(c, nvml, api, ensure_mps=ensure)
@@ -177,18 +181,52 @@ class NodeAgent:
             m.memory.labels(*labels).set(g.memory_mib)
         m.devices.labels(self.cfg.node).set(len(self.plugin.devices()))
 
-    def ensure_mps(self, uuid: str) -> None:
+    def ensure_mps(self, uuid: str, thread_pct: int = 100, memory_mib: int | None = None) -> None:
         """The MPS control daemon of GPU ``uuid`` is running (started on first use, with its
         own pipe directory ``<mps_pipe_dir>/<uuid>`` that Allocate mounts into the pod; one a
-        previous agent left running there is adopted)."""
+        previous agent left running there is adopted), and its server-side ceiling covers a
+        client of ``thread_pct`` percent and ``memory_mib`` (None: uncapped): the largest
+        share handed out on it, which a client cannot raise its own limits past."""
         with self._mps_lock:
             d = self._mps.get(uuid)
             if d is None:
                 root = Path(self.cfg.mps_pipe_dir)
                 d = MpsDaemon(uuid, root / uuid, root / f"{uuid}.log", binary=self.mps_binary)
                 self._mps[uuid] = d
-            if not d.healthy():
+            started = not d.healthy()
+            if started:
                 d.start()
+            was = self._ceilings.get(uuid)
+            if was is None and not started:  # adopted: keep what the last agent let in
+                was = Ceiling(d.default_thread_pct(), None)
+            ceiling = (was or Ceiling(thread_pct, memory_mib)).widened(thread_pct, memory_mib)
+            if started or ceiling != was:
+                d.apply_ceiling(ceiling, was=None if started else was)
+                self._ceilings[uuid] = ceiling
+
+    def watch_mps(self) -> list[str]:
+        """Restart each MPS daemon this agent started or adopted that stopped answering (its
+        running clients keep their server; new clients need the daemon), with its ceiling.
+        Returns the UUIDs restarted."""
+        restarted = []
+        with self._mps_lock:
+            daemons = list(self._mps.items())
+        for uuid, d in daemons:
+            if d.healthy():
+                continue
+            with self._mps_lock:
+                try:
+                    d.start()
+                    ceiling = self._ceilings.get(uuid)
+                    if ceiling is not None:
+                        d.apply_ceiling(ceiling)
+                except GpusliceError as exc:
+                    note_once(self.problems, f"MPS daemon for {uuid} is down and did not "
+                                             f"restart: {exc}")
+                    continue
+            self.mps_restarts += 1
+            restarted.append(uuid)
+        return restarted
 
     def quit_mps(self) -> None:
         with self._mps_lock:
@@ -366,10 +404,16 @@ class NodeAgent:
             self.problems.extend(server.errors)
         self.publish()
         while not self._stop.is_set():
+            started = time.monotonic()
             self.health_step(self.poll_s)
+            # NVML without GPUs (or a failing event set) answers at once: no busy loop
+            self._stop.wait(max(0.0, self.poll_s - (time.monotonic() - started)))
             if self._unpublished and time.monotonic() >= self._publish_at:
                 self.publish()
             self.update_metrics()
+            if self._mps and time.monotonic() - self._mps_checked >= self.mps_check_s:
+                self._mps_checked = time.monotonic()
+                self.watch_mps()
             try:
                 self.reconcile_layouts()
             except GpusliceError as exc:

@@ -29,6 +29,7 @@ SHM_DIR = "/run/gpuslice/mps-shm"
 # where a client container sees its daemon's (its CUDA_MPS_PIPE_DIRECTORY)
 PIPE_DIR = "/run/gpuslice/mps"
 PIPE_IN_CONTAINER = "/run/gpuslice/mps"
+PID_FILE = "nvidia-cuda-mps-control.pid"  # the control daemon writes it in its pipe directory
 
 
 def client_mounts(pipe_root: str, target: str, shm_dir: str) -> list[tuple[str, str]]:
@@ -61,6 +62,27 @@ class MpsError(GpusliceError):
     """An MPS control command failed; the message quotes the tool's output."""
 
 
+UNCAPPED_MIB = 1 << 20  # a pinned memory limit above any GPU's memory (1 TiB): no cap
+
+
+@dataclass(frozen=True)
+class Ceiling:
+    """The most any client of one MPS server may take: the server-side limits. A client's own
+    ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` / ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`` only lower
+    the server's (protocols.md 3.1-3.2), so a process that rewrites its own environment
+    cannot rise above this. MPS (v2) sets limits per server, and all clients of one UID share
+    one server, so the ceiling is the largest share handed out on that GPU: exact when the
+    shares are equal, and a bound on what a client can take otherwise."""
+
+    thread_pct: int = 100
+    memory_mib: int | None = None  # None: no memory cap
+
+    def widened(self, thread_pct: int, memory_mib: int | None) -> Ceiling:
+        mem = (None if self.memory_mib is None or memory_mib is None
+               else max(self.memory_mib, memory_mib))
+        return Ceiling(max(self.thread_pct, thread_pct), mem)
+
+
 @dataclass(frozen=True)
 class MpsDaemon:
     """One control daemon: the GPU (or MIG instance) UUID it serves and its directories."""
@@ -86,6 +108,7 @@ class MpsDaemon:
                            f"{SOCKET_PATH_MAX}): choose a shorter state or pipe directory")
         self.pipe_dir.mkdir(parents=True, exist_ok=True)
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        self._remove_stale_pid_file()
         # the forked daemon may keep inherited pipes open: its start-up output goes to a file
         err_path = self.log_dir / "start.err"
         try:
@@ -106,6 +129,21 @@ class MpsDaemon:
                        f"({'it said: ' + said + '; ' if said else ''}see "
                        f"{self.log_dir / 'control.log'})")
 
+    def _remove_stale_pid_file(self) -> None:
+        """A daemon that was killed leaves its PID file in the pipe directory; a new one
+        started there may take it for a running instance. Removed when that PID is gone."""
+        pid_file = self.pipe_dir / PID_FILE
+        try:
+            pid = int(pid_file.read_text().strip())
+        except (OSError, ValueError):
+            return
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            pid_file.unlink(missing_ok=True)
+        except PermissionError:
+            pass  # alive, someone else's
+
     def command(self, text: str, timeout_s: float = 10.0) -> str:
         """Send one command; its output, or MpsError when the output says it failed."""
         try:
@@ -120,12 +158,20 @@ class MpsDaemon:
             raise MpsError(f"MPS command {text!r} for {self.uuid} failed: {reply}")
         return reply
 
+    def default_thread_pct(self, timeout_s: float = 2.0) -> int:
+        """The thread percentage the next server starts with."""
+        reply = self.command("get_default_active_thread_percentage", timeout_s=timeout_s)
+        try:
+            return round(float(reply.split()[0]))
+        except (ValueError, IndexError):
+            raise MpsError(f"MPS daemon for {self.uuid} answered {reply!r} to "
+                           "get_default_active_thread_percentage") from None
+
     def healthy(self) -> bool:
         """The daemon answers its health query with a percentage (as NVIDIA's plugin checks)."""
         try:
-            reply = self.command("get_default_active_thread_percentage", timeout_s=2.0)
-            float(reply.split()[0])
-        except (MpsError, ValueError, IndexError):
+            self.default_thread_pct()
+        except MpsError:
             return False
         return True
 
@@ -145,6 +191,22 @@ class MpsDaemon:
                 raise MpsError(f"MPS did not take thread percentage {thread_pct}: {reply!r}")
         if memory_mib is not None:
             self.command(f"set_default_device_pinned_mem_limit 0 {memory_mib}M")
+
+    def apply_ceiling(self, ceiling: Ceiling, *, was: Ceiling | None = None) -> None:
+        """Hold every client to ``ceiling``: the defaults of the next server and the limits of
+        the running ones (which apply to the clients that connect from now on). ``was`` is the
+        ceiling applied before: a memory cap lifted since is raised past any GPU's memory."""
+        memory = ceiling.memory_mib
+        if memory is None and was is not None and was.memory_mib is not None:
+            memory = UNCAPPED_MIB
+        self.set_default_limits(ceiling.thread_pct, memory)
+        for pid in self.servers():
+            reply = self.command(f"set_active_thread_percentage {pid} {ceiling.thread_pct}")
+            if not reply or float(reply.split()[0]) != float(ceiling.thread_pct):
+                raise MpsError(f"MPS server {pid} did not take thread percentage "
+                               f"{ceiling.thread_pct}: {reply!r}")
+            if memory is not None:
+                self.command(f"set_device_pinned_mem_limit {pid} 0 {memory}M")
 
     def quit(self, timeout_s: float = 10.0) -> None:
         """Stop the daemon (and its server) and wait until it is gone."""

@@ -38,7 +38,12 @@ elif cmd[:1] == ["set_default_active_thread_percentage"]:
     s["pct"] = float(cmd[1]); json.dump(s, open(state, "w")); print(s["pct"])
 elif cmd[:1] == ["set_default_device_pinned_mem_limit"]:
     s["mem"] = cmd[2]; json.dump(s, open(state, "w"))
-elif cmd[:1] == ["get_server_list"]: pass
+elif cmd[:1] == ["get_server_list"]: print(" ".join(s.get("servers", [])))
+elif cmd[:1] == ["set_active_thread_percentage"]:  # tests list servers in the state file
+    s["server_pct"] = {**s.get("server_pct", {}), cmd[1]: float(cmd[2])}
+    json.dump(s, open(state, "w")); print(float(cmd[2]))
+elif cmd[:1] == ["set_device_pinned_mem_limit"]:
+    s["server_mem"] = {**s.get("server_mem", {}), cmd[1]: cmd[3]}; json.dump(s, open(state, "w"))
 elif cmd[:1] == ["quit"]: os.remove(os.path.join(pipe, "control"))
 else: print('Unknown command "%s"' % " ".join(cmd))
 sys.exit(0)

@@ -112,8 +112,11 @@ class DevicePlugin(Admissions, Responses, pbg.DevicePluginServicer):
                 raise AssertionError("abort raises")  # grpc's abort never returns
             c = adm.plan[adm.done - 1]
             if c.mode is Mode.MPS and self.ensure_mps:
-                try:  # the GPU's daemon, or the MIG instance's for a slice inside one
-                    self.ensure_mps(self._visible(c.gpus[0]))
+                try:  # the GPU's daemon, or the MIG instance's for a slice inside one,
+                    # with a server-side ceiling the client cannot raise its own caps past
+                    share = c.gpus[0]
+                    self.ensure_mps(self._visible(share), self._thread_pct(share),
+                                    share.memory_mib or None)
                 except GpusliceError as exc:
                     self._undo(adm)
                     context.abort(grpc.StatusCode.UNAVAILABLE,

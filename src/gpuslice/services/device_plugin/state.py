@@ -30,11 +30,12 @@ class PluginState:
     """What the plugin holds: its devices and their health, and the assignments claimed."""
 
     def __init__(self, cfg: PluginConfig, nvml: NvmlPort, api: KubePort,
-                 ensure_mps: Callable[[str], None] | None = None) -> None:
+                 ensure_mps: Callable[[str, int, int | None], None] | None = None) -> None:
         self.cfg = cfg
         self.nvml = nvml
         self.api = api
-        # called with a GPU UUID before an MPS slice on it is handed out (starts its daemon)
+        # called with a GPU UUID, thread percentage and memory cap (MiB) before an MPS slice on
+        # it is handed out (starts its daemon, widens its server-side ceiling)
         self.ensure_mps = ensure_mps
         self._cond = threading.Condition()
         self._version = 0
