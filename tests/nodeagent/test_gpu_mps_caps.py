@@ -196,10 +196,16 @@ def test_mps_caps_hold_and_cannot_be_raised_by_the_client() -> None:
             record("agent_25pct_4GiB", {"honest": honest, "cheater": cheat,
                                         "honest_share": round(honest_share, 3),
                                         "cheater_share": round(cheat_share, 3)})
-            assert 0.12 <= honest_share <= 0.40, honest_share
+            # the SMs a client is given are its cap (32 of 132 at 25% on an H200); its
+            # throughput share is higher (36% there): the whole GPU runs this product slower
+            # per SM (power and clocks) than a quarter of it does
+            total = gpu.sms or solo["sms"]
+            assert abs(honest["sms"] - 0.25 * total) <= 0.05 * total, honest
+            assert 0.12 <= honest_share <= 0.45, honest_share
             assert honest["alloc_ok"] == "ok" and honest["alloc_over"] != "ok"
             assert len(honest["tflops"]) == 2 and min(honest["tflops"]) > 0  # lived on
-            assert cheat_share <= 0.40, f"the client raised its own cap: {cheat_share:.2f}"
+            assert cheat["sms"] <= honest["sms"], f"the client raised its own cap: {cheat}"
+            assert cheat_share <= 1.1 * honest_share, cheat_share
             assert cheat["alloc_over"] != "ok", "the client raised its own memory cap"
 
             # a 50% / 8 GiB neighbour beside it while it fails an allocation past its cap
@@ -212,9 +218,15 @@ def test_mps_caps_hold_and_cannot_be_raised_by_the_client() -> None:
             assert pair[0]["alloc_over"] != "ok" and pair[1]["alloc_ok"] == "ok"
             assert min(pair[0]["tflops"]) > 0 and min(pair[1]["tflops"]) > 0
 
-            # the control daemon killed under a running client; the agent's watch restarts it
+            # the control daemon killed under a running client: measured on an H200 (driver
+            # 580), the client's calls then fail (cudaErrorMpsRpcFailure: its server goes with
+            # the daemon), so the container exits and the kubelet restarts it; the agent's
+            # watch restarts the daemon, with its ceiling, for that restart and new clients
             pipe = root / "mps" / gpu.uuid
-            running = client(a25, windows=8, window=1.0)
+            running = subprocess.Popen([sys.executable, "-c", WORKER,
+                                        json.dumps({"windows": 8, "window": 1.0})],
+                                       env={**os.environ, **a25}, stdout=subprocess.PIPE,
+                                       stderr=subprocess.STDOUT, text=True)
             assert running.stdout is not None
             first = json.loads(running.stdout.readline())
             killed = mps_pids(pipe)
@@ -223,16 +235,21 @@ def test_mps_caps_hold_and_cannot_be_raised_by_the_client() -> None:
             t0 = time.monotonic()
             restarted = agent.watch_mps()
             restart_s = time.monotonic() - t0
-            rest = result(running)
+            said = running.stdout.read()
+            running.wait(120)
+            windows = [json.loads(line) for line in said.splitlines()
+                       if line.startswith('{"window"')]
+            errors = [line for line in said.splitlines() if "Error" in line]
             after = result(client(a25, override=CHEAT))
             record("daemon_killed", {
                 "killed_pids": killed, "restarted": restarted, "restart_s": round(restart_s, 2),
-                "running_client_first_window": first, "running_client": rest,
+                "running_client_first_window": first, "running_client_exit": running.returncode,
+                "running_client_windows_after_kill": windows,
+                "running_client_errors": errors[-3:], "agent_restarts": agent.mps_restarts,
                 "new_cheater_after_restart": after,
                 "new_cheater_share": round(max(after["tflops"]) / uncapped, 3)})
-            assert killed and restarted == [gpu.uuid]
-            assert len(rest["tflops"]) == 8 and min(rest["tflops"]) > 0
-            assert max(after["tflops"]) / uncapped <= 0.65  # the ceiling is 50% by now
+            assert killed and restarted == [gpu.uuid] and agent.mps_restarts == 1
+            assert after["sms"] <= pair[1]["sms"]  # the ceiling is the 50% share's by now
         finally:
             server.stop()
             kubelet.stop()

@@ -203,3 +203,21 @@ def test_the_agent_restarts_a_daemon_that_stopped_answering_with_its_ceiling(
     state = json.loads((tmp_path / "mps" / "GPU-a" / "fake-state.json").read_text())
     assert state["pct"] == 30.0 and state["mem"] == "2048M"
     agent.quit_mps()
+
+
+def test_quit_leaves_no_sockets_or_pid_file_and_start_passes_a_stale_pid_file(
+        daemon: MpsDaemon) -> None:
+    """What a killed daemon leaves (its PID file, sockets) does not stop the next start, and
+    quit removes what the daemon left of them (seen left behind on an H200)."""
+    import subprocess
+    import sys
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    daemon.pipe_dir.mkdir(parents=True)
+    (daemon.pipe_dir / "nvidia-cuda-mps-control.pid").write_text(f"{gone.pid}\n")
+    daemon.start(timeout_s=5)
+    assert not (daemon.pipe_dir / "nvidia-cuda-mps-control.pid").exists()
+    (daemon.pipe_dir / "control_privileged").touch()
+    daemon.quit(timeout_s=5)
+    assert not list(daemon.pipe_dir.glob("control*"))

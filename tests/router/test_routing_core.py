@@ -174,6 +174,17 @@ def test_admission(replicas, slo, admitted, retry):  # type: ignore[no-untyped-d
         assert "exceeds the SLO" in adm.reason
 
 
+def test_an_idle_replica_gets_a_probe_once_nothing_was_admitted_for_a_while() -> None:
+    """Without probes a service time learned over the SLO would shut the service out for
+    good: rejected requests teach the router nothing."""
+    slow = [R("a", service=0.5, samples=30)]
+    assert not admit(slow, 1, 0.1, since_admitted_s=0.2).admitted
+    probe = admit(slow, 1, 0.1, since_admitted_s=1.0)
+    assert probe.admitted and probe.reason.startswith("probe")
+    busy = [R("a", service=0.5, samples=30, out=1, work=0.5)]
+    assert not admit(busy, 1, 0.1, since_admitted_s=5.0).admitted  # only an idle one
+
+
 def test_registry_and_aliases() -> None:
     assert routing_policy_names() == ["round-robin", "weighted-round-robin",
                                       "least-outstanding", "p2c", "sed"]

@@ -339,10 +339,14 @@ class Admission:
 
 
 def admit(replicas: Sequence[ReplicaView], size: int, slo_s: float | None,
-          min_samples: int = 20) -> Admission:
+          min_samples: int = 20, since_admitted_s: float = 0.0,
+          probe_after_s: float = 1.0) -> Admission:
     """Admission control: reject when even the best healthy replica is predicted to answer after
     ``slo_s``. Replicas whose model has fewer than ``min_samples`` observations count as fast
-    (a cold router admits everything). ``slo_s`` None: always admit."""
+    (a cold router admits everything). When nothing was admitted for ``since_admitted_s`` >=
+    ``probe_after_s`` seconds, a replica with nothing in flight is given one request (a probe),
+    so that a learned service time over the SLO can be learned again. ``slo_s`` None: always
+    admit."""
     healthy = [r for r in replicas if r.healthy]
     if not healthy:
         return Admission(False, None, 1, "no healthy replica")
@@ -355,6 +359,13 @@ def admit(replicas: Sequence[ReplicaView], size: int, slo_s: float | None,
         best = min(best, predicted_delay(r, size))
     if best <= slo_s:
         return Admission(True, best)
+    idle = [r for r in healthy if r.outstanding == 0]
+    if idle and since_admitted_s >= probe_after_s:
+        # nothing queued, so the prediction is the learned service time alone; refusing
+        # everything would never let it learn again (measured on an H200: a slice slow while
+        # warming up stayed shut out for good), so a probe goes through now and then
+        return Admission(True, best, 0, f"probe: {idle[0].name} is idle, predicted "
+                                        f"{best * 1e3:.1f} ms over the SLO {slo_s * 1e3:.1f} ms")
     retry = max(1, math.ceil(best - slo_s))
     return Admission(False, best, retry,
                      f"predicted latency {best * 1e3:.1f} ms exceeds the SLO {slo_s * 1e3:.1f} ms")

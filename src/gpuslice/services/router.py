@@ -16,6 +16,7 @@ import logging
 import random
 import signal
 import sys
+import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -62,6 +63,7 @@ class _Service:
     fails: dict[str, int] = field(default_factory=dict)
     oks: dict[str, int] = field(default_factory=dict)
     draining: frozenset[str] = frozenset()
+    admitted_at: float = 0.0  # monotonic time of the last request admitted (for probes)
 
     def index(self, name: str) -> int | None:
         for i, v in enumerate(self.views):
@@ -171,7 +173,11 @@ class Router:
             out = exclude | svc.draining
             views = [with_health(v, False) if v.name in out else v for v in views]
         if first:
-            adm = admit(views, size, self.slo_s(svc.spec), self.config.min_samples)
+            now = time.monotonic()
+            adm = admit(views, size, self.slo_s(svc.spec), self.config.min_samples,
+                        since_admitted_s=now - svc.admitted_at)
+            if adm.admitted:
+                svc.admitted_at = now
             if not adm.admitted:
                 if adm.predicted_s is None:
                     return Reject(503, f"service {service!r}: {adm.reason}", adm.retry_after_s,

@@ -137,12 +137,8 @@ class MpsDaemon:
             pid = int(pid_file.read_text().strip())
         except (OSError, ValueError):
             return
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
+        if not _alive(pid):
             pid_file.unlink(missing_ok=True)
-        except PermissionError:
-            pass  # alive, someone else's
 
     def command(self, text: str, timeout_s: float = 10.0) -> str:
         """Send one command; its output, or MpsError when the output says it failed."""
@@ -208,12 +204,39 @@ class MpsDaemon:
             if memory is not None:
                 self.command(f"set_device_pinned_mem_limit {pid} 0 {memory}M")
 
+    def _daemon_pid(self) -> int | None:
+        try:
+            return int((self.pipe_dir / PID_FILE).read_text().strip())
+        except (OSError, ValueError):
+            return None
+
     def quit(self, timeout_s: float = 10.0) -> None:
-        """Stop the daemon (and its server) and wait until it is gone."""
+        """Stop the daemon (and its server) and wait until it is gone: it no longer answers,
+        its process (from its PID file) has exited, and its sockets and PID file are removed
+        (whatever the daemon left of them: seen left behind on an H200 once its server had
+        had clients)."""
+        pid = self._daemon_pid()
         self.command("quit", timeout_s=timeout_s)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if not self.healthy():
+            if not self.healthy() and (pid is None or not _alive(pid)):
+                for f in [*self.pipe_dir.glob("control*"), self.pipe_dir / PID_FILE]:
+                    f.unlink(missing_ok=True)
                 return
             time.sleep(0.05)
         raise MpsError(f"MPS daemon for {self.uuid} did not quit")
+
+
+def _alive(pid: int) -> bool:
+    """The process runs (a zombie no one reaped yet counts as gone)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state not in ("Z", "X")
