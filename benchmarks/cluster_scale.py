@@ -33,6 +33,7 @@ import random
 import re
 import signal
 import ssl
+import subprocess
 import sys
 import time
 import urllib.request
@@ -147,6 +148,33 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def profile_table(path: Path, top: int = 15) -> Table:
+    """The functions the extender spent its CPU in (py-spy's collapsed stacks): own time
+    (the sample's innermost frame) and total (anywhere on the stack), in % of all samples."""
+    own: dict[str, int] = {}
+    total: dict[str, int] = {}
+    samples = 0
+    for line in path.read_text().splitlines():
+        stack, _, n = line.rpartition(" ")
+        if not stack or not n.isdigit():
+            continue
+        count = int(n)
+        samples += count
+        frames = [f.split(" (")[0] + " (" + f.split(" (")[1].split(":")[0].rsplit("/", 1)[-1]
+                  + ")" if " (" in f else f for f in stack.split(";")]
+        own[frames[-1]] = own.get(frames[-1], 0) + count
+        for f in set(frames):
+            total[f] = total.get(f, 0) + count
+    table = Table(title=f"extender profile: {samples} samples holding the GIL (py-spy --gil, "
+                        "200/s: the extender's CPU in Python, waits left out)")
+    for col in ("function (file)", "own %", "total %"):
+        table.add_column(col)
+    for f, n in sorted(own.items(), key=lambda kv: -kv[1])[:top]:
+        table.add_row(f, f"{100 * n / max(1, samples):.1f}",
+                      f"{100 * total[f] / max(1, samples):.1f}")
+    return table
+
+
 def cpu_now(dev: DevCluster, extender_pid: int) -> dict[str, float]:
     pids = {n: p.pid for n, p in dev.procs.items() if p.pid}
     pids["gpuslice extender"] = extender_pid
@@ -214,6 +242,9 @@ def main() -> int:
     ap.add_argument("--pods", type=int, default=5000, help="pods per run (default 5000)")
     ap.add_argument("--quick", action="store_true", help="100 nodes, 500 pods")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per run")
+    ap.add_argument("--profile", metavar="FILE",
+                    help="sample the extender with py-spy during run 1 (collapsed stacks to "
+                         "FILE) and print its top functions")
     ap.add_argument("--write", type=Path, help="write the figures (markdown) to this file")
     args = ap.parse_args()
     # a SIGTERM (timeout, CI) unwinds like Ctrl-C, so the cluster's processes are stopped
@@ -260,9 +291,19 @@ def main() -> int:
                                         timeout=10) as r:
                 return str(r.read().decode())
 
+        spy = None
+        if args.profile:  # py-spy samples the extender process through run 1
+            spy = subprocess.Popen(["py-spy", "record", "--pid", str(ext.pid), "--format", "raw",
+                                    "--rate", "200", "--gil", "--nonblocking", "-o",
+                                    args.profile],
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             console.print("run 1/2: kube-scheduler + gpuslice extender, fractional pods")
             ours = run_once(dev, args.pods, True, args.timeout, ext_metrics, ext.pid)
+            if spy is not None:
+                spy.send_signal(signal.SIGINT)
+                spy.wait(60)
+                console.print(profile_table(Path(args.profile)))
             console.print("run 2/2: kube-scheduler alone, whole GPUs")
             base = run_once(dev, args.pods, False, args.timeout, ext_metrics, ext.pid)
         finally:

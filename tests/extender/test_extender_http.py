@@ -1062,10 +1062,12 @@ def test_a_bind_reserves_before_its_api_calls_so_the_next_filter_sees_it() -> No
     asyncio.run(serving(api, body))
 
 
-def test_a_pod_changed_between_filter_and_bind_is_placed_from_what_bind_reads() -> None:
-    """The share reserved on the loop comes from the pod the filter carried; the bind's read
-    decides: a pod re-created under the same name with another request is placed as read,
-    and the early reservation is given back (nothing held twice)."""
+def test_a_pod_changed_between_filter_and_bind_is_refused_and_placed_again() -> None:
+    """The bind writes the pod its filter carried, without reading it again: its UID and
+    resourceVersion are the Binding's preconditions, so a pod re-created under the same name
+    with another request makes the write fail (the scheduler tries again), the early
+    reservation is given back (nothing held twice), and the next filter and bind place the
+    pod as it is now."""
     api = FakeApiServer()
     api.add_node(node("a", "T4", 1))
     api.add_pod(pod("p", 300))
@@ -1078,9 +1080,15 @@ def test_a_pod_changed_between_filter_and_bind_is_placed_from_what_bind_reads() 
             api.add_pod(pod("p", 600))  # the same UID (the fake's), another request
             fresh = api.get_pod("default", "p")
             assert fresh["metadata"]["uid"] == old["metadata"]["uid"]
-            _, res = await post(s, url + "/bind", {
-                "PodName": "p", "PodNamespace": "default", "PodUID": fresh["metadata"]["uid"],
-                "Node": "a"})
+            assert fresh["metadata"]["resourceVersion"] != old["metadata"]["resourceVersion"]
+            args = {"PodName": "p", "PodNamespace": "default",
+                    "PodUID": fresh["metadata"]["uid"], "Node": "a"}
+            _, res = await post(s, url + "/bind", args)
+            assert "changed" in res["Error"] and "p" in res["Error"], res
+            assert not any(state.used_milli.values())
+            assert not (api.get_pod("default", "p").get("spec") or {}).get("nodeName")
+            await post(s, url + "/filter", {"Pod": fresh, "NodeNames": ["a"]})
+            _, res = await post(s, url + "/bind", args)
             assert res["Error"] == "", res
             a = decode(api.get_pod("default", "p")["metadata"]["annotations"][ANNOTATION])
             assert a.containers[0].gpus[0].milli == 600

@@ -238,7 +238,10 @@ def make_app(state: ExtenderState, metrics: ExtenderMetrics | None = None, *,
         tails[node] = mine
         try:
             t0 = time.monotonic()
-            read = await loop.run_in_executor(binds, state.read_pod, ns, name)
+            # the pod its filter carried, when this bind placed it on the loop; else read now
+            read = state.held_pod(ns, name) if held is not None else None
+            if read is None:
+                read = await loop.run_in_executor(binds, state.read_pod, ns, name)
             if before is not None:
                 await before
                 waited = time.monotonic() - t0

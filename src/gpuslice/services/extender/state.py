@@ -74,7 +74,7 @@ class ExtenderState(Preemption):
         placed = self._place(pod, req, i, namespace, name, uid, node)
         if isinstance(placed, str):
             return None
-        self._held[(namespace, name)] = _container_requests(pod)
+        self._held[(namespace, name)] = (_container_requests(pod), pod)
         return placed
 
     def _release(self, namespace: str, name: str, a: Assignment) -> None:
@@ -110,6 +110,15 @@ class ExtenderState(Preemption):
         except GpusliceError:
             return None
 
+    def held_pod(self, namespace: str, name: str) -> dict[str, Any] | None:
+        """The pod :meth:`hold` placed, as the scheduler's filter call carried it: a bind of
+        it writes without reading the pod again (its UID and resourceVersion are the
+        Binding's preconditions, so a pod changed since makes the write fail, not go
+        wrong)."""
+        with self._lock:
+            held = self._held.get((namespace, name))
+        return None if held is None else held[1]
+
     def bind(self, namespace: str, name: str, uid: str, node: str,
              held: Assignment | None = None, pod: dict[str, Any] | None = None) -> str:
         """Bind the pod; returns an error message, or "" on success. ``held``: what
@@ -117,7 +126,7 @@ class ExtenderState(Preemption):
         same requests, no assignment yet), given back otherwise."""
         key = (namespace, name)
         with self._lock:
-            seen = self._held.pop(key, None)
+            seen = self._held.pop(key, (None, None))[0]
             busy = key in self._busy
             if not busy:
                 self._busy.add(key)
