@@ -3,7 +3,9 @@
 kube-scheduler's side (extender.go Filter / Prioritize / Bind over HTTP, nodeCacheCapable)
 is played for every pod at once; each node's kubelet (tests.conformance.kubelet, after
 manager.go Allocate / devicesToAllocate / allocateContainerResources) admits the pods bound
-to it in bind order over gRPC on unix sockets. Whole GPUs, fractions, MIG instances, init-only
+to it over gRPC on unix sockets in the order the real kubelet would see them bound (their
+resourceVersions: the order of its watch), while the extender's binds to one node run
+concurrently. Whole GPUs, fractions, MIG instances, init-only
 GPU pods and multi-container pods are mixed. Checked: every pod (they all fit) is bound and
 admitted; no GPU holds more than 1000 milli at any pod's peak (effective-request rule); no
 device goes to two pods; every container sees the GPU (or MIG instance) its own pod's
@@ -100,9 +102,9 @@ def test_fifty_pod_mixed_burst_over_two_nodes() -> None:
 
         def admit(node: str) -> None:
             try:
-                for name in order:
-                    if bound[name] == node:
-                        rigs[node].dm.admit(api.get_pod("ml", name))
+                mine = [api.get_pod("ml", n) for n in order if bound[n] == node]
+                for p in sorted(mine, key=lambda p: int(p["metadata"]["resourceVersion"])):
+                    rigs[node].dm.admit(p)
             except BaseException as exc:
                 errors.append(exc)
 

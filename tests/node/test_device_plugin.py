@@ -55,6 +55,34 @@ def test_each_device_list_strategy_reaches_the_container(env: NodeEnv, strategy:
         env.stop_agent(agent)
 
 
+def test_a_burst_bound_concurrently_gives_each_pod_its_own_share(env: NodeEnv) -> None:
+    """Eight pods of different shares created at once: kube-scheduler binds them through the
+    extender one after another without waiting for each other's writes, so their Bindings
+    commit in any order. The real kubelet admits them in the order its watch delivers them;
+    the device plugin matches each Allocate to the waiting assignment first in that order
+    (the pods' resourceVersions). Every container must see its own pod's share: its own
+    assignment, thread percentage and memory cap."""
+    import json
+
+    agent = env.start_agent()
+    sizes = [100, 110, 120, 130, 140, 150, 160, 170]
+    names = [f"burst-{i}" for i in range(len(sizes))]
+    try:
+        pods = [busybox_pod(n, milli=m, memory=1000 + m) for n, m in zip(names, sizes,
+                                                                          strict=True)]
+        env.dev.kubectl("create", "-f", "-", input=json.dumps(
+            {"apiVersion": "v1", "kind": "List", "items": pods}))
+        for n, m in zip(names, sizes, strict=True):
+            r = env.report(n)
+            assert r.env["GPUSLICE_ASSIGNMENT"] == f"default/{n}", (n, r.text)
+            assert r.env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == str(m // 10), (n, r.text)
+            assert r.env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == f"0={1000 + m}M", (n, r.text)
+            assert r.env["NVIDIA_VISIBLE_DEVICES"] == assigned_gpu(env, n)
+    finally:
+        env.delete(*names)
+        env.stop_agent(agent)
+
+
 def test_whole_gpu_multi_container_and_init_container(env: NodeEnv) -> None:
     agent = env.start_agent()
     try:

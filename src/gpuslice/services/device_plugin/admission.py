@@ -14,6 +14,18 @@ from gpuslice.services.device_plugin.config import note_once
 from gpuslice.services.device_plugin.state import PluginState, _Admission
 
 
+def _kubelet_order(w: _Admission) -> tuple[int, int, str, str, str]:
+    """The order the kubelet admits waiting pods in: the order their bindings reach it on
+    its watch of the node's pods, which is the order of the pods' resourceVersions as the
+    Binding wrote them (nothing writes a bound pod before the kubelet admits it). Binds to
+    one node may then run concurrently: their commit order, not the extender's bind order,
+    decides. Pods whose resourceVersion is not a number (no API server known writes one)
+    come after, in bind-time order."""
+    if w.resource_version is None:
+        return (1, 0, w.a.bind_time, w.a.namespace, w.a.pod)
+    return (0, w.resource_version, w.a.bind_time, w.a.namespace, w.a.pod)
+
+
 class Admissions(PluginState):
     """Matching an Allocate to the assignment it executes, and claiming it."""
 
@@ -100,8 +112,10 @@ class Admissions(PluginState):
             if (a.namespace, a.pod) in self._claimed:
                 continue
             priority = str((meta.get("annotations") or {}).get(PRIORITY_ANNOTATION, "normal"))
-            out.append(_Admission(a, self._plan(p, a), priority))
-        return sorted(out, key=lambda w: (w.a.bind_time, w.a.namespace, w.a.pod))
+            rv = str(meta.get("resourceVersion") or "")
+            out.append(_Admission(a, self._plan(p, a), priority,
+                                  int(rv) if rv.isdigit() else None))
+        return sorted(out, key=_kubelet_order)
 
     def _fits_next(self, adm: _Admission, ids: list[str]) -> bool:
         """Whether the devices the kubelet chose can be ``adm``'s next container's: as many

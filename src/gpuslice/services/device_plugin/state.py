@@ -18,11 +18,12 @@ from gpuslice.services.grpc_limits import Slots, Streams
 @dataclass(eq=False)
 class _Admission:
     """A pod the kubelet is admitting: its assignment, the containers it will call Allocate
-    for (in order), how many it has, and its priority annotation."""
+    for (in order), how many it has, its priority annotation and resourceVersion."""
 
     a: Assignment
     plan: tuple[ContainerAssignment, ...]
     priority: str = "normal"
+    resource_version: int | None = None  # the pod's, as bound: the kubelet's order
     done: int = 0
 
 

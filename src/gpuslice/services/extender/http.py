@@ -22,9 +22,6 @@ from gpuslice.services.leader import LeaderLabel
 
 MAX_BODY = 8 * 1024 * 1024
 BIND_THREADS = 8  # binds writing to the API server at once
-# a bind that waited this long behind binds to its node is dropped: kube-scheduler's call has
-# timed out (httpTimeout 5s in deploy/'s scheduler configuration) and it will bind again
-BIND_QUEUE_S = 4.0
 # the longest one watch call waits for events: it runs on a thread a stopping process joins,
 # so this bounds how long a SIGTERM waits for it (each call only hands over what the
 # watches queued meanwhile)
@@ -148,7 +145,6 @@ def make_app(state: ExtenderState, metrics: ExtenderMetrics | None = None, *,
 
     m = metrics or ExtenderMetrics(state)
     binds = ThreadPoolExecutor(BIND_THREADS, thread_name_prefix="bind")
-    tails: dict[str, asyncio.Future[None]] = {}  # node -> the last bind to it under way
 
     @web.middleware
     async def timed(request: web.Request, handler: Any) -> web.StreamResponse:
@@ -225,39 +221,22 @@ def make_app(state: ExtenderState, metrics: ExtenderMetrics | None = None, *,
             fields[key] = value
         ns, name, uid, node = (fields["PodNamespace"], fields["PodName"], fields["PodUID"],
                                fields["Node"])
-        # reserve here, on the loop, before the scheduler's next filter; the two API calls
-        # (read the pod, the Binding carrying the assignment) run on the bind threads. Binds
-        # to one node write in the order they arrived (their assignments' bind times): the
-        # device plugin matches the kubelet's Allocate calls to assignments oldest first, and
-        # the kubelet admits pods in the order their Bindings were made. Other nodes' binds run
-        # meanwhile
+        # reserve here, on the loop, before the scheduler's next filter; the write (the
+        # Binding carrying the assignment) runs on the bind threads. Binds to one node run
+        # concurrently: the device plugin matches the kubelet's Allocate calls to waiting
+        # assignments in the order the kubelet sees their pods bound (their resourceVersions),
+        # whatever order the extender wrote them in
         loop = asyncio.get_running_loop()
         held = state.hold(ns, name, uid, node)
-        before = tails.get(node)
-        mine: asyncio.Future[None] = loop.create_future()
-        tails[node] = mine
         try:
-            t0 = time.monotonic()
             # the pod its filter carried, when this bind placed it on the loop; else read now
             read = state.held_pod(ns, name) if held is not None else None
             if read is None:
                 read = await loop.run_in_executor(binds, state.read_pod, ns, name)
-            if before is not None:
-                await before
-                waited = time.monotonic() - t0
-                if waited > BIND_QUEUE_S:
-                    state.abandon(ns, name, held)
-                    m.binds.labels("refused").inc()
-                    return _answer({"Error": f"pod {ns}/{name}: waited {waited:.1f} s behind "
-                                             f"other binds to {node}; retry"})
             error = await loop.run_in_executor(binds, state.bind, ns, name, uid, node, held,
                                                read)
         except GpusliceError as exc:
             error = f"pod {ns}/{name}: {exc}; retry"
-        finally:
-            mine.set_result(None)
-            if tails.get(node) is mine:
-                del tails[node]
         m.binds.labels("refused" if error else "bound").inc()
         return _answer({"Error": error})
 

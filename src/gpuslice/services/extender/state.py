@@ -26,9 +26,9 @@ from gpuslice.services.extender.preemption import Preemption
 SEEN_PODS = 2048
 
 def bind_clock() -> str:
-    """Now, as an assignment's bind time: RFC 3339 UTC with microseconds (the node's device
-    plugin executes waiting assignments in bind order, as the kubelet admits pods in the order
-    their binds reach it: seconds would tie a burst and fall back to name order)."""
+    """Now, as an assignment's bind time: RFC 3339 UTC with microseconds (the device plugin
+    orders waiting assignments by their pods' resourceVersions, and by this where a
+    resourceVersion is not a number: seconds would tie a burst and fall back to name order)."""
     from datetime import UTC, datetime
 
     return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
@@ -103,8 +103,7 @@ class ExtenderState(Preemption):
 
     def read_pod(self, namespace: str, name: str) -> dict[str, Any] | None:
         """The pod as the API server has it now, or ``None`` when it cannot be read (the
-        bind then reads it itself and reports why). Done while a bind waits for its node's
-        turn, so that the turn holds only the write."""
+        bind then reads it itself and reports why): for a bind whose pod no filter carried."""
         try:
             return self.api.get_pod(namespace, name)
         except GpusliceError:
@@ -164,8 +163,7 @@ class ExtenderState(Preemption):
                     and not (pod.get("spec") or {}).get("nodeName")
                     and seen == _container_requests(pod))
             if same:
-                # stamped now, its turn among this node's binds, not when it arrived: a bind
-                # placed here (not on the loop) before it takes its time when it runs too
+                # stamped as it is written, not when it arrived
                 with self._lock:
                     a = sign(replace(held, bind_time=self.clock()), self.key)
                     self.ledger = self.ledger.release(namespace, name).reserve(a)
