@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from gpuslice.core.errors import ValidationError
-from gpuslice.core.fit import explain, feasible, reject_reasons
+from gpuslice.core.fit import explain, feasible, feasible_at, gpu_ok, reject_reasons
 from gpuslice.core.model import ClusterSnapshot, Isolation, SliceRequest
 from tests.builders import MakeNode, MakeReq
 
@@ -95,3 +95,20 @@ def test_snapshot_arrays_are_read_only() -> None:
     with pytest.raises(ValueError):
         snap.arrays.gpu_free[0, 0] = 5
     assert np.array_equal(snap.arrays.gpu_free, [[1000, 1000]])
+
+
+def test_one_node_checks_agree_with_the_whole_cluster_ones() -> None:
+    """feasible_at and gpu_ok(node=...) (what a bind uses on the scheduler's one node) give
+    the whole-cluster answer for that node: every case of the table, all on one snapshot."""
+    from dataclasses import replace
+
+    snap = ClusterSnapshot.of([replace(c[1].obj(), name=f"n{i}") for i, c in enumerate(CASES)])
+    for _, _, req, _, _ in CASES:
+        r = req.obj()
+        whole = feasible(snap.arrays, r)
+        slots = gpu_ok(snap.arrays, r)
+        for i in range(snap.arrays.n_nodes):
+            assert feasible_at(snap.arrays, r, i) == bool(whole[i]), (i, r)
+            assert feasible_at(snap.arrays, r, i, node_resources=False) == bool(
+                feasible(snap.arrays, r, node_resources=False)[i]), (i, r)
+            assert (gpu_ok(snap.arrays, r, i) == slots[i]).all(), (i, r)

@@ -12,7 +12,7 @@ from collections import Counter
 import numpy as np
 
 from gpuslice.core import catalog
-from gpuslice.core.model import BoolArray, ClusterArrays, Isolation, SliceRequest
+from gpuslice.core.model import BoolArray, ClusterArrays, IntArray, Isolation, SliceRequest
 
 REASON_CPU = "insufficient cpu"
 REASON_MEMORY = "insufficient memory"
@@ -37,13 +37,17 @@ def _isolation_models(arrays: ClusterArrays, isolation: Isolation) -> BoolArray:
     return np.isin(arrays.model_id, ok_ids)
 
 
-def gpu_ok(arrays: ClusterArrays, req: SliceRequest) -> BoolArray:
-    """Per node and GPU slot: can this GPU give the request its share (milli and memory)?"""
-    ok = arrays.gpu_present & (arrays.gpu_free >= req.milli)
+def gpu_ok(arrays: ClusterArrays, req: SliceRequest,
+           node: int | IntArray | None = None) -> BoolArray:
+    """Per node and GPU slot: can this GPU give the request its share (milli and memory)?
+    With ``node``, that node's GPU slots alone, or those of an array of nodes (the same rule
+    on those rows, without computing every other node's)."""
+    rows = slice(None) if node is None else node
+    ok = arrays.gpu_present[rows] & (arrays.gpu_free[rows] >= req.milli)
     if req.gpu_memory_mib > 0:
-        ok &= arrays.gpu_mem_free >= req.gpu_memory_mib
+        ok &= arrays.gpu_mem_free[rows] >= req.gpu_memory_mib
     elif req.memory_share:  # milli/1000 of each GPU's own memory
-        ok &= arrays.gpu_mem_free >= req.milli * arrays.gpu_mem_cap // 1000
+        ok &= arrays.gpu_mem_free[rows] >= req.milli * arrays.gpu_mem_cap[rows] // 1000
     return np.asarray(ok)
 
 
@@ -64,6 +68,28 @@ def feasible(arrays: ClusterArrays, req: SliceRequest, *, node_resources: bool =
             ok &= req.milli == 1000
     ok &= gpu_ok(arrays, req).sum(axis=1) >= req.gpus
     return np.asarray(ok)
+
+
+def feasible_at(arrays: ClusterArrays, req: SliceRequest, node: int, *,
+                node_resources: bool = True) -> bool:
+    """:func:`feasible` for one node, without judging every other node (a bind places its
+    pod on the one node kube-scheduler chose)."""
+    if node_resources and (arrays.cpu_free[node] < req.cpu_milli
+                           or arrays.mem_free[node] < req.memory_mib):
+        return False
+    if req.gpus == 0:
+        return True
+    model = int(arrays.model_id[node])
+    if model < 0 or (req.models and arrays.models[model] not in req.models):
+        return False
+    if req.isolation is not Isolation.ANY:
+        if req.isolation is Isolation.EXCLUSIVE and req.milli != 1000:
+            return False
+        if req.isolation in (Isolation.MIG, Isolation.MPS):
+            m = catalog.lookup(arrays.models[model])
+            if m is None or not (m.mig_capable if req.isolation is Isolation.MIG else m.mps):
+                return False
+    return int(gpu_ok(arrays, req, node).sum()) >= req.gpus
 
 
 def explain(arrays: ClusterArrays, req: SliceRequest, node: int) -> list[str]:

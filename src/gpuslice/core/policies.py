@@ -141,7 +141,7 @@ def best_fit_gpu(arrays: ClusterArrays, req: SliceRequest, node: int) -> tuple[i
     """A share: the fitting GPU with the least free milli (lowest index on ties)."""
     if not req.is_sharing:
         return exclusive_gpus(arrays, req, node)
-    ok = gpu_ok(arrays, req)[node]
+    ok = gpu_ok(arrays, req, node)
     left = np.where(ok, arrays.gpu_free[node], np.iinfo(np.int64).max)
     return (int(np.argmin(left)),)
 
@@ -150,7 +150,7 @@ def random_gpu(arrays: ClusterArrays, req: SliceRequest, node: int,
                rng: np.random.Generator) -> tuple[int, ...]:
     if not req.is_sharing:
         return exclusive_gpus(arrays, req, node)
-    ok = np.flatnonzero(gpu_ok(arrays, req)[node])
+    ok = np.flatnonzero(gpu_ok(arrays, req, node))
     return (int(ok[int(rng.integers(len(ok)))]),)
 
 
@@ -266,7 +266,7 @@ def share_pairs(st: PlacementState, req: SliceRequest,
     """Every (node, GPU) where a share fits, with the node's fragmentation after placing it
     there: (row into ``nodes``, GPU index, F_n'), sorted by row then GPU index."""
     a, tw, tb = st.arrays, _workload(st), _tables(st)
-    ok = gpu_ok(a, req)[nodes]  # (K, G)
+    ok = gpu_ok(a, req, nodes)  # (K, G)
     # GPUs of one node with the same free milli (and memory) give the same result: keep the
     # lowest index of each, which is also the tie-break the policies want.
     free = a.gpu_free[nodes]

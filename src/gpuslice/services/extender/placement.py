@@ -24,7 +24,7 @@ from gpuslice.core.assignment import (
     sign,
 )
 from gpuslice.core.errors import GpusliceError, ValidationError
-from gpuslice.core.fit import explain, feasible, gpu_ok
+from gpuslice.core.fit import explain, feasible, feasible_at, gpu_ok
 from gpuslice.core.frag import Shape
 from gpuslice.core.ledger import Conflict, Ledger
 from gpuslice.core.model import ClusterArrays, Isolation, SliceRequest
@@ -323,7 +323,7 @@ class PlacementVerbs(ClusterView):
         trial = self.inv.arrays.copy()
         for j, uuid in enumerate(self.inv.uuids[i]):
             trial.gpu_free[i, j], trial.gpu_mem_free[i, j] = self._open_free(uuid, led)
-        if feasible(trial, self._gpu_only(req), node_resources=False)[i]:
+        if feasible_at(trial, self._gpu_only(req), i, node_resources=False):
             return True
         if mode is Mode.MPS and req.gpus == 1 and i in self.inv.mig_rows:
             rooms = self._mig_rooms(i, req.models, migmps.usage(led.owners.values()))
@@ -352,7 +352,7 @@ class PlacementVerbs(ClusterView):
                     gpu, max(1, whole * w.milli // shape.milli),
                     inst.memory_mib * w.milli // shape.milli, inst.profile, inst.start),),
                     w.kind) for w, _ in shape.slots)
-            elif feasible(self.inv.arrays, g, node_resources=False)[i]:
+            elif feasible_at(self.inv.arrays, g, i, node_resources=False):
                 gpus = self._gpus_at(req, i)
                 cap = self.inv.arrays.gpu_mem_cap
                 containers = tuple(ContainerAssignment(w.name, _container_mode(req, w), tuple(
@@ -389,7 +389,7 @@ class PlacementVerbs(ClusterView):
         g = self._gpu_only(req)
         if g.is_sharing and req.gpus == 1:
             got = self.policy.choose_gpus(self.st, req, i, self.rng)
-            if got and got[0] >= 0 and gpu_ok(self.inv.arrays, g)[i, got[0]]:
+            if got and got[0] >= 0 and gpu_ok(self.inv.arrays, g, i)[got[0]]:
                 return got
             return best_fit_gpu(self.inv.arrays, g, i)
         return exclusive_gpus(self.inv.arrays, g, i)

@@ -375,8 +375,10 @@ class ClusterView:
                     not old.bound:
                 info.node = old.node  # held by our bind, not bound in the API yet
             self._follow_pod((ns, name), info)
+        if (ns, name) in self.ledger.owners or (ns, name) in self._in_flight:
+            return  # held already: no need to decode and verify the annotation again
         a = self._assignment_of(event.obj)
-        if a is None or (ns, name) in self.ledger.owners or (ns, name) in self._in_flight:
+        if a is None:
             return
         with self._lock:
             try:
