@@ -148,9 +148,10 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def profile_table(path: Path, top: int = 15) -> Table:
-    """The functions the extender spent its CPU in (py-spy's collapsed stacks): own time
-    (the sample's innermost frame) and total (anywhere on the stack), in % of all samples."""
+def profile_rows(path: Path, top: int = 15) -> tuple[int, list[tuple[str, float, float]]]:
+    """The functions the extender spent its CPU in (py-spy's collapsed stacks): (function
+    (file), own %, total %), own time being the sample's innermost frame and total anywhere on
+    the stack, in % of all samples; and the number of samples."""
     own: dict[str, int] = {}
     total: dict[str, int] = {}
     samples = 0
@@ -165,13 +166,22 @@ def profile_table(path: Path, top: int = 15) -> Table:
         own[frames[-1]] = own.get(frames[-1], 0) + count
         for f in set(frames):
             total[f] = total.get(f, 0) + count
-    table = Table(title=f"extender profile: {samples} samples holding the GIL (py-spy --gil, "
-                        "200/s: the extender's CPU in Python, waits left out)")
+    rows = [(f, 100 * n / max(1, samples), 100 * total[f] / max(1, samples))
+            for f, n in sorted(own.items(), key=lambda kv: -kv[1])[:top]]
+    return samples, rows
+
+
+PROFILE_TITLE = ("extender profile: {} samples holding the GIL (py-spy --gil, 200/s: the "
+                 "extender's CPU in Python, waits left out)")
+
+
+def profile_table(path: Path) -> Table:
+    samples, rows = profile_rows(path)
+    table = Table(title=PROFILE_TITLE.format(samples))
     for col in ("function (file)", "own %", "total %"):
         table.add_column(col)
-    for f, n in sorted(own.items(), key=lambda kv: -kv[1])[:top]:
-        table.add_row(f, f"{100 * n / max(1, samples):.1f}",
-                      f"{100 * total[f] / max(1, samples):.1f}")
+    for f, own, tot in rows:
+        table.add_row(f, f"{own:.1f}", f"{tot:.1f}")
     return table
 
 
@@ -358,6 +368,11 @@ def main() -> int:
                                                       for n in CPU_COMPONENTS)
                          + f" | {sum(r['cpu_ms'].values()):.1f} | {r['cores']:.2f} of "
                          f"{os.cpu_count()} |")
+        if args.profile:
+            samples, prof = profile_rows(Path(args.profile))
+            lines += ["", PROFILE_TITLE.format(samples) + ", top functions by own time:", "",
+                      "| function (file) | own % | total % |", "|---|---|---|"]
+            lines += [f"| `{f}` | {own:.1f} | {tot:.1f} |" for f, own, tot in prof]
         block = (f"<!-- cluster_scale: {args.nodes} nodes x {args.gpus} GPUs, {args.pods} pods"
                  f" -->\n" + "\n".join(lines) + f"\n\nRatio {ratio:.2f}; whole benchmark "
                  f"{total / 60:.1f} min on {os.cpu_count()} CPUs.\n")

@@ -105,5 +105,6 @@ class Ledger:
         for uuid, (need, mib) in a.held().items():
             milli[uuid] -= need
             memory[uuid] -= mib
-        owners = {k: v for k, v in self.owners.items() if k != (namespace, pod)}
+        owners = dict(self.owners)  # a copy in C, then one key out: a comprehension over
+        del owners[(namespace, pod)]  # every pod was a sixth of the extender's CPU at 1000 nodes
         return Ledger(self.inventory, milli, memory, owners)
