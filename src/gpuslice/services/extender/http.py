@@ -231,10 +231,11 @@ def make_app(state: ExtenderState, metrics: ExtenderMetrics | None = None, *,
         try:
             # the pod its filter carried, when this bind placed it on the loop; else read now
             read = state.held_pod(ns, name) if held is not None else None
+            from_filter = read is not None
             if read is None:
                 read = await loop.run_in_executor(binds, state.read_pod, ns, name)
             error = await loop.run_in_executor(binds, state.bind, ns, name, uid, node, held,
-                                               read)
+                                               read, from_filter)
         except GpusliceError as exc:
             error = f"pod {ns}/{name}: {exc}; retry"
         m.binds.labels("refused" if error else "bound").inc()

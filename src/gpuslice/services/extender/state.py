@@ -119,7 +119,8 @@ class ExtenderState(Preemption):
         return None if held is None else held[1]
 
     def bind(self, namespace: str, name: str, uid: str, node: str,
-             held: Assignment | None = None, pod: dict[str, Any] | None = None) -> str:
+             held: Assignment | None = None, pod: dict[str, Any] | None = None,
+             from_filter: bool = False) -> str:
         """Bind the pod; returns an error message, or "" on success. ``held``: what
         :meth:`hold` reserved for it; used when the pod read now is the one placed (same UID,
         same requests, no assignment yet), given back otherwise."""
@@ -134,13 +135,14 @@ class ExtenderState(Preemption):
                 self._release(namespace, name, held)
             return f"pod {namespace}/{name}: an earlier bind of it is still under way; retry"
         try:
-            return self._bind(namespace, name, uid, node, held, seen, pod)
+            return self._bind(namespace, name, uid, node, held, seen, pod, from_filter)
         finally:
             with self._lock:
                 self._busy.discard(key)
 
     def _bind(self, namespace: str, name: str, uid: str, node: str,
-              held: Assignment | None, seen: Any, read: dict[str, Any] | None) -> str:
+              held: Assignment | None, seen: Any, read: dict[str, Any] | None,
+              from_filter: bool = False) -> str:
         if self.elector is not None and not self.elector.leader:
             if held is not None:
                 self._release(namespace, name, held)
@@ -168,7 +170,13 @@ class ExtenderState(Preemption):
                     a = sign(replace(held, bind_time=self.clock()), self.key)
                     self.ledger = self.ledger.release(namespace, name).reserve(a)
                     self._in_flight[(namespace, name)] = a
-                return self._write(pod, namespace, name, uid, node, a)
+                out = self._write(pod, namespace, name, uid, node, a, stale_ok=from_filter)
+                if out is not None:
+                    return out
+                # the filter's copy of the pod was older than the API server's (kube-
+                # scheduler requeues its copy, then writes the pod's status: its next try
+                # carries the stale resourceVersion again): read the pod, place it as read
+                return self._bind(namespace, name, uid, node, None, seen, None)
             self._release(namespace, name, held)
         if (pod.get("metadata") or {}).get("uid") != uid:
             return f"pod {namespace}/{name}: UID {uid} does not match"
@@ -200,17 +208,22 @@ class ExtenderState(Preemption):
         placed = self._place(pod, req, i, namespace, name, uid, node)
         if isinstance(placed, str):
             return placed
-        return self._write(pod, namespace, name, uid, node, placed)
+        return self._write(pod, namespace, name, uid, node, placed) or ""
 
     def _write(self, pod: dict[str, Any], namespace: str, name: str, uid: str, node: str,
-               a: Assignment) -> str:
+               a: Assignment, stale_ok: bool = False) -> str | None:
         """One write: the Binding, carrying the signed assignment as an annotation (kube-
         apiserver sets a binding's annotations on the pod with its node, in the same update)
         and the pod's UID and the resourceVersion just read as preconditions."""
         try:
             self.api.bind(namespace, name, uid, node, {ANNOTATION: encode(a)},
                           pod["metadata"].get("resourceVersion"))
-        except (ApiConflict, ApiNotFound) as exc:
+        except ApiConflict as exc:
+            self._release(namespace, name, a)
+            # ``stale_ok``: the pod was not read but carried by the filter; None tells the
+            # caller to read it and try again
+            return None if stale_ok else f"pod {namespace}/{name}: {exc}"
+        except ApiNotFound as exc:
             self._release(namespace, name, a)
             return f"pod {namespace}/{name}: {exc}"
         except GpusliceError as exc:
