@@ -32,8 +32,9 @@ from typing import Any
 import pytest
 
 from gpuslice.adapters.kube.fake import FakeApiServer
-from gpuslice.services.device_plugin import PluginConfig, PluginServer, wait_for
-from tests.nodeagent.test_device_plugin import KEY, Kubelet, allocate, assign
+from gpuslice.services.device_plugin import PluginConfig
+from tests.nodeagent.test_device_plugin import KEY, allocate, assign
+from tests.nodeagent.test_gpu_tier import agent_serving, mps_env
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
@@ -91,14 +92,6 @@ def result(proc: subprocess.Popen[str], timeout_s: float = 120) -> dict[str, Any
     return dict(json.loads(out.strip().splitlines()[-1]))
 
 
-def mps_env(answer: Any) -> dict[str, str]:
-    """What a container of this Allocate answer sees: its env, the pipe mount's host path."""
-    env = dict(answer.envs)
-    env["CUDA_MPS_PIPE_DIRECTORY"] = answer.mounts[0].host_path
-    env["CUDA_VISIBLE_DEVICES"] = env["NVIDIA_VISIBLE_DEVICES"]
-    return env
-
-
 def mps_pids(pipe: Path, program: bytes = b"nvidia-cuda-mps-control") -> list[int]:
     """PIDs of ``program`` processes (the control daemon, or with b"nvidia-cuda-mps" its
     servers too) whose pipe directory is ``pipe`` or below it (read from /proc)."""
@@ -144,7 +137,6 @@ CHEAT = {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "100", "CUDA_MPS_PINNED_DEVICE_MEM
 def test_mps_caps_hold_and_cannot_be_raised_by_the_client() -> None:
     from gpuslice.adapters.mps import MpsDaemon
     from gpuslice.adapters.nvml.real import load
-    from gpuslice.services.node_agent import NodeAgent
 
     nv = load()
     gpu = nv.devices()[0]
@@ -175,85 +167,75 @@ def test_mps_caps_hold_and_cannot_be_raised_by_the_client() -> None:
             "honest_share": round(max(honest_bare["tflops"]) / uncapped, 3),
             "cheater_share": round(max(cheat_bare["tflops"]) / uncapped, 3)})
 
-        api = FakeApiServer()
         sock = root / "dp"
         sock.mkdir()
-        kubelet = Kubelet(sock).start()
-        cfg = PluginConfig("node-1", sock, KEY, replicas=4, mps_pipe_dir=str(root / "mps"))
-        agent = NodeAgent(cfg, nv, api, mps=True)
-        server = PluginServer(agent.plugin)
-        server.start()
         try:
-            assert kubelet.registered.wait(5) and wait_for(lambda: bool(kubelet.lists), 5)
-            stub = kubelet.stub()
-            assign(api, "s25", [gpu.uuid], milli=250, mem=4096, t="t1")
-            a25 = mps_env(allocate(stub, f"{gpu.uuid}::0"))
-            assert a25["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "25"
-            honest = result(client(a25, windows=2, over_at=1, alloc_ok=3072, alloc_over=6144))
-            cheat = result(client(a25, override=CHEAT, alloc_over=6144))
-            honest_share = max(honest["tflops"]) / uncapped
-            cheat_share = max(cheat["tflops"]) / uncapped
-            record("agent_25pct_4GiB", {"honest": honest, "cheater": cheat,
-                                        "honest_share": round(honest_share, 3),
-                                        "cheater_share": round(cheat_share, 3)})
-            # the SMs a client is given are its cap (32 of 132 at 25% on an H200); its
-            # throughput share is higher (36% there): the whole GPU runs this product slower
-            # per SM (power and clocks) than a quarter of it does
-            total = gpu.sms or solo["sms"]
-            assert abs(honest["sms"] - 0.25 * total) <= 0.05 * total, honest
-            assert 0.12 <= honest_share <= 0.45, honest_share
-            assert honest["alloc_ok"] == "ok" and honest["alloc_over"] != "ok"
-            assert len(honest["tflops"]) == 2 and min(honest["tflops"]) > 0  # lived on
-            assert cheat["sms"] <= honest["sms"], f"the client raised its own cap: {cheat}"
-            assert cheat_share <= 1.1 * honest_share, cheat_share
-            assert cheat["alloc_over"] != "ok", "the client raised its own memory cap"
+            with agent_serving(nv, sock, root / "mps") as (api, agent, stub):
+                assign(api, "s25", [gpu.uuid], milli=250, mem=4096, t="t1")
+                a25 = mps_env(allocate(stub, f"{gpu.uuid}::0"))
+                assert a25["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "25"
+                honest = result(client(a25, windows=2, over_at=1, alloc_ok=3072, alloc_over=6144))
+                cheat = result(client(a25, override=CHEAT, alloc_over=6144))
+                honest_share = max(honest["tflops"]) / uncapped
+                cheat_share = max(cheat["tflops"]) / uncapped
+                record("agent_25pct_4GiB", {"honest": honest, "cheater": cheat,
+                                            "honest_share": round(honest_share, 3),
+                                            "cheater_share": round(cheat_share, 3)})
+                # the SMs a client is given are its cap (32 of 132 at 25% on an H200); its
+                # throughput share is higher (36% there): the whole GPU runs this product slower
+                # per SM (power and clocks) than a quarter of it does
+                total = gpu.sms or solo["sms"]
+                assert abs(honest["sms"] - 0.25 * total) <= 0.05 * total, honest
+                assert 0.12 <= honest_share <= 0.45, honest_share
+                assert honest["alloc_ok"] == "ok" and honest["alloc_over"] != "ok"
+                assert len(honest["tflops"]) == 2 and min(honest["tflops"]) > 0  # lived on
+                assert cheat["sms"] <= honest["sms"], f"the client raised its own cap: {cheat}"
+                assert cheat_share <= 1.1 * honest_share, cheat_share
+                assert cheat["alloc_over"] != "ok", "the client raised its own memory cap"
 
-            # a 50% / 8 GiB neighbour beside it while it fails an allocation past its cap
-            assign(api, "s50", [gpu.uuid], milli=500, mem=8192, t="t2")
-            a50 = mps_env(allocate(stub, f"{gpu.uuid}::1"))
-            procs = [client(a25, windows=3, over_at=1, alloc_over=6144),
-                     client(a50, windows=3, alloc_ok=6144)]
-            pair = [result(p) for p in procs]
-            record("beside_a_neighbour", {"s25": pair[0], "s50": pair[1]})
-            assert pair[0]["alloc_over"] != "ok" and pair[1]["alloc_ok"] == "ok"
-            assert min(pair[0]["tflops"]) > 0 and min(pair[1]["tflops"]) > 0
+                # a 50% / 8 GiB neighbour beside it while it fails an allocation past its cap
+                assign(api, "s50", [gpu.uuid], milli=500, mem=8192, t="t2")
+                a50 = mps_env(allocate(stub, f"{gpu.uuid}::1"))
+                procs = [client(a25, windows=3, over_at=1, alloc_over=6144),
+                         client(a50, windows=3, alloc_ok=6144)]
+                pair = [result(p) for p in procs]
+                record("beside_a_neighbour", {"s25": pair[0], "s50": pair[1]})
+                assert pair[0]["alloc_over"] != "ok" and pair[1]["alloc_ok"] == "ok"
+                assert min(pair[0]["tflops"]) > 0 and min(pair[1]["tflops"]) > 0
 
-            # the control daemon killed under a running client: measured on an H200 (driver
-            # 580), the client's calls then fail (cudaErrorMpsRpcFailure: its server goes with
-            # the daemon), so the container exits and the kubelet restarts it; the agent's
-            # watch restarts the daemon, with its ceiling, for that restart and new clients
-            pipe = root / "mps" / gpu.uuid
-            running = subprocess.Popen([sys.executable, "-c", WORKER,
-                                        json.dumps({"windows": 8, "window": 1.0})],
-                                       env={**os.environ, **a25}, stdout=subprocess.PIPE,
-                                       stderr=subprocess.STDOUT, text=True)
-            assert running.stdout is not None
-            first = json.loads(running.stdout.readline())
-            killed = mps_pids(pipe)
-            for pid in killed:
-                os.kill(pid, signal.SIGKILL)
-            t0 = time.monotonic()
-            restarted = agent.watch_mps()
-            restart_s = time.monotonic() - t0
-            said = running.stdout.read()
-            running.wait(120)
-            windows = [json.loads(line) for line in said.splitlines()
-                       if line.startswith('{"window"')]
-            errors = [line for line in said.splitlines() if "Error" in line]
-            after = result(client(a25, override=CHEAT))
-            record("daemon_killed", {
-                "killed_pids": killed, "restarted": restarted, "restart_s": round(restart_s, 2),
-                "running_client_first_window": first, "running_client_exit": running.returncode,
-                "running_client_windows_after_kill": windows,
-                "running_client_errors": errors[-3:], "agent_restarts": agent.mps_restarts,
-                "new_cheater_after_restart": after,
-                "new_cheater_share": round(max(after["tflops"]) / uncapped, 3)})
-            assert killed and restarted == [gpu.uuid] and agent.mps_restarts == 1
-            assert after["sms"] <= pair[1]["sms"]  # the ceiling is the 50% share's by now
+                # the control daemon killed under a running client: measured on an H200 (driver
+                # 580), the client's calls then fail (cudaErrorMpsRpcFailure: its server goes with
+                # the daemon), so the container exits and the kubelet restarts it; the agent's
+                # watch restarts the daemon, with its ceiling, for that restart and new clients
+                pipe = root / "mps" / gpu.uuid
+                running = subprocess.Popen([sys.executable, "-c", WORKER,
+                                            json.dumps({"windows": 8, "window": 1.0})],
+                                           env={**os.environ, **a25}, stdout=subprocess.PIPE,
+                                           stderr=subprocess.STDOUT, text=True)
+                assert running.stdout is not None
+                first = json.loads(running.stdout.readline())
+                killed = mps_pids(pipe)
+                for pid in killed:
+                    os.kill(pid, signal.SIGKILL)
+                t0 = time.monotonic()
+                restarted = agent.watch_mps()
+                restart_s = time.monotonic() - t0
+                said = running.stdout.read()
+                running.wait(120)
+                windows = [json.loads(line) for line in said.splitlines()
+                           if line.startswith('{"window"')]
+                errors = [line for line in said.splitlines() if "Error" in line]
+                after = result(client(a25, override=CHEAT))
+                record("daemon_killed", {
+                    "killed_pids": killed, "restarted": restarted, "restart_s": round(restart_s, 2),
+                    "running_client_first_window": first, "running_client_exit": running.returncode,
+                    "running_client_windows_after_kill": windows,
+                    "running_client_errors": errors[-3:], "agent_restarts": agent.mps_restarts,
+                    "new_cheater_after_restart": after,
+                    "new_cheater_share": round(max(after["tflops"]) / uncapped, 3)})
+                assert killed and restarted == [gpu.uuid] and agent.mps_restarts == 1
+                assert after["sms"] <= pair[1]["sms"]  # the ceiling is the 50% share's by now
         finally:
-            server.stop()
-            kubelet.stop()
-            agent.quit_mps()
             # a server orphaned by the killed daemon ends with its last client; make sure
             left = mps_pids(root, b"nvidia-cuda-mps")
             for pid in left:

@@ -4,12 +4,15 @@ daemon the agent started. Skipped without an NVIDIA GPU, PyTorch or the MPS cont
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -42,36 +45,54 @@ print(json.dumps(out), flush=True)
 '''
 
 
+@contextlib.contextmanager
+def agent_serving(nv: Any, sock: Path, pipe_root: Path) -> Iterator[tuple[FakeApiServer, Any,
+                                                                           Any]]:
+    """The node agent on ``nv`` with MPS on (daemons under ``pipe_root``), its device plugin
+    registered with a test kubelet on ``sock``: (API server, agent, the kubelet's stub to the
+    plugin). Stopped, its MPS daemons quit, on the way out."""
+    from gpuslice.services.node_agent import NodeAgent
+
+    api = FakeApiServer()
+    kubelet = Kubelet(sock).start()
+    cfg = PluginConfig("node-1", sock, KEY, replicas=4, mps_pipe_dir=str(pipe_root))
+    agent = NodeAgent(cfg, nv, api, mps=True)
+    server = PluginServer(agent.plugin)
+    server.start()
+    try:
+        assert kubelet.registered.wait(5) and wait_for(lambda: bool(kubelet.lists), 5)
+        yield api, agent, kubelet.stub()
+    finally:
+        server.stop()
+        kubelet.stop()
+        agent.quit_mps()
+
+
+def mps_env(answer: Any) -> dict[str, str]:
+    """What a container of this Allocate answer sees: its env, the pipe mount's host path."""
+    env = dict(answer.envs)
+    env["CUDA_MPS_PIPE_DIRECTORY"] = answer.mounts[0].host_path
+    env["CUDA_VISIBLE_DEVICES"] = env["NVIDIA_VISIBLE_DEVICES"]
+    return env
+
+
 @pytest.mark.usefixtures("gpu_with_mps")
 def test_two_mps_slices_from_the_plugin_run_real_cuda(tmp_path: Path) -> None:
     from gpuslice.adapters.nvml.real import load
-    from gpuslice.services.node_agent import NodeAgent
 
     nv = load()
     gpu = nv.devices()[0]
     with tempfile.TemporaryDirectory(prefix="gt-") as d:
         sock = Path(d)
-        api = FakeApiServer()
-        kubelet = Kubelet(sock).start()
-        cfg = PluginConfig("node-1", sock, KEY, replicas=4, mps_pipe_dir=str(sock / "mps"))
-        agent = NodeAgent(cfg, nv, api, mps=True)
-        server = PluginServer(agent.plugin)
-        server.start()
-        try:
-            assert kubelet.registered.wait(5) and wait_for(lambda: bool(kubelet.lists), 5)
+        with agent_serving(nv, sock, sock / "mps") as (api, _, stub):
             assign(api, "s30", [gpu.uuid], milli=300, mem=8192, t="t1")
             assign(api, "s70", [gpu.uuid], milli=700, mem=16384, t="t2")
-            stub = kubelet.stub()
             answers = [allocate(stub, f"{gpu.uuid}::{k}") for k in range(2)]
             envs = [dict(a.envs) for a in answers]
-            mounts = [a.mounts[0].host_path for a in answers]  # the pipe directory mount
-            procs = []
-            for env, mount, alloc in zip(envs, mounts, (12288, 0), strict=True):
-                e = {**env, "CUDA_MPS_PIPE_DIRECTORY": mount,
-                     "CUDA_VISIBLE_DEVICES": env["NVIDIA_VISIBLE_DEVICES"]}
-                procs.append(subprocess.Popen([sys.executable, "-c", WORKER, str(alloc)],
-                                              env={**os.environ, **e},
-                                              stdout=subprocess.PIPE, text=True))
+            procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(alloc)],
+                                      env={**os.environ, **mps_env(a)},
+                                      stdout=subprocess.PIPE, text=True)
+                     for a, alloc in zip(answers, (12288, 0), strict=True)]
             res = [json.loads(p.communicate(timeout=300)[0].strip().splitlines()[-1])
                    for p in procs]
             print(json.dumps({"gpu": gpu.name, "sms": gpu.sms, "slices": res,
@@ -84,10 +105,6 @@ def test_two_mps_slices_from_the_plugin_run_real_cuda(tmp_path: Path) -> None:
                 assert abs(res[1]["sms"] - 0.7 * total) <= 0.05 * total
             assert res[0]["alloc"] == "OutOfMemoryError"  # 12 GiB past its 8 GiB cap
             assert res[1]["iterations"] > 0 and res[0]["iterations"] > 0
-        finally:
-            server.stop()
-            kubelet.stop()
-            agent.quit_mps()
     assert not any((sock / "mps").glob("*/control*"))
 
 

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from gpuslice.adapters.proc import running
 from gpuslice.core.errors import GpusliceError
 
 CONTROL = "nvidia-cuda-mps-control"
@@ -137,7 +138,7 @@ class MpsDaemon:
             pid = int(pid_file.read_text().strip())
         except (OSError, ValueError):
             return
-        if not _alive(pid):
+        if not running(pid):
             pid_file.unlink(missing_ok=True)
 
     def command(self, text: str, timeout_s: float = 10.0) -> str:
@@ -219,24 +220,10 @@ class MpsDaemon:
         self.command("quit", timeout_s=timeout_s)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if not self.healthy() and (pid is None or not _alive(pid)):
+            if not self.healthy() and (pid is None or not running(pid)):
                 for f in [*self.pipe_dir.glob("control*"), self.pipe_dir / PID_FILE]:
                     f.unlink(missing_ok=True)
                 return
             time.sleep(0.05)
         raise MpsError(f"MPS daemon for {self.uuid} did not quit")
 
-
-def _alive(pid: int) -> bool:
-    """The process runs (a zombie no one reaped yet counts as gone)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return True
-    return state not in ("Z", "X")

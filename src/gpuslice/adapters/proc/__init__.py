@@ -29,6 +29,17 @@ def alive(pid: int) -> bool:
     return True
 
 
+def running(pid: int) -> bool:
+    """:func:`alive`, and not a zombie no one has reaped yet (that one counts as gone)."""
+    if not alive(pid):
+        return False
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state not in ("Z", "X")
+
+
 def spawn(args: list[str], run_id: str, **kw: Any) -> subprocess.Popen[str]:
     """A child process marked with the run's id in its environment, that dies with this
     process (see :mod:`gpuslice.adapters.proc.child`)."""
