@@ -132,6 +132,43 @@ def test_filter_keeps_only_the_policys_choice_and_ties_go_to_a_fixed_node_order(
     assert scores[want] == 10 and scores[want] > max(others)
 
 
+def test_the_narrow_filters_one_pass_choice_is_best_over_every_node_that_fits() -> None:
+    """The narrow filter answers in one vectorised pass (``_choose``) with no reasons; it must
+    pick what ``best`` picks among the nodes the full per-node filter keeps, whatever the
+    fill, the request and the order the names come in, and fall back to the reasons when no
+    node fits."""
+    rng = np.random.default_rng(5)
+    api = FakeApiServer()
+    names = [f"n{i:02d}" for i in range(24)]
+    for i, n in enumerate(names):
+        api.add_node(node(n, gpus=4 if i % 3 else 8, model="A100-80GB" if i % 5 else "T4"))
+    state = ExtenderState(api, KEY, clock=clock)
+    wide = ExtenderState(api, KEY, clock=clock, narrow=False)
+    for k in range(400):  # about 128 GPUs: full well before
+        milli = int(rng.choice([250, 500, 750, 1000]))
+        gpus = 2 if milli == 1000 and k % 4 == 0 else 1
+        p = api.add_pod(pod(f"p{k}", milli=milli, gpus=gpus))
+        asked = [str(n) for n in rng.permutation(names)] + ["unknown-node"]
+        keep, failed = state.filter(p, asked)
+        fit, _ = wide.filter(p, asked)
+        if not fit:  # nothing fits: the per-node reasons, as without narrowing
+            assert keep == [] and set(failed) == set(asked)
+            break
+        assert failed == {} and keep == [state.best(pod_req(p), fit)]
+        assert state.bind("default", f"p{k}", p["metadata"]["uid"], keep[0]) == ""
+        wide.apply(WatchEvent("MODIFIED", "Pod", api.get_pod("default", f"p{k}")))
+    else:
+        raise AssertionError("the cluster never filled: the no-fit branch was not reached")
+
+
+def pod_req(p: dict[str, Any]) -> SliceRequest:
+    from gpuslice.adapters.kube.objects import pod_request
+
+    req = pod_request(p)
+    assert req is not None
+    return req
+
+
 def test_a_cpu_heavy_gpu_pod_goes_where_cpu_is_left_not_where_gpus_would_strand() -> None:
     """frag-strand's stranding term needs the nodes' CPU: with the CPU of node "a" nearly
     all taken by CPU-only pods, a GPU pod asking for much CPU goes to "b"; bestfit (the old

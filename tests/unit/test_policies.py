@@ -145,3 +145,35 @@ def test_random_policy_ignores_the_tie_order() -> None:
     picks = {choose(make_policy("random"), st, req, feasible(st.arrays, req),
                     np.random.default_rng(s), rank).node for s in range(40)}  # type: ignore[union-attr]
     assert picks == {0, 1, 2, 3}
+
+
+@pytest.mark.parametrize("policy", ["fgd", "frag-strand"])
+def test_score_cache_equals_fresh_scores_and_rescores_only_changed_rows(policy: str) -> None:
+    from gpuslice.core.scorecache import ScoreCache
+
+    pol = make_policy(policy)
+    assert ScoreCache.usable(pol) and not ScoreCache.usable(make_policy("random"))
+    snap = ClusterSnapshot.of([MakeNode(f"n{i}").gpus("A100-80GB", 4).used(100 * (i % 5))
+                               .obj() for i in range(12)])
+    st = PlacementState.build(snap.arrays.copy(), TW)
+    cache = ScoreCache(pol, st)
+    rng = np.random.default_rng(3)
+    nodes = np.arange(12, dtype=np.int64)
+    shapes = [MakeReq().share(250).obj(), MakeReq().share(500).obj(), MakeReq().gpu(1).obj()]
+    for step in range(40):
+        req = shapes[step % 3]
+        asked = rng.permutation(nodes)[: 6 + step % 6]
+        got, want = cache.score(req, asked), pol.score(st, req, asked)
+        assert np.array_equal(got.scores, want.scores)
+        assert (got.gpu is None) == (want.gpu is None)
+        if want.gpu is not None:
+            assert got.gpu is not None and np.array_equal(got.gpu, want.gpu)
+        row = int(rng.integers(12))  # one node changes, as a bind does
+        before = cache.scored
+        st.arrays.gpu_free[row, int(rng.integers(4))] = int(rng.integers(0, 11)) * 100
+        st.refresh(row)
+        cache.changed(row)
+        again = cache.score(req, np.array([row, *asked], dtype=np.int64))
+        assert cache.scored == before + 1  # the changed row alone was scored again
+        assert np.array_equal(again.scores, pol.score(
+            st, req, np.array([row, *asked], dtype=np.int64)).scores)

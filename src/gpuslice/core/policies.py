@@ -341,6 +341,9 @@ class FgdPolicy:
 
     name = "fgd"
     needs_workload = True
+    # a node's score depends on its own row and the state's shared values only, and nothing
+    # is drawn: scores may be kept until the row changes (core.scorecache)
+    row_local = True
     uniform_ties = False
 
     def score(self, st: PlacementState, req: SliceRequest, nodes: IntArray) -> Scored:

@@ -4,6 +4,7 @@ core policy."""
 
 from __future__ import annotations
 
+from operator import itemgetter
 from typing import Any
 
 import numpy as np
@@ -48,10 +49,39 @@ class PlacementVerbs(ClusterView):
         if req is None:
             return names, {}
         self.learn(pod)
+        if self.narrow and req.isolation is not Isolation.MIG:
+            # the common case in one vectorised pass: where some node fits a whole-GPU slice,
+            # the policy's choice among them is the answer, and no reason is written for the
+            # nodes refused (kube-scheduler reads them only when no node is left:
+            # findNodesThatPassExtenders and the FitError of schedule_one.go)
+            chosen = self._choose(req, names)
+            if chosen is not None:
+                return [chosen], {}
         keep, failed = self._fit(pod, req, names)
         if self.narrow and len(keep) > 1:
             keep = [self.best(req, keep)]
         return keep, failed
+
+    def _choose(self, req: SliceRequest, names: list[str]) -> str | None:
+        """The policy's choice (:meth:`best`) among the nodes of ``names`` that fit ``req`` as
+        a whole-GPU slice, or ``None`` when none does; arrays over the nodes, no per-node
+        Python."""
+        index = self.inv.index
+        try:  # every name known (the common case): the look-ups in C
+            rows = np.array(itemgetter(*names)(index) if len(names) > 1 else
+                            [index[n] for n in names], dtype=np.int64)
+        except KeyError:
+            rows = np.fromiter((index.get(n, -1) for n in names), dtype=np.int64,
+                               count=len(names))
+        where = np.flatnonzero(rows >= 0)
+        rows = rows[where]
+        ok = feasible(self.inv.arrays, req, node_resources=False)[rows]
+        if not ok.any():
+            return None
+        where, rows = where[ok], rows[ok]
+        raw = np.asarray(self.scores(req, rows).scores, dtype=np.float64)
+        top = np.flatnonzero(raw == raw.max())
+        return names[int(where[top[np.argmin(self._rank[rows[top]])]])]
 
     def _fit(self, pod: dict[str, Any], req: SliceRequest,
              names: list[str]) -> tuple[list[str], dict[str, str]]:
@@ -179,8 +209,10 @@ class PlacementVerbs(ClusterView):
         them (unknown, no GPU, another model, too few GPUs, cordoned, no MIG instance large
         enough): preemption cannot help there, so kube-scheduler hears them as
         FailedAndUnresolvableNodes and does not try it."""
+        if not names:
+            return set()
         req = pod_request(pod)
-        if req is None or not names:
+        if req is None:
             return set()
         empty: Ledger | None = None  # built only if a node needs the exact check
         out: set[str] = set()

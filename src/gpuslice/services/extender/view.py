@@ -41,8 +41,17 @@ from gpuslice.core.frag import Shape
 from gpuslice.core.learned import WorkloadEstimator
 from gpuslice.core.ledger import Conflict, GpuSlot, Ledger
 from gpuslice.core.migmps import InstanceRoom
-from gpuslice.core.model import ClusterArrays, Gpu, Isolation, Node, SliceRequest, build_arrays
-from gpuslice.core.policies import PlacementState, make_policy, tie_order
+from gpuslice.core.model import (
+    ClusterArrays,
+    Gpu,
+    IntArray,
+    Isolation,
+    Node,
+    SliceRequest,
+    build_arrays,
+)
+from gpuslice.core.policies import PlacementState, Scored, make_policy, tie_order
+from gpuslice.core.scorecache import ScoreCache
 from gpuslice.services.leader import LeaderElector
 
 # how long, and for how many preemptors, the victims offered by preempt are remembered for
@@ -145,6 +154,7 @@ class ClusterView:
         self.estimator = WorkloadEstimator()
         self._pods: dict[tuple[str, str], _PodInfo] = {}
         self._st_version = -1
+        self._scores: ScoreCache | None = None  # the policy's node scores per request shape
         self.rng = np.random.default_rng(0)  # policies that draw (random) draw from it
         self._lock = threading.Lock()  # guards the ledger reference and the arrays' GPU rows
         self.problems: list[str] = []
@@ -287,6 +297,8 @@ class ClusterView:
             a.gpu_free[i, j], a.gpu_mem_free[i, j] = self._open_free(uuid, self.ledger)
         a.cpu_free[i] = a.cpu_cap[i] - self._cpu_used[i]
         a.mem_free[i] = a.mem_cap[i] - self._mem_used[i]
+        if self._scores is not None:
+            self._scores.changed(i)
         if derived:
             self.st.refresh(i)
 
@@ -353,6 +365,18 @@ class ClusterView:
     def sync_workload(self) -> None:
         with self._lock:
             self._sync_workload_locked()
+
+    def scores(self, req: SliceRequest, rows: IntArray) -> Scored:
+        """The policy's scores of nodes ``rows`` for ``req`` on the current placement state,
+        from the score cache where the policy allows it (core.scorecache: only the rows
+        changed since this shape was last scored are computed)."""
+        with self._lock:
+            self._sync_workload_locked()
+            if not ScoreCache.usable(self.policy):
+                return self.policy.score(self.st, req, rows)
+            if self._scores is None or self._scores.st is not self.st:
+                self._scores = ScoreCache(self.policy, self.st)
+            return self._scores.score(req, rows)
 
     def apply(self, event: WatchEvent) -> None:
         """Follow a watch event: a node that joins, leaves, or changes its GPU inventory or
