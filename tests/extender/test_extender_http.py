@@ -758,6 +758,32 @@ def test_metrics_show_latency_rejections_by_kind_binds_and_the_ledger() -> None:
         assert rejection_kind(reason) == kind
 
 
+def test_connections_are_counted_once_each_so_a_client_that_drops_them_shows() -> None:
+    """kube-scheduler's extender client keeps at most two idle connections (Go's
+    DefaultMaxIdleConnsPerHost: pkg/scheduler/extender.go makeTransport sets none), so
+    concurrent binds open new ones, each a TLS handshake: the counter shows that rate."""
+    api = small_cluster()
+
+    async def count(url: str) -> float:
+        async with aiohttp.ClientSession() as s, s.get(url + "/metrics") as r:
+            text = await r.text()
+        return float(next(line.split()[1] for line in text.splitlines()
+                          if line.startswith("gpuslice_extender_connections_total ")))
+
+    async def body(url: str, state: ExtenderState) -> None:
+        big = api.get_pod("default", "big")
+        async with aiohttp.ClientSession() as s:  # keep-alive: one connection
+            for _ in range(3):
+                await post(s, url + "/filter", {"Pod": big, "NodeNames": ["a", "b"]})
+        assert await count(url) == 1  # /metrics is not a scheduler call: not counted
+        for _ in range(2):  # a connection per session
+            async with aiohttp.ClientSession() as s:
+                await post(s, url + "/filter", {"Pod": big, "NodeNames": ["a", "b"]})
+        assert await count(url) == 3
+
+    asyncio.run(serving(api, body))
+
+
 def test_preempt_keeps_the_schedulers_victims_and_drops_nodes_that_cannot_fit() -> None:
     api = FakeApiServer()
     api.add_node(node("a", "A100-80GB", 2))

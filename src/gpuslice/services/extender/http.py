@@ -155,6 +155,7 @@ def make_app(state: ExtenderState, metrics: ExtenderMetrics | None = None, *,
             m.unauthenticated.labels(verb).inc()
             return _bad(f"{verb}: a client certificate signed by the extender's --client-ca "
                         "is required (kube-scheduler's tlsConfig certFile/keyFile)", 403)
+        m.arrived_on(request.transport)
         t0 = time.perf_counter()
         try:
             return await handler(request)  # type: ignore[no-any-return]

@@ -5,6 +5,7 @@ from the extender's state, so nothing is counted twice)."""
 
 from __future__ import annotations
 
+import weakref
 from collections import Counter as Tally
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Protocol
@@ -111,7 +112,19 @@ class ExtenderMetrics:
             "gpuslice_extender_unauthenticated_calls",
             "Calls refused (403) for want of a verified client certificate, by verb", ["verb"],
             registry=self.registry)
+        self.connections = Counter(
+            "gpuslice_extender_connections",
+            "Connections the scheduler's calls arrived on (each new one costs a TLS handshake "
+            "on both sides: a rate that follows the call rate means the client does not keep "
+            "its connections)", registry=self.registry)
+        self._seen: weakref.WeakSet[object] = weakref.WeakSet()
         self.registry.register(_StateCollector(state))
+
+    def arrived_on(self, transport: object) -> None:
+        """Count ``transport`` the first time a call arrives on it."""
+        if transport is not None and transport not in self._seen:
+            self._seen.add(transport)
+            self.connections.inc()
 
     def filtered(self, kept: int, failed: dict[str, str]) -> None:
         self.nodes.labels("kept").inc(kept)
