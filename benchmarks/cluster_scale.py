@@ -47,6 +47,7 @@ from rich.table import Table
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # the cluster tier's node and pod builders
+sys.path.insert(0, str(REPO / "benchmarks"))  # cluster_scale_dra
 
 from tests.cluster.helpers import over_allocation  # noqa: E402
 
@@ -88,12 +89,12 @@ def quantile(buckets: list[tuple[float, float]], q: float) -> float:
     return prev_le
 
 
-def unbound(dev: DevCluster) -> int:
+def unbound(dev: DevCluster, ns: str = NS) -> int:
     """Pods of the benchmark not bound yet: a metadata-only list of those with no nodeName (the
     scheduler's 'scheduled' counter misses pods whose bind it timed out on while the extender
     still completed it)."""
     req = urllib.request.Request(
-        f"{dev.server}/api/v1/namespaces/{NS}/pods?fieldSelector=spec.nodeName%3D",
+        f"{dev.server}/api/v1/namespaces/{ns}/pods?fieldSelector=spec.nodeName%3D",
         headers={"Accept": "application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1"})
     with urllib.request.urlopen(req, context=dev._ssl(), timeout=60) as r:
         return len(json.loads(r.read())["items"] or [])
@@ -135,6 +136,8 @@ def list_json(dev: DevCluster, *args: str) -> list[dict[str, Any]]:
 
 
 CPU_COMPONENTS = ("kube-scheduler", "gpuslice extender", "kube-apiserver", "etcd", "kwok",
+                  "kube-controller-manager")
+DRA_COMPONENTS = ("kube-scheduler", "gpuslice dra-allocator", "kube-apiserver", "etcd", "kwok",
                   "kube-controller-manager")
 
 
@@ -185,10 +188,12 @@ def profile_table(path: Path) -> Table:
     return table
 
 
-def cpu_now(dev: DevCluster, extender_pid: int) -> dict[str, float]:
+def cpu_now(dev: DevCluster, ours: dict[str, int]) -> dict[str, float]:
+    """CPU seconds so far of the cluster's processes and ``ours`` (name -> PID)."""
     pids = {n: p.pid for n, p in dev.procs.items() if p.pid}
-    pids["gpuslice extender"] = extender_pid
-    return {n: cpu_seconds(pid) for n, pid in pids.items() if n in CPU_COMPONENTS}
+    pids.update(ours)
+    return {n: cpu_seconds(pid) for n, pid in pids.items()
+            if n in CPU_COMPONENTS or n in DRA_COMPONENTS}
 
 
 def run_once(dev: DevCluster, pods: int, fractional: bool, timeout_s: float,
@@ -199,12 +204,13 @@ def run_once(dev: DevCluster, pods: int, fractional: bool, timeout_s: float,
     created = create_pods(dev, pods, fractional)
     console.print(f"  {pods} pods created in {created:.0f} s; starting kube-scheduler "
                   f"({'with' if fractional else 'without'} the extender)")
-    before = cpu_now(dev, extender_pid)  # the scheduler is not running yet: it starts at 0
+    # the scheduler is not running yet: it starts at 0
+    before = cpu_now(dev, {"gpuslice extender": extender_pid})
     dev.start_scheduler(with_extender=fractional)
     t0 = time.monotonic()
     wait_until(f"{pods} pods bound", lambda: unbound(dev) == 0, timeout_s, every_s=1.0)
     elapsed = time.monotonic() - t0
-    after = cpu_now(dev, extender_pid)
+    after = cpu_now(dev, {"gpuslice extender": extender_pid})
     spent = {n: after[n] - before.get(n, 0.0) for n in after}
     metrics = dev.scheduler_metrics()
     algo = histogram(metrics, "scheduler_scheduling_algorithm_duration_seconds")
@@ -228,6 +234,9 @@ def run_once(dev: DevCluster, pods: int, fractional: bool, timeout_s: float,
         nodes = list_json(dev, "nodes")
         res["over_allocation"] = len(over_allocation(got, nodes))
         text = extender_metrics()
+        res["ext_connections"] = int(sum(
+            float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line.startswith("gpuslice_extender_connections_total ")))
         for verb in ("filter", "prioritize", "bind"):
             h = histogram(text, "gpuslice_extender_request_seconds", {"verb": verb})
             res[f"ext_{verb}_p50_ms"] = quantile(h, 0.5) * 1e3
@@ -245,12 +254,38 @@ def run_once(dev: DevCluster, pods: int, fractional: bool, timeout_s: float,
     return res
 
 
+def dra_runs(args: argparse.Namespace, dev: DevCluster, console: Console, t_all: float,
+             ) -> int:
+    """The DRA pair (benchmarks/cluster_scale_dra.py) on the cluster's nodes."""
+    import cluster_scale_dra as cd
+
+    dev.apply(REPO / "deploy" / "dra" / "deviceclasses.yaml")
+    dev.kubectl("create", "namespace", cd.NS)
+    wait_until(f"ServiceAccount {cd.NS}/default", lambda: dev.kubectl(
+        "get", "sa", "default", "-n", cd.NS, check=False).returncode == 0, 120)
+    nodes = [f"kwok-{i:05d}" for i in range(args.nodes)]
+    helpers = sys.modules[__name__]
+    runs = []
+    for k, ours in enumerate((False, True)):
+        console.print(f"run {k + 1}/2: kube-scheduler"
+                      f"{' + gpuslice dra-allocator' if ours else ' alone'}, pods with claims")
+        runs.append(cd.run_dra(dev, nodes, args.gpus, args.pods, ours, args.timeout, k + 1,
+                               helpers))
+    return cd.report(runs, args.nodes, args.gpus, args.pods, time.monotonic() - t_all,
+                     os.cpu_count(), console, args.write, DRA_COMPONENTS)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--nodes", type=int, default=1000, help="kwok nodes (default 1000)")
     ap.add_argument("--gpus", type=int, default=8, help="GPUs per node (default 8)")
     ap.add_argument("--pods", type=int, default=5000, help="pods per run (default 5000)")
     ap.add_argument("--quick", action="store_true", help="100 nodes, 500 pods")
+    ap.add_argument("--path", choices=("extender", "dra"), default="extender",
+                    help="extender: kube-scheduler + gpuslice extender against kube-scheduler "
+                         "alone (default); dra: kube-scheduler's DRA allocation against "
+                         "gpuslice dra-allocator, pods with ResourceClaims "
+                         "(benchmarks/cluster_scale_dra.py)")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per run")
     ap.add_argument("--profile", metavar="FILE",
                     help="sample the extender with py-spy during run 1 (collapsed stacks to "
@@ -289,6 +324,8 @@ def main() -> int:
                       f"{time.monotonic() - t0:.0f} s")
         wait_until("ServiceAccount bench/default", lambda: dev.kubectl(
             "get", "sa", "default", "-n", NS, check=False).returncode == 0, 120)
+        if args.path == "dra":
+            return dra_runs(args, dev, console, t_all)
 
         key = dev.dir / "key"
         key.write_text(KEY)
@@ -347,6 +384,8 @@ def main() -> int:
         cpu.add_row(name, *(f"{r['cpu_ms'][n]:.1f}" for n in CPU_COMPONENTS),
                     f"{sum(r['cpu_ms'].values()):.1f}", f"{r['cores']:.2f} of {os.cpu_count()}")
     console.print(cpu)
+    console.print(f"the scheduler's calls reached the extender on {ours['ext_connections']} "
+                  f"connections ({ours['pods']} pods)")
     console.print(f"ratio gpuslice / scheduler alone: {ratio:.2f} (goal >= 0.50); "
                   f"over-allocation: {ours['over_allocation']} (must be 0)")
     if args.write:

@@ -1,0 +1,312 @@
+"""The DRA runs of ``cluster_scale.py --path dra``: the same kwok nodes publish our driver's
+ResourceSlices (one share device per GPU, consumable compute and memory, as
+``core.dra.pool_slices`` writes them for the node's driver), and P pods each with a
+ResourceClaim of ``share.gpuslice.io`` (compute 25/25/50/75 of 100, 8 GiB) are scheduled twice:
+
+* **kube-scheduler's DRA allocation**: untainted devices, the DynamicResources plugin
+  allocates each claim in the pod's scheduling cycle (first fit over the devices);
+* **with gpuslice dra-allocator**: the devices carry the allocator's taint (as our driver
+  publishes them while the allocator's Lease is fresh), ``gpuslice dra-allocator`` places the
+  claims with frag-strand and kube-scheduler binds each pod where its claim was put.
+
+The pods and claims are created while no scheduler (and no allocator) runs; the clock runs
+from their start to the last pod bound. A watch on the claims records when each allocation
+appeared. Over-allocation is read back from the claims: the consumed compute and memory summed
+per device against its capacity, and each pod bound to the node its claim's allocation names.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from gpuslice.adapters.kube import dra as kdra
+from gpuslice.core import dra
+from gpuslice.core.catalog import resolve
+from gpuslice.core.devices import GpuDevice
+from gpuslice.devcluster import DevCluster, wait_until
+
+MODEL = "A100-80GB"
+NS = "bench-dra"
+COMPUTE = (25, 25, 50, 75)  # % of a GPU, the extender run's 250/250/500/750 milli
+MEMORY = "8Gi"
+
+
+def node_slices(node: str, gpus: int, tainted: bool, generation: int) -> list[dict[str, Any]]:
+    """The ResourceSlices our DRA driver publishes for a node of ``gpus`` A100-80GB in share
+    mode (``tainted``: with the allocator's taint, as while its Lease is fresh)."""
+    mib = resolve(MODEL).memory_mib
+    facts = [dra.GpuFacts(GpuDevice(j, f"GPU-{node}-{j:02d}", "NVIDIA A100-SXM4-80GB", MODEL,
+                                    mib, 108, (8, 0))) for j in range(gpus)]
+    plan = dra.pool_slices(facts, {f.gpu.uuid: dra.SHARE for f in facts}, "580.0.0",
+                           dra.Features(), allocator_taint=tainted)
+    return [{"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice",
+             "metadata": {"name": f"{node}-{kdra.DRIVER.replace('.', '-')}-{k}"},
+             "spec": {**spec, "driver": kdra.DRIVER, "nodeName": node,
+                      "pool": {"name": node, "generation": generation,
+                               "resourceSliceCount": len(plan.slices)}}}
+            for k, spec in enumerate(plan.slices)]
+
+
+def publish(dev: DevCluster, nodes: list[str], gpus: int, tainted: bool, generation: int,
+            ) -> None:
+    """Replace every ResourceSlice with the nodes' (``tainted`` or not)."""
+    dev.kubectl("delete", "resourceslices", "--all", "--wait=true", timeout_s=600)
+    for lo in range(0, len(nodes), 250):
+        docs = [s for n in nodes[lo:lo + 250]
+                for s in node_slices(n, gpus, tainted, generation)]
+        dev.kubectl("create", "-f", "-", input=yaml.safe_dump_all(docs), timeout_s=600)
+
+
+def claimed_pod(i: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Pod ``i`` and its ResourceClaim (a share of one GPU)."""
+    name = f"d{i:05d}"
+    claim = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+             "metadata": {"name": name, "namespace": NS},
+             "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {
+                 "deviceClassName": "share.gpuslice.io", "count": 1,
+                 "capacity": {"requests": {"compute": str(COMPUTE[i % len(COMPUTE)]),
+                                           "memory": MEMORY}}}}]}}}
+    pod = {"apiVersion": "v1", "kind": "Pod",
+           "metadata": {"name": name, "namespace": NS},
+           "spec": {"schedulerName": "default-scheduler", "terminationGracePeriodSeconds": 0,
+                    "tolerations": [{"operator": "Exists"}],
+                    "resourceClaims": [{"name": "gpu", "resourceClaimName": name}],
+                    "containers": [{"name": "m", "image": "model:1",
+                                    "resources": {"claims": [{"name": "gpu"}]}}]}}
+    return pod, claim
+
+
+def create(dev: DevCluster, n: int) -> float:
+    t0 = time.monotonic()
+    for lo in range(0, n, 500):
+        made = [claimed_pod(i) for i in range(lo, min(n, lo + 500))]
+        dev.kubectl("create", "-f", "-", input=yaml.safe_dump_all([c for _, c in made]),
+                    timeout_s=600)
+        dev.kubectl("create", "-f", "-", input=yaml.safe_dump_all([p for p, _ in made]),
+                    timeout_s=600)
+    return time.monotonic() - t0
+
+
+class AllocationWatch:
+    """When each claim of the namespace was first seen allocated (a watch of the claims, in a
+    thread: monotonic seconds)."""
+
+    def __init__(self, dev: DevCluster) -> None:
+        self.dev = dev
+        self.seen: dict[str, float] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> AllocationWatch:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        rv = ""
+        while not self._stop.is_set():
+            url = (f"{self.dev.server}/apis/resource.k8s.io/v1/namespaces/{NS}/resourceclaims"
+                   f"?watch=1&allowWatchBookmarks=true&timeoutSeconds=30"
+                   + (f"&resourceVersion={rv}" if rv else ""))
+            try:
+                with urllib.request.urlopen(url, context=self.dev._ssl(), timeout=60) as r:
+                    for line in r:
+                        if self._stop.is_set():
+                            return
+                        ev = json.loads(line)
+                        obj = ev.get("object") or {}
+                        rv = (obj.get("metadata") or {}).get("resourceVersion") or rv
+                        name = (obj.get("metadata") or {}).get("name")
+                        if ev.get("type") in ("ADDED", "MODIFIED") and name and \
+                                (obj.get("status") or {}).get("allocation") and \
+                                name not in self.seen:
+                            self.seen[name] = time.monotonic()
+            except (OSError, ValueError):
+                time.sleep(0.5)
+
+
+def over_allocation(claims: list[dict[str, Any]], pods: list[dict[str, Any]]) -> list[str]:
+    """Devices given more compute or memory than they have, a device taken whole and shared
+    at once, and pods bound elsewhere than their claim's allocation."""
+    mib = resolve(MODEL).memory_mib
+    problems: list[str] = []
+    for (pool, device), u in kdra.claim_usage(claims, kdra.DRIVER).items():
+        if u.consumed.get("compute", 0) > 100:
+            problems.append(f"{pool}/{device}: compute {u.consumed['compute']} of 100")
+        if u.consumed.get("memory", 0) > mib * 2 ** 20:
+            problems.append(f"{pool}/{device}: memory {u.consumed['memory']} of {mib} MiB")
+        if u.whole and u.consumed:
+            problems.append(f"{pool}/{device}: taken whole and shared")
+    node_of = {c["metadata"]["name"]: kdra.allocated_node(c) for c in claims}
+    for p in pods:
+        bound = p["spec"].get("nodeName")
+        want = node_of.get(p["metadata"]["name"])
+        if bound and want and bound != want:
+            problems.append(f"pod {p['metadata']['name']} on {bound}, its claim on {want}")
+    return problems
+
+
+def start_allocator(dev: DevCluster, log: Path) -> subprocess.Popen[bytes]:
+    """``gpuslice dra-allocator`` as deploy/dra runs it, its taint settled after 1 s."""
+    out = log.open("wb")
+    try:
+        return subprocess.Popen(
+            [sys.executable, "-m", "gpuslice.cli", "dra-allocator", "--kubeconfig",
+             str(dev.kubeconfig), "--settle", "1", "--interval", "0.2"],
+            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            start_new_session=True)
+    finally:
+        out.close()
+
+
+def clean(dev: DevCluster, list_json: Callable[..., list[dict[str, Any]]]) -> None:
+    """Delete the run's pods and claims (the claims' delete-protection finalizer taken off
+    once their pods are gone, should the claim controller not have done it yet)."""
+    dev.kubectl("delete", "pods", "--all", "-n", NS, "--grace-period=0", "--force",
+                "--wait=false", timeout_s=600)
+    wait_until("pods deleted", lambda: not list_json(dev, "pods", "-n", NS), 600, every_s=2)
+    dev.kubectl("delete", "resourceclaims", "--all", "-n", NS, "--wait=false", timeout_s=600)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and list_json(dev, "resourceclaims", "-n", NS):
+        time.sleep(2)
+    for c in list_json(dev, "resourceclaims", "-n", NS):
+        dev.kubectl("patch", "resourceclaim", c["metadata"]["name"], "-n", NS, "--type=merge",
+                    "-p", '{"metadata":{"finalizers":null}}', check=False)
+    wait_until("claims deleted", lambda: not list_json(dev, "resourceclaims", "-n", NS), 300,
+               every_s=2)
+
+
+def run_dra(dev: DevCluster, nodes: list[str], gpus: int, pods: int, ours: bool,
+            timeout_s: float, generation: int, helpers: Any) -> dict[str, Any]:
+    """One DRA run (``ours``: with ``gpuslice dra-allocator``); ``helpers``: cluster_scale's
+    module (its metrics readers, CPU sampling and pod listing)."""
+    from rich.console import Console
+
+    console = Console(stderr=True)
+    if "kube-scheduler" in dev.procs:
+        dev.procs.pop("kube-scheduler").stop()
+    publish(dev, nodes, gpus, tainted=ours, generation=generation)
+    created = create(dev, pods)
+    console.print(f"  {pods} pods with claims created in {created:.0f} s; starting "
+                  f"kube-scheduler{' and gpuslice dra-allocator' if ours else ''}")
+    watch = AllocationWatch(dev).start()
+    before = helpers.cpu_now(dev, {})
+    allocator = start_allocator(dev, dev.dir / f"dra-allocator-{generation}.log") \
+        if ours else None
+    pids = {"gpuslice dra-allocator": allocator.pid} if allocator is not None else {}
+    before.update({"gpuslice dra-allocator": 0.0})
+    t0 = time.monotonic()
+    try:
+        dev.start_scheduler(with_extender=False)
+        wait_until(f"{pods} pods bound", lambda: helpers.unbound(dev, NS) == 0, timeout_s,
+                   every_s=1.0)
+        elapsed = time.monotonic() - t0
+        after = helpers.cpu_now(dev, pids)
+    finally:
+        watch.stop()
+        if allocator is not None:
+            allocator.terminate()
+            allocator.wait(30)
+    spent = {n: after.get(n, 0.0) - before.get(n, 0.0) for n in after}
+    metrics = dev.scheduler_metrics()
+    algo = helpers.histogram(metrics, "scheduler_scheduling_algorithm_duration_seconds")
+    attempt = helpers.histogram(metrics, "scheduler_scheduling_attempt_duration_seconds",
+                                {"result": "scheduled"})
+    at = sorted(t - t0 for t in watch.seen.values())
+    q = helpers.quantile
+    res: dict[str, Any] = {
+        "pods": pods, "seconds": elapsed, "pods_per_s": pods / elapsed,
+        "retries": helpers.counter(metrics, "scheduler_schedule_attempts_total", "error")
+        + helpers.counter(metrics, "scheduler_schedule_attempts_total", "unschedulable"),
+        "algo_p50_ms": q(algo, 0.5) * 1e3, "algo_p99_ms": q(algo, 0.99) * 1e3,
+        "attempt_p50_ms": q(attempt, 0.5) * 1e3, "attempt_p99_ms": q(attempt, 0.99) * 1e3,
+        "allocated": len(at),
+        "alloc_p50_s": at[len(at) // 2] if at else float("nan"),
+        "alloc_p99_s": at[min(len(at) - 1, int(0.99 * len(at)))] if at else float("nan"),
+        "cpu_ms": {n: 1e3 * spent.get(n, 0.0) / pods for n in helpers.DRA_COMPONENTS},
+        "cores": sum(spent.values()) / elapsed,
+    }
+    got = helpers.list_json(dev, "pods", "-n", NS)
+    claims = helpers.list_json(dev, "resourceclaims", "-n", NS)
+    res["bound"] = sum(1 for p in got if p["spec"].get("nodeName"))
+    problems = over_allocation(claims, got)
+    res["over_allocation"] = len(problems)
+    for p in problems[:5]:
+        console.print(f"  [red]over-allocation: {p}[/]")
+    dev.procs.pop("kube-scheduler").stop()
+    clean(dev, helpers.list_json)
+    return res
+
+
+
+ROWS = ("kube-scheduler's DRA allocation (first fit)", "with gpuslice dra-allocator (frag-strand)")
+
+
+def report(runs: list[dict[str, Any]], nodes: int, gpus: int, pods: int, total_s: float,
+           cores: int | None, console: Any, write: Path | None, components: tuple[str, ...],
+           ) -> int:
+    """Print (and with ``write`` append to that markdown file) the two DRA runs; 1 when a
+    run lost a pod or over-allocated a device."""
+    from rich.table import Table
+
+    default, ours = runs
+    ratio = ours["pods_per_s"] / default["pods_per_s"]
+    cols = ("run", "pods/s", "bound", "failed attempts", "scheduling algorithm p50 / p99 ms",
+            "attempt p50 / p99 ms", "claims allocated", "allocated p50 / p99 s after start",
+            "over-allocated")
+
+    def cells(r: dict[str, Any]) -> list[str]:
+        return [f"{r['pods_per_s']:.1f}", f"{r['bound']}/{r['pods']}", str(r["retries"]),
+                f"{r['algo_p50_ms']:.1f} / {r['algo_p99_ms']:.1f}",
+                f"{r['attempt_p50_ms']:.1f} / {r['attempt_p99_ms']:.1f}",
+                f"{r['allocated']}/{r['pods']}",
+                f"{r['alloc_p50_s']:.1f} / {r['alloc_p99_s']:.1f}", str(r["over_allocation"])]
+
+    table = Table(title=f"DRA: {nodes} kwok nodes x {gpus} GPUs, {pods} pods with claims per "
+                  f"run ({cores} CPUs, whole benchmark {total_s / 60:.1f} min)")
+    for c in cols:
+        table.add_column(c)
+    for name, r in zip(ROWS, runs, strict=True):
+        table.add_row(name, *cells(r))
+    console.print(table)
+    cpu = Table(title="CPU per pod bound (ms, user + system, over the timed window)")
+    for c in ("run", *components, "all", "cores busy"):
+        cpu.add_column(c)
+    for name, r in zip(ROWS, runs, strict=True):
+        cpu.add_row(name, *(f"{r['cpu_ms'][n]:.1f}" for n in components),
+                    f"{sum(r['cpu_ms'].values()):.1f}", f"{r['cores']:.2f} of {cores}")
+    console.print(cpu)
+    console.print(f"ratio dra-allocator / kube-scheduler's DRA allocation: {ratio:.2f} "
+                  f"(goal >= 0.80); over-allocation: {default['over_allocation']} / "
+                  f"{ours['over_allocation']} (must be 0)")
+    if write is not None:
+        lines = ["| " + " | ".join(cols) + " |", "|---" * len(cols) + "|"]
+        lines += [f"| {name} | " + " | ".join(cells(r)) + " |"
+                  for name, r in zip(ROWS, runs, strict=True)]
+        lines += ["", "CPU per pod bound (ms, user + system, over the timed window):", "",
+                  "| run | " + " | ".join(components) + " | all | cores busy |",
+                  "|---" * (len(components) + 3) + "|"]
+        lines += [f"| {name} | " + " | ".join(f"{r['cpu_ms'][n]:.1f}" for n in components)
+                  + f" | {sum(r['cpu_ms'].values()):.1f} | {r['cores']:.2f} of {cores} |"
+                  for name, r in zip(ROWS, runs, strict=True)]
+        block = (f"<!-- cluster_scale --path dra: {nodes} nodes x {gpus} GPUs, {pods} pods -->"
+                 "\n" + "\n".join(lines) + f"\n\nRatio {ratio:.2f}; whole benchmark "
+                 f"{total_s / 60:.1f} min on {cores} CPUs.\n")
+        write.parent.mkdir(parents=True, exist_ok=True)
+        with write.open("a") as f:
+            f.write("\n" + block)
+        console.print(f"appended to {write}")
+    bad = any(r["over_allocation"] or r["bound"] != r["pods"] for r in runs)
+    return 1 if bad else 0
