@@ -161,6 +161,22 @@ def test_the_narrow_filters_one_pass_choice_is_best_over_every_node_that_fits() 
         raise AssertionError("the cluster never filled: the no-fit branch was not reached")
 
 
+def test_a_node_that_joins_after_scores_were_kept_is_scored_too() -> None:
+    """The score cache is per inventory: a re-read with another node set starts a new one (it
+    once kept the old size, and the new node's row raised IndexError in the watch loop)."""
+    api = FakeApiServer()
+    for n in ("a", "b"):
+        api.add_node(node(n, gpus=2))
+    state = ExtenderState(api, KEY, clock=clock)
+    first = api.add_pod(pod("first", milli=500))
+    assert state.filter(first, ["a", "b"])[0]  # scores kept for this shape
+    api.add_node(node("c", gpus=8))
+    state.apply(WatchEvent("ADDED", "Node", api.get_node("c")))  # a re-read
+    again = api.add_pod(pod("again", milli=500))
+    keep, _ = state.filter(again, ["a", "b", "c"])
+    assert keep == [state.best(pod_req(again), ["a", "b", "c"])]
+
+
 def pod_req(p: dict[str, Any]) -> SliceRequest:
     from gpuslice.adapters.kube.objects import pod_request
 

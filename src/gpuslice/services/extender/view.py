@@ -251,6 +251,7 @@ class ClusterView:
                 if key in pods and not pods[key].node:
                     pods[key].node = a.node
             self.inv = inv_
+            self._scores = None  # another inventory: scores of its own
             self.ledger = ledger
             self.cordoned = cordoned
             self._node_marks = marks
@@ -371,12 +372,15 @@ class ClusterView:
         from the score cache where the policy allows it (core.scorecache: only the rows
         changed since this shape was last scored are computed)."""
         with self._lock:
-            self._sync_workload_locked()
-            if not ScoreCache.usable(self.policy):
-                return self.policy.score(self.st, req, rows)
-            if self._scores is None or self._scores.st is not self.st:
-                self._scores = ScoreCache(self.policy, self.st)
-            return self._scores.score(req, rows)
+            return self._scores_locked(req, rows)
+
+    def _scores_locked(self, req: SliceRequest, rows: IntArray) -> Scored:
+        self._sync_workload_locked()
+        if not ScoreCache.usable(self.policy):
+            return self.policy.score(self.st, req, rows)
+        if self._scores is None or self._scores.st is not self.st:
+            self._scores = ScoreCache(self.policy, self.st)
+        return self._scores.score(req, rows)
 
     def apply(self, event: WatchEvent) -> None:
         """Follow a watch event: a node that joins, leaves, or changes its GPU inventory or
