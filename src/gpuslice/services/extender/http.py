@@ -398,6 +398,18 @@ async def serve(state: ExtenderState, host: str, port: int, ssl_context: Any = N
             stepped.clear()
             await loop.run_in_executor(None, label.sync, el.leader)
 
+    def follow_once(since: str, stale: bool, last: float) -> tuple[str, bool]:
+        """The next batch of watch events applied (a node change re-reads everything), after
+        a re-read of everything when the watch broke or ``resync_s`` has passed since
+        ``last``; whether it re-read. Blocking: on a thread."""
+        events, since = state.api.watch(since, 0.0 if stale else WATCH_WAIT_S)
+        reread = stale or time.monotonic() - last >= resync_s
+        if reread:
+            state.rebuild()
+        if events:
+            state.apply_all(events)
+        return since, reread
+
     async def follow() -> None:
         since = ""
         stale = False  # events were missed (a broken watch): re-read before following again
@@ -406,14 +418,11 @@ async def serve(state: ExtenderState, host: str, port: int, ssl_context: Any = N
         while True:
             # an outage of the API server leaves filter and prioritize answering from the
             # last view (binds fail on their own); the loop retries with backoff, never exits
-            try:
-                events, since = await loop.run_in_executor(
-                    None, state.api.watch, since, 0.0 if stale else WATCH_WAIT_S)
-                if stale or time.monotonic() - last >= resync_s:
-                    await loop.run_in_executor(None, state.rebuild)
+            try:  # one hand-over to a thread per batch: the watch, a re-read, the events
+                since, reread = await loop.run_in_executor(None, follow_once, since, stale,
+                                                           last)
+                if reread:
                     stale, last = False, time.monotonic()
-                if events:  # a node change re-reads: off the loop, as the rebuild above
-                    await loop.run_in_executor(None, state.apply_all, events)
                 backoff_s = 1.0
             except GpusliceError as exc:  # start the watch again, then re-read everything
                 state.problems.append(f"watch: {exc}")
