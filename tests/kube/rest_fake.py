@@ -23,7 +23,8 @@ official Kubernetes client, is exercised through real HTTP:
 - watches: ``?watch=true`` streams one JSON event per line (chunked) until ``timeoutSeconds``,
   from after ``resourceVersion`` (``""``/``"0"``: ADDED for what exists, then changes); a
   resourceVersion older than :attr:`RestApiServer.compacted` gets the ERROR event with code 410
-  that an etcd compaction gives; ``fieldSelector=spec.nodeName=...`` on pods;
+  that an etcd compaction gives; ``fieldSelector=spec.nodeName=...`` on pods; pods, nodes,
+  ResourceClaims and ResourceSlices only;
 - bindings (``pods/{name}/binding`` and the ``bindings`` collection) with the UID precondition,
   evictions (a pod listed in :attr:`RestApiServer.disruption_blocked` gets 429 as a
   PodDisruptionBudget gives), the ``status`` subresource of the custom objects (the spec
@@ -764,7 +765,9 @@ class RestApiServer(FakeApiServer):
                query: dict[str, str]) -> tuple[int, Any]:
         import time
 
-        kinds = {("", "pods"): "Pod", ("", "nodes"): "Node"}
+        kinds = {("", "pods"): "Pod", ("", "nodes"): "Node",
+                 ("resource.k8s.io", "resourceclaims"): "ResourceClaim",
+                 ("resource.k8s.io", "resourceslices"): "ResourceSlice"}
         kind = kinds.get((group, resource))
         if kind is None:
             raise HttpError(405, "MethodNotAllowed", f"the fake watches no {resource}")
@@ -788,7 +791,9 @@ class RestApiServer(FakeApiServer):
         try:
             if since in ("", "0"):
                 since = self.current_rv()
-                objs = self.list_pods() if kind == "Pod" else self.list_nodes()
+                objs = {"Pod": self.list_pods, "Node": self.list_nodes,
+                        "ResourceClaim": self.list_resource_claims,
+                        "ResourceSlice": self.list_resource_slices}[kind]()
                 for obj in objs:
                     if keep(obj):
                         send({"type": "ADDED", "object": obj})

@@ -408,3 +408,69 @@ def test_kubernetes_1_36_asks_for_resourceclaims_binding(tmp_path: Path) -> None
         assert not (server.get_resource_claim("ml", "c1").get("status") or {}).get("allocation")
     finally:
         server.stop()
+
+
+def test_over_watched_lists_it_places_as_with_full_lists_and_lists_once(
+        rest: RestApiServer, tmp_path: Path) -> None:
+    """``gpuslice dra-allocator`` reads slices, claims, pods and nodes from watches
+    (adapters/kube/mirror.py): pass after pass, with claims arriving and pods bound between
+    passes, it places every claim where the same allocator over full lists does, and lists
+    each resource once."""
+    import time
+
+    from gpuslice.adapters.kube.mirror import MirroredLists
+
+    other = RestApiServer(rbac=Rbac((DEPLOY, EXAMPLES, DRA_DEPLOY))).start()
+    try:
+        servers = (rest, other)
+        for s in servers:
+            cluster(s, nodes=("n1", "n2", "n3"), n=4)
+        plain = allocator(rest, tmp_path)
+        (tmp_path / "other").mkdir()
+        lists = MirroredLists(kube_client(other, tmp_path / "other", ALLOCATOR))
+        other.on_stop.append(lists.close)
+        ids = iter(f"00000000-0000-0000-0000-{i:012d}" for i in range(1, 1000))
+        watched = DraAllocator(lists, clock=Clock(), settle_s=0.0,
+                               new_share_id=lambda: next(ids))
+
+        def caught_up(want_claims: int, bound: set[str]) -> None:
+            t0 = time.monotonic()
+            while True:
+                claims = lists.list_resource_claims()
+                on = {p["metadata"]["name"] for p in lists.list_pods()
+                      if p["spec"].get("nodeName")}
+                if len(claims) == want_claims and bound <= on:
+                    return
+                assert time.monotonic() - t0 < 10, "the watches did not follow"
+                time.sleep(0.02)
+
+        bound: set[str] = set()
+        k = 0
+        for step, compute in enumerate((30, 50, 20, 70, 40, 60)):
+            for _ in range(3):
+                for s in servers:
+                    s.add_resourceclaim(claim(f"c{k}", compute))
+                    s.add_pod(pod(f"p{k}", f"c{k}"))
+                k += 1
+            caught_up(k, bound)
+            a, b = plain.run_once(), watched.run_once()
+            assert a.allocated == b.allocated and a.unplaced == b.unplaced, (step, a, b)
+            for name in a.allocated:  # the scheduler binds each pod where its claim went
+                c = name.split("/")[1]
+                for s in servers:
+                    got = s.get_resource_claim("ml", c)
+                    p = s.get_pod("ml", "p" + c[1:])
+                    s.bind("ml", p["metadata"]["name"], p["metadata"]["uid"],
+                           kdra.allocated_node(got) or "")
+                bound.add("p" + c[1:])
+        assert len(bound) > 6  # most were placed, some not (the room ran out)
+        lists_made = [path for who, verb, path, _ in other.requests
+                      if who == ALLOCATOR and verb == "GET" and path in (
+                          "/api/v1/pods", "/api/v1/nodes",
+                          "/apis/resource.k8s.io/v1/resourceclaims",
+                          "/apis/resource.k8s.io/v1/resourceslices")]
+        assert len(set(lists_made)) == 4  # each listed (and watched: the same paths)
+        assert [m.lists for m in (lists.pods, lists.nodes, lists.claims, lists.slices)] == \
+            [1, 1, 1, 1]
+    finally:
+        other.stop()

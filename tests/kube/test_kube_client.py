@@ -143,6 +143,83 @@ def test_watch_hands_over_pod_and_node_events_as_they_come_and_a_410_raises(
     api.close()
 
 
+def test_watch_batches_what_comes_within_the_linger_up_to_the_batch_size(
+        rest: RestApiServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Events that come while a batch lingers after its first go out with it (one hand-over
+    to the caller's thread instead of one each), at most ``BATCH`` of them."""
+    from gpuslice.adapters.kube.client import KubeClient
+
+    monkeypatch.setattr(KubeClient, "LINGER_S", 2.0)  # generous: a loaded machine is slow
+    monkeypatch.setattr(KubeClient, "BATCH", 3)
+    api = client(rest, tmp_path)
+    _, since = api.watch("", 0.5)
+
+    def add() -> None:
+        for k in range(4):
+            rest.add_pod(pod(f"b{k}"))
+            time.sleep(0.02)
+
+    threading.Thread(target=add).start()
+    first, since = api.watch(since, 5.0)
+    assert [e.obj["metadata"]["name"] for e in first] == ["b0", "b1", "b2"]
+    rest_, _ = api.watch(since, 5.0)
+    assert [e.obj["metadata"]["name"] for e in rest_] == ["b3"]
+    api.close()
+
+
+def test_a_mirror_lists_once_follows_the_watch_serves_our_writes_and_relists_on_410(
+        rest: RestApiServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpuslice.adapters.kube import client as kube_client
+    from gpuslice.adapters.kube import mirror as kube_mirror
+    from gpuslice.adapters.kube.mirror import Mirror
+
+    monkeypatch.setattr(kube_client._Follower, "WINDOW_S", 1)  # short stream windows
+    api = client(rest, tmp_path)
+    rest.add_pod(pod("a"))
+    rest.add_pod(pod("b"))
+    m = Mirror(api, api._api.list_pod_for_all_namespaces, "Pod")
+
+    def names() -> set[str]:
+        return {p["metadata"]["name"] for p in m.items()}
+
+    def soon(cond: Any) -> None:
+        t0 = time.monotonic()
+        while not cond():
+            assert time.monotonic() - t0 < 10, "the mirror did not follow"
+            time.sleep(0.05)
+
+    assert names() == {"a", "b"} and m.lists == 1
+    rest.add_pod(pod("c"))
+    rest.delete_pod("ml", "a")
+    soon(lambda: names() == {"b", "c"})
+    assert m.lists == 1  # followed, not listed again
+    # our write is served at once, and stays until the watch brings that version
+    b = next(p for p in m.items() if p["metadata"]["name"] == "b")
+    mine = {**b, "metadata": {**b["metadata"], "resourceVersion": "999999",
+                              "annotations": {"ours": "yes"}}}
+    m.wrote(mine)
+    assert next(p for p in m.items() if p["metadata"]["name"] == "b") is mine
+    monkeypatch.setattr(kube_mirror, "WRITTEN_S", 0.0)  # never brought: the watch's wins
+    time.sleep(0.01)
+    got = next(p for p in m.items() if p["metadata"]["name"] == "b")
+    assert (got["metadata"].get("annotations") or {}).get("ours") is None
+    monkeypatch.setattr(kube_mirror, "WRITTEN_S", 30.0)
+    new = rest.patch_pod_annotations("ml", "b", {"x": "1"},
+                                     b["metadata"]["resourceVersion"])
+    m.wrote(new)  # a real write: dropped once its own event arrives
+    soon(lambda: (m.items(), not m._written)[1])
+    assert next(p for p in m.items() if p["metadata"]["name"] == "b")["metadata"][
+        "annotations"]["x"] == "1"
+    # a broken watch (compacted past it): the next read lists again
+    rest.compacted = int(rest.current_rv()) + 1
+    soon(lambda: (m.items(), m.lists)[1] >= 2)
+    rest.compacted = 0
+    rest.add_pod(pod("d"))
+    soon(lambda: names() == {"b", "c", "d"})
+    m.close()
+    api.close()
+
+
 def test_create_bind_evict_and_their_refusals(rest: RestApiServer, tmp_path: Path) -> None:
     rest.add_node(node("n1"))
     api = client(rest, tmp_path)

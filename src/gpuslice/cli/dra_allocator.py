@@ -71,6 +71,7 @@ def _run(args: argparse.Namespace, console: Console) -> int:
 
     from gpuslice.adapters.kube import dra as kdra
     from gpuslice.adapters.kube.client import KubeClient
+    from gpuslice.adapters.kube.mirror import MirroredLists
     from gpuslice.adapters.signals import StopSignals
     from gpuslice.services.dra_allocator import DraAllocator, PassReport
     from gpuslice.services.leader import LeaderElector
@@ -88,7 +89,9 @@ def _run(args: argparse.Namespace, console: Console) -> int:
     api = KubeClient(args.kubeconfig, args.context)
     identity = args.identity or os.environ.get("POD_NAME") or socket.gethostname()
     elector = LeaderElector(api, lease_ns, lease_name, identity, time.time)
-    alloc = DraAllocator(api, driver=args.driver, policy=args.policy,
+    # the lists every pass reads come from watches (one list per resource, not per pass)
+    lists = MirroredLists(api)
+    alloc = DraAllocator(lists, driver=args.driver, policy=args.policy,
                          require_taint=not args.no_require_taint, settle_s=args.settle,
                          max_backoff_s=args.max_backoff,
                          elector=elector)
@@ -122,6 +125,7 @@ def _run(args: argparse.Namespace, console: Console) -> int:
             show(alloc.run_once())
         else:
             alloc.run(signals.event, args.interval, show)
+    lists.close()
     released = elector.release()  # a standby takes over at its next pass
     log.info("%s", signals.stopped_line(f"released the Lease {lease}" if released
                                         else f"did not hold the Lease {lease}"),

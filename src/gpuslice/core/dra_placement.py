@@ -336,6 +336,11 @@ class DraLedger:
         self._kinds: dict[tuple[frozenset[str], frozenset[str]], BoolArray] = {}
         self._sreq: dict[tuple[object, ...], SliceRequest | None] = {}
 
+    def set_workload(self, workload: TargetWorkload | None) -> None:
+        """Score against ``workload`` from now on (the placement state rebuilt: a ledger made
+        without one can first turn the pods' requests into shapes to learn it from)."""
+        self.state = PlacementState.build(self.arrays, workload)
+
     # -- the request as the policies see it --------------------------------------------------
 
     def slice_request(self, req: DeviceRequest | None, cpu_milli: int, memory_mib: int) -> \

@@ -121,7 +121,8 @@ class DraAllocator:
             return report
         dnodes = kdra.dra_nodes(nodes, pods, ready, claims)
         usage = kdra.claim_usage(claims, self.driver)
-        ledger = DraLedger(dnodes, usage, self._workload(dnodes, usage, pods, claims))
+        ledger = DraLedger(dnodes, usage, None)  # its requests' shapes teach the workload
+        ledger.set_workload(self._workload(ledger, pods, claims))
         for pc in pending:
             uid = str(pc.claim["metadata"].get("uid"))
             name = _key(pc.claim)
@@ -191,12 +192,12 @@ class DraAllocator:
                 return "gone", None
         return "conflict", None
 
-    def _workload(self, dnodes: list[Any], usage: Mapping[tuple[str, str], Any],
-                  pods: list[dict[str, Any]], claims: list[dict[str, Any]]) -> TargetWorkload:
+    def _workload(self, probe: DraLedger, pods: list[dict[str, Any]],
+                  claims: list[dict[str, Any]]) -> TargetWorkload:
         """The target workload of the fragmentation score, learned (core.learned) from the
         shapes (pod CPU, devices, milli-GPU each) of the pods that use our claims and of the
-        pods without claims, as the extender learns it."""
-        probe = DraLedger(dnodes, usage, None)
+        pods without claims, as the extender learns it (``probe`` turns a claim's request
+        into milli-GPU)."""
         by_name = {(c["metadata"].get("namespace"), c["metadata"]["name"]): c for c in claims}
         shapes: list[Shape] = []
         for p in pods:

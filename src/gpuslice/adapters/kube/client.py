@@ -444,9 +444,13 @@ class _Follower(threading.Thread):
 
     WINDOW_S = 50
 
-    def __init__(self, client: KubeClient, list_fn: Any, kind: str, out: Any) -> None:
+    def __init__(self, client: KubeClient, list_fn: Any, kind: str, out: Any,
+                 since: str = "") -> None:
+        """``since``: the resourceVersion to stream from (a list's); by default the
+        current one, read first."""
         super().__init__(daemon=True, name=f"watch-{kind.lower()}")
         self.client, self.list_fn, self.kind, self.out = client, list_fn, kind, out
+        self.since = since
         self.stop = threading.Event()
 
     def run(self) -> None:
@@ -455,7 +459,7 @@ class _Follower(threading.Thread):
         c = self.client
         pause_s = 0.0
         try:
-            rv = c._json(self.list_fn, limit=1)["metadata"]["resourceVersion"]
+            rv = self.since or c._json(self.list_fn, limit=1)["metadata"]["resourceVersion"]
             while not self.stop.wait(pause_s):
                 # a window the server ends at once (it is shutting down, say) is reopened
                 # after a pause that grows, not in a busy loop

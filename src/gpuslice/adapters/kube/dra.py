@@ -19,9 +19,11 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from functools import partial
+from typing import Any, TypeVar
 
 from gpuslice.adapters.kube.objects import pod_cpu_memory, pod_finished, quantity
 from gpuslice.core.dra_placement import (
@@ -45,6 +47,33 @@ CLASS_KINDS: Mapping[str, frozenset[str]] = {
     "gpu.gpuslice.io": frozenset({"gpu"}),
     "share.gpuslice.io": frozenset({"share"}),
 }
+
+
+T = TypeVar("T")
+_MEMO: dict[tuple[Any, ...], Any] = {}
+MEMO_MAX = 1 << 16  # entries kept; the oldest quarter goes when full
+
+
+def _memo(kind: str, obj: Mapping[str, Any], make: Callable[[], T], *extra: Any) -> T:
+    """``make()``, kept per object version (UID and resourceVersion: an object the API
+    server returns with the same version has the same content), so that the allocator's
+    passes parse again only what changed. Objects without both are parsed every time; what
+    is kept is never changed by its users (frozen core types, tuples)."""
+    meta = obj.get("metadata") or {}
+    uid, rv = meta.get("uid"), meta.get("resourceVersion")
+    if not uid or not rv:
+        return make()
+    key = (kind, uid, rv, *extra)
+    try:
+        return _MEMO[key]  # type: ignore[no-any-return]
+    except KeyError:
+        pass
+    value = make()
+    _MEMO[key] = value
+    if len(_MEMO) > MEMO_MAX:
+        for old in list(itertools.islice(_MEMO, MEMO_MAX // 4)):
+            _MEMO.pop(old, None)
+    return value
 
 
 def _int(value: object, field: str) -> int:
@@ -114,20 +143,29 @@ def slice_devices(slices: Sequence[Mapping[str, Any]], driver: str = DRIVER, *,
             continue  # incomplete pool: the allocator does not use it either
         for s in sorted(newest, key=lambda s: str(s["metadata"]["name"])):
             node = str(s["spec"]["nodeName"])
-            for i, d in enumerate(s["spec"].get("devices") or []):
-                if not _usable(d, require_taint):
-                    continue
-                where = f"resourceslice {s['metadata']['name']} device[{i}]"
-                caps = {
-                    _name(k, driver): Capacity(
-                        _int((v or {}).get("value"), f"{where} capacity {k}"),
-                        _policy((v or {}).get("requestPolicy"), f"{where} capacity {k}"))
-                    for k, v in (d.get("capacity") or {}).items()}
-                out.setdefault(node, []).append(DraDevice(
-                    pool, str(d["name"]), _attr(d, "type", driver) or "gpu",
-                    _attr(d, "productName", driver), bool(d.get("allowMultipleAllocations")),
-                    caps))
+            out.setdefault(node, []).extend(_memo(
+                "slice", s, partial(_devices_of, s, pool, driver, require_taint),
+                pool, driver, require_taint))
     return out
+
+
+def _devices_of(s: Mapping[str, Any], pool: str, driver: str,
+                require_taint: bool) -> tuple[DraDevice, ...]:
+    """One slice's usable devices (:func:`slice_devices`)."""
+    out: list[DraDevice] = []
+    for i, d in enumerate(s["spec"].get("devices") or []):
+        if not _usable(d, require_taint):
+            continue
+        where = f"resourceslice {s['metadata']['name']} device[{i}]"
+        caps = {
+            _name(k, driver): Capacity(
+                _int((v or {}).get("value"), f"{where} capacity {k}"),
+                _policy((v or {}).get("requestPolicy"), f"{where} capacity {k}"))
+            for k, v in (d.get("capacity") or {}).items()}
+        out.append(DraDevice(
+            pool, str(d["name"]), _attr(d, "type", driver) or "gpu",
+            _attr(d, "productName", driver), bool(d.get("allowMultipleAllocations")), caps))
+    return tuple(out)
 
 
 def claim_usage(claims: Sequence[Mapping[str, Any]], driver: str = DRIVER) -> \
@@ -135,25 +173,34 @@ def claim_usage(claims: Sequence[Mapping[str, Any]], driver: str = DRIVER) -> \
     """What the allocated claims took of each of our devices."""
     usage: dict[tuple[str, str], Usage] = {}
     for c in claims:
-        alloc = (c.get("status") or {}).get("allocation")
-        if not alloc:
+        if not (c.get("status") or {}).get("allocation"):
             continue
-        for r in (alloc.get("devices") or {}).get("results") or []:
-            if r.get("driver") != driver or r.get("adminAccess"):
-                continue
-            key = (str(r.get("pool")), str(r.get("device")))
-            consumed = {_name(k, driver): _int(v, f"claim {c['metadata'].get('name')} "
-                                              f"consumedCapacity {k}")
-                        for k, v in (r.get("consumedCapacity") or {}).items()}
-            shared = r.get("shareID") is not None
-            usage[key] = usage.get(key, Usage()).plus(not shared, consumed if shared else {})
+        for key, whole, consumed in _memo("usage", c, partial(_claim_took, c, driver), driver):
+            usage[key] = usage.get(key, Usage()).plus(whole, consumed)
     return usage
+
+
+def _claim_took(c: Mapping[str, Any], driver: str) -> \
+        tuple[tuple[tuple[str, str], bool, dict[str, int]], ...]:
+    """One allocated claim's results on our devices: (pool, device), taken whole, what a
+    share consumed."""
+    out = []
+    for r in (c["status"]["allocation"].get("devices") or {}).get("results") or []:
+        if r.get("driver") != driver or r.get("adminAccess"):
+            continue
+        consumed = {_name(k, driver): _int(v, f"claim {c['metadata'].get('name')} "
+                                          f"consumedCapacity {k}")
+                    for k, v in (r.get("consumedCapacity") or {}).items()}
+        shared = r.get("shareID") is not None
+        out.append(((str(r.get("pool")), str(r.get("device"))), not shared,
+                    consumed if shared else {}))
+    return tuple(out)
 
 
 def pod_needs(pod: Mapping[str, Any]) -> tuple[int, int]:
     """A pod's CPU (milli) and memory (MiB) requests as kube-scheduler counts them
     (objects.pod_cpu_memory: init containers, sidecars, overhead, pod-level requests)."""
-    return pod_cpu_memory(dict(pod))
+    return _memo("pod", pod, lambda: pod_cpu_memory(dict(pod)))
 
 
 def pod_claim_name(pod: Mapping[str, Any], ref: Mapping[str, Any]) -> str | None:
@@ -236,6 +283,13 @@ def claim_request(claim: Mapping[str, Any], driver: str = DRIVER,
                   classes: Mapping[str, frozenset[str]] = CLASS_KINDS) -> DeviceRequest | None:
     """The claim as one device request, or ``None`` when it is a shape we leave to the
     default allocator."""
+    kinds = "default" if classes is CLASS_KINDS else \
+        tuple(sorted((k, tuple(sorted(v))) for k, v in classes.items()))
+    return _memo("claim", claim, lambda: _claim_request(claim, driver, classes), driver, kinds)
+
+
+def _claim_request(claim: Mapping[str, Any], driver: str,
+                   classes: Mapping[str, frozenset[str]]) -> DeviceRequest | None:
     devices = (claim.get("spec") or {}).get("devices") or {}
     reqs = devices.get("requests") or []
     if len(reqs) != 1 or devices.get("constraints"):

@@ -1,0 +1,152 @@
+"""Lists served from watches, as client-go's informers keep a store: one full list, then the
+watch's events applied, so that a caller that reads every object on every pass (the DRA claim
+allocator, five times a second) costs the API server one list per resource, not one per pass.
+
+:class:`Mirror` keeps one resource; :class:`MirroredLists` serves the allocator's port (pods,
+nodes, ResourceClaims, ResourceSlices) from mirrors and passes everything else, writes
+included, to the :class:`~gpuslice.adapters.kube.client.KubeClient`. A claim the allocator
+wrote is served as written until the watch brings that very version (or a later change): the
+next pass must not see it unallocated and place it again.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from typing import Any
+
+from gpuslice.adapters.kube.client import KubeClient, _Follower
+from gpuslice.adapters.kube.ports import WatchEvent
+from gpuslice.core.errors import GpusliceError
+
+Key = tuple[str | None, str]
+WRITTEN_S = 30.0  # our write served at most this long without the watch bringing it
+
+
+def _key(obj: dict[str, Any]) -> Key:
+    meta = obj.get("metadata") or {}
+    return meta.get("namespace"), str(meta.get("name"))
+
+
+class Mirror:
+    """One resource's objects, kept current by a watch from the resourceVersion of a full
+    list; a broken watch (410, the server gone) lists again at the next read."""
+
+    def __init__(self, client: KubeClient, list_fn: Any, kind: str) -> None:
+        self.client, self.list_fn, self.kind = client, list_fn, kind
+        self._objects: dict[Key, dict[str, Any]] = {}
+        # our writes the watch has not brought yet (and when they were made)
+        self._written: dict[Key, tuple[float, dict[str, Any]]] = {}
+        self._queue: queue.Queue[WatchEvent | GpusliceError] = queue.Queue()
+        self._follower: _Follower | None = None
+        self._lock = threading.Lock()
+        self.lists = 0  # full lists made (1 while the watch holds)
+
+    def items(self) -> list[dict[str, Any]]:
+        """Every object as last seen (or as we last wrote it)."""
+        with self._lock:
+            if self._follower is None:
+                self._relist()
+            self._drain()
+            out = dict(self._objects)
+            now = time.monotonic()
+            for key, (at, obj) in list(self._written.items()):
+                if now - at > WRITTEN_S:  # not brought in time: what the watch has wins
+                    del self._written[key]
+                else:
+                    out[key] = obj
+            return list(out.values())
+
+    def wrote(self, obj: dict[str, Any]) -> None:
+        """``obj`` is what the API server answered to our write: serve it until the watch
+        brings its version or a later change."""
+        with self._lock:
+            self._written[_key(obj)] = (time.monotonic(), obj)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._follower is not None:
+                self._follower.stop.set()
+                self._follower = None
+
+    def _relist(self) -> None:
+        doc = self.client._json(self.list_fn)
+        self.lists += 1
+        self._objects = {_key(o): o for o in doc.get("items") or []}
+        self._written.clear()
+        self._queue = queue.Queue()
+        self._follower = _Follower(self.client, self.list_fn, self.kind, self._queue,
+                                   since=str(doc["metadata"]["resourceVersion"]))
+        self._follower.start()
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(item, GpusliceError):  # the watch broke: list again
+                assert self._follower is not None
+                self._follower.stop.set()
+                self._relist()
+                continue
+            key = _key(item.obj)
+            mine = self._written.get(key)
+            if item.type == "DELETED":
+                self._objects.pop(key, None)
+                self._written.pop(key, None)
+                continue
+            self._objects[key] = item.obj
+            if mine is not None and (mine[1].get("metadata") or {}).get("resourceVersion") == \
+                    (item.obj.get("metadata") or {}).get("resourceVersion"):
+                del self._written[key]  # the watch has caught up with our write
+
+
+class MirroredLists:
+    """The claim allocator's port over ``api``: pods, nodes, ResourceClaims and
+    ResourceSlices listed from mirrors, the rest (writes, leases, device classes, reads of one
+    object) passed through."""
+
+    def __init__(self, api: KubeClient) -> None:
+        self.api = api
+        core, resource = api._api, api._resource
+        self.pods = Mirror(api, core.list_pod_for_all_namespaces, "Pod")
+        self.nodes = Mirror(api, core.list_node, "Node")
+        self.claims = Mirror(api, resource.list_resource_claim_for_all_namespaces,
+                             "ResourceClaim")
+        self.slices = Mirror(api, resource.list_resource_slice, "ResourceSlice")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.api, name)
+
+    def list_pods(self, node: str | None = None,
+                  timeout_s: float | None = None) -> list[dict[str, Any]]:
+        if node is not None or timeout_s is not None:
+            return self.api.list_pods(node, timeout_s)
+        return self.pods.items()
+
+    def list_nodes(self) -> list[dict[str, Any]]:
+        return self.nodes.items()
+
+    def list_resource_claims(self) -> list[dict[str, Any]]:
+        return self.claims.items()
+
+    def list_resource_slices(self, driver: str = "", node: str = "") -> list[dict[str, Any]]:
+        return [s for s in self.slices.items()
+                if (not driver or (s.get("spec") or {}).get("driver") == driver)
+                and (not node or (s.get("spec") or {}).get("nodeName") == node)]
+
+    def update_resource_claim(self, claim: dict[str, Any]) -> dict[str, Any]:
+        out = self.api.update_resource_claim(claim)
+        self.claims.wrote(out)
+        return out
+
+    def update_resource_claim_status(self, claim: dict[str, Any]) -> dict[str, Any]:
+        out = self.api.update_resource_claim_status(claim)
+        self.claims.wrote(out)
+        return out
+
+    def close(self) -> None:
+        for m in (self.pods, self.nodes, self.claims, self.slices):
+            m.close()
