@@ -197,7 +197,10 @@ def cpu_now(dev: DevCluster, ours: dict[str, int]) -> dict[str, float]:
 
 
 def run_once(dev: DevCluster, pods: int, fractional: bool, timeout_s: float,
-             extender_metrics: Any, extender_pid: int) -> dict[str, Any]:
+             extender_metrics: Any, extender_pid: int,
+             window_closed: Any = None) -> dict[str, Any]:
+    """One run; ``window_closed`` is called when the last pod is bound (before the pods are
+    read back and deleted)."""
     console = Console(stderr=True)
     if "kube-scheduler" in dev.procs:
         dev.procs.pop("kube-scheduler").stop()
@@ -211,6 +214,8 @@ def run_once(dev: DevCluster, pods: int, fractional: bool, timeout_s: float,
     wait_until(f"{pods} pods bound", lambda: unbound(dev) == 0, timeout_s, every_s=1.0)
     elapsed = time.monotonic() - t0
     after = cpu_now(dev, {"gpuslice extender": extender_pid})
+    if window_closed is not None:
+        window_closed()
     spent = {n: after[n] - before.get(n, 0.0) for n in after}
     metrics = dev.scheduler_metrics()
     algo = histogram(metrics, "scheduler_scheduling_algorithm_duration_seconds")
@@ -269,8 +274,9 @@ def dra_runs(args: argparse.Namespace, dev: DevCluster, console: Console, t_all:
     for k, ours in enumerate((False, True)):
         console.print(f"run {k + 1}/2: kube-scheduler"
                       f"{' + gpuslice dra-allocator' if ours else ' alone'}, pods with claims")
+        paced = args.paced if args.paced is not None else 100 if args.quick else 300
         runs.append(cd.run_dra(dev, nodes, args.gpus, args.pods, ours, args.timeout, k + 1,
-                               helpers))
+                               helpers, paced, args.paced_rate))
     return cd.report(runs, args.nodes, args.gpus, args.pods, time.monotonic() - t_all,
                      os.cpu_count(), console, args.write, DRA_COMPONENTS)
 
@@ -286,6 +292,11 @@ def main() -> int:
                          "alone (default); dra: kube-scheduler's DRA allocation against "
                          "gpuslice dra-allocator, pods with ResourceClaims "
                          "(benchmarks/cluster_scale_dra.py)")
+    ap.add_argument("--paced", type=int, default=None, metavar="N",
+                    help="--path dra: after each burst, N more pods arriving one by one for "
+                         "the claim allocation latency (default 300, 100 with --quick)")
+    ap.add_argument("--paced-rate", type=float, default=10.0, metavar="R",
+                    help="pods per second of --paced (default 10)")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per run")
     ap.add_argument("--profile", metavar="FILE",
                     help="sample the extender with py-spy during run 1 (collapsed stacks to "
@@ -346,10 +357,14 @@ def main() -> int:
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             console.print("run 1/2: kube-scheduler + gpuslice extender, fractional pods")
-            ours = run_once(dev, args.pods, True, args.timeout, ext_metrics, ext.pid)
+            def stop_spy() -> None:  # the profile covers the timed window only
+                if spy is not None:
+                    spy.send_signal(signal.SIGINT)
+                    spy.wait(60)
+
+            ours = run_once(dev, args.pods, True, args.timeout, ext_metrics, ext.pid,
+                            stop_spy)
             if spy is not None:
-                spy.send_signal(signal.SIGINT)
-                spy.wait(60)
                 console.print(profile_table(Path(args.profile)))
             console.print("run 2/2: kube-scheduler alone, whole GPUs")
             base = run_once(dev, args.pods, False, args.timeout, ext_metrics, ext.pid)
