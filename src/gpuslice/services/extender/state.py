@@ -6,6 +6,7 @@ bind makes (the Binding, carrying the assignment). :mod:`.http` serves them."""
 from __future__ import annotations
 
 from dataclasses import replace
+from datetime import UTC, datetime
 from typing import Any
 
 from gpuslice.adapters.kube.annotation import encode
@@ -29,9 +30,8 @@ def bind_clock() -> str:
     """Now, as an assignment's bind time: RFC 3339 UTC with microseconds (the device plugin
     orders waiting assignments by their pods' resourceVersions, and by this where a
     resourceVersion is not a number: seconds would tie a burst and fall back to name order)."""
-    from datetime import UTC, datetime
-
     return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
 
 class ExtenderState(Preemption):
     """The extender: its view of the cluster (:mod:`.view`), filter and prioritize
