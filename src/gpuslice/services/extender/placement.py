@@ -420,15 +420,14 @@ class PlacementVerbs(ClusterView):
         the policy would put it (frag-strand: the GPU that leaves the least fragmentation,
         the lowest index on ties), else the first free whole GPUs. Lock held."""
         g = self._gpu_only(req)
-        if g.is_sharing and req.gpus == 1 and ScoreCache.usable(self.policy):
-            # the GPU the node's score was made with (kept since filter scored it)
-            best = self._scores_locked(req, np.array([i], dtype=np.int64)).gpu
-            got: tuple[int, ...] = (int(best[0]),) if best is not None else ()
-            if got and got[0] >= 0 and gpu_ok(self.inv.arrays, g, i)[got[0]]:
-                return got
-            return best_fit_gpu(self.inv.arrays, g, i)
         if g.is_sharing and req.gpus == 1:
-            got = self.policy.choose_gpus(self.st, req, i, self.rng)
+            got: tuple[int, ...]
+            if ScoreCache.usable(self.policy):
+                # the GPU the node's score was made with (kept since filter scored it)
+                best = self._scores_locked(req, np.array([i], dtype=np.int64)).gpu
+                got = (int(best[0]),) if best is not None else ()
+            else:
+                got = self.policy.choose_gpus(self.st, req, i, self.rng)
             if got and got[0] >= 0 and gpu_ok(self.inv.arrays, g, i)[got[0]]:
                 return got
             return best_fit_gpu(self.inv.arrays, g, i)
