@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from gpuslice.core.dra_default import nodes_to_find
 from gpuslice.core.dra_placement import (
     COMPUTE,
     MEMORY,
@@ -27,7 +28,6 @@ from gpuslice.core.dra_placement import (
     RequestPolicy,
     Usage,
     consume,
-    nodes_to_find,
 )
 from gpuslice.core.errors import ValidationError
 from gpuslice.core.frag import Shape, TargetWorkload

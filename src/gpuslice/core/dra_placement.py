@@ -31,11 +31,12 @@ publishes for compute); the caller converts the API's quantity strings.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from gpuslice.core.dra_default import default_pick
 from gpuslice.core.errors import ValidationError
 from gpuslice.core.fit import feasible
 from gpuslice.core.frag import TargetWorkload
@@ -43,7 +44,6 @@ from gpuslice.core.model import (
     MILLI,
     BoolArray,
     ClusterArrays,
-    FloatArray,
     Gpu,
     IntArray,
     Node,
@@ -55,11 +55,6 @@ from gpuslice.core.policies import PlacementState, Policy, choose, task_tag
 MIB = 1024 * 1024
 COMPUTE = "compute"
 MEMORY = "memory"
-
-# kube-scheduler's defaults (pkg/scheduler/schedule_one.go)
-MIN_FEASIBLE_NODES_TO_FIND = 100
-MIN_FEASIBLE_NODES_PERCENTAGE = 5
-MAX_NODE_SCORE = 100
 
 REASON_UNSUPPORTED = "claim shape not handled by gpuslice (left to the default allocator)"
 REASON_NO_DEVICE = "no device with the requested capacity free"
@@ -335,6 +330,9 @@ class DraLedger:
         self.index = {nd.name: i for i, nd in enumerate(self.nodes)}
         self._kinds: dict[tuple[frozenset[str], frozenset[str]], BoolArray] = {}
         self._sreq: dict[tuple[object, ...], SliceRequest | None] = {}
+        # what apply() changed since the owner last set it from its inputs
+        self.applied_devices: set[tuple[str, str]] = set()
+        self.applied_nodes: set[str] = set()
 
     def set_workload(self, workload: TargetWorkload | None) -> None:
         """Score against ``workload`` from now on (the placement state rebuilt: a ledger made
@@ -525,12 +523,17 @@ class DraLedger:
     def apply(self, placement: DraPlacement, sreq: SliceRequest | None = None) -> None:
         """Record ``placement`` as allocated, with the pod's CPU and memory (``sreq``, as
         :meth:`slice_request` gave it) on its node, and refresh that node's arrays and
-        fragmentation. Results for devices this ledger does not know are ignored."""
+        fragmentation. Results for devices this ledger does not know are ignored. The devices
+        and node are noted in :attr:`applied` (an owner keeping the ledger sets them from
+        what the API server says once the claim comes back: :meth:`set_usage`)."""
         i = self.index.get(placement.node)
+        if i is not None:
+            self.applied_nodes.add(placement.node)
         for r in placement.results:
             key = (r.pool, r.device)
             if key not in self.where:
                 continue
+            self.applied_devices.add(key)
             row, j = self.where[key]
             u = self.usage.get(key, Usage()).plus(not r.shared, r.consumed)
             self.usage[key] = u
@@ -549,57 +552,38 @@ class DraLedger:
                 self.state.affinity[i, tag] += 1
         self.state.refresh(i)
 
+    # -- kept between passes -------------------------------------------------------------------
 
-def nodes_to_find(n_nodes: int, percentage: int = 0) -> int:
-    """kube-scheduler's ``numFeasibleNodesToFind``: all nodes below 100; else ``percentage``
-    of them (0: adaptive, 50 - n/125, at least 5%), at least 100."""
-    if n_nodes < MIN_FEASIBLE_NODES_TO_FIND or percentage >= 100:
-        return n_nodes
-    pct = percentage
-    if pct <= 0:
-        pct = max(50 - n_nodes // 125, MIN_FEASIBLE_NODES_PERCENTAGE)
-    return max(n_nodes * pct // 100, MIN_FEASIBLE_NODES_TO_FIND)
+    def set_usage(self, key: tuple[str, str], usage: Usage | None) -> int | None:
+        """What allocated claims took of device ``key`` is now ``usage`` (``None``: nothing);
+        its slot's free milli and memory follow. Returns the device's node row for
+        :meth:`refresh` (``None``: a device this ledger does not know)."""
+        where = self.where.get(key)
+        if where is None:
+            return None
+        row, j = where
+        if usage is None:
+            self.usage.pop(key, None)
+        else:
+            self.usage[key] = usage
+        d = self.nodes[row].devices[j]
+        self.arrays.gpu_free[row, j] = _milli_free(d, usage)
+        self.arrays.gpu_mem_free[row, j] = _mem_mib(d, usage)[1]
+        return row
 
+    def set_used(self, node: str, cpu_used: int, memory_used: int) -> int | None:
+        """What pods request of ``node``'s CPU (milli) and memory (MiB) is now this. Returns
+        its row for :meth:`refresh` (``None``: a node this ledger does not hold)."""
+        i = self.index.get(node)
+        if i is None:
+            return None
+        nd = self.nodes[i]
+        self.arrays.cpu_free[i] = max(0, nd.cpu_milli - cpu_used)
+        self.arrays.mem_free[i] = max(0, nd.memory_mib - memory_used)
+        return i
 
-@dataclass(frozen=True, slots=True)
-class DefaultPick:
-    node: int
-    next_start: int  # where the next pick starts looking
-    scored: int  # feasible nodes scored
-    score: float
-
-
-def default_pick(arrays: ClusterArrays, req: SliceRequest, ok: BoolArray, start: int,
-                 rng: np.random.Generator, percentage: int = 0) -> DefaultPick | None:
-    """kube-scheduler's node choice with its default scores: feasible nodes (``ok``) found
-    from the rotating ``start`` (``nextStartNodeIndex``) until :func:`nodes_to_find` of them,
-    scored by :func:`default_scores`, the best taken with ties at random (``selectHost``).
-    None when no node is feasible (the start does not move then)."""
-    n = arrays.n_nodes
-    want = nodes_to_find(n, percentage)
-    order = (np.arange(n) + start) % n
-    hits = np.flatnonzero(ok[order])
-    if len(hits) == 0:
-        return None
-    taken = hits[:want]
-    processed = int(taken[-1]) + 1 if len(hits) >= want else n
-    nodes = order[taken]
-    scores = default_scores(arrays, req, nodes)
-    top = np.flatnonzero(scores == scores.max())
-    return DefaultPick(int(nodes[top[int(rng.integers(len(top)))]]), (start + processed) % n,
-                       len(nodes), float(scores.max()))
-
-
-def default_scores(arrays: ClusterArrays, req: SliceRequest, nodes: IntArray) -> FloatArray:
-    """NodeResourcesFit with the LeastAllocated strategy plus NodeResourcesBalancedAllocation
-    (both weight 1, CPU and memory weight 1), as integers like the plugins'."""
-    cap = np.stack([arrays.cpu_cap[nodes], arrays.mem_cap[nodes]], axis=1).astype(np.int64)
-    used = cap - np.stack([arrays.cpu_free[nodes], arrays.mem_free[nodes]], axis=1)
-    after = used + np.array([req.cpu_milli, req.memory_mib], dtype=np.int64)
-    safe = np.maximum(cap, 1)
-    least = np.where(after > cap, 0, (cap - after) * MAX_NODE_SCORE // safe)
-    least = np.where(cap == 0, 0, least).sum(axis=1) // 2
-    frac = np.minimum(after / safe, 1.0)
-    std = np.abs(frac[:, 0] - frac[:, 1]) / 2.0
-    balanced = np.trunc((1.0 - std) * MAX_NODE_SCORE)
-    return np.asarray(least + balanced, dtype=np.float64)
+    def refresh(self, rows: Iterable[int]) -> None:
+        """Re-derive the policies' per-node values (fragmentation) of the rows changed by
+        :meth:`set_usage` and :meth:`set_used`."""
+        for i in set(rows):
+            self.state.refresh(i)

@@ -26,7 +26,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from gpuslice.core.dra_placement import default_pick
+from gpuslice.core.dra_default import default_pick
 from gpuslice.core.fit import feasible
 from gpuslice.core.frag import Shape, TargetWorkload
 from gpuslice.core.learned import WorkloadEstimator
