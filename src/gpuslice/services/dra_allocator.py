@@ -2,11 +2,13 @@
 kube-scheduler allocates them first-fit (composition root; the decision is
 :meth:`gpuslice.core.dra_placement.DraLedger.decide`).
 
-Each pass reads slices, classes, claims, pods and nodes, rebuilds the ledger (what every
-allocated claim consumed, whoever allocated it), and for each unallocated claim of an unbound pod
-that is a shape we place, writes ``status.allocation`` (after the scheduler's finalizer, as the
-scheduler does), both writes preconditioned on the claim's resourceVersion. kube-scheduler then
-only checks that the pod's node can reach the claim and reserves it for the pod.
+Each pass reads slices, claims, pods and nodes (from watches: adapters.kube.mirror), brings
+the ledger kept between passes up to date with what changed (services.dra_book: what every
+allocated claim consumed, whoever allocated it, and what the pods request of each node), and for
+each unallocated claim of an unbound pod that is a shape we place, writes ``status.allocation``
+(after the scheduler's finalizer, as the scheduler does), both writes preconditioned on the
+claim's resourceVersion. kube-scheduler then only checks that the pod's node can reach the claim
+and reserves it for the pod. The Lease is renewed every ``elect_every_s`` (2 s), not every pass.
 
 Safety (docs/dra-placement.md):
 
@@ -40,11 +42,10 @@ import numpy as np
 
 from gpuslice.adapters.kube import dra as kdra
 from gpuslice.adapters.kube.fake import ApiConflict, ApiNotFound, DraApiPort, KubePort
-from gpuslice.core.dra_placement import DeviceResult, DraLedger, DraPlacement
+from gpuslice.core.dra_placement import DeviceResult, DraDevice, DraPlacement
 from gpuslice.core.errors import GpusliceError
-from gpuslice.core.frag import Shape, TargetWorkload
-from gpuslice.core.learned import learned_workload
 from gpuslice.core.policies import Policy, make_policy
+from gpuslice.services.dra_book import DraBook
 
 
 class AllocatorPort(KubePort, DraApiPort, Protocol):
@@ -76,7 +77,7 @@ class DraAllocator:
                  max_backoff_s: float = 60.0,
                  clock: Callable[[], float] = time.monotonic,
                  new_share_id: Callable[[], str] = lambda: str(uuid.uuid4()),
-                 elector: Any = None, seed: int = 0,
+                 elector: Any = None, seed: int = 0, elect_every_s: float = 2.0,
                  wall_clock: Callable[[], str] = lambda: datetime.now(UTC).strftime(
                      "%Y-%m-%dT%H:%M:%SZ")) -> None:
         self.api = api
@@ -96,33 +97,46 @@ class DraAllocator:
         self._attempts: dict[str, int] = {}  # claim UID -> allocations we wrote
         self._retry_at: dict[str, float] = {}  # claim UID -> no new try before (clock)
         self.problems: list[str] = []
+        self.elect_every_s = elect_every_s
+        self._elected_at = float("-inf")
+        self.book = DraBook(driver, classes)
+        self._slices_version: tuple[tuple[object, object], ...] | None = None
+        self._devices: dict[str, list[DraDevice]] = {}
 
     # -- one pass ------------------------------------------------------------------------------
 
     def run_once(self) -> PassReport:
         report = PassReport()
-        if self.elector is not None and not self.elector.step():
+        if not self._leading():
             report.leading = False
             return report
         api = self.api
-        slices, classes = api.list_resource_slices(), api.list_device_classes()
+        slices = api.list_resource_slices()
         claims, pods, nodes = api.list_resource_claims(), api.list_pods(), api.list_nodes()
-        devices = kdra.slice_devices(slices, self.driver, require_taint=self.require_taint)
+        version = tuple(((s.get("metadata") or {}).get("uid"),
+                         (s.get("metadata") or {}).get("resourceVersion")) for s in slices)
+        if version != self._slices_version or None in (v for pair in version for v in pair):
+            self._devices = kdra.slice_devices(slices, self.driver,
+                                               require_taint=self.require_taint)
+            self._slices_version = version
+        devices = self._devices
         now = self.clock()
         self._seen_since = {n: self._seen_since.get(n, now) for n in devices}
         ready = {n: d for n, d in devices.items()
                  if not self.require_taint or now - self._seen_since[n] >= self.settle_s}
-        live = {str(c["metadata"].get("uid")) for c in claims}
-        self._attempts = {u: n for u, n in self._attempts.items() if u in live}
-        self._retry_at = {u: t for u, t in self._retry_at.items() if u in live}
-        pending = kdra.pending_claims(pods, claims, self.driver, self.classes)
+        if len(self._attempts) > len(claims):  # some are of claims gone: forget them
+            live = {str(c["metadata"].get("uid")) for c in claims}
+            self._attempts = {u: n for u, n in self._attempts.items() if u in live}
+            self._retry_at = {u: t for u, t in self._retry_at.items() if u in live}
         report.nodes = len(ready)
-        if not pending or not ready:
+        if not ready:
             return report
-        dnodes = kdra.dra_nodes(nodes, pods, ready, claims)
-        usage = kdra.claim_usage(claims, self.driver)
-        ledger = DraLedger(dnodes, usage, None)  # its requests' shapes teach the workload
-        ledger.set_workload(self._workload(ledger, pods, claims))
+        # the ledger kept between passes (services.dra_book), synced with what changed
+        ledger = self.book.sync(ready, version, nodes, pods, claims)
+        pending = self.book.pending()
+        if not pending:
+            return report
+        classes = api.list_device_classes()  # their configs go into the allocations
         for pc in pending:
             uid = str(pc.claim["metadata"].get("uid"))
             name = _key(pc.claim)
@@ -151,6 +165,20 @@ class DraAllocator:
                 report.taken.append(name)
                 ledger.apply(self._as_placement(claim))
         return report
+
+    def _leading(self) -> bool:
+        """Whether we lead: an election step (the Lease read, then renewed or taken) at most
+        every ``elect_every_s`` while we lead, as client-go's leader renews every RetryPeriod
+        (2 s) of a 15 s lease; every pass while we do not."""
+        if self.elector is None:
+            return True
+        now = self.clock()
+        if self.elector.leader and now - self._elected_at < self.elect_every_s:
+            return True
+        leading = bool(self.elector.step())
+        if leading:
+            self._elected_at = now
+        return leading
 
     def _as_placement(self, claim: Mapping[str, Any]) -> DraPlacement:
         """Someone else's allocation of a claim, to count in the ledger (its node's CPU is
@@ -191,32 +219,6 @@ class DraAllocator:
             except ApiNotFound:
                 return "gone", None
         return "conflict", None
-
-    def _workload(self, probe: DraLedger, pods: list[dict[str, Any]],
-                  claims: list[dict[str, Any]]) -> TargetWorkload:
-        """The target workload of the fragmentation score, learned (core.learned) from the
-        shapes (pod CPU, devices, milli-GPU each) of the pods that use our claims and of the
-        pods without claims, as the extender learns it (``probe`` turns a claim's request
-        into milli-GPU)."""
-        by_name = {(c["metadata"].get("namespace"), c["metadata"]["name"]): c for c in claims}
-        shapes: list[Shape] = []
-        for p in pods:
-            cpu, _ = kdra.pod_needs(p)
-            refs = (p.get("spec") or {}).get("resourceClaims") or []
-            if not refs:
-                shapes.append(Shape(cpu, 0, 0))
-                continue
-            name = refs[0].get("resourceClaimName")
-            for st in (p.get("status") or {}).get("resourceClaimStatuses") or []:
-                if not name and st.get("name") == refs[0].get("name"):
-                    name = st.get("resourceClaimName")
-            claim = by_name.get((p["metadata"].get("namespace"), name))
-            req = None if claim is None else kdra.claim_request(claim, self.driver,
-                                                                self.classes)
-            sreq = None if req is None else probe.slice_request(req, cpu, 0)
-            if sreq is not None:
-                shapes.append(Shape(cpu, sreq.gpus, sreq.milli))
-        return learned_workload(shapes)
 
     # -- the loop ------------------------------------------------------------------------------
 

@@ -30,7 +30,6 @@ from gpuslice.core.dra_placement import (
     Capacity,
     DeviceRequest,
     DraDevice,
-    DraNode,
     DraPlacement,
     RequestPolicy,
     Usage,
@@ -231,43 +230,50 @@ def allocated_node(claim: Mapping[str, Any]) -> str | None:
     return None
 
 
-def dra_nodes(nodes: Sequence[Mapping[str, Any]], pods: Sequence[Mapping[str, Any]],
-              devices: Mapping[str, list[DraDevice]],
-              claims: Sequence[Mapping[str, Any]] = ()) -> list[DraNode]:
-    """Nodes with our devices, their allocatable CPU and memory and what their pods request:
-    pods bound there, and pods not bound yet whose claim is allocated there (the scheduler
-    will put them on that node; counting them keeps a second claim from being placed on CPU
-    the first pod's bind will take)."""
-    by_name = {(c["metadata"].get("namespace"), c["metadata"]["name"]): c for c in claims}
-    used: dict[str, tuple[int, int]] = {}
-    for p in pods:
-        spec, meta = p.get("spec") or {}, p["metadata"]
-        node = spec.get("nodeName")
-        if pod_finished(p):
-            continue
-        if not node and not meta.get("deletionTimestamp"):
-            for ref in spec.get("resourceClaims") or []:
-                claim = by_name.get((meta.get("namespace"), pod_claim_name(p, ref)))
-                node = None if claim is None else allocated_node(claim)
-                if node:
-                    break
-        if not node:
-            continue
-        c, m = pod_needs(p)
-        uc, um = used.get(node, (0, 0))
-        used[node] = (uc + c, um + m)
-    out: list[DraNode] = []
-    for n in sorted(nodes, key=lambda n: str(n["metadata"]["name"])):
-        name = str(n["metadata"]["name"])
-        if name not in devices:
-            continue
-        alloc = (n.get("status") or {}).get("allocatable") or {}
-        cpu = int(quantity(alloc.get("cpu", 0), f"node {name} allocatable cpu") * 1000)
-        mem = int(quantity(alloc.get("memory", 0), f"node {name} allocatable memory")
-                  / (1024 * 1024))
-        uc, um = used.get(name, (0, 0))
-        out.append(DraNode(name, cpu, mem, tuple(devices[name]), uc, um))
-    return out
+def node_allocatable(node: Mapping[str, Any]) -> tuple[int, int]:
+    """A node's allocatable CPU (milli) and memory (MiB)."""
+    return _memo("node", node, partial(_node_allocatable, node))
+
+
+def _node_allocatable(node: Mapping[str, Any]) -> tuple[int, int]:
+    name = str(node["metadata"]["name"])
+    alloc = (node.get("status") or {}).get("allocatable") or {}
+    cpu = int(quantity(alloc.get("cpu", 0), f"node {name} allocatable cpu") * 1000)
+    mem = int(quantity(alloc.get("memory", 0), f"node {name} allocatable memory")
+              / (1024 * 1024))
+    return cpu, mem
+
+
+ClaimKey = tuple[str | None, str | None]
+
+
+def pod_claims(pod: Mapping[str, Any]) -> tuple[ClaimKey, ...]:
+    """The (namespace, name) of each claim in the pod's ``spec.resourceClaims``, in order
+    (the name ``None`` while a template's claim is not generated yet)."""
+    ns = pod["metadata"].get("namespace")
+    return tuple((ns, pod_claim_name(pod, ref))
+                 for ref in (pod.get("spec") or {}).get("resourceClaims") or [])
+
+
+def pod_node(pod: Mapping[str, Any], claims: Sequence[ClaimKey],
+             claim_node: Callable[[ClaimKey], str | None]) -> str | None:
+    """The node whose CPU and memory the pod counts on: the one it is bound to; for a pod not
+    bound yet (nor being deleted) the node its first allocated claim (``claims``, resolved by
+    ``claim_node``) is bound to, as the scheduler will put it there (counting it keeps a
+    second claim from being placed on CPU the first pod's bind is about to take); ``None``
+    for a finished pod or one with nowhere to go yet."""
+    if pod_finished(pod):
+        return None
+    node = (pod.get("spec") or {}).get("nodeName")
+    if node:
+        return str(node)
+    if pod["metadata"].get("deletionTimestamp"):
+        return None
+    for key in claims:
+        node = claim_node(key)
+        if node:
+            return str(node)
+    return None
 
 
 @dataclass(frozen=True)
