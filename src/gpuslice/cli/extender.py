@@ -74,6 +74,7 @@ def register(sub: Sub) -> None:
 def _extender(args: argparse.Namespace, console: Console) -> int:
     import asyncio
 
+    from gpuslice.adapters import eventloop
     from gpuslice.adapters.kube.client import KubeClient
     from gpuslice.adapters.kube.fake import FakeApiServer, KubePort, load_fake_cluster
     from gpuslice.adapters.signals import StopSignals
@@ -153,7 +154,7 @@ def _extender(args: argparse.Namespace, console: Console) -> int:
             signals.restore()
 
     try:
-        asyncio.run(main())
+        eventloop.run(main())  # uvloop's: its TLS transport is compiled, asyncio's is Python
     except OSError as exc:
         raise ValidationError("--listen", "a free address to listen on", str(exc)) from None
     el = state.elector

@@ -25,6 +25,7 @@ from typing import IO, Any
 import aiohttp
 from aiohttp import web
 
+from gpuslice.adapters import eventloop
 from gpuslice.adapters.http.metrics import CONTENT_TYPE, AccessLog, ReplicaGauge, RouterMetrics
 from gpuslice.adapters.http.proxy import (
     Pick,
@@ -564,9 +565,4 @@ async def serve(opts: ServeOptions, ready: Callable[[RouterApp], None] | None = 
 
 def run(opts: ServeOptions) -> None:
     """Run until SIGTERM/SIGINT, on uvloop where it is installed."""
-    try:
-        import uvloop
-    except ImportError:  # pragma: no cover - uvloop is optional
-        asyncio.run(serve(opts))
-    else:
-        uvloop.run(serve(opts))
+    eventloop.run(serve(opts))

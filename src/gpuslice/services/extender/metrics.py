@@ -5,10 +5,9 @@ from the extender's state, so nothing is counted twice)."""
 
 from __future__ import annotations
 
-import weakref
 from collections import Counter as Tally
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -32,6 +31,7 @@ class LedgerSource(Protocol):
     @property
     def binds_here(self) -> bool: ...  # holds the lease, or runs alone
 
+OPEN_KEPT = 64  # connections held before the closed ones are dropped
 BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
@@ -117,14 +117,19 @@ class ExtenderMetrics:
             "Connections the scheduler's calls arrived on (each new one costs a TLS handshake "
             "on both sides: a rate that follows the call rate means the client does not keep "
             "its connections)", registry=self.registry)
-        self._seen: weakref.WeakSet[object] = weakref.WeakSet()
+        # the connections seen and still open, by id (uvloop's transports take no weak
+        # reference): held here, an open one's id is not reused; closed ones are dropped
+        self._open: dict[int, Any] = {}
         self.registry.register(_StateCollector(state))
 
-    def arrived_on(self, transport: object) -> None:
+    def arrived_on(self, transport: Any) -> None:
         """Count ``transport`` the first time a call arrives on it."""
-        if transport is not None and transport not in self._seen:
-            self._seen.add(transport)
-            self.connections.inc()
+        if transport is None or self._open.get(id(transport)) is transport:
+            return
+        if len(self._open) >= OPEN_KEPT:
+            self._open = {k: t for k, t in self._open.items() if not t.is_closing()}
+        self._open[id(transport)] = transport
+        self.connections.inc()
 
     def filtered(self, kept: int, failed: dict[str, str]) -> None:
         self.nodes.labels("kept").inc(kept)
