@@ -141,14 +141,20 @@ DRA_COMPONENTS = ("kube-scheduler", "gpuslice dra-allocator", "kube-apiserver", 
                   "kube-controller-manager")
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process so far (Linux /proc/<pid>/stat, fields 14 and 15,
-    in clock ticks); 0 where it cannot be read."""
+def cpu_split(pid: int) -> tuple[float, float]:
+    """User and system CPU time of a process so far (Linux /proc/<pid>/stat, fields 14 and
+    15, in clock ticks); 0 where it cannot be read."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return 0.0, 0.0
+    tick = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / tick, int(fields[12]) / tick
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (:func:`cpu_split`)."""
+    return sum(cpu_split(pid))
 
 
 def profile_rows(path: Path, top: int = 15) -> tuple[int, list[tuple[str, float, float]]]:
@@ -175,7 +181,16 @@ def profile_rows(path: Path, top: int = 15) -> tuple[int, list[tuple[str, float,
 
 
 PROFILE_TITLE = ("extender profile: {} samples holding the GIL (py-spy --gil, 200/s: the "
-                 "extender's CPU in Python, waits left out)")
+                 "extender in Python and the C it calls without releasing the GIL, idle waits "
+                 "left out; a thread that holds the GIL while it waits for one of the busy "
+                 "cores is sampled too)")
+
+
+def sys_line(ours: dict[str, Any]) -> str:
+    cpu = ours["cpu_ms"]["gpuslice extender"]
+    return (f"the extender's {cpu:.1f} ms of CPU per pod: {cpu - ours['ext_sys_ms']:.1f} "
+            f"user, {ours['ext_sys_ms']:.1f} system (the kernel: its sockets, TCP over "
+            "loopback to and from kube-scheduler and the API server, the watch)")
 
 
 def profile_table(path: Path) -> Table:
@@ -209,11 +224,13 @@ def run_once(dev: DevCluster, pods: int, fractional: bool, timeout_s: float,
                   f"({'with' if fractional else 'without'} the extender)")
     # the scheduler is not running yet: it starts at 0
     before = cpu_now(dev, {"gpuslice extender": extender_pid})
+    sys0 = cpu_split(extender_pid)[1]
     dev.start_scheduler(with_extender=fractional)
     t0 = time.monotonic()
     wait_until(f"{pods} pods bound", lambda: unbound(dev) == 0, timeout_s, every_s=1.0)
     elapsed = time.monotonic() - t0
     after = cpu_now(dev, {"gpuslice extender": extender_pid})
+    sys1 = cpu_split(extender_pid)[1]
     if window_closed is not None:
         window_closed()
     spent = {n: after[n] - before.get(n, 0.0) for n in after}
@@ -232,6 +249,7 @@ def run_once(dev: DevCluster, pods: int, fractional: bool, timeout_s: float,
         # machine's cores the whole cluster kept busy meanwhile
         "cpu_ms": {n: 1e3 * spent.get(n, 0.0) / pods for n in CPU_COMPONENTS},
         "cores": sum(spent.values()) / elapsed,
+        "ext_sys_ms": 1e3 * (sys1 - sys0) / pods,  # of it the kernel's, for the extender
     }
     got = list_json(dev, "pods", "-n", NS)
     res["bound"] = sum(1 for p in got if p["spec"].get("nodeName"))
@@ -401,6 +419,7 @@ def main() -> int:
     console.print(cpu)
     console.print(f"the scheduler's calls reached the extender on {ours['ext_connections']} "
                   f"connections ({ours['pods']} pods)")
+    console.print(sys_line(ours))
     console.print(f"ratio gpuslice / scheduler alone: {ratio:.2f} (goal >= 0.50); "
                   f"over-allocation: {ours['over_allocation']} (must be 0)")
     if args.write:
@@ -422,6 +441,7 @@ def main() -> int:
                                                       for n in CPU_COMPONENTS)
                          + f" | {sum(r['cpu_ms'].values()):.1f} | {r['cores']:.2f} of "
                          f"{os.cpu_count()} |")
+        lines += ["", sys_line(ours)[0].upper() + sys_line(ours)[1:] + "."]
         if args.profile:
             samples, prof = profile_rows(Path(args.profile))
             lines += ["", PROFILE_TITLE.format(samples) + ", top functions by own time:", "",
