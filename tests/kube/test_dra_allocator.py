@@ -190,6 +190,48 @@ def test_two_claims_in_one_pass_never_overlap(rest: RestApiServer, tmp_path: Pat
     assert "ml/c2" in report.unplaced
 
 
+def test_the_lease_is_renewed_every_2_s_and_a_long_pass_writes_only_5_s_after_it(
+        rest: RestApiServer, tmp_path: Path) -> None:
+    """The Lease is stepped (read, renewed) at most every 2 s while we lead, not every pass;
+    a pass whose writes run past 5 s after the last renewal leaves the rest to the next pass,
+    which renews first: nothing is written after the 15 s lease could have lapsed (and our
+    drivers dropped the taint that keeps kube-scheduler off our devices)."""
+    cluster(rest, n=4)
+    for i in range(4):
+        rest.add_resourceclaim(claim(f"c{i}", 10))
+        rest.add_pod(pod(f"p{i}", f"c{i}"))
+
+    class Elector:
+        leader, steps = False, 0
+
+        def step(self) -> bool:
+            self.steps += 1
+            self.leader = True
+            return True
+
+    clock, elector = Clock(), Elector()
+    alloc = allocator(rest, tmp_path, clock, elector=elector)
+    write = alloc._write
+
+    def slow(*args: Any) -> Any:  # each claim's writes take 2 s
+        clock.now += 2.0
+        return write(*args)
+
+    alloc._write = slow  # type: ignore[method-assign]
+    first = alloc.run_once()  # writes at 0, 2 and 4 s after the renewal; not at 6
+    assert elector.steps == 1 and len(first.allocated) == 3, first
+    second = alloc.run_once()  # 6 s after it: renewed (at 6), then the last claim (till 8)
+    assert elector.steps == 2 and len(second.allocated) == 1, second
+    alloc.run_once()  # 2 s after the renewal: renewed (at 8)
+    assert elector.steps == 3
+    clock.now += 1.0
+    alloc.run_once()  # 1 s after it: no step
+    assert elector.steps == 3
+    clock.now += 1.0
+    alloc.run_once()
+    assert elector.steps == 4
+
+
 class RacingServer(RestApiServer):
     """Something else writes the claim between the allocator's read and its status write:
     once, just before the allocator's first status update lands."""

@@ -97,7 +97,10 @@ class DraAllocator:
         self._attempts: dict[str, int] = {}  # claim UID -> allocations we wrote
         self._retry_at: dict[str, float] = {}  # claim UID -> no new try before (clock)
         self.problems: list[str] = []
-        self.elect_every_s = elect_every_s
+        # the Lease is renewed every elect_every_s; claims are written only within
+        # write_within_s of the last renewal (a third of the lease's 15 s), so none lands
+        # after the lease could have lapsed and our drivers dropped the taint
+        self.elect_every_s, self.write_within_s = elect_every_s, 5.0
         self._elected_at = float("-inf")
         self.book = DraBook(driver, classes)
         self._slices_version: tuple[tuple[object, object], ...] | None = None
@@ -138,6 +141,9 @@ class DraAllocator:
             return report
         classes = api.list_device_classes()  # their configs go into the allocations
         for pc in pending:
+            if self.elector is not None and \
+                    self.clock() - self._elected_at > self.write_within_s:
+                break  # a long pass: renew the Lease (next pass) before writing more
             uid = str(pc.claim["metadata"].get("uid"))
             name = _key(pc.claim)
             if now < self._retry_at.get(uid, now):
