@@ -104,3 +104,19 @@ def test_ledger_rebuild_is_the_same_after_a_restart_and_reports_overcommits() ->
     assert problems == ["ns/p3: GPU GPU-a has 100 milli free, container c needs 300"]
     again, _ = Ledger.rebuild(INV, reversed(live))  # order of the watch does not matter
     assert again.used_milli == led.used_milli and set(again.owners) == set(led.owners)
+
+
+def test_ledger_restamp_swaps_the_owner_alone_and_anything_else_is_release_and_reserve() -> None:
+    led = Ledger.empty(INV).reserve(make("p1", 600)).reserve(make("p2", 300))
+    stamped = led.restamp(make("p1", 600, t="2026-11-27T16:00:00Z"))
+    assert stamped.owners[("ns", "p1")].bind_time == "2026-11-27T16:00:00Z"
+    assert stamped.used_milli is led.used_milli and stamped.used_memory is led.used_memory
+    assert led.owners[("ns", "p1")].bind_time == "2026-11-22T18:00:00Z"  # immutable
+    # other shares: the same as releasing and reserving, Conflict included
+    moved = led.restamp(make("p1", 200, "GPU-b"))
+    assert moved.free("GPU-a")[0] == 700 and moved.free("GPU-b")[0] == 800
+    assert moved.used_milli == led.release("ns", "p1").reserve(make("p1", 200, "GPU-b")).used_milli
+    with pytest.raises(Conflict, match="has 700 milli free, container c needs 800"):
+        led.restamp(make("p1", 800))
+    new = led.restamp(make("p9", 100))  # not held before: a reserve
+    assert new.free("GPU-a")[0] == 0

@@ -95,6 +95,19 @@ class Ledger:
         owners[key] = a
         return Ledger(self.inventory, milli, memory, owners)
 
+    def restamp(self, a: Assignment) -> Ledger:
+        """The ledger with the pod's assignment replaced by ``a``, which holds the same
+        shares on the same node (a new bind time, a new signature): only the owners change,
+        the per-GPU totals are shared with this ledger. Anything else is a release and a
+        reserve (which may raise :class:`Conflict`)."""
+        key = (a.namespace, a.pod)
+        old = self.owners.get(key)
+        if old is None or old.node != a.node or old.held() != a.held():
+            return self.release(a.namespace, a.pod).reserve(a)
+        owners = dict(self.owners)
+        owners[key] = a
+        return Ledger(self.inventory, self.used_milli, self.used_memory, owners)
+
     def release(self, namespace: str, pod: str) -> Ledger:
         """The ledger without the pod's assignment (unchanged when it holds none)."""
         a = self.owners.get((namespace, pod))

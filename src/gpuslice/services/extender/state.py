@@ -168,7 +168,7 @@ class ExtenderState(Preemption):
                 # stamped as it is written, not when it arrived
                 with self._lock:
                     a = sign(replace(held, bind_time=self.clock()), self.key)
-                    self.ledger = self.ledger.release(namespace, name).reserve(a)
+                    self.ledger = self.ledger.restamp(a)  # the held share, stamped
                     self._in_flight[(namespace, name)] = a
                 out = self._write(pod, namespace, name, uid, node, a, stale_ok=from_filter)
                 if out is not None:
