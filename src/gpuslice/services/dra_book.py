@@ -25,7 +25,7 @@ policies' affinity start from zero at each pass, as in a ledger built for the pa
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from gpuslice.adapters.kube import dra as kdra
@@ -36,7 +36,6 @@ from gpuslice.core.learned import WorkloadEstimator
 Key = kdra.ClaimKey  # (namespace, name)
 Version = tuple[object, object]
 DeviceKey = tuple[str, str]
-Took = tuple[tuple[DeviceKey, bool, Mapping[str, int]], ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,7 +43,7 @@ class _Claim:
     version: Version
     obj: dict[str, Any]
     node: str | None  # the node its allocation is bound to
-    took: Took  # what its allocation took of our devices
+    took: kdra.Took  # what its allocation took of our devices
     request: DeviceRequest | None  # a shape we place (allocated or not)
 
 
@@ -69,6 +68,22 @@ def _version(obj: Mapping[str, Any]) -> Version | None:
 def _key(obj: Mapping[str, Any]) -> Key:
     meta = obj["metadata"]
     return meta.get("namespace"), str(meta["name"])
+
+
+def _diff(objs: Sequence[dict[str, Any]], held: Mapping[Key, _Claim | _Pod]) -> \
+        tuple[list[tuple[Key, dict[str, Any], Version | None]], list[Key]]:
+    """The listed objects that are new or whose version differs from the one ``held`` (an
+    object without UID and resourceVersion always), and the held keys no longer listed."""
+    seen: set[Key] = set()
+    changed: list[tuple[Key, dict[str, Any], Version | None]] = []
+    for o in objs:
+        key = _key(o)
+        seen.add(key)
+        version = _version(o)
+        old = held.get(key)
+        if old is None or version is None or old.version != version:
+            changed.append((key, o, version))
+    return changed, [k for k in held if k not in seen]
 
 
 class DraBook:
@@ -107,9 +122,10 @@ class DraBook:
             self._shape = shape
         moved = self._sync_claims(claims)
         self._sync_pods(pods, moved)
-        if rebuild or self.ledger is None:
+        if rebuild:
             self._build(devices, alloc)
         else:
+            assert self.ledger is not None
             self._refresh(self.ledger)
         ledger = self.ledger
         assert ledger is not None
@@ -124,9 +140,10 @@ class DraBook:
     def pending(self) -> list[kdra.PendingClaim]:
         """Unallocated claims we place, of pods not bound yet (:func:`kdra.pending_claims`
         over the waiting pods and the claims they name)."""
-        pods = [p.obj for p in self._pods.values() if p.waiting]
-        claims = [c.obj for p in self._pods.values() if p.waiting
-                  for k in p.claims if (c := self._claims.get(k)) is not None]
+        waiting = [p for p in self._pods.values() if p.waiting]
+        claims = [c.obj for p in waiting for k in p.claims
+                  if (c := self._claims.get(k)) is not None]
+        pods = [p.obj for p in waiting]
         return kdra.pending_claims(pods, claims, self.driver, self.classes)
 
     # -- claims and pods -------------------------------------------------------------------
@@ -146,32 +163,26 @@ class DraBook:
     def _sync_claims(self, claims: Sequence[dict[str, Any]]) -> set[kdra.ClaimKey]:
         """The claims' changes applied to the devices' usage; returns the claims whose node
         or request changed (the pods naming them count again)."""
-        seen: set[Key] = set()
         moved: set[kdra.ClaimKey] = set()
-        for c in claims:
-            key = _key(c)
-            seen.add(key)
-            version = _version(c)
+        changed, gone = _diff(claims, self._claims)
+        for key, c, version in changed:
+            took = kdra.claim_took(c, self.driver)
+            allocated = (c.get("status") or {}).get("allocation")
+            new = _Claim(version or (None, None), c,
+                         kdra.allocated_node(c) if allocated else None, took,
+                         kdra.claim_request(c, self.driver, self.classes))
             old = self._claims.get(key)
-            if old is not None and version is not None and old.version == version:
-                continue
-            alloc = (c.get("status") or {}).get("allocation")
-            took: Took = tuple((k, u.whole, dict(u.consumed)) for k, u in
-                               kdra.claim_usage([c], self.driver).items()) if alloc else ()
-            new = _Claim(version or (None, None), c, kdra.allocated_node(c) if alloc else None,
-                         took, kdra.claim_request(c, self.driver, self.classes))
             self._claims[key] = new
             self._take(old.took if old is not None else (), -1)
             self._take(took, 1)
             if old is None or old.node != new.node or old.request != new.request:
                 moved.add(key)
-        for key in [k for k in self._claims if k not in seen]:
-            old = self._claims.pop(key)
-            self._take(old.took, -1)
+        for key in gone:
+            self._take(self._claims.pop(key).took, -1)
             moved.add(key)
         return moved
 
-    def _take(self, took: Took, sign: int) -> None:
+    def _take(self, took: kdra.Took, sign: int) -> None:
         for dev, whole, consumed in took:
             n, shares = self._usage.get(dev, (0, {}))
             shares = dict(shares)
@@ -185,24 +196,20 @@ class DraBook:
             self._dirty_devices.add(dev)
 
     def _sync_pods(self, pods: Sequence[dict[str, Any]], moved: set[kdra.ClaimKey]) -> None:
-        seen: set[Key] = set()
-        again = set().union(*(self._naming.get(k, ()) for k in moved)) if moved else set()
-        for p in pods:
-            key = _key(p)
-            seen.add(key)
-            version = _version(p)
-            old = self._pods.get(key)
-            if old is not None and version is not None and old.version == version:
-                if key in again:
-                    self._count(key, old, old)
-                continue
+        changed, gone = _diff(pods, self._pods)
+        for key, p, version in changed:
             spec, meta = p.get("spec") or {}, p["metadata"]
             cpu, mem = kdra.pod_needs(p)
             new = _Pod(version or (None, None), p, kdra.pod_claims(p), cpu, mem,
                        not spec.get("nodeName") and not meta.get("deletionTimestamp"))
-            self._count(key, old, new)
-        for key in [k for k in self._pods if k not in seen]:
+            self._count(key, self._pods.get(key), new)
+        for key in gone:
             self._count(key, self._pods[key], None)
+        # unchanged pods that name a claim whose node or request changed count again
+        redo = {k for c in moved for k in self._naming.get(c, ())}
+        redo.difference_update(k for k, _, _ in changed)
+        for key in redo:
+            self._count(key, self._pods[key], self._pods[key])
 
     def _count(self, key: Key, old: _Pod | None, new: _Pod | None) -> None:
         """Move the pod's CPU and memory from where it counted (``old``) to where it counts
@@ -226,8 +233,7 @@ class DraBook:
             self._use(node, new.cpu_milli, new.memory_mib)
         for c in new.claims:
             self._naming.setdefault(c, set()).add(key)
-        self._pods[key] = _Pod(new.version, new.obj, new.claims, new.cpu_milli,
-                               new.memory_mib, new.waiting, node, None)
+        self._pods[key] = replace(new, node=node, shape=None)
         self._unshaped.add(key)
 
     def _claim_node(self, key: kdra.ClaimKey) -> str | None:
@@ -263,8 +269,7 @@ class DraBook:
                     shape = Shape(pod.cpu_milli, sreq.gpus, sreq.milli)
             if shape is not None:
                 self._estimator.add(shape)
-            self._pods[key] = _Pod(pod.version, pod.obj, pod.claims, pod.cpu_milli,
-                                   pod.memory_mib, pod.waiting, pod.node, shape)
+            self._pods[key] = replace(pod, shape=shape)
         self._unshaped.clear()
 
     # -- the ledger --------------------------------------------------------------------------

@@ -172,17 +172,23 @@ def claim_usage(claims: Sequence[Mapping[str, Any]], driver: str = DRIVER) -> \
     """What the allocated claims took of each of our devices."""
     usage: dict[tuple[str, str], Usage] = {}
     for c in claims:
-        if not (c.get("status") or {}).get("allocation"):
-            continue
-        for key, whole, consumed in _memo("usage", c, partial(_claim_took, c, driver), driver):
+        for key, whole, consumed in claim_took(c, driver):
             usage[key] = usage.get(key, Usage()).plus(whole, consumed)
     return usage
 
 
-def _claim_took(c: Mapping[str, Any], driver: str) -> \
-        tuple[tuple[tuple[str, str], bool, dict[str, int]], ...]:
-    """One allocated claim's results on our devices: (pool, device), taken whole, what a
-    share consumed."""
+Took = tuple[tuple[tuple[str, str], bool, dict[str, int]], ...]
+
+
+def claim_took(c: Mapping[str, Any], driver: str = DRIVER) -> Took:
+    """One claim's results on our devices: (pool, device), taken whole, what a share
+    consumed; ``()`` while it is not allocated."""
+    if not (c.get("status") or {}).get("allocation"):
+        return ()
+    return _memo("usage", c, partial(_claim_took, c, driver), driver)
+
+
+def _claim_took(c: Mapping[str, Any], driver: str) -> Took:
     out = []
     for r in (c["status"]["allocation"].get("devices") or {}).get("results") or []:
         if r.get("driver") != driver or r.get("adminAccess"):

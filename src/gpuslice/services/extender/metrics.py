@@ -31,6 +31,7 @@ class LedgerSource(Protocol):
     @property
     def binds_here(self) -> bool: ...  # holds the lease, or runs alone
 
+
 OPEN_KEPT = 64  # connections held before the closed ones are dropped
 BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
