@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
 from collections import defaultdict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -64,10 +66,11 @@ def clock() -> str:
 
 async def serving(api: FakeApiServer,
                   body: Callable[[str, ExtenderState], Awaitable[None]],
-                  narrow: bool = False) -> None:
+                  narrow: bool = False, client: Any = None) -> None:
     """The extender over HTTP on loopback while ``body`` runs; its filter keeps every node
-    that fits unless ``narrow`` (the deployed default, tested on its own)."""
-    state = ExtenderState(api, KEY, clock=clock, narrow=narrow)
+    that fits unless ``narrow`` (the deployed default, tested on its own). ``client``: what
+    the extender talks to ``api`` through (by default the fake itself, in-process)."""
+    state = ExtenderState(client or api, KEY, clock=clock, narrow=narrow)
     runner = web.AppRunner(make_app(state))
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -1093,15 +1096,45 @@ def test_a_bind_reserves_before_its_api_calls_so_the_next_filter_sees_it() -> No
     asyncio.run(serving(api, body))
 
 
-def test_a_bind_whose_filter_copy_is_stale_reads_the_pod_and_binds() -> None:
+@contextlib.contextmanager
+def over(how: str) -> Iterator[tuple[FakeApiServer, Any]]:
+    """The API server a test's extender talks to: the fake in-process (its binds written on
+    the bind threads), or the REST fake through the Kubernetes client (the Binding written
+    from the event loop by aiohttp, reads on threads)."""
+    if how == "in-process":
+        yield FakeApiServer(), None
+        return
+    pytest.importorskip("kubernetes", reason="the Kubernetes client (gpuslice[kube])")
+    import tempfile
+
+    from gpuslice.adapters.kube.client import KubeClient
+    from tests.kube.helpers import EXTENDER
+    from tests.kube.rest_fake import RestApiServer
+
+    rest = RestApiServer().start()
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            client = KubeClient(str(rest.kubeconfig(Path(tmp) / "kubeconfig", EXTENDER)))
+            yield rest, client
+            client.close()
+    finally:
+        rest.stop()
+
+
+@pytest.mark.parametrize("how", ["in-process", "rest"])
+def test_a_bind_whose_filter_copy_is_stale_reads_the_pod_and_binds(how: str) -> None:
     """kube-scheduler requeues its copy of a pod, then writes the pod's status: the next
     filter can carry a resourceVersion older than the API server's. The Binding's precondition
     refuses it; the bind then reads the pod and binds it in the same call (refusing it would
     make every retry carry a stale copy again: measured in the cluster tier, a burst barely
     moved)."""
-    api = FakeApiServer()
-    api.add_node(node("a", "T4", 1))
-    api.add_pod(pod("p", 300))
+    with over(how) as (api, client):
+        api.add_node(node("a", "T4", 1))
+        api.add_pod(pod("p", 300))
+        stale_copy_rebound(api, client)
+
+
+def stale_copy_rebound(api: FakeApiServer, client: Any) -> None:
 
     async def body(url: str, state: ExtenderState) -> None:
         async with aiohttp.ClientSession() as s:
@@ -1119,17 +1152,23 @@ def test_a_bind_whose_filter_copy_is_stale_reads_the_pod_and_binds() -> None:
                 .milli == 300
             assert dict(state.used_milli) == {"GPU-a-0": 300}
 
-    asyncio.run(serving(api, body))
+    asyncio.run(serving(api, body, client=client))
 
 
-def test_a_pod_changed_between_filter_and_bind_is_placed_from_what_bind_reads() -> None:
+@pytest.mark.parametrize("how", ["in-process", "rest"])
+def test_a_pod_changed_between_filter_and_bind_is_placed_from_what_bind_reads(
+        how: str) -> None:
     """The share reserved on the loop comes from the pod the filter carried, and the bind
     writes it without reading the pod, its resourceVersion a precondition. A pod re-created
     under the same name with another request fails that write: the bind then reads the pod
     and places it as read, and the early reservation is given back (nothing held twice)."""
-    api = FakeApiServer()
-    api.add_node(node("a", "T4", 1))
-    api.add_pod(pod("p", 300))
+    with over(how) as (api, client):
+        api.add_node(node("a", "T4", 1))
+        api.add_pod(pod("p", 300))
+        changed_pod_rebound(api, client)
+
+
+def changed_pod_rebound(api: FakeApiServer, client: Any) -> None:
 
     async def body(url: str, state: ExtenderState) -> None:
         async with aiohttp.ClientSession() as s:
@@ -1147,4 +1186,4 @@ def test_a_pod_changed_between_filter_and_bind_is_placed_from_what_bind_reads() 
             assert a.containers[0].gpus[0].milli == 600
             assert dict(state.used_milli) == {"GPU-a-0": 600}
 
-    asyncio.run(serving(api, body))
+    asyncio.run(serving(api, body, client=client))

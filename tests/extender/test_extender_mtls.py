@@ -64,10 +64,12 @@ def cluster() -> FakeApiServer:
 
 
 def run_https(certs: Certs, api: FakeApiServer, body: Callable[[str], Awaitable[None]],
-              server: tuple[Path, Path] | None = None, reload_s: float = 60.0) -> None:
+              server: tuple[Path, Path] | None = None, reload_s: float = 60.0,
+              run: Callable[[Any], Any] = asyncio.run) -> None:
     """``serve`` (as ``gpuslice extender --client-ca`` runs it) on a free loopback port while
     ``body(base_url)`` runs; ``server``: its certificate and key files (default the
-    fixture's), checked for a renewal every ``reload_s``."""
+    fixture's), checked for a renewal every ``reload_s``; ``run``: the event loop's runner
+    (``adapters.eventloop.run``: uvloop, as the extender runs)."""
     crt, key = server or certs.server
     ctx = tls_context(str(crt), str(key), str(certs.ca))
 
@@ -85,7 +87,7 @@ def run_https(certs: Certs, api: FakeApiServer, body: Callable[[str], Awaitable[
             stop.set()
             await asyncio.wait_for(server, 10)
 
-    asyncio.run(main())
+    run(main())
 
 
 def requests(p: dict[str, Any]) -> dict[str, Any]:

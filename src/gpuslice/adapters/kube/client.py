@@ -2,8 +2,9 @@
 
 The only module that talks to a real API server. The official client was chosen over lightkube
 because its generated API covers every call we need (pod binding subresource included) with the
-same semantics as kubectl, and its kubeconfig / in-cluster loading is the reference one; the
-extender is synchronous per request, so the async clients bring nothing here.
+same semantics as kubectl, and its kubeconfig / in-cluster loading is the reference one. The
+one call the extender makes on its event loop, the Binding, goes through
+:mod:`gpuslice.adapters.kube.aio` (aiohttp) with this client's configuration.
 
 Patches are maps, which the client sends as strategic-merge patches (``null`` removes a key),
 except the removal of a node's extended resources, a list of JSON patch operations on the
@@ -24,6 +25,7 @@ from typing import Any
 
 from gpuslice.adapters.install import pip_install
 from gpuslice.adapters.kube.ports import ApiConflict, ApiInvalid, ApiNotFound, WatchEvent
+from gpuslice.adapters.kube.wire import binding_body, status_text
 from gpuslice.core.errors import GpusliceError
 
 
@@ -425,16 +427,17 @@ class KubeClient:
         ``annotations`` are set on the pod in the same write, and ``uid`` and
         ``resource_version`` are its preconditions (kube-apiserver's
         ``BindingREST.setPodNodeAndMetadata``, pkg/registry/core/pod/storage/storage.go)."""
-        meta: dict[str, Any] = {"name": name, "namespace": namespace, "uid": uid}
-        if annotations:
-            meta["annotations"] = dict(annotations)
-        if resource_version:
-            meta["resourceVersion"] = resource_version
         # plain JSON, not the generated models (their validation cost as much as the call)
         self._rest("POST", f"/api/v1/namespaces/{namespace}/pods/{name}/binding",
-                   body={"apiVersion": "v1", "kind": "Binding", "metadata": meta,
-                         "target": {"apiVersion": "v1", "kind": "Node", "name": node}},
-                   answer=False)
+                   body=binding_body(namespace, name, uid, node, annotations,
+                                     resource_version), answer=False)
+
+    def async_binder(self) -> Any:
+        """:meth:`bind` for an event loop: an :class:`~gpuslice.adapters.kube.aio.AsyncBinder`
+        on this client's configuration."""
+        from gpuslice.adapters.kube.aio import AsyncBinder
+
+        return AsyncBinder(self._api_client.configuration, self.timeout_s)
 
 
 class _Follower(threading.Thread):
@@ -518,11 +521,4 @@ class _Unreachable(GpusliceError):
 
 
 def _status_message(exc: Any) -> str:
-    """The API server's own message from the Status body of an error, else the HTTP reason."""
-    import json
-
-    try:
-        status = json.loads(exc.body or "")
-        return f"{status.get('reason') or exc.reason}: {status['message']}"
-    except (ValueError, TypeError, KeyError, AttributeError):
-        return str(exc.reason)
+    return status_text(exc.body, exc.reason)

@@ -8,19 +8,31 @@ import asyncio
 import hashlib
 import logging
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
+from concurrent.futures import Executor
+from typing import Any, Protocol, cast
 
 import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from gpuslice.adapters.http.h2 import (
+    AlpnSite,
+    Dispatch,
+    H2Answer,
+    H2Request,
+    aiohttp_answer,
+    answer_error,
+)
+from gpuslice.adapters.kube.ports import KubePort
 from gpuslice.core.errors import GpusliceError, ValidationError
 from gpuslice.services.extender.metrics import ExtenderMetrics
-from gpuslice.services.extender.state import ExtenderState
+from gpuslice.services.extender.state import BindWrite, ExtenderState
 from gpuslice.services.leader import LeaderLabel
 
 MAX_BODY = 8 * 1024 * 1024
+# the app's requests for a connection that chose HTTP/2 (serve's AlpnSite)
+H2_DISPATCH = web.AppKey[Dispatch]("h2_dispatch")
 BIND_THREADS = 8  # binds writing to the API server at once
 # the longest one watch call waits for events: it runs on a thread a stopping process joins,
 # so this bounds how long a SIGTERM waits for it (each call only hands over what the
@@ -34,6 +46,34 @@ TLS_RELOAD_S = 60.0
 LEADER_LABEL = "gpuslice.io/extender-role"
 
 log = logging.getLogger("gpuslice.extender")
+
+
+class AsyncBindPort(Protocol):
+    """The Binding write, awaited on the event loop (:class:`~gpuslice.adapters.kube.aio.
+    AsyncBinder` for a real API server); the errors of ``KubePort.bind``."""
+
+    async def bind(self, namespace: str, name: str, uid: str, node: str,
+                   annotations: Mapping[str, str] | None = None,
+                   resource_version: str | None = None) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+class OnThreads:
+    """An :class:`AsyncBindPort` over a synchronous API port: its bind on ``pool``."""
+
+    def __init__(self, api: KubePort, pool: Executor) -> None:
+        self.api, self.pool = api, pool
+
+    async def bind(self, namespace: str, name: str, uid: str, node: str,
+                   annotations: Mapping[str, str] | None = None,
+                   resource_version: str | None = None) -> None:
+        await asyncio.get_running_loop().run_in_executor(
+            self.pool, self.api.bind, namespace, name, uid, node, annotations,
+            resource_version)
+
+    async def close(self) -> None:
+        return None
 
 
 # -- HTTP ------------------------------------------------------------------------------------
@@ -145,6 +185,10 @@ def make_app(state: ExtenderState, metrics: ExtenderMetrics | None = None, *,
 
     m = metrics or ExtenderMetrics(state)
     binds = ThreadPoolExecutor(BIND_THREADS, thread_name_prefix="bind")
+    # the Binding written from the event loop: the real client's aiohttp writer, else (an
+    # in-process API) its own bind on the bind threads
+    opener = getattr(state.api, "async_binder", None)
+    writer: AsyncBindPort = opener() if callable(opener) else OnThreads(state.api, binds)
 
     @web.middleware
     async def timed(request: web.Request, handler: Any) -> web.StreamResponse:
@@ -222,25 +266,40 @@ def make_app(state: ExtenderState, metrics: ExtenderMetrics | None = None, *,
             fields[key] = value
         ns, name, uid, node = (fields["PodNamespace"], fields["PodName"], fields["PodUID"],
                                fields["Node"])
-        # reserve here, on the loop, before the scheduler's next filter; the write (the
-        # Binding carrying the assignment) runs on the bind threads. Binds to one node run
+        # reserve here, on the loop, before the scheduler's next filter, and write the
+        # Binding (carrying the assignment) from the loop too. Binds to one node run
         # concurrently: the device plugin matches the kubelet's Allocate calls to waiting
         # assignments in the order the kubelet sees their pods bound (their resourceVersions),
         # whatever order the extender wrote them in
         loop = asyncio.get_running_loop()
         held = state.hold(ns, name, uid, node)
         try:
-            # the pod its filter carried, when this bind placed it on the loop; else read now
-            read = state.held_pod(ns, name) if held is not None else None
-            from_filter = read is not None
-            if read is None:
-                read = await loop.run_in_executor(binds, state.read_pod, ns, name)
-            error = await loop.run_in_executor(binds, state.bind, ns, name, uid, node, held,
-                                               read, from_filter)
+            w = state.start_held(ns, name, uid, node, held) if held is not None else None
+            error = await write_held(w) if w is not None else None
+            if error is None:  # not that simple, or the filter's copy of the pod was stale:
+                # the whole bind on a thread (it reads the pod unless the hold's is usable)
+                read = state.held_pod(ns, name) if held is not None and w is None else None
+                from_filter = read is not None
+                if read is None and w is None:
+                    read = await loop.run_in_executor(binds, state.read_pod, ns, name)
+                error = await loop.run_in_executor(
+                    binds, state.bind, ns, name, uid, node, held if w is None else None,
+                    read, from_filter)
         except GpusliceError as exc:
             error = f"pod {ns}/{name}: {exc}; retry"
         m.binds.labels("refused" if error else "bound").inc()
         return _answer({"Error": error})
+
+    async def write_held(w: BindWrite) -> str | None:
+        try:
+            await writer.bind(w.namespace, w.name, w.uid, w.node, w.annotations(),
+                              w.resource_version)
+        except GpusliceError as exc:
+            return state.finish_held(w, exc)
+        except BaseException:  # cancelled (the server stopping): the outcome is unknown
+            state.finish_held(w, GpusliceError("the Binding write was cancelled"))
+            raise
+        return state.finish_held(w, None)
 
     async def preempt(request: web.Request) -> web.Response:
         args = await _json(request)
@@ -276,16 +335,33 @@ def make_app(state: ExtenderState, metrics: ExtenderMetrics | None = None, *,
         return web.Response(body=m.exposition(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     app = web.Application(client_max_size=MAX_BODY, middlewares=[timed])
-    app.router.add_post("/filter", filter_)
-    app.router.add_post("/prioritize", prioritize)
-    app.router.add_post("/bind", bind)
-    app.router.add_post("/preempt", preempt)
-    app.router.add_get("/healthz", healthz)
-    app.router.add_get("/readyz", readyz)
-    app.router.add_get("/metrics", metrics_)
+    routes: dict[tuple[str, str], Any] = {
+        ("POST", "/filter"): filter_, ("POST", "/prioritize"): prioritize,
+        ("POST", "/bind"): bind, ("POST", "/preempt"): preempt, ("GET", "/healthz"): healthz,
+        ("GET", "/readyz"): readyz, ("GET", "/metrics"): metrics_}
+    for (method, path), handler in routes.items():
+        app.router.add_route(method, path, handler)
+
+    async def over_h2(method: str, path: str, body: bytes, transport: Any) -> H2Answer:
+        """A request that came over HTTP/2 (adapters.http.h2), through the same handlers
+        and middleware as over HTTP/1.1."""
+        handler = routes.get((method, path))
+        if handler is None:
+            known = any(p == path for _, p in routes)
+            return H2Answer(405 if known else 404, "text/plain; charset=utf-8",
+                            b"405: Method Not Allowed" if known else b"404: Not Found")
+        try:
+            resp = await timed(cast(web.Request, H2Request(method, path, body, transport)),
+                               handler)
+        except web.HTTPException as exc:
+            return answer_error(exc)
+        return aiohttp_answer(resp)
+
+    app[H2_DISPATCH] = over_h2
 
     async def stop_binds(_: web.Application) -> None:
         binds.shutdown(wait=True)  # binds under way finish their writes
+        await writer.close()
 
     app.on_cleanup.append(stop_binds)
     return app
@@ -365,10 +441,13 @@ async def serve(state: ExtenderState, host: str, port: int, ssl_context: Any = N
     call), so a label a previous container of the pod left is taken off after the first
     step unless that step won the Lease. On the way out: stop serving (binds under way
     finish), give the Lease up if we hold it, then take the label off."""
-    runner = web.AppRunner(make_app(state, client_auth=verifies_clients(ssl_context)),
-                           access_log=None, handle_signals=False)
+    app = make_app(state, client_auth=verifies_clients(ssl_context))
+    runner = web.AppRunner(app, access_log=None, handle_signals=False)
     await runner.setup()
-    site = web.TCPSite(runner, host, port, ssl_context=ssl_context)
+    # over TLS, HTTP/2 for the clients that ask for it (kube-scheduler does: every call a
+    # stream on one connection, no handshake per call), HTTP/1.1 for the others
+    site: web.BaseSite = web.TCPSite(runner, host, port) if ssl_context is None else \
+        AlpnSite(runner, host, port, ssl_context, app[H2_DISPATCH], MAX_BODY)
     await site.start()
     if ready is not None:
         addresses = runner.addresses

@@ -5,7 +5,7 @@ bind makes (the Binding, carrying the assignment). :mod:`.http` serves them."""
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -31,6 +31,23 @@ def bind_clock() -> str:
     orders waiting assignments by their pods' resourceVersions, and by this where a
     resourceVersion is not a number: seconds would tie a burst and fall back to name order)."""
     return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+@dataclass(frozen=True)
+class BindWrite:
+    """A bind's one write, prepared on the event loop (:meth:`ExtenderState.start_held`):
+    the Binding of the pod to ``node`` carrying ``assignment``, with the pod's UID and the
+    resourceVersion its filter saw as preconditions."""
+
+    namespace: str
+    name: str
+    uid: str
+    node: str
+    assignment: Assignment
+    resource_version: str | None
+
+    def annotations(self) -> dict[str, str]:
+        return {ANNOTATION: encode(self.assignment)}
 
 
 class ExtenderState(Preemption):
@@ -93,14 +110,6 @@ class ExtenderState(Preemption):
             if a.node in self.inv.index:
                 self._refresh_row(self.inv.index[a.node])
 
-    def abandon(self, namespace: str, name: str, held: Assignment | None) -> None:
-        """A bind that will not run (it waited past the scheduler's timeout): give back what
-        :meth:`hold` reserved for it."""
-        with self._lock:
-            self._held.pop((namespace, name), None)
-        if held is not None:
-            self._release(namespace, name, held)
-
     def read_pod(self, namespace: str, name: str) -> dict[str, Any] | None:
         """The pod as the API server has it now, or ``None`` when it cannot be read (the
         bind then reads it itself and reports why): for a bind whose pod no filter carried."""
@@ -117,6 +126,43 @@ class ExtenderState(Preemption):
         with self._lock:
             held = self._held.get((namespace, name))
         return None if held is None else held[1]
+
+    def start_held(self, namespace: str, name: str, uid: str, node: str,
+                   held: Assignment) -> BindWrite | None:
+        """The write of a bind whose share :meth:`hold` reserved from the pod its filter
+        carried, made ready on the event loop (the share stamped and signed, the pod marked
+        busy): the caller writes it (on the loop) and hands the outcome to
+        :meth:`finish_held`. ``None`` when the bind is not that simple (no hold, the pod
+        busy with another bind, not the leader, the pod not the one held, the share given
+        back meanwhile): :meth:`bind` does it all then, on a thread."""
+        key = (namespace, name)
+        if self.elector is not None and not self.elector.leader:
+            return None
+        with self._lock:
+            entry = self._held.get(key)
+            if entry is None or key in self._busy or held.node != node \
+                    or self.ledger.owners.get(key) != held:
+                return None
+            seen, pod = entry
+            meta = pod.get("metadata") or {}
+            if meta.get("uid") != uid or seen != _container_requests(pod):
+                return None
+            del self._held[key]
+            self._busy.add(key)
+            a = sign(replace(held, bind_time=self.clock()), self.key)  # stamped as written
+            self.ledger = self.ledger.restamp(a)
+            self._in_flight[key] = a
+        return BindWrite(namespace, name, uid, node, a, meta.get("resourceVersion"))
+
+    def finish_held(self, w: BindWrite, error: GpusliceError | None) -> str | None:
+        """After :meth:`start_held`'s write: "" when it bound the pod, an error message, or
+        ``None`` when the filter's copy of the pod was older than the API server's (a 409):
+        the caller then binds through :meth:`bind`, which reads the pod first."""
+        try:
+            return self._written(w.namespace, w.name, w.assignment, error, stale_ok=True)
+        finally:
+            with self._lock:
+                self._busy.discard((w.namespace, w.name))
 
     def bind(self, namespace: str, name: str, uid: str, node: str,
              held: Assignment | None = None, pod: dict[str, Any] | None = None,
@@ -218,18 +264,25 @@ class ExtenderState(Preemption):
         try:
             self.api.bind(namespace, name, uid, node, {ANNOTATION: encode(a)},
                           pod["metadata"].get("resourceVersion"))
-        except ApiConflict as exc:
-            self._release(namespace, name, a)
-            # ``stale_ok``: the pod was not read but carried by the filter; None tells the
-            # caller to read it and try again
-            return None if stale_ok else f"pod {namespace}/{name}: {exc}"
-        except ApiNotFound as exc:
-            self._release(namespace, name, a)
-            return f"pod {namespace}/{name}: {exc}"
         except GpusliceError as exc:
+            return self._written(namespace, name, a, exc, stale_ok)
+        return self._written(namespace, name, a, None, stale_ok)
+
+    def _written(self, namespace: str, name: str, a: Assignment, error: GpusliceError | None,
+                 stale_ok: bool = False) -> str | None:
+        """The ledger after a Binding write of ``a`` ended with ``error`` (``None``: written):
+        "" or an error message; ``None`` for a 409 when ``stale_ok`` (the pod was not read
+        but carried by the filter: the caller reads it and tries again)."""
+        if isinstance(error, ApiConflict):
+            self._release(namespace, name, a)
+            return None if stale_ok else f"pod {namespace}/{name}: {error}"
+        if isinstance(error, ApiNotFound):
+            self._release(namespace, name, a)
+            return f"pod {namespace}/{name}: {error}"
+        if error is not None:
             # outcome unknown (the API server went away mid-call): the share stays taken
             # (in flight) until a retried bind or a re-read shows whether it was written
-            return f"pod {namespace}/{name}: binding: {exc}; retry"
+            return f"pod {namespace}/{name}: binding: {error}; retry"
         with self._lock:
             self._in_flight.pop((namespace, name), None)
             self._bind_seq += 1

@@ -1,0 +1,110 @@
+"""The Binding write on the caller's event loop (aiohttp), for the extender's binds.
+
+The extender serves kube-scheduler on an asyncio loop; a bind written through the
+synchronous client runs on a thread, and every hand-over to it and back, and the GIL the
+thread then takes from the loop, cost the extender about a fifth of its CPU per pod in a
+scheduling burst (docs/scale.md). This port writes the same Binding as
+:meth:`KubeClient.bind <gpuslice.adapters.kube.client.KubeClient.bind>` (the same body, from
+:func:`~gpuslice.adapters.kube.wire.binding_body`), to the same server with the same
+credentials and TLS, read from the client's configuration at each call (a service account
+token the kubelet rotated is picked up, as the client's own refresh hook does), and raises
+the same errors: :class:`ApiNotFound` (404), :class:`ApiConflict` (409, a precondition),
+:class:`ApiInvalid` (422), and :class:`GpusliceError` otherwise, an unreachable server
+included (the outcome unknown)."""
+
+from __future__ import annotations
+
+import ssl
+from collections.abc import Mapping
+from typing import Any
+
+import aiohttp
+import orjson
+
+from gpuslice.adapters.kube.ports import ApiConflict, ApiInvalid, ApiNotFound
+from gpuslice.adapters.kube.wire import binding_body, status_text
+from gpuslice.core.errors import GpusliceError
+
+KEEP_ALIVE = 16  # connections kept open to the API server
+
+
+class AsyncBinder:
+    """``await bind(...)`` on the loop that first calls it; :meth:`close` on the same loop.
+    ``cfg``: the Kubernetes client's ``Configuration`` (host, TLS files or data, the token
+    and its refresh hook, a proxy)."""
+
+    def __init__(self, cfg: Any, timeout_s: float) -> None:
+        self.cfg = cfg
+        self.timeout_s = timeout_s
+        self._session: aiohttp.ClientSession | None = None
+        self._ssl: ssl.SSLContext | bool = False
+
+    def _tls(self) -> ssl.SSLContext | bool:
+        cfg = self.cfg
+        if not str(cfg.host).startswith("https:"):
+            return False
+        ctx = ssl.create_default_context(cafile=cfg.ssl_ca_cert or None,
+                                         cadata=getattr(cfg, "ca_cert_data", None) or None)
+        if not cfg.verify_ssl:
+            ctx.check_hostname = False
+            ctx.verify_mode = ssl.CERT_NONE
+        if cfg.cert_file:
+            ctx.load_cert_chain(cfg.cert_file, cfg.key_file or None)
+        return ctx
+
+    def _open(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            try:
+                self._ssl = self._tls()
+            except (OSError, ssl.SSLError) as exc:
+                raise GpusliceError(f"the API server's TLS settings do not load: {exc}") \
+                    from None
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=KEEP_ALIVE, ssl=self._ssl),
+                timeout=aiohttp.ClientTimeout(total=self.timeout_s),
+                json_serialize=lambda doc: orjson.dumps(doc).decode())
+        return self._session
+
+    def _headers(self) -> dict[str, str]:
+        headers = {"Accept": "application/json", "Content-Type": "application/json"}
+        # as the client's calls: the token (its refresh hook run first), else basic auth
+        for auth in self.cfg.auth_settings().values():
+            if auth.get("in") == "header" and auth.get("value"):
+                headers[auth["key"]] = auth["value"]
+        return headers
+
+    async def bind(self, namespace: str, name: str, uid: str, node: str,
+                   annotations: Mapping[str, str] | None = None,
+                   resource_version: str | None = None) -> None:
+        """The pod's ``binding`` subresource (see ``KubeClient.bind``)."""
+        session = self._open()
+        url = (f"{str(self.cfg.host).rstrip('/')}/api/v1/namespaces/{namespace}/pods/{name}"
+               "/binding")
+        body = orjson.dumps(binding_body(namespace, name, uid, node, annotations,
+                                         resource_version))
+        kwargs: dict[str, Any] = {}
+        if getattr(self.cfg, "proxy", None):
+            kwargs["proxy"] = self.cfg.proxy
+        if getattr(self.cfg, "tls_server_name", None):
+            kwargs["server_hostname"] = self.cfg.tls_server_name
+        try:
+            async with session.post(url, data=body, headers=self._headers(), **kwargs) as resp:
+                answer = await resp.read()
+                status, reason = resp.status, resp.reason or ""
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            raise GpusliceError(f"API server unreachable: {exc!r}") from None
+        if status < 300:
+            return
+        message = status_text(answer, reason)
+        if status == 404:
+            raise ApiNotFound(message)
+        if status == 409:
+            raise ApiConflict(message)
+        if status == 422:
+            raise ApiInvalid(f"API server: 422 {message}")
+        raise GpusliceError(f"API server: {status} {message}")
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
