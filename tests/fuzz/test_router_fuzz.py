@@ -36,7 +36,7 @@ from tests.fuzz.helpers import (
 )
 
 MAX_BODY = 4096
-ROUTER_ERRORS = {400, 404, 413, 429, 502, 503, 504, 508}
+ROUTER_ERRORS = {400, 404, 405, 413, 429, 502, 503, 504, 508}  # 405: CONNECT (proxy.py)
 INFER = "/v2/models/m/infer"
 
 
