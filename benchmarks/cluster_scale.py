@@ -89,6 +89,23 @@ def quantile(buckets: list[tuple[float, float]], q: float) -> float:
     return prev_le
 
 
+BINDING = {"verb": "POST", "resource": "pods", "subresource": "binding"}
+
+
+def binding_buckets(dev: DevCluster) -> list[tuple[float, float]]:
+    """kube-apiserver's own latency histogram for the Binding writes so far (whoever wrote
+    them: kube-scheduler alone, or the extender)."""
+    text = dev.kubectl("get", "--raw", "/metrics", timeout_s=60).stdout
+    return histogram(text, "apiserver_request_duration_seconds", BINDING)
+
+
+def minus(after: list[tuple[float, float]], before: list[tuple[float, float]],
+          ) -> list[tuple[float, float]]:
+    """The buckets of a window: cumulative counts after minus before."""
+    was = dict(before)
+    return [(le, c - was.get(le, 0.0)) for le, c in after]
+
+
 def unbound(dev: DevCluster, ns: str = NS) -> int:
     """Pods of the benchmark not bound yet: a metadata-only list of those with no nodeName (the
     scheduler's 'scheduled' counter misses pods whose bind it timed out on while the extender
@@ -144,8 +161,12 @@ DRA_COMPONENTS = ("kube-scheduler", "gpuslice dra-allocator", "kube-apiserver", 
 def cpu_split(pid: int) -> tuple[float, float]:
     """User and system CPU time of a process so far (Linux /proc/<pid>/stat, fields 14 and
     15, in clock ticks); 0 where it cannot be read."""
+    return cpu_split_path(Path(f"/proc/{pid}/stat"))
+
+
+def cpu_split_path(stat: Path) -> tuple[float, float]:
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        fields = stat.read_text().rsplit(")", 1)[1].split()
     except OSError:
         return 0.0, 0.0
     tick = os.sysconf("SC_CLK_TCK")
@@ -193,6 +214,18 @@ def sys_line(ours: dict[str, Any]) -> str:
             "loopback to and from kube-scheduler and the API server, the watch)")
 
 
+def api_bind_line(ours: dict[str, Any], base: dict[str, Any]) -> str:
+    return ("kube-apiserver's own time for a Binding write, p50 / p99 ms "
+            "(apiserver_request_duration_seconds): with the extender "
+            f"{ours['api_bind_p50_ms']:.1f} / {ours['api_bind_p99_ms']:.1f}, scheduler alone "
+            f"{base['api_bind_p50_ms']:.1f} / {base['api_bind_p99_ms']:.1f}")
+
+
+def threads_line(ours: dict[str, Any]) -> str:
+    return "by thread: " + ", ".join(f"{n} {ms:.2f}" for n, ms in ours["ext_threads"].items()
+                                     if ms >= 0.005)
+
+
 def profile_table(path: Path) -> Table:
     samples, rows = profile_rows(path)
     table = Table(title=PROFILE_TITLE.format(samples))
@@ -201,6 +234,40 @@ def profile_table(path: Path) -> Table:
     for f, own, tot in rows:
         table.add_row(f, f"{own:.1f}", f"{tot:.1f}")
     return table
+
+
+def thread_cpu(pid: int) -> dict[int, float]:
+    """User + system CPU seconds so far of each of a process's threads (by native id)."""
+    out = {}
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        t = cpu_split_path(task / "stat")
+        out[int(task.name)] = t[0] + t[1]
+    return out
+
+
+def thread_names(pid: int) -> dict[int, str]:
+    """Native thread id -> the Python thread's name, without its pool index (``bind_3`` ->
+    ``bind``), from ``py-spy dump``; empty when py-spy cannot attach."""
+    try:
+        text = subprocess.run(["py-spy", "dump", "--pid", str(pid), "--nonblocking"],
+                              check=False, capture_output=True, text=True,
+                              timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    names = {}
+    for m in re.finditer(r'^Thread (\d+) \([a-z]+\): "([^"]*)"', text, re.M):
+        names[int(m.group(1))] = re.sub(r"_\d+$", "", m.group(2))
+    return names
+
+
+def by_thread(before: dict[int, float], after: dict[int, float], names: dict[int, str],
+              pods: int) -> dict[str, float]:
+    """CPU ms per pod of each thread kind over a window (threads py-spy did not name, ended
+    ones included, as "other")."""
+    out: dict[str, float] = defaultdict(float)
+    for tid, t in after.items():
+        out[names.get(tid, "other")] += 1e3 * (t - before.get(tid, 0.0)) / pods
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
 def cpu_now(dev: DevCluster, ours: dict[str, int]) -> dict[str, float]:
@@ -225,12 +292,16 @@ def run_once(dev: DevCluster, pods: int, fractional: bool, timeout_s: float,
     # the scheduler is not running yet: it starts at 0
     before = cpu_now(dev, {"gpuslice extender": extender_pid})
     sys0 = cpu_split(extender_pid)[1]
+    threads0 = thread_cpu(extender_pid)
+    binding0 = binding_buckets(dev)
     dev.start_scheduler(with_extender=fractional)
     t0 = time.monotonic()
     wait_until(f"{pods} pods bound", lambda: unbound(dev) == 0, timeout_s, every_s=1.0)
     elapsed = time.monotonic() - t0
     after = cpu_now(dev, {"gpuslice extender": extender_pid})
     sys1 = cpu_split(extender_pid)[1]
+    threads1 = thread_cpu(extender_pid)
+    binding = minus(binding_buckets(dev), binding0)
     if window_closed is not None:
         window_closed()
     spent = {n: after[n] - before.get(n, 0.0) for n in after}
@@ -250,6 +321,10 @@ def run_once(dev: DevCluster, pods: int, fractional: bool, timeout_s: float,
         "cpu_ms": {n: 1e3 * spent.get(n, 0.0) / pods for n in CPU_COMPONENTS},
         "cores": sum(spent.values()) / elapsed,
         "ext_sys_ms": 1e3 * (sys1 - sys0) / pods,  # of it the kernel's, for the extender
+        # the Binding write as kube-apiserver timed it (its part of a bind's latency)
+        "api_bind_p50_ms": quantile(binding, 0.5) * 1e3,
+        "api_bind_p99_ms": quantile(binding, 0.99) * 1e3,
+        "ext_threads": by_thread(threads0, threads1, thread_names(extender_pid), pods),
     }
     got = list_json(dev, "pods", "-n", NS)
     res["bound"] = sum(1 for p in got if p["spec"].get("nodeName"))
@@ -420,6 +495,8 @@ def main() -> int:
     console.print(f"the scheduler's calls reached the extender on {ours['ext_connections']} "
                   f"connections ({ours['pods']} pods)")
     console.print(sys_line(ours))
+    console.print(threads_line(ours))
+    console.print(api_bind_line(ours, base))
     console.print(f"ratio gpuslice / scheduler alone: {ratio:.2f} (goal >= 0.50); "
                   f"over-allocation: {ours['over_allocation']} (must be 0)")
     if args.write:
@@ -441,7 +518,8 @@ def main() -> int:
                                                       for n in CPU_COMPONENTS)
                          + f" | {sum(r['cpu_ms'].values()):.1f} | {r['cores']:.2f} of "
                          f"{os.cpu_count()} |")
-        lines += ["", sys_line(ours)[0].upper() + sys_line(ours)[1:] + "."]
+        lines += ["", sys_line(ours)[0].upper() + sys_line(ours)[1:] + "; "
+                  + threads_line(ours) + ".", "", api_bind_line(ours, base) + "."]
         if args.profile:
             samples, prof = profile_rows(Path(args.profile))
             lines += ["", PROFILE_TITLE.format(samples) + ", top functions by own time:", "",
