@@ -1,0 +1,87 @@
+"""How the extender's own work per pod grows with the cluster, in-process (no HTTP, no API
+server): for each node count, the same cluster shape as ``extender_speed.py`` (8 GPUs per node,
+four models, half the milli already held by signed assignments), then pods arriving one by one
+through what the extender does for each: filter (the policy's choice over every node
+name, as kube-scheduler sends them with ``nodeCacheCapable``), the filter's unresolvable
+check, the bind's hold on the event loop, the Binding write's preparation and its completion
+(the API server fake's own write excluded from the timing).
+
+Prints CPU ms per pod per node count and each count's ratio to the smallest's, measured in the
+same run; the gate (issue 28: "flat in the node count"): the largest count's cost <= 1.5x the
+smallest's.
+
+    python benchmarks/extender_growth.py [--nodes 100 1000 5000] [--pods 400]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from extender_speed import KEY, build, clock, pod
+from gpuslice.services.extender import ExtenderState
+
+GATE = 1.5
+
+
+def per_pod_ms(n_nodes: int, pods: int, console: Console) -> float:
+    rnd = random.Random(3)
+    t0 = time.monotonic()
+    api = build(n_nodes, 0.5, rnd)
+    state = ExtenderState(api, KEY, clock=clock)
+    names = [x["metadata"]["name"] for x in api.list_nodes()]
+    console.print(f"  {n_nodes} nodes: {len(api.list_pods())} pods placed, state built in "
+                  f"{time.monotonic() - t0:.0f} s", highlight=False)
+    todo = [api.add_pod(pod(f"q-{i}", rnd.choice([100, 250, 300, 470, 500])))
+            for i in range(pods + 50)]
+    spent = 0.0
+    for k, p in enumerate(todo):
+        m = p["metadata"]
+        t = time.process_time()
+        keep, failed = state.filter(p, names)
+        state.remember(p)
+        state.unresolvable(p, list(failed))
+        held = state.hold("bench", m["name"], m["uid"], keep[0])
+        assert held is not None, keep
+        w = state.start_held("bench", m["name"], m["uid"], keep[0], held)
+        assert w is not None
+        mid = time.process_time()
+        api.bind("bench", m["name"], m["uid"], keep[0], w.annotations(), w.resource_version)
+        t2 = time.process_time()
+        assert state.finish_held(w, None) == ""
+        if k >= 50:  # the first pods warm the caches
+            spent += (mid - t) + (time.process_time() - t2)
+    return 1e3 * spent / pods
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--nodes", type=int, nargs="+", default=[100, 1000, 5000])
+    ap.add_argument("--pods", type=int, default=400, help="pods timed per node count")
+    args = ap.parse_args()
+    console = Console()
+    costs = {n: per_pod_ms(n, args.pods, console) for n in sorted(args.nodes)}
+    base = costs[min(costs)]
+    table = Table(title="the extender's work per pod, in-process (CPU ms)")
+    for col in ("nodes", "ms per pod", f"x {min(costs)} nodes"):
+        table.add_column(col)
+    for n, ms in costs.items():
+        table.add_row(str(n), f"{ms:.2f}", f"{ms / base:.2f}")
+    console.print(table)
+    worst = costs[max(costs)] / base
+    ok = worst <= GATE
+    console.print(f"{'PASS' if ok else 'FAIL'} {max(costs)} nodes cost {worst:.2f}x "
+                  f"{min(costs)} nodes (gate <= {GATE})")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
