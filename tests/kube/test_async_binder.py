@@ -77,33 +77,71 @@ def test_the_binding_and_its_preconditions(rest: RestApiServer, tmp_path: Path) 
     assert len(posts) == 5 and all(r[3] == "application/json" for r in posts)
 
 
-def test_one_kept_alive_connection_and_the_token_of_each_call(
+def test_one_kept_alive_connection_and_the_token_read_again_after_its_ttl(
         rest: RestApiServer, tmp_path: Path) -> None:
     """Binds one after another reuse one connection (over TLS, each new one is a handshake);
-    the token is read from the configuration at each call, its refresh hook run first (a
-    rotated one goes with the next)."""
+    the credentials are read from the configuration (its refresh hook run first) once per
+    ``auth_ttl_s``, so a rotated token goes with the first call after it."""
     rest.add_node(node("n1"))
     api = client(rest, tmp_path)
-    uids = [api.create_pod(pod(f"p{i}"))["metadata"]["uid"] for i in range(4)]
+    uids = [api.create_pod(pod(f"p{i}"))["metadata"]["uid"] for i in range(5)]
     before = len(rest._connections)  # the synchronous client's kept-alive one
     seen: list[int] = []
+    cfg = api._api_client.configuration
+    hooked: list[str] = []
+
+    def rotated(c: Any) -> None:  # as the in-cluster loader's hook re-reads the token file
+        hooked.append("read")
+        c.api_key.update({k: f"Bearer {EXTENDER}" for k in c.api_key})
 
     async def go() -> None:
-        binder = api.async_binder()
+        binder = api.async_binder(auth_ttl_s=0.5)
         try:
             for i, uid in enumerate(uids):
-                if i == 2:  # as the in-cluster loader's hook re-reads a rotated token file
-                    api._api_client.configuration.refresh_api_key_hook = lambda cfg: \
-                        cfg.api_key.update({k: f"Bearer {EXTENDER}" for k in cfg.api_key})
+                if i == 2:
+                    cfg.refresh_api_key_hook = rotated
+                if i == 4:
+                    await asyncio.sleep(0.6)  # the credentials' time is up
                 await binder.bind("ml", f"p{i}", uid, "n1")
                 seen.append(len(rest._connections))
         finally:
             await binder.close()
 
     asyncio.run(go())
-    assert seen == [before + 1] * 4
+    assert seen == [before + 1] * 5
     posts = [r[0] for r in rest.requests if r[2].endswith("/binding")]
-    assert posts == ["admin", "admin", EXTENDER, EXTENDER]
+    assert posts == ["admin"] * 4 + [EXTENDER]  # read once, then again after the TTL
+    assert hooked == ["read"]
+
+
+def test_a_401_reads_the_credentials_again_for_the_next_call(
+        rest: RestApiServer, tmp_path: Path) -> None:
+    rest.add_node(node("n1"))
+    api = client(rest, tmp_path)
+    uid = api.create_pod(pod("x"))["metadata"]["uid"]
+    cfg = api._api_client.configuration
+    good = dict(cfg.api_key)
+    cfg.api_key.update({k: "Bearer nobody" for k in cfg.api_key})
+    cfg.refresh_api_key_hook = None
+
+    async def go() -> list[BaseException | None]:
+        binder = api.async_binder()  # 10 s: only the 401 makes it read them again
+        out: list[BaseException | None] = []
+        try:
+            for _ in range(2):
+                try:
+                    await binder.bind("ml", "x", uid, "n1")
+                    out.append(None)
+                except GpusliceError as exc:
+                    out.append(exc)
+                cfg.api_key.update(good)  # the rotated token, in place now
+        finally:
+            await binder.close()
+        return out
+
+    refused, ok = asyncio.run(go())
+    assert isinstance(refused, GpusliceError) and "401" in str(refused)
+    assert ok is None and rest.get_pod("ml", "x")["spec"]["nodeName"] == "n1"
 
 
 def test_refusals_name_the_api_servers_reason(tmp_path: Path) -> None:

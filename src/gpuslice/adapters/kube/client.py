@@ -432,12 +432,12 @@ class KubeClient:
                    body=binding_body(namespace, name, uid, node, annotations,
                                      resource_version), answer=False)
 
-    def async_binder(self) -> Any:
+    def async_binder(self, **kwargs: Any) -> Any:
         """:meth:`bind` for an event loop: an :class:`~gpuslice.adapters.kube.aio.AsyncBinder`
         on this client's configuration."""
         from gpuslice.adapters.kube.aio import AsyncBinder
 
-        return AsyncBinder(self._api_client.configuration, self.timeout_s)
+        return AsyncBinder(self._api_client.configuration, self.timeout_s, **kwargs)
 
 
 class _Follower(threading.Thread):

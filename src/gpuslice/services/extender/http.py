@@ -106,7 +106,8 @@ def _names(args: dict[str, Any]) -> tuple[list[str], dict[str, dict[str, Any]] |
     """The candidate node names, and the node objects when the scheduler sent them."""
     if args.get("NodeNames") is not None:
         names = args["NodeNames"]
-        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        # the element check in C (map, set): a generator over 1000 names was 0.1 ms a call
+        if not isinstance(names, list) or (names and set(map(type, names)) != {str}):
             raise ValidationError("NodeNames", "a list of node names", type(names).__name__)
         return names, None
     nodes = args.get("Nodes") or {}
