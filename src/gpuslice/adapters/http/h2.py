@@ -82,7 +82,6 @@ class H2Server(asyncio.Protocol):
         self.tasks: set[asyncio.Task[None]] = set()
         self.closed = False
         self.draining = False  # shutting down: new streams are refused (safe to retry)
-        self.flush_due = False  # a write of what the connection queued is scheduled
 
     # -- the transport's callbacks --------------------------------------------------------
 
@@ -121,7 +120,7 @@ class H2Server(asyncio.Protocol):
                 self._flush()
                 self._close()
                 return
-        self._flush_soon()
+        self._flush()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -175,7 +174,7 @@ class H2Server(asyncio.Protocol):
                           extra={"event": "http2-handler-failed"})
             answer = H2Answer(500, "text/plain; charset=utf-8", b"internal error")
         self._answer(sid, answer)
-        self._flush_soon()
+        self._flush()
 
     def _answer(self, sid: int, a: H2Answer) -> None:
         if self.closed:
@@ -211,16 +210,7 @@ class H2Server(asyncio.Protocol):
             else:
                 del self.waiting[sid]
 
-    def _flush_soon(self) -> None:
-        """Write what is queued once the loop has run the callbacks already due: the answers
-        that stream tasks complete in this round (a filter's, computed at once) and the frames
-        that reading queued go out in one write, one wake-up of the client, not several."""
-        if not self.flush_due:
-            self.flush_due = True
-            asyncio.get_running_loop().call_soon(self._flush)
-
     def _flush(self) -> None:
-        self.flush_due = False
         out = self.conn.data_to_send()
         if out and self.transport is not None and not self.closed:
             self.transport.write(out)
