@@ -207,3 +207,59 @@ def test_a_stopping_extender_finishes_the_binds_under_way_on_its_http2_connectio
 
     eventloop.run(main())
     assert api.get_pod("default", "p")["spec"]["nodeName"] == "a"
+
+
+def test_a_client_holding_too_many_bodies_at_once_is_sent_away() -> None:
+    """Each stream's body is capped, and all of a connection's bodies together too (else one
+    client could hold MAX_STREAMS bodies of the cap each): past it, GOAWAY
+    ENHANCE_YOUR_CALM and the connection closed. Driven frame by frame, no socket."""
+    import h2.config
+    import h2.connection
+    import h2.events
+
+    from gpuslice.adapters.http.h2 import H2Answer, H2Server
+
+    class Transport:
+        def __init__(self) -> None:
+            self.out, self.closed = b"", False
+
+        def write(self, data: bytes) -> None:
+            self.out += data
+
+        def close(self) -> None:
+            self.closed = True
+
+    async def main() -> None:
+        async def dispatch(method: str, path: str, body: bytes, t: Any) -> H2Answer:
+            return H2Answer(200, "text/plain", b"%d" % len(body))
+
+        server = H2Server(dispatch, max_body=1000, max_buffered=2500)
+        t = Transport()
+        server.connection_made(t)  # type: ignore[arg-type]
+        c = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+        c.initiate_connection()
+        server.data_received(c.data_to_send())
+        c.receive_data(t.out)
+        t.out = b""
+        hdrs = [(":method", "POST"), (":scheme", "https"), (":authority", "x"),
+                (":path", "/filter")]
+        # one whole body within the caps: answered
+        c.send_headers(1, hdrs)
+        c.send_data(1, b"x" * 900, end_stream=True)
+        server.data_received(c.data_to_send())
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        got = [e for e in c.receive_data(t.out) if isinstance(e, h2.events.DataReceived)]
+        assert got and got[0].data == b"900"
+        t.out = b""
+        # three bodies under way at once, each under its cap, together over 2500
+        for sid in (3, 5, 7):
+            c.send_headers(sid, hdrs)
+            c.send_data(sid, b"y" * 900)
+            server.data_received(c.data_to_send())
+        assert t.closed
+        ended = [e for e in c.receive_data(t.out)
+                 if isinstance(e, h2.events.ConnectionTerminated)]
+        assert ended and ended[0].error_code == h2.errors.ErrorCodes.ENHANCE_YOUR_CALM
+
+    asyncio.run(main())

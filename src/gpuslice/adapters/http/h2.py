@@ -70,9 +70,14 @@ class H2Server(asyncio.Protocol):
     under way completes its write)."""
 
     def __init__(self, dispatch: Dispatch, max_body: int,
-                 live: set[H2Server] | None = None) -> None:
+                 live: set[H2Server] | None = None, max_buffered: int | None = None) -> None:
         self.dispatch = dispatch
         self.max_body = max_body
+        # bodies being received on one connection, all streams together: past this the
+        # client is sent away (GOAWAY ENHANCE_YOUR_CALM), as it could otherwise hold
+        # MAX_STREAMS bodies of max_body each
+        self.max_buffered = 4 * max_body if max_buffered is None else max_buffered
+        self.buffered = 0
         self.live = live if live is not None else set()
         self.conn = h2.connection.H2Connection(h2.config.H2Configuration(
             client_side=False, header_encoding=None))
@@ -105,6 +110,8 @@ class H2Server(asyncio.Protocol):
             self._close()
             return
         for ev in events:
+            if self.closed:
+                return
             if isinstance(ev, h2.events.RequestReceived):
                 self._request(ev)
             elif isinstance(ev, h2.events.DataReceived):
@@ -112,7 +119,7 @@ class H2Server(asyncio.Protocol):
             elif isinstance(ev, h2.events.StreamEnded):
                 self._ended(ev.stream_id)
             elif isinstance(ev, h2.events.StreamReset):
-                self.streams.pop(ev.stream_id, None)
+                self._forget(ev.stream_id)
                 self.waiting.pop(ev.stream_id, None)
             elif isinstance(ev, h2.events.WindowUpdated | h2.events.RemoteSettingsChanged):
                 self._send_waiting()
@@ -148,13 +155,30 @@ class H2Server(asyncio.Protocol):
         st = self.streams.get(ev.stream_id)
         if st is None or st.too_big:
             return
-        if len(st.body) + len(ev.data or b"") > self.max_body:
+        data = ev.data or b""
+        if len(st.body) + len(data) > self.max_body:
+            self.buffered -= len(st.body)
             st.too_big, st.body = True, bytearray()
             return
-        st.body += ev.data or b""
+        self.buffered += len(data)
+        if self.buffered > self.max_buffered:
+            log.info("HTTP/2 client sent %d bytes of bodies at once (limit %d): closed",
+                     self.buffered, self.max_buffered, extra={"event": "http2-too-much"})
+            with contextlib.suppress(h2.exceptions.ProtocolError):
+                self.conn.close_connection(h2.errors.ErrorCodes.ENHANCE_YOUR_CALM)
+            self._flush()
+            self._close()
+            return
+        st.body += data
+
+    def _forget(self, sid: int) -> _Stream | None:
+        st = self.streams.pop(sid, None)
+        if st is not None:
+            self.buffered -= len(st.body)
+        return st
 
     def _ended(self, sid: int) -> None:
-        st = self.streams.pop(sid, None)
+        st = self._forget(sid)
         if st is None:
             return
         if st.too_big:
