@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 from immutables import Map
 
@@ -48,12 +47,6 @@ class Ledger:
     used_milli: Map[str, int] = field(default_factory=Map)
     used_memory: Map[str, int] = field(default_factory=Map)
     owners: Map[PodKey, Assignment] = field(default_factory=Map)
-
-    def __post_init__(self) -> None:
-        for name in ("used_milli", "used_memory", "owners"):  # plain mappings given: as maps
-            value: Any = getattr(self, name)
-            if not isinstance(value, Map):
-                object.__setattr__(self, name, Map(value))
 
     @classmethod
     def empty(cls, inventory: Iterable[GpuSlot]) -> Ledger:

@@ -41,7 +41,6 @@ class AsyncBinder:
         self.timeout_s = timeout_s
         self.auth_ttl_s = auth_ttl_s
         self._session: aiohttp.ClientSession | None = None
-        self._ssl: ssl.SSLContext | bool = False
         self._auth: tuple[float, str, dict[str, str]] | None = None  # (read at, host, headers)
 
     def _tls(self) -> ssl.SSLContext | bool:
@@ -60,14 +59,13 @@ class AsyncBinder:
     def _open(self) -> aiohttp.ClientSession:
         if self._session is None:
             try:
-                self._ssl = self._tls()
+                tls = self._tls()
             except (OSError, ssl.SSLError) as exc:
                 raise GpusliceError(f"the API server's TLS settings do not load: {exc}") \
                     from None
             self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=KEEP_ALIVE, ssl=self._ssl),
-                timeout=aiohttp.ClientTimeout(total=self.timeout_s),
-                json_serialize=lambda doc: orjson.dumps(doc).decode())
+                connector=aiohttp.TCPConnector(limit=KEEP_ALIVE, ssl=tls),
+                timeout=aiohttp.ClientTimeout(total=self.timeout_s))
         return self._session
 
     def _headers(self) -> tuple[str, dict[str, str]]:

@@ -276,16 +276,19 @@ def make_app(state: ExtenderState, metrics: ExtenderMetrics | None = None, *,
         held = state.hold(ns, name, uid, node)
         try:
             w = state.start_held(ns, name, uid, node, held) if held is not None else None
-            error = await write_held(w) if w is not None else None
-            if error is None:  # not that simple, or the filter's copy of the pod was stale:
-                # the whole bind on a thread (it reads the pod unless the hold's is usable)
-                read = state.held_pod(ns, name) if held is not None and w is None else None
+            if w is not None:
+                error = await write_held(w)
+                if error is None:  # the filter's copy of the pod was stale: the whole bind
+                    # on a thread, which reads the pod and places it as read
+                    error = await loop.run_in_executor(binds, state.bind, ns, name, uid, node)
+            else:  # not that simple: the whole bind on a thread, with the pod the hold
+                # placed when there is one, else read now
+                read = state.held_pod(ns, name) if held is not None else None
                 from_filter = read is not None
-                if read is None and w is None:
+                if read is None:
                     read = await loop.run_in_executor(binds, state.read_pod, ns, name)
-                error = await loop.run_in_executor(
-                    binds, state.bind, ns, name, uid, node, held if w is None else None,
-                    read, from_filter)
+                error = await loop.run_in_executor(binds, state.bind, ns, name, uid, node,
+                                                   held, read, from_filter)
         except GpusliceError as exc:
             error = f"pod {ns}/{name}: {exc}; retry"
         m.binds.labels("refused" if error else "bound").inc()

@@ -132,27 +132,32 @@ class ExtenderState(Preemption):
         """The write of a bind whose share :meth:`hold` reserved from the pod its filter
         carried, made ready on the event loop (the share stamped and signed, the pod marked
         busy): the caller writes it (on the loop) and hands the outcome to
-        :meth:`finish_held`. ``None`` when the bind is not that simple (no hold, the pod
-        busy with another bind, not the leader, the pod not the one held, the share given
-        back meanwhile): :meth:`bind` does it all then, on a thread."""
+        :meth:`finish_held`. Called right after :meth:`hold` returned ``held``. ``None`` when
+        the bind is not that simple (the hold taken by another bind's thread, the pod busy
+        with another bind, not the leader, the share given back meanwhile): :meth:`bind`
+        does it all then, on a thread."""
         key = (namespace, name)
         if self.elector is not None and not self.elector.leader:
             return None
         with self._lock:
+            # hold() put the filter's copy of this pod here a moment ago, with no await in
+            # between: its UID, node and requests are the held share's by construction
             entry = self._held.get(key)
-            if entry is None or key in self._busy or held.node != node \
-                    or self.ledger.owners.get(key) != held:
-                return None
-            seen, pod = entry
-            meta = pod.get("metadata") or {}
-            if meta.get("uid") != uid or seen != _container_requests(pod):
+            if entry is None or key in self._busy or self.ledger.owners.get(key) != held:
                 return None
             del self._held[key]
             self._busy.add(key)
-            a = sign(replace(held, bind_time=self.clock()), self.key)  # stamped as written
-            self.ledger = self.ledger.restamp(a)
-            self._in_flight[key] = a
+            a = self._stamp_locked(key, held)
+        meta = entry[1].get("metadata") or {}
         return BindWrite(namespace, name, uid, node, a, meta.get("resourceVersion"))
+
+    def _stamp_locked(self, key: tuple[str, str], held: Assignment) -> Assignment:
+        """The held share stamped with its bind time as it is written (not when the bind
+        arrived), signed, in the ledger and in flight. Under ``_lock``."""
+        a = sign(replace(held, bind_time=self.clock()), self.key)
+        self.ledger = self.ledger.restamp(a)
+        self._in_flight[key] = a
+        return a
 
     def finish_held(self, w: BindWrite, error: GpusliceError | None) -> str | None:
         """After :meth:`start_held`'s write: "" when it bound the pod, an error message, or
@@ -211,11 +216,8 @@ class ExtenderState(Preemption):
                     and not (pod.get("spec") or {}).get("nodeName")
                     and seen == _container_requests(pod))
             if same:
-                # stamped as it is written, not when it arrived
                 with self._lock:
-                    a = sign(replace(held, bind_time=self.clock()), self.key)
-                    self.ledger = self.ledger.restamp(a)  # the held share, stamped
-                    self._in_flight[(namespace, name)] = a
+                    a = self._stamp_locked((namespace, name), held)
                 out = self._write(pod, namespace, name, uid, node, a, stale_ok=from_filter)
                 if out is not None:
                     return out
