@@ -53,3 +53,20 @@ def test_best_effort_replicas_share_what_is_left_by_throughput() -> None:
 def test_impossible_sizings_say_why(tenants: list[Tenant], text: str) -> None:
     with pytest.raises(Unsizable, match=text):
         size_slices(tenants, PROF, "H100-SXM")
+
+
+def test_identical_replicas_on_a_straight_stretch_get_identical_caps() -> None:
+    """Found on an H200 profile (issue 32): caps measured at sevenths make the interpolated
+    throughput a straight line between them, where every split of the same total ties; the
+    split must then be the most even one, not the first the knapsack met ([17, 27, 28, 28])."""
+    pts = [ProfilePoint("m", "G", "mps", cap, 8, 1, 10.0 * cap, 0.005, 0.006)
+           for cap in (14, 28, 43, 57, 100)]
+    prof = ProfileSet.of(pts)
+    for n, want in ((2, [50, 50]), (4, [25] * 4), (5, [20] * 5)):
+        out = size_slices([Tenant(f"r{i}", "m", batches=(8,)) for i in range(n)], prof, "G",
+                          step=1, min_pct=1)
+        assert [s.thread_pct for s in out] == want
+    seven = [s.thread_pct for s in size_slices([Tenant(f"r{i}", "m", batches=(8,))
+                                                for i in range(7)], prof, "G", step=1,
+                                               min_pct=1)]
+    assert sum(seven) == 100 and max(seven) - min(seven) == 1

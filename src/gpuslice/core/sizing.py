@@ -142,9 +142,15 @@ def size_slices(tenants: Sequence[Tenant], profiles: ProfileSet, gpu: str, *,
             assert best is not None
             curve[pct] = best
         curves.append((t, curve))
-    # knapsack: maximise total best-effort throughput with caps adding up to at most `left`
+    # knapsack: maximise total best-effort throughput with caps adding up to at most `left`;
+    # among equal totals (a straight stretch of the interpolated curves makes many), the most
+    # even caps (smallest sum of squares), so identical replicas get identical slices
     grid = list(range(min_pct, left + 1, step))
     table: dict[int, tuple[float, tuple[int, ...]]] = {0: (0.0, ())}
+
+    def rank(v: tuple[float, tuple[int, ...]]) -> tuple[float, int]:
+        return round(v[0], 6), -sum(p * p for p in v[1])
+
     for _, curve in curves:
         nxt: dict[int, tuple[float, tuple[int, ...]]] = {}
         for spent, (val, picks) in table.items():
@@ -153,11 +159,12 @@ def size_slices(tenants: Sequence[Tenant], profiles: ProfileSet, gpu: str, *,
                 if total > left:
                     break
                 cand = (val + curve[pct][0], (*picks, pct))
-                if total not in nxt or cand[0] > nxt[total][0]:
+                if total not in nxt or rank(cand) > rank(nxt[total]):
                     nxt[total] = cand
         table = nxt
     if curves:
-        _, picks = max(table.values(), key=lambda v: (v[0], -sum(v[1])))
+        _, picks = max(table.values(), key=lambda v: (round(v[0], 6), -sum(v[1]),
+                                                      -sum(p * p for p in v[1])))
         for (t, curve), pct in zip(curves, picks, strict=True):
             thr, b, lat = curve[pct]
             out[t.name] = SliceSize(t.name, pct, b, thr, lat, False)
