@@ -18,6 +18,11 @@
 #   MODELS="resnet50 mobilenet_v3" bash benchmarks/gpu_tier.sh profile   # ~4 min a model
 #   MODELS="vit_b_16 encoder" bash benchmarks/gpu_tier.sh profile
 #   bash benchmarks/gpu_tier.sh sharing    # the sharing benchmark (~5 min)
+# Issue 32 (one call of about 7 minutes): resnet50's profile at caps of sevenths, then the
+# sharing throughput at 4 and 7 replicas, every mode twice:
+#   MODELS=resnet50 PROFILE_CAPS=14,28,43,57,100 PROFILE_BATCHES=1,8,64 PROFILE_PROCS=1 \
+#   SHARING_REPLICAS="4 7" SHARING_REPEATS=2 SHARING_PARTS=throughput SHARING_WINDOW_S=5 \
+#   bash benchmarks/gpu_tier.sh check profile sharing
 # PACK=FILE.tgz packs $RESULTS into one archive at the end (a lent machine returns few files).
 # A 30-minute budget fits three calls: `check tests`, `profile` (two models), then
 # `profile sharing` with the other two models and the profiles.csv of the first call (carried
@@ -50,6 +55,22 @@ GPU_TESTS=(tests/nodeagent/test_nvml.py tests/nodeagent/test_mps.py
 CAPS_TESTS=(tests/nodeagent/test_gpu_mps_caps.py)
 # each stage's limit in seconds (a hung step must not eat a lent machine's whole time)
 STAGE_S=${STAGE_S:-300}
+# the profile stage's grid and the sharing stage's runs (a run per replica count)
+PROFILE_CAPS=${PROFILE_CAPS:-10,20,30,50,100}
+PROFILE_BATCHES=${PROFILE_BATCHES:-1,8,16,64}
+PROFILE_PROCS=${PROFILE_PROCS:-1,2,3}
+SHARING_MODEL=${SHARING_MODEL:-resnet50}
+SHARING_REPLICAS=${SHARING_REPLICAS:-7}
+SHARING_BATCHES=${SHARING_BATCHES:-8}
+SHARING_REPEATS=${SHARING_REPEATS:-1}
+SHARING_PARTS=${SHARING_PARTS:-throughput,noisy,memory}
+SHARING_WINDOW_S=${SHARING_WINDOW_S:-6}
+# FAKE_GPU=H200 dry-runs the profile and sharing stages on a CPU: the tiny workload timed by
+# the speed model as if it were the model on that GPU (stand-in numbers, the real code paths)
+as_model() {
+    if [ -n "${FAKE_GPU:-}" ]; then printf '%s\n' tiny --fake-timer "$1@$FAKE_GPU"
+    else printf '%s\n' "$1"; fi
+}
 export GPUSLICE_GPU_RESULTS=$RESULTS
 
 check() {
@@ -115,14 +136,26 @@ for stage in "${@:-check}"; do
             | tee "$RESULTS/agent-cpu.txt" ;;
       profile)
         for model in $MODELS; do
-            "${GS[@]}" profile "$model" --out "$RESULTS/profiles.csv" --caps 10,20,30,50,100 \
-                --batches 1,8,16,64 --procs 1,2,3 --warmup-s 1 --window-s 2 2>&1 \
-                | tee "$RESULTS/profile-$model.log" | tail -3
+            mapfile -t as < <(as_model "$model")
+            "${GS[@]}" profile "${as[@]}" --name "$model" --out "$RESULTS/profiles.csv" \
+                --caps "$PROFILE_CAPS" --batches "$PROFILE_BATCHES" --procs "$PROFILE_PROCS" \
+                --warmup-s 1 --window-s 2 2>&1 | tee "$RESULTS/profile-$model.log" | tail -3
             pack
         done ;;
       sharing)
-        "${GS[@]}" bench sharing --profile "$RESULTS/profiles.csv" --out "$RESULTS" --warmup-s 2 \
-            --window-s 6 2>&1 | tee "$RESULTS/sharing.txt" ;;
+        mapfile -t as < <(as_model "$SHARING_MODEL")
+        as[0]=--workload=${as[0]}
+        prof=()
+        [ -f "$RESULTS/profiles.csv" ] && prof=(--profile "$RESULTS/profiles.csv")
+        for b in $SHARING_BATCHES; do
+          for n in $SHARING_REPLICAS; do
+            "${GS[@]}" bench sharing "${as[@]}" "${prof[@]}" --replicas "$n" --batch "$b" \
+                --repeats "$SHARING_REPEATS" --parts "$SHARING_PARTS" --warmup-s 2 \
+                --window-s "$SHARING_WINDOW_S" --out "$RESULTS/sharing-n$n-b$b" 2>&1 \
+                | tee "$RESULTS/sharing-n$n-b$b.txt"
+            pack
+          done
+        done ;;
       *)
         echo "unknown stage $stage (check, tests, caps, agentcpu, profile, sharing)" >&2; status=2 ;;
     esac

@@ -92,3 +92,57 @@ def test_the_real_timer_path_runs_every_mode_on_the_chosen_gpu(
     assert len(starts) == 5 and all(s[1] == "GPU-h100" for s in starts), starts
     with pytest.raises(ValidationError, match="--device"):
         run_sharing(SharingOptions(workload="tiny", device_index=7, parts=("throughput",)))
+
+
+def test_each_mode_runs_as_often_as_asked_and_gpuslice_slices_are_capped(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The throughput part through ``run_sharing`` with the workers replaced at their seam:
+    the modes interleave run by run, every gpuslice replica gets 100/N % of the threads and
+    1/N of the GPU's memory as MPS caps, and the summary's ratios, run-to-run spread,
+    per-replica CV and worst p99 come from the workers' reports."""
+    from gpuslice.bench import sharing
+
+    calls: list[tuple[str, list[dict[str, str]]]] = []
+    rates = {"exclusive-sequential": [100.0], "time-slicing": [60.0, 60.0, 60.0, 60.0],
+             "mps": [90.0, 110.0, 90.0, 110.0], "gpuslice": [95.0, 95.0, 95.0, 95.0]}
+
+    def fake_run_together(specs, run_id, errors_ok=False):  # type: ignore[no-untyped-def]
+        envs = [s.env for s in specs]
+        if len(specs) == 1:
+            mode = "exclusive-sequential"
+        elif "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" in envs[0]:
+            mode = "gpuslice"
+        else:
+            mode = "mps" if envs[0].get("GPUSLICE_FAKE_MODE") == "mps" else "time-slicing"
+        calls.append((mode, envs))
+        k = sum(1 for m, _ in calls if m == mode)  # this mode's run number
+        return [[{"batch": 8, "throughput": r * k, "p99_ms": 5.0 + i + k}]
+                for i, r in enumerate(rates[mode])]
+
+    monkeypatch.setattr(sharing, "run_together", fake_run_together)
+    res = sharing.run_sharing(sharing.SharingOptions(
+        workload="tiny", replicas=4, repeats=2, fake_timer="resnet50@H200",
+        parts=("throughput",)))
+    order = [m for m, _ in calls]
+    assert order == ["exclusive-sequential", "time-slicing", "mps", "gpuslice"] * 2
+    for mode, envs in calls:
+        if mode == "gpuslice":
+            assert [e["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] for e in envs] == ["25"] * 4
+            mib = sharing.FAKE_GPU_MIB // 4
+            assert {e["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] for e in envs} == {f"0={mib}M"}
+        else:
+            assert not any("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT" in e for e in envs)
+    thr = res["throughput"]
+    assert res["repeats"] == 2 and thr["gpuslice"]["caps"] == [25] * 4
+    # run 2 doubles every rate: means are 1.5x run 1, the spread between runs 2/3 of the mean
+    assert thr["time-slicing"]["runs_rps"] == [240.0, 480.0]
+    assert thr["gpuslice"]["total_rps"] == 570.0
+    assert thr["gpuslice"]["vs_time_slicing"] == pytest.approx(570 / 360, abs=1e-3)
+    assert thr["gpuslice"]["vs_one_replica"] == pytest.approx(570 / 150, abs=1e-3)
+    assert thr["gpuslice"]["run_spread"] == pytest.approx(2 / 3, abs=1e-3)
+    assert thr["gpuslice"]["cv"] == 0.0 and thr["mps"]["cv"] == pytest.approx(0.1)
+    assert thr["mps"]["replicas_rps"] == [[90.0, 110.0, 90.0, 110.0],
+                                          [180.0, 220.0, 180.0, 220.0]]
+    assert thr["time-slicing"]["worst_p99_ms"] == 5.0 + 3 + 2  # last replica, second run
+    with pytest.raises(ValidationError, match="--repeats"):
+        sharing.SharingOptions(repeats=0)

@@ -2,9 +2,13 @@
 
 1. **Throughput**: N replicas of one model at one batch size under exclusive-sequential (one
    replica alone: the replicas would run one after another), time-slicing (N processes, no
-   MPS), MPS without limits, and gpuslice slices (MPS with the thread caps
-   :func:`gpuslice.core.sizing.size_slices` chooses from a profile, or an even split without
-   one). Total throughput, its ratio to time-slicing, and the spread of per-replica throughput.
+   MPS), MPS without limits, and gpuslice slices (MPS, each replica capped at 100/N % of the
+   threads and 1/N of the GPU's memory: what the device plugin gives N replicas of a 1/N
+   share; a profile sizes only the noisy neighbour's caps). Each mode runs
+   ``repeats`` times, the modes interleaved (so a drifting GPU clock moves them alike): total
+   throughput (mean over the runs, and each run's), its ratio to time-slicing, the run-to-run
+   spread, the coefficient of variation of per-replica throughput (the worst run's) and the
+   worst per-replica p99.
 2. **Noisy neighbour**: one latency-critical replica (batch 1) next to best-effort ones (large
    batch): its p99 against its p99 alone, and the best-effort throughput against uncapped MPS,
    under time-slicing, uncapped MPS, gpuslice caps alone (sized for an SLO of 1.1 x the solo
@@ -36,6 +40,8 @@ from gpuslice.core.model import PRIORITIES
 from gpuslice.core.profiles import ProfileSet
 from gpuslice.core.sizing import Tenant, Unsizable, size_slices
 
+FAKE_GPU_MIB = 81_559  # the fake timer's GPU: an H100 80GB's memory as NVML reports it
+
 
 @dataclass(frozen=True)
 class SharingOptions:
@@ -55,10 +61,13 @@ class SharingOptions:
     alloc_mib: int = 6144
     parts: tuple[str, ...] = ("throughput", "noisy", "memory")
     device_index: int = 0  # the GPU (NVML index) every mode runs on
+    repeats: int = 1  # runs of each throughput mode
 
     def __post_init__(self) -> None:
         if not 1 <= self.replicas <= 48:
             raise ValidationError("--replicas", "1 to 48", self.replicas)
+        if not 1 <= self.repeats <= 10:
+            raise ValidationError("--repeats", "1 to 10", self.repeats)
         if self.alloc_mib <= self.mem_cap_mib:
             raise ValidationError("--alloc-mib", "more than --mem-cap-mib", self.alloc_mib)
         for p in self.parts:
@@ -108,8 +117,33 @@ def _p99(rows: list[dict[str, object]]) -> float:
     return float(next(r["p99_ms"] for r in rows if "p99_ms" in r))  # type: ignore[arg-type]
 
 
+def _cv(xs: list[float]) -> float:
+    """Coefficient of variation (population standard deviation over the mean)."""
+    return float(np.std(xs) / np.mean(xs)) if xs and np.mean(xs) > 0 else 0.0
+
+
 def _spread(xs: list[float]) -> float:
-    return float((max(xs) - min(xs)) / np.mean(xs)) if xs else 0.0
+    return float((max(xs) - min(xs)) / np.mean(xs)) if xs and np.mean(xs) > 0 else 0.0
+
+
+def summarise(runs: dict[str, list[list[list[dict[str, object]]]]]) -> dict[str, Any]:
+    """Per mode, from each run's per-worker reports: mean total throughput, each run's total,
+    ratios to one replica (``exclusive-sequential``) and to time-slicing, run-to-run spread,
+    the worst run's per-replica CV and the worst per-replica p99."""
+    totals = {m: [float(np.sum(_thr(r))) for r in rs] for m, rs in runs.items()}
+    solo = float(np.mean(totals["exclusive-sequential"]))
+    ts = float(np.mean(totals["time-slicing"]))
+    out: dict[str, Any] = {}
+    for m, rs in runs.items():
+        mean = float(np.mean(totals[m]))
+        out[m] = {"total_rps": round(mean, 2), "runs_rps": [round(t, 2) for t in totals[m]],
+                  "vs_one_replica": round(mean / solo, 3), "vs_time_slicing": round(mean / ts, 3),
+                  "run_spread": round(_spread(totals[m]), 4),
+                  "cv": round(max(_cv(_thr(r)) for r in rs), 4),
+                  "spread": round(max(_spread(_thr(r)) for r in rs), 4),
+                  "worst_p99_ms": round(max(_p99(w) for r in rs for w in r), 3),
+                  "replicas_rps": [[round(x, 2) for x in _thr(r)] for r in rs]}
+    return out
 
 
 def even_caps(n: int) -> list[int]:
@@ -122,7 +156,12 @@ def run_sharing(opts: SharingOptions,
     run_id = uuid.uuid4().hex[:12]
     res: dict[str, Any] = {"workload": opts.workload, "replicas": opts.replicas,
                            "batch": opts.batch, "fake_timer": bool(opts.fake_timer)}
-    gpu = "GPU-fake" if opts.fake_timer else find_gpu(opts.device_index).uuid
+    if opts.fake_timer:
+        gpu, gpu_mib = "GPU-fake", FAKE_GPU_MIB
+    else:
+        dev = find_gpu(opts.device_index)
+        gpu, gpu_mib = dev.uuid, dev.memory_mib
+        res["gpu_name"] = dev.name
     res["gpu"] = gpu
     base = {} if opts.fake_timer else {"CUDA_VISIBLE_DEVICES": gpu}  # every mode, one GPU
     timeslice = {"GPUSLICE_FAKE_MODE": "timeslice"} if opts.fake_timer else base
@@ -130,32 +169,33 @@ def run_sharing(opts: SharingOptions,
         root = Path(tmp)
         if "throughput" in opts.parts:
             n = opts.replicas
-            say("exclusive: one replica alone")
-            solo = _thr(run_together([_spec(opts, opts.batch, base, 1)], run_id))[0]
-            say(f"time-slicing: {n} replicas")
-            ts = _thr(run_together([_spec(opts, opts.batch, timeslice, n)] * n, run_id))
-            say(f"MPS without limits: {n} replicas")
-            with _Mps(opts, root, "mps", gpu) as env:
-                mps = _thr(run_together([_spec(opts, opts.batch, env, n)] * n, run_id))
-            caps = even_caps(n)
-            if opts.profile is not None:
-                sized = size_slices([Tenant(f"r{i}", opts.workload, batches=(opts.batch,))
-                                     for i in range(n)], opts.profile, opts.gpu, step=1,
-                                    min_pct=1)
-                caps = [s.thread_pct for s in sized]
-            say(f"gpuslice slices: {n} replicas at {caps}% threads")
-            with _Mps(opts, root, "gpuslice", gpu) as env:
-                gs = _thr(run_together([_spec(opts, opts.batch, {
-                    **env, "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(c)}, n) for c in caps],
-                    run_id))
-            modes = {"exclusive-sequential": [solo], "time-slicing": ts, "mps": mps,
-                     "gpuslice": gs}
-            res["throughput"] = {
-                m: {"total_rps": round(float(np.sum(v)), 2),
-                    "vs_one_replica": round(float(np.sum(v)) / solo, 3),
-                    "vs_time_slicing": round(float(np.sum(v)) / float(np.sum(ts)), 3),
-                    "spread": round(_spread(v), 4)} for m, v in modes.items()}
+            caps = even_caps(n)  # what the device plugin gives N replicas of 1/N GPU each
+            mem_mib = gpu_mib // n  # each slice's even share of the GPU's memory
+            mem_cap = {"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": pinned_mem_limit(mem_mib)}
+            runs: dict[str, list[list[list[dict[str, object]]]]] = {
+                m: [] for m in ("exclusive-sequential", "time-slicing", "mps", "gpuslice")}
+            for k in range(opts.repeats):
+                run = f" (run {k + 1} of {opts.repeats})" if opts.repeats > 1 else ""
+                say(f"exclusive: one replica alone{run}")
+                runs["exclusive-sequential"].append(
+                    run_together([_spec(opts, opts.batch, base, 1)], run_id))
+                say(f"time-slicing: {n} replicas{run}")
+                runs["time-slicing"].append(
+                    run_together([_spec(opts, opts.batch, timeslice, n)] * n, run_id))
+                say(f"MPS without limits: {n} replicas{run}")
+                with _Mps(opts, root, f"mps-{k}", gpu) as env:
+                    runs["mps"].append(
+                        run_together([_spec(opts, opts.batch, env, n)] * n, run_id))
+                say(f"gpuslice slices: {n} replicas at {caps}% threads, {mem_mib} MiB "
+                    f"each{run}")
+                with _Mps(opts, root, f"gpuslice-{k}", gpu) as env:
+                    runs["gpuslice"].append(run_together([_spec(opts, opts.batch, {
+                        **env, **mem_cap, "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(c)}, n)
+                        for c in caps], run_id))
+            res["throughput"] = summarise(runs)
             res["throughput"]["gpuslice"]["caps"] = caps
+            res["throughput"]["gpuslice"]["mem_cap_mib"] = mem_mib
+            res["repeats"] = opts.repeats
         if "noisy" in opts.parts:
             k = opts.be_replicas
             say("noisy neighbour: the latency-critical replica alone")
@@ -236,20 +276,30 @@ def plot_sharing(res: dict[str, Any], png: Path) -> Path:
 
     plt = pyplot()
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    panels = [part for part in ("throughput", "noisy") if part in res]
+    fig, axes = plt.subplots(1, max(1, len(panels)), figsize=(5.5 * max(1, len(panels)), 4),
+                             squeeze=False)
+    ax_of = dict(zip(panels, axes[0], strict=False))
     if "throughput" in res:
+        ax = ax_of["throughput"]
         modes = list(res["throughput"])
-        axes[0].bar(modes, [res["throughput"][m]["total_rps"] for m in modes])
-        axes[0].set_ylabel("requests/s, all replicas")
-        axes[0].set_title(f"{res['replicas']} x {res['workload']} batch {res['batch']}")
-        axes[0].tick_params(axis="x", labelrotation=20)
+        ax.bar(modes, [res["throughput"][m]["total_rps"] for m in modes],
+               label=f"mean of {res.get('repeats', 1)} run(s)")
+        for i, m in enumerate(modes):  # each run's total, so the run-to-run spread shows
+            runs = res["throughput"][m].get("runs_rps", [])
+            ax.plot([i] * len(runs), runs, "k.", markersize=6)
+        ax.set_ylabel("requests/s, all replicas")
+        ax.set_title(f"{res['replicas']} x {res['workload']} batch {res['batch']}")
+        ax.tick_params(axis="x", labelrotation=20)
+        ax.legend(fontsize=7, loc="upper left")
     if "noisy" in res:
+        ax = ax_of["noisy"]
         modes = [m for m in ("time-slicing", "mps", "gpuslice-caps", "gpuslice")
                  if m in res["noisy"]]
-        axes[1].bar(modes, [res["noisy"][m]["lc_p99_vs_solo"] for m in modes])
-        axes[1].axhline(1.1, color="grey", linestyle="--", linewidth=0.8)
-        axes[1].set_ylabel("latency-critical p99 / solo p99")
-        axes[1].set_title("noisy neighbour")
+        ax.bar(modes, [res["noisy"][m]["lc_p99_vs_solo"] for m in modes])
+        ax.axhline(1.1, color="grey", linestyle="--", linewidth=0.8)
+        ax.set_ylabel("latency-critical p99 / solo p99")
+        ax.set_title("noisy neighbour")
     if res.get("fake_timer"):
         fig.suptitle("fake timer: code path only, not GPU measurements")
     fig.tight_layout()

@@ -24,8 +24,9 @@ def register(sub: Sub) -> None:
     s = bs.add_parser(
         "sharing", help="time-slicing vs MPS vs gpuslice slices, noisy neighbour, memory cap",
         description="N replicas under exclusive-sequential, time-slicing, MPS without limits "
-        "and gpuslice slices (caps from --profile, else an even split); a latency-critical "
-        "replica next to best-effort ones; a replica allocating past its memory cap. Prints a "
+        "and gpuslice slices (100/N % of the threads, 1/N of the memory each); a "
+        "latency-critical replica next to best-effort ones; a replica allocating past its "
+        "memory cap. Prints a "
         "table with the acceptance gates and writes JSON and a plot to --out.",
         epilog=examples("gpuslice bench sharing --profile profiles.csv",
                         "gpuslice bench sharing --fake-timer resnet50@A100-80GB --workload tiny "
@@ -34,6 +35,9 @@ def register(sub: Sub) -> None:
                    help="the model every replica runs (default resnet50; as gpuslice profile)")
     s.add_argument("--replicas", type=int, default=7,
                    help="replicas sharing the GPU in the throughput part (default 7)")
+    s.add_argument("--repeats", type=int, default=1,
+                   help="runs of each throughput mode, interleaved, so the run-to-run spread "
+                   "is reported (default 1)")
     s.add_argument("--batch", type=int, default=8,
                    help="batch size of those replicas (default 8)")
     s.add_argument("--lc-batch", type=int, default=1,
@@ -47,7 +51,8 @@ def register(sub: Sub) -> None:
                    help="seconds of warm-up before each measurement (default 3)")
     s.add_argument("--window-s", type=float, default=10.0,
                    help="seconds each measurement lasts (default 10)")
-    s.add_argument("--profile", type=Path, help="profile CSV (gpuslice profile) for the caps")
+    s.add_argument("--profile", type=Path,
+                   help="profile CSV (gpuslice profile) for the noisy neighbour's caps")
     s.add_argument("--gpu", default="", help="GPU model in the profile (default: the only one)")
     s.add_argument("--mem-cap-mib", type=int, default=4096,
                    help="memory part: the replica's MPS memory cap in MiB (default 4096)")
@@ -90,23 +95,29 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
         warmup_s=args.warmup_s, window_s=args.window_s, profile=prof, gpu=gpu,
         fake_timer=args.fake_timer, mps_binary=args.mps_binary, mem_cap_mib=args.mem_cap_mib,
         alloc_mib=args.alloc_mib, parts=tuple(p.strip() for p in args.parts.split(",")),
-        device_index=args.device)
+        device_index=args.device, repeats=args.repeats)
     res = run_sharing(opts, lambda text: console.print(f"[dim]{text}[/]"))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "sharing.json").write_text(json.dumps(res, indent=1))
     plot_sharing(res, args.out / "sharing.png")
     gates: list[tuple[str, bool]] = []
     if "throughput" in res:
-        t = Table(title=f"{args.replicas} x {args.workload} batch {args.batch}")
-        for col in ("mode", "req/s", "x one replica", "x time-slicing", "spread"):
+        thr = res["throughput"]
+        g = thr["gpuslice"]
+        t = Table(title=f"{args.replicas} x {args.workload} batch {args.batch}, "
+                  f"{args.repeats} run(s) each; gpuslice slices {g['caps']}% threads, "
+                  f"{g['mem_cap_mib']} MiB")
+        for col in ("mode", "req/s", "each run", "x one replica", "x time-slicing",
+                    "run spread", "per-replica CV", "worst p99 ms"):
             t.add_column(col, justify="right")
-        for m, v in res["throughput"].items():
-            t.add_row(m, f"{v['total_rps']:.1f}", f"{v['vs_one_replica']:.2f}",
-                      f"{v['vs_time_slicing']:.2f}", f"{100 * v['spread']:.1f}%")
+        for m, v in thr.items():
+            t.add_row(m, f"{v['total_rps']:.1f}", " / ".join(f"{x:.1f}" for x in v["runs_rps"]),
+                      f"{v['vs_one_replica']:.2f}", f"{v['vs_time_slicing']:.2f}",
+                      f"{100 * v['run_spread']:.1f}%", f"{100 * v['cv']:.1f}%",
+                      f"{v['worst_p99_ms']:.1f}")
         console.print(t)
-        g = res["throughput"]["gpuslice"]
         gates += [("gpuslice >= 1.7x time-slicing", g["vs_time_slicing"] >= 1.7),
-                  ("per-replica spread <= 5%", g["spread"] <= 0.05)]
+                  ("per-replica CV <= 5%", g["cv"] <= 0.05)]
     if "noisy" in res:
         t = Table(title=f"noisy neighbour (solo p99 {res['noisy']['solo_p99_ms']:.2f} ms, "
                   f"gpuslice caps {res['noisy']['caps']})")
