@@ -177,3 +177,42 @@ def test_score_cache_equals_fresh_scores_and_rescores_only_changed_rows(policy: 
         assert cache.scored == before + 1  # the changed row alone was scored again
         assert np.array_equal(again.scores, pol.score(
             st, req, np.array([row, *asked], dtype=np.int64)).scores)
+
+
+@pytest.mark.parametrize("policy", ["fgd", "frag-strand"])
+def test_cached_choice_is_the_policys_choice_over_the_fitting_nodes(policy: str) -> None:
+    """ScoreCache.choose against the uncached rule (feasible GPUs, the policy's highest
+    score, ties to the lowest rank), as nodes fill up and free again one row at a time; some
+    shapes fit nowhere at times, and other models' nodes never fit a model-bound shape."""
+    from gpuslice.core.policies import tie_order
+    from gpuslice.core.scorecache import ScoreCache
+
+    pol = make_policy(policy)
+    snap = ClusterSnapshot.of(
+        [MakeNode(f"n{i}").gpus("A100-80GB" if i % 3 else "T4", 4).used(100 * (i % 7)).obj()
+         for i in range(15)])
+    st = PlacementState.build(snap.arrays.copy(), TW)
+    cache = ScoreCache(pol, st)
+    rank = tie_order([f"n{i}" for i in range(15)])
+    rng = np.random.default_rng(5)
+    shapes = [MakeReq().share(250).obj(), MakeReq().share(700).obj(), MakeReq().gpu(4).obj(),
+              MakeReq().share(500).models("T4").obj()]
+    nones = 0
+    for step in range(120):
+        req = shapes[step % len(shapes)]
+        asked = rng.permutation(15)[: 5 + step % 10].astype(np.int64)
+        ok = feasible(st.arrays, req, node_resources=False)[asked]
+        want = None
+        if ok.any():
+            cand = asked[ok]
+            raw = pol.score(st, req, cand).scores
+            top = np.flatnonzero(raw == raw.max())
+            want = int(cand[top[np.argmin(rank[cand[top]])]])
+        at = cache.choose(req, asked, rank)
+        assert (None if at is None else int(asked[at])) == want, step
+        nones += want is None
+        row = int(rng.integers(15))  # one node's GPU takes or gives back a share
+        st.arrays.gpu_free[row, int(rng.integers(4))] = int(rng.integers(0, 11)) * 100
+        st.refresh(row)
+        cache.changed(row)
+    assert 0 < nones < 120  # both answers were exercised

@@ -22,9 +22,11 @@ REASON_ISOLATION = "GPU model cannot provide the isolation"
 REASON_GPU = "not enough GPUs with the requested share free"
 
 
-def _isolation_models(arrays: ClusterArrays, isolation: Isolation) -> BoolArray:
+def _isolation_models(arrays: ClusterArrays, isolation: Isolation,
+                      rows: IntArray | None = None) -> BoolArray:
+    mid = arrays.model_id if rows is None else arrays.model_id[rows]
     if isolation in (Isolation.ANY, Isolation.TIMESLICE, Isolation.EXCLUSIVE):
-        return np.ones(arrays.n_nodes, dtype=np.bool_)
+        return np.ones(len(mid), dtype=np.bool_)
     ok_ids = []
     for i, name in enumerate(arrays.models):
         m = catalog.lookup(name)
@@ -34,7 +36,7 @@ def _isolation_models(arrays: ClusterArrays, isolation: Isolation) -> BoolArray:
             isolation is Isolation.MPS and m.mps
         ):
             ok_ids.append(i)
-    return np.isin(arrays.model_id, ok_ids)
+    return np.isin(mid, ok_ids)
 
 
 def gpu_ok(arrays: ClusterArrays, req: SliceRequest,
@@ -51,22 +53,24 @@ def gpu_ok(arrays: ClusterArrays, req: SliceRequest,
     return np.asarray(ok)
 
 
-def feasible(arrays: ClusterArrays, req: SliceRequest, *, node_resources: bool = True
-             ) -> BoolArray:
+def feasible(arrays: ClusterArrays, req: SliceRequest, *, node_resources: bool = True,
+             rows: IntArray | None = None) -> BoolArray:
     """Nodes on which ``req`` fits now (CPU, memory, GPU model, per-GPU share and memory).
     Without ``node_resources``, the GPUs alone are judged (the extender leaves CPU and
-    memory to kube-scheduler's own fit, whose view is authoritative)."""
-    ok = np.ones(arrays.n_nodes, dtype=np.bool_)
+    memory to kube-scheduler's own fit, whose view is authoritative). With ``rows``, the
+    answer for those nodes alone (in their order), by the same rule."""
+    sel = slice(None) if rows is None else rows
+    ok = np.ones(arrays.n_nodes if rows is None else len(rows), dtype=np.bool_)
     if node_resources:
-        ok &= (arrays.cpu_free >= req.cpu_milli) & (arrays.mem_free >= req.memory_mib)
+        ok &= (arrays.cpu_free[sel] >= req.cpu_milli) & (arrays.mem_free[sel] >= req.memory_mib)
     if req.gpus == 0:
         return np.asarray(ok)
-    ok &= arrays.model_mask(req.models)
+    ok &= arrays.model_mask(req.models, rows)
     if req.isolation is not Isolation.ANY:
-        ok &= _isolation_models(arrays, req.isolation)
+        ok &= _isolation_models(arrays, req.isolation, rows)
         if req.isolation is Isolation.EXCLUSIVE:
             ok &= req.milli == 1000
-    ok &= gpu_ok(arrays, req).sum(axis=1) >= req.gpus
+    ok &= gpu_ok(arrays, req, None if rows is None else rows).sum(axis=1) >= req.gpus
     return np.asarray(ok)
 
 

@@ -198,12 +198,14 @@ class ClusterArrays:
             self.gpu_mem_free.copy(),
         )
 
-    def model_mask(self, allowed: frozenset[str]) -> BoolArray:
-        """Nodes whose GPU model is in ``allowed`` (every GPU node when it is empty)."""
+    def model_mask(self, allowed: frozenset[str], rows: IntArray | None = None) -> BoolArray:
+        """Nodes whose GPU model is in ``allowed`` (every GPU node when it is empty); with
+        ``rows``, for those nodes alone."""
+        mid = self.model_id if rows is None else self.model_id[rows]
         if not allowed:
-            return np.asarray(self.model_id >= 0)
+            return np.asarray(mid >= 0)
         ids = [i for i, m in enumerate(self.models) if m in allowed]
-        return np.isin(self.model_id, ids)
+        return np.isin(mid, ids)
 
 
 def build_arrays(nodes: Sequence[Node]) -> ClusterArrays:

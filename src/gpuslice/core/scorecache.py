@@ -6,6 +6,10 @@ Only for policies whose score of a node depends on that node's row and the place
 shared values (the target workload and what is derived from it), and on nothing random:
 ``row_local`` on the policy (FGD and frag-strand). The owner calls :meth:`ScoreCache.changed`
 for every row it changes and starts a new cache with every new placement state.
+
+Whether a shape fits a node (its GPUs: :func:`gpu_fit.feasible` without node resources) is kept
+the same way, so :meth:`ScoreCache.choose` answers a filter over thousands of nodes with work
+for the changed rows and a few passes over flat arrays: its cost barely grows with the cluster.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from gpuslice.core import fit as gpu_fit
 from gpuslice.core.model import BoolArray, FloatArray, IntArray, Isolation, SliceRequest
 from gpuslice.core.policies import PlacementState, Policy, Scored
 
@@ -27,7 +32,9 @@ _Key = tuple[int, int, int, int, int, frozenset[str], Isolation, bool]
 class _Entry:
     scores: FloatArray
     gpu: IntArray
-    fresh: BoolArray
+    fresh: BoolArray  # scores[row] is that of the row as it is now
+    ok: BoolArray  # the shape fits the row's GPUs
+    ok_fresh: BoolArray  # ok[row] is that of the row as it is now
     has_gpu: bool = False
 
 
@@ -51,23 +58,27 @@ class ScoreCache:
         return bool(getattr(policy, "row_local", False))
 
     def changed(self, row: int) -> None:
-        """Node ``row``'s arrays changed: its scores are computed again when next asked."""
+        """Node ``row``'s arrays changed: its scores and fit are computed again when next
+        asked."""
         for e in self._entries.values():
             e.fresh[row] = False
+            e.ok_fresh[row] = False
 
-    def score(self, req: SliceRequest, nodes: IntArray) -> Scored:
-        """``policy.score(st, req, nodes)``, computing only the nodes not scored for this
-        shape since their row last changed."""
+    def _entry(self, req: SliceRequest) -> _Entry:
         key = _key(req)
         e = self._entries.get(key)
         if e is None:
-            e = _Entry(np.zeros(self.n), np.full(self.n, -1, dtype=np.int64),
-                       np.zeros(self.n, dtype=np.bool_))
+            n = self.n
+            e = _Entry(np.zeros(n), np.full(n, -1, dtype=np.int64), np.zeros(n, dtype=np.bool_),
+                       np.zeros(n, dtype=np.bool_), np.zeros(n, dtype=np.bool_))
             self._entries[key] = e
             while len(self._entries) > SHAPES:
                 self._entries.popitem(last=False)
         else:
             self._entries.move_to_end(key)
+        return e
+
+    def _fill(self, e: _Entry, req: SliceRequest, nodes: IntArray) -> None:
         stale = np.unique(nodes[~e.fresh[nodes]])
         if stale.size:
             got = self.policy.score(self.st, req, stale)
@@ -77,4 +88,30 @@ class ScoreCache:
                 e.has_gpu = True
             e.fresh[stale] = True
             self.scored += int(stale.size)
+
+    def score(self, req: SliceRequest, nodes: IntArray) -> Scored:
+        """``policy.score(st, req, nodes)``, computing only the nodes not scored for this
+        shape since their row last changed."""
+        e = self._entry(req)
+        self._fill(e, req, nodes)
         return Scored(nodes, e.scores[nodes], e.gpu[nodes] if e.has_gpu else None)
+
+    def choose(self, req: SliceRequest, nodes: IntArray, rank: IntArray) -> int | None:
+        """The position in ``nodes`` (distinct rows) of the node the policy picks among those
+        whose GPUs fit ``req`` (:func:`gpu_fit.feasible` without node resources): the highest
+        score, ties to the lowest ``rank``; ``None`` when none fits. The fit and the scores
+        are computed for the rows changed since this shape was last asked alone."""
+        e = self._entry(req)
+        stale = nodes[~e.ok_fresh[nodes]]
+        if stale.size:
+            e.ok[stale] = gpu_fit.feasible(self.st.arrays, req, node_resources=False,
+                                           rows=stale)
+            e.ok_fresh[stale] = True
+        at = np.flatnonzero(e.ok[nodes])
+        if not at.size:
+            return None
+        cand = nodes[at]
+        self._fill(e, req, cand)
+        raw = e.scores[cand]
+        top = np.flatnonzero(raw == raw.max())
+        return int(at[top[np.argmin(rank[cand[top]])]])

@@ -28,7 +28,7 @@ from gpuslice.core.errors import GpusliceError, ValidationError
 from gpuslice.core.fit import explain, feasible, feasible_at, gpu_ok
 from gpuslice.core.frag import Shape
 from gpuslice.core.ledger import Conflict, Ledger
-from gpuslice.core.model import ClusterArrays, Isolation, SliceRequest
+from gpuslice.core.model import ClusterArrays, IntArray, Isolation, SliceRequest
 from gpuslice.core.podrequest import GpuWant
 from gpuslice.core.policies import best_fit_gpu, exclusive_gpus
 from gpuslice.core.scorecache import ScoreCache
@@ -66,23 +66,38 @@ class PlacementVerbs(ClusterView):
     def _choose(self, req: SliceRequest, names: list[str]) -> str | None:
         """The policy's choice (:meth:`best`) among the nodes of ``names`` that fit ``req`` as
         a whole-GPU slice, or ``None`` when none does; arrays over the nodes, no per-node
-        Python."""
+        Python, and with a cacheable policy only the rows changed since this request shape
+        was last asked are judged again."""
+        rows = self._rows_of(names)
+        cached, at = self.cached_choice(req, rows)
+        if cached:
+            return None if at is None else self.inv.names[int(rows[at])]
+        ok = feasible(self.inv.arrays, req, node_resources=False)[rows]
+        if not ok.any():
+            return None
+        rows = rows[ok]
+        raw = np.asarray(self.scores(req, rows).scores, dtype=np.float64)
+        top = np.flatnonzero(raw == raw.max())
+        return self.inv.names[int(rows[top[np.argmin(self._rank[rows[top]])]])]
+
+    def _rows_of(self, names: list[str]) -> IntArray:
+        """The inventory rows of the known nodes among ``names`` (in their order). The
+        scheduler sends the same node list again and again: the last answer is kept while
+        the list and the inventory stay the same (one comparison in C)."""
         index = self.inv.index
+        last = self._last_rows
+        if last is not None and last[0] is index and last[1] == names:
+            return last[2]
         try:  # every name known (the common case): the look-ups in C
             rows = np.array(itemgetter(*names)(index) if len(names) > 1 else
                             [index[n] for n in names], dtype=np.int64)
         except KeyError:
             rows = np.fromiter((index.get(n, -1) for n in names), dtype=np.int64,
                                count=len(names))
-        where = np.flatnonzero(rows >= 0)
-        rows = rows[where]
-        ok = feasible(self.inv.arrays, req, node_resources=False)[rows]
-        if not ok.any():
-            return None
-        where, rows = where[ok], rows[ok]
-        raw = np.asarray(self.scores(req, rows).scores, dtype=np.float64)
-        top = np.flatnonzero(raw == raw.max())
-        return names[int(where[top[np.argmin(self._rank[rows[top]])]])]
+            rows = rows[rows >= 0]
+        rows.flags.writeable = False  # shared between calls
+        self._last_rows = (index, list(names), rows)
+        return rows
 
     def _fit(self, pod: dict[str, Any], req: SliceRequest,
              names: list[str]) -> tuple[list[str], dict[str, str]]:

@@ -155,6 +155,8 @@ class ClusterView:
         self._pods: dict[tuple[str, str], _PodInfo] = {}
         self._st_version = -1
         self._scores: ScoreCache | None = None  # the policy's node scores per request shape
+        # the node list the scheduler sent last and its rows (PlacementVerbs._rows_of)
+        self._last_rows: tuple[dict[str, int], list[str], IntArray] | None = None
         self.rng = np.random.default_rng(0)  # policies that draw (random) draw from it
         self._lock = threading.Lock()  # guards the ledger reference and the arrays' GPU rows
         self.problems: list[str] = []
@@ -378,9 +380,23 @@ class ClusterView:
         self._sync_workload_locked()
         if not ScoreCache.usable(self.policy):
             return self.policy.score(self.st, req, rows)
+        return self._score_cache().score(req, rows)
+
+    def _score_cache(self) -> ScoreCache:
         if self._scores is None or self._scores.st is not self.st:
             self._scores = ScoreCache(self.policy, self.st)
-        return self._scores.score(req, rows)
+        return self._scores
+
+    def cached_choice(self, req: SliceRequest, rows: IntArray) -> tuple[bool, int | None]:
+        """From the score cache (core.scorecache.ScoreCache.choose): (True, the position in
+        ``rows`` of the node the policy picks among those whose GPUs fit ``req``, or ``None``
+        when none fits); (False, None) when the policy's scores cannot be cached (the caller
+        judges the nodes itself)."""
+        with self._lock:
+            self._sync_workload_locked()
+            if not ScoreCache.usable(self.policy):
+                return False, None
+            return True, self._score_cache().choose(req, rows, self._rank)
 
     def apply(self, event: WatchEvent) -> None:
         """Follow a watch event: a node that joins, leaves, or changes its GPU inventory or
