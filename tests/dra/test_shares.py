@@ -49,6 +49,25 @@ def test_two_shares_of_one_gpu_each_hold_their_own_limits(node: Node) -> None:
     assert node.driver._mps["GPU-node-a-00"].healthy()
 
 
+def test_the_mps_server_holds_every_client_to_the_largest_share(node: Node) -> None:
+    """A client may rewrite its own CUDA_MPS_* environment; MPS only lets a client's values
+    lower the server's limits (measured on an H200: docs/gpu-results.md, issue 31), so the
+    driver sets the server's own limits to the largest share prepared on the GPU: a 25%
+    share, then a 50% one widening them, then a 10% one leaving them (the rule of
+    adapters.mps.ensure_ceiling, shared with the node agent)."""
+    client = node.serve()
+    state = node.root / "mps" / "GPU-node-a-00" / "fake-state.json"
+    a = node.add(share("quarter", "5f0a-aaaa", "25", "20Gi"))
+    assert client.prepare([a])[a[1]].error == ""
+    assert json.loads(state.read_text()) == {"pct": 25.0, "mem": "20480M"}
+    b = node.add(share("half", "5f0a-bbbb", "50", "40Gi"))
+    c = node.add(share("tenth", "5f0a-cccc", "10", "8Gi"))
+    got = client.prepare([b, c])
+    assert got[b[1]].error == got[c[1]].error == ""
+    assert json.loads(state.read_text()) == {"pct": 50.0, "mem": "40960M"}
+    assert node.driver.effects.ceilings["GPU-node-a-00"].thread_pct == 50
+
+
 def test_a_share_that_would_over_commit_the_gpu_is_refused(node: Node) -> None:
     client = node.serve()
     a = node.add(share("big", "s-1", "60", "40Gi"))

@@ -27,7 +27,7 @@ from typing import Any
 
 from gpuslice.adapters.kube.fake import ApiNotFound, KubePort
 from gpuslice.adapters.kube.objects import GPU_MEMORY, GPU_MILLI
-from gpuslice.adapters.mps import Ceiling, MpsDaemon
+from gpuslice.adapters.mps import Ceiling, MpsDaemon, ensure_ceiling
 from gpuslice.adapters.nvml.port import NvmlError, NvmlPort
 from gpuslice.core.devices import inventory, node_labels
 from gpuslice.core.errors import GpusliceError
@@ -193,16 +193,8 @@ class NodeAgent:
                 root = Path(self.cfg.mps_pipe_dir)
                 d = MpsDaemon(uuid, root / uuid, root / f"{uuid}.log", binary=self.mps_binary)
                 self._mps[uuid] = d
-            started = not d.healthy()
-            if started:
-                d.start()
-            was = self._ceilings.get(uuid)
-            if was is None and not started:  # adopted: keep what the last agent let in
-                was = Ceiling(d.default_thread_pct(), None)
-            ceiling = (was or Ceiling(thread_pct, memory_mib)).widened(thread_pct, memory_mib)
-            if started or ceiling != was:
-                d.apply_ceiling(ceiling, was=None if started else was)
-                self._ceilings[uuid] = ceiling
+            self._ceilings[uuid] = ensure_ceiling(d, self._ceilings.get(uuid), thread_pct,
+                                                  memory_mib)
 
     def watch_mps(self) -> list[str]:
         """Restart each MPS daemon this agent started or adopted that stopped answering (its

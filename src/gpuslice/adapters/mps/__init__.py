@@ -227,3 +227,21 @@ class MpsDaemon:
             time.sleep(0.05)
         raise MpsError(f"MPS daemon for {self.uuid} did not quit")
 
+
+def ensure_ceiling(d: MpsDaemon, was: Ceiling | None, thread_pct: int = 100,
+                   memory_mib: int | None = None) -> Ceiling:
+    """Daemon ``d`` runs (started when it does not answer) and its servers hold every client
+    to a ceiling that covers one of ``thread_pct`` percent and ``memory_mib`` (None:
+    uncapped): ``was`` (the ceiling this process set on it before, kept across the daemon's
+    restarts) widened as needed; a daemon found running with none set by this process keeps
+    what its default thread percentage lets in. The one rule of the node agent's device
+    plugin and of the DRA driver's shares; returns the ceiling now in force."""
+    started = not d.healthy()
+    if started:
+        d.start()
+    if was is None and not started:  # adopted: keep what its last owner let in
+        was = Ceiling(d.default_thread_pct(), None)
+    ceiling = (was or Ceiling(thread_pct, memory_mib)).widened(thread_pct, memory_mib)
+    if started or ceiling != was:
+        d.apply_ceiling(ceiling, was=None if started else was)
+    return ceiling

@@ -11,7 +11,9 @@ from typing import Any
 from gpuslice.adapters.dra.cdi import CdiDevice, device_name
 from gpuslice.adapters.mps import (
     PIPE_IN_CONTAINER,
+    Ceiling,
     MpsDaemon,
+    ensure_ceiling,
     ensure_client_mounts,
     pinned_mem_limit,
 )
@@ -26,6 +28,7 @@ class Effects:
         self.cfg, self.nvml = cfg, nvml
         self.mig = MigExecutor(nvml)
         self.mps: dict[str, MpsDaemon] = {}  # target (GPU or MIG instance) -> its daemon
+        self.ceilings: dict[str, Ceiling] = {}  # target -> the limits its servers hold
 
     def make(self, c: ClaimRef, e: dict[str, Any]) -> CdiDevice:
         """Make one planned device ready (idempotently) and return its CDI device."""
@@ -46,7 +49,7 @@ class Effects:
             return CdiDevice(device_name(c.uid, e["device"], e.get("shareID", "")), env,
                              nodes, mounts, dev_dir=self.cfg.dev_dir)
         if e["type"] == dra.TYPE_SHARE:
-            self.ensure_mps(e["gpu"])
+            self.ensure_mps(e["gpu"], int(e["threadPct"]), int(e["memoryMiB"]))
             # CUDA_VISIBLE_DEVICES names the one GPU, so that the container's CUDA (and the
             # ordinal 0 of the memory limit) is that GPU whatever else the runtime exposes
             env.update(CUDA_VISIBLE_DEVICES=e["gpu"],
@@ -127,7 +130,8 @@ class Effects:
 
     def _mps_env(self, target: str, e: dict[str, Any], env: dict[str, str]
                  ) -> tuple[tuple[str, str], ...]:
-        self.ensure_mps(target)
+        self.ensure_mps(target, int(e.get("mpsPct") or 100),
+                        int(e["mpsMiB"]) if e.get("mpsMiB") else None)
         env["CUDA_MPS_PIPE_DIRECTORY"] = PIPE_IN_CONTAINER
         if e.get("mpsPct"):
             env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(e["mpsPct"])
@@ -146,18 +150,22 @@ class Effects:
                              "NVML does not list it")
         return inst.uuid
 
-    def ensure_mps(self, target: str) -> None:
+    def ensure_mps(self, target: str, thread_pct: int = 100,
+                   memory_mib: int | None = None) -> None:
         """The MPS control daemon of GPU (or MIG instance) ``target`` runs: one per GPU,
         shared by every share on it, in the node agent's pipe directory layout; one already
-        running there (the node agent's, or a previous driver's) is adopted."""
+        running there (the node agent's, or a previous driver's) is adopted. Its servers'
+        own limits cover a client of ``thread_pct`` percent and ``memory_mib`` (None:
+        uncapped) and no more than the largest share prepared on it: a client that rewrites
+        its CDI environment cannot rise past them (adapters.mps.ensure_ceiling)."""
         d = self.mps.get(target)
         if d is None:
             root = Path(self.cfg.mps_pipe_dir)
             d = MpsDaemon(target, root / target, root / f"{target}.log",
                           binary=self.cfg.mps_binary)
             self.mps[target] = d
-        if not d.healthy():
-            d.start()
+        self.ceilings[target] = ensure_ceiling(d, self.ceilings.get(target), thread_pct,
+                                               memory_mib)
 
     def stop_mps(self) -> list[str]:
         """Quit the MPS control daemons this driver started or adopted; their targets. For
@@ -169,4 +177,5 @@ class Effects:
                 d.quit()
                 stopped.append(target)
             del self.mps[target]
+            self.ceilings.pop(target, None)
         return stopped
