@@ -126,3 +126,39 @@ def test_whole_gpu_with_mps_config_gets_the_claims_defaults(node: Node) -> None:
     (e,) = env_of(node, ref[1])
     assert e["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "50"
     assert "GPU-node-a-02" in node.driver._mps
+
+
+def test_unprepare_quits_the_daemon_it_started_when_the_gpus_last_share_goes(
+        node: Node) -> None:
+    """What prepare started, unprepare stops: the GPU's MPS daemon (started for its first
+    share) runs while any share is prepared there and is quit with the last one, its
+    server limits forgotten (the next share starts a new daemon held to its own size)."""
+    client = node.serve()
+    control = node.root / "mps" / "GPU-node-a-00" / "control"
+    a = node.add(share("quarter", "5f0a-aaaa", "25", "20Gi"))
+    b = node.add(share("half", "5f0a-bbbb", "50", "40Gi"))
+    client.prepare([a, b])
+    assert control.exists()
+    assert client.unprepare([a]) == {a[1]: ""}
+    assert control.exists() and node.driver._mps["GPU-node-a-00"].healthy()  # b is on it
+    assert client.unprepare([b]) == {b[1]: ""}
+    assert not control.exists() and "GPU-node-a-00" not in node.driver._mps
+    c = node.add(share("tenth", "5f0a-cccc", "10", "8Gi"))
+    assert client.prepare([c])[c[1]].error == ""
+    state = json.loads((control.parent / "fake-state.json").read_text())
+    assert state == {"pct": 10.0, "mem": "8192M"}
+
+
+def test_a_daemon_found_running_is_left_running_on_unprepare(node: Node) -> None:
+    """A daemon this driver did not start (the node agent's, or one an earlier driver left
+    for running containers) serves its shares and stays after them."""
+    from gpuslice.adapters.mps import MpsDaemon
+
+    pipe = node.root / "mps" / "GPU-node-a-00"
+    MpsDaemon("GPU-node-a-00", pipe, node.root / "mps" / "x.log",
+              binary=node.cfg.mps_binary).start()
+    client = node.serve()
+    a = node.add(share("quarter", "5f0a-aaaa", "25", "20Gi"))
+    assert client.prepare([a])[a[1]].error == ""
+    assert client.unprepare([a]) == {a[1]: ""}
+    assert (pipe / "control").exists()

@@ -286,7 +286,7 @@ class DraDriver:
         entry = self.checkpoint.get(c.uid)
         if entry is not None:
             others = [x for uid, o in self.checkpoint.claims.items() if uid != c.uid
-                      for x in o["devices"] if not x.get("admin")]
+                      for x in o["devices"]]
             self.effects.undo(entry, others)
         self.cdi.remove(c.uid)
         self.checkpoint.drop(c.uid)

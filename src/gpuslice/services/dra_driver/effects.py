@@ -29,6 +29,7 @@ class Effects:
         self.mig = MigExecutor(nvml)
         self.mps: dict[str, MpsDaemon] = {}  # target (GPU or MIG instance) -> its daemon
         self.ceilings: dict[str, Ceiling] = {}  # target -> the limits its servers hold
+        self.started: set[str] = set()  # targets whose daemon this driver started
 
     def make(self, c: ClaimRef, e: dict[str, Any]) -> CdiDevice:
         """Make one planned device ready (idempotently) and return its CDI device."""
@@ -81,14 +82,17 @@ class Effects:
     def undo(self, entry: dict[str, Any], others: list[dict[str, Any]]) -> None:
         """Undo what :meth:`make` did for a checkpointed claim ``entry``: the GPU's default
         time-slice back, its MIG instances destroyed unless ``others`` (the devices other
-        claims hold) use them. No API server is needed: the checkpoint says it all."""
+        claims hold) use them, and the MPS daemon of a GPU quit once no other claim's share
+        or MPS device is on it, when this driver started it (one it adopted, the node
+        agent's, stays). No API server is needed: the checkpoint says it all."""
         for e in entry["devices"]:
             if e.get("admin"):
                 continue  # admin access made nothing
             if e.get("strategy") == "TimeSlicing" and e.get("interval", "Default") != "Default":
                 self._set_timeslice(e["gpu"], "Default")  # the next claim's default
             if e.get("type") == dra.TYPE_MIG and not e.get("migUUID") and not any(
-                    x.get("type") == dra.TYPE_MIG and x["gpu"] == e["gpu"]
+                    not x.get("admin") and x.get("type") == dra.TYPE_MIG
+                    and x["gpu"] == e["gpu"]
                     and (x["profile"], x["start"]) == (e["profile"], e["start"])
                     for x in others):
                 try:
@@ -96,6 +100,15 @@ class Effects:
                 except NvmlError as exc:
                     raise ClaimError(f"MIG instance {e['profile']}@{e['start']} on GPU "
                                      f"{e['gpu']} not removed: {exc}") from None
+        for gpu in {g for g in map(_gpu_mps, entry["devices"]) if g} - \
+                {g for g in map(_gpu_mps, others) if g}:
+            d = self.mps.get(gpu)
+            if gpu in self.started and d is not None:
+                if d.healthy():
+                    d.quit()
+                del self.mps[gpu]
+                self.ceilings.pop(gpu, None)
+                self.started.discard(gpu)
 
     def _minor(self, gpu: str) -> int:
         """The GPU's device minor from NVML (``/dev/nvidia<minor>``: not its index, which
@@ -164,6 +177,8 @@ class Effects:
             d = MpsDaemon(target, root / target, root / f"{target}.log",
                           binary=self.cfg.mps_binary)
             self.mps[target] = d
+        if not d.healthy():
+            self.started.add(target)
         self.ceilings[target] = ensure_ceiling(d, self.ceilings.get(target), thread_pct,
                                                memory_mib)
 
@@ -178,4 +193,14 @@ class Effects:
                 stopped.append(target)
             del self.mps[target]
             self.ceilings.pop(target, None)
+            self.started.discard(target)
         return stopped
+
+
+def _gpu_mps(e: dict[str, Any]) -> str | None:
+    """The GPU whose MPS daemon a checkpointed device uses: a share's, or a whole GPU's under
+    an MPS config (a MIG device's daemon is its instance's, left running)."""
+    if e.get("type") == dra.TYPE_SHARE or (e.get("type") == dra.TYPE_GPU
+                                             and e.get("strategy") == "MPS"):
+        return str(e["gpu"])
+    return None
