@@ -14,6 +14,7 @@
 #   bash benchmarks/gpu_tier.sh tests      # the gpu test tier + the demo on the real GPU (~4 min)
 #   bash benchmarks/gpu_tier.sh caps       # MPS caps, a client raising its own, the daemon
 #                                          # killed, the agent on NVML (issue 31; ~2 min)
+#   bash benchmarks/gpu_tier.sh dra        # the DRA driver's shares on the GPU (issue 33; ~1 min)
 #   bash benchmarks/gpu_tier.sh agentcpu   # the node agent's CPU on the real GPU (30 s)
 #   MODELS="resnet50 mobilenet_v3" bash benchmarks/gpu_tier.sh profile   # ~4 min a model
 #   MODELS="vit_b_16 encoder" bash benchmarks/gpu_tier.sh profile
@@ -23,6 +24,10 @@
 #   MODELS=resnet50 PROFILE_CAPS=14,28,43,57,100 PROFILE_BATCHES=1,8,64 PROFILE_PROCS=1 \
 #   SHARING_REPLICAS="4 7" SHARING_REPEATS=2 SHARING_PARTS=throughput SHARING_WINDOW_S=5 \
 #   bash benchmarks/gpu_tier.sh check profile sharing
+# Issue 33 (one call of about 5 minutes): the DRA driver's shares on the GPU, then the noisy
+# neighbour with three LC/BE cap splits (the trade-off curve):
+#   SHARING_REPLICAS=4 SHARING_PARTS=noisy SHARING_NOISY_SPLITS=50/30,60/40 \
+#   SHARING_WINDOW_S=5 bash benchmarks/gpu_tier.sh check dra sharing
 # PACK=FILE.tgz packs $RESULTS into one archive at the end (a lent machine returns few files).
 # A 30-minute budget fits three calls: `check tests`, `profile` (two models), then
 # `profile sharing` with the other two models and the profiles.csv of the first call (carried
@@ -53,6 +58,8 @@ GPU_TESTS=(tests/nodeagent/test_nvml.py tests/nodeagent/test_mps.py
            tests/nodeagent/test_gpu_tier.py tests/local/test_local_gpu.py
            tests/bench/test_sharing.py)
 CAPS_TESTS=(tests/nodeagent/test_gpu_mps_caps.py)
+# the DRA driver's shares on the GPU, and the same scenario on the fakes first (issue 33)
+DRA_TESTS=(tests/dra/test_gpu_dra_caps.py)
 # each stage's limit in seconds (a hung step must not eat a lent machine's whole time)
 STAGE_S=${STAGE_S:-300}
 # the profile stage's grid and the sharing stage's runs (a run per replica count)
@@ -65,6 +72,7 @@ SHARING_BATCHES=${SHARING_BATCHES:-8}
 SHARING_REPEATS=${SHARING_REPEATS:-1}
 SHARING_PARTS=${SHARING_PARTS:-throughput,noisy,memory}
 SHARING_WINDOW_S=${SHARING_WINDOW_S:-6}
+SHARING_NOISY_SPLITS=${SHARING_NOISY_SPLITS:-}  # e.g. 50/30,60/40: more LC/BE caps to try
 # FAKE_GPU=H200 dry-runs the profile and sharing stages on a CPU: the tiny workload timed by
 # the speed model as if it were the model on that GPU (stand-in numbers, the real code paths)
 as_model() {
@@ -131,6 +139,9 @@ for stage in "${@:-check}"; do
       caps)
         timeout "$STAGE_S" python3 -m pytest -m gpu -s -p no:cacheprovider -rs \
             "${CAPS_TESTS[@]}" 2>&1 | tee "$RESULTS/caps.log" ;;
+      dra)
+        timeout "$STAGE_S" python3 -m pytest -s -p no:cacheprovider -rs \
+            "${DRA_TESTS[@]}" 2>&1 | tee "$RESULTS/dra-caps.log" ;;
       agentcpu)
         timeout "$STAGE_S" python3 benchmarks/node_agent_cpu.py --real --seconds 20 2>&1 \
             | tee "$RESULTS/agent-cpu.txt" ;;
@@ -151,13 +162,15 @@ for stage in "${@:-check}"; do
           for n in $SHARING_REPLICAS; do
             "${GS[@]}" bench sharing "${as[@]}" "${prof[@]}" --replicas "$n" --batch "$b" \
                 --repeats "$SHARING_REPEATS" --parts "$SHARING_PARTS" --warmup-s 2 \
+                --noisy-splits "$SHARING_NOISY_SPLITS" \
                 --window-s "$SHARING_WINDOW_S" --out "$RESULTS/sharing-n$n-b$b" 2>&1 \
                 | tee "$RESULTS/sharing-n$n-b$b.txt"
             pack
           done
         done ;;
       *)
-        echo "unknown stage $stage (check, tests, caps, agentcpu, profile, sharing)" >&2; status=2 ;;
+        echo "unknown stage $stage (check, tests, caps, dra, agentcpu, profile, sharing)" >&2
+        status=2 ;;
     esac
     pack
 done

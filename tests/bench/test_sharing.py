@@ -55,6 +55,26 @@ def test_caps_come_from_a_profile_when_given(tmp_path: Path, capsys) -> None:  #
 def test_bad_options_are_refused() -> None:
     assert main(["bench", "sharing", *FAKE, "--alloc-mib", "10", "--mem-cap-mib", "20"]) == 2
     assert main(["bench", "sharing", *FAKE, "--parts", "everything"]) == 2
+    assert main(["bench", "sharing", *FAKE, "--noisy-splits", "50-30"]) == 2
+    assert main(["bench", "sharing", *FAKE, "--noisy-splits", "50/0"]) == 2
+
+
+def test_the_noisy_neighbour_trade_off_is_swept(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    """--noisy-splits runs gpuslice with each LC/BE cap pair after the first (issue 33:
+    the trade-off curve when one split misses the goal); the gates pass when some split
+    holds both."""
+    code = main(["bench", "sharing", *FAKE, "--parts", "noisy", "--noisy-splits",
+                 "50/30,60/40", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    res = json.loads((tmp_path / "sharing.json").read_text())
+    splits = res["noisy"]["splits"]
+    assert [v["caps"] for v in splits] == [[40, 20], [50, 30], [60, 40]]
+    assert splits[0]["lc_p99_ms"] == res["noisy"]["gpuslice"]["lc_p99_ms"]
+    # the speed model: a larger BE cap gives BE more throughput
+    assert splits[0]["be_rps"] < splits[1]["be_rps"] < splits[2]["be_rps"]
+    assert "trade-off" in out and "60% / 40%" in out
+    met = any(v["lc_p99_vs_solo"] <= 1.1 and v["be_vs_mps"] >= 0.85 for v in splits)
+    assert code == (0 if met else 1)
 
 
 @pytest.mark.gpu

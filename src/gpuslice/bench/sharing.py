@@ -62,12 +62,18 @@ class SharingOptions:
     parts: tuple[str, ...] = ("throughput", "noisy", "memory")
     device_index: int = 0  # the GPU (NVML index) every mode runs on
     repeats: int = 1  # runs of each throughput mode
+    # noisy neighbour: more (latency-critical %, best-effort %) caps to run gpuslice with
+    noisy_splits: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
         if not 1 <= self.replicas <= 48:
             raise ValidationError("--replicas", "1 to 48", self.replicas)
         if not 1 <= self.repeats <= 10:
             raise ValidationError("--repeats", "1 to 10", self.repeats)
+        for lc, be in self.noisy_splits:
+            if not (1 <= lc <= 100 and 1 <= be <= 100):
+                raise ValidationError("--noisy-splits", "LC/BE thread percentages of 1 to 100",
+                                      f"{lc}/{be}")
         if self.alloc_mib <= self.mem_cap_mib:
             raise ValidationError("--alloc-mib", "more than --mem-cap-mib", self.alloc_mib)
         for p in self.parts:
@@ -222,9 +228,10 @@ def run_sharing(opts: SharingOptions,
                 except Unsizable as exc:
                     sizing = f"the profile gives no caps ({exc}); the 40% / 20% split"
                     say(sizing)
-            def capped(env: dict[str, str], be_priority: bool) -> list[list[dict[str, object]]]:
-                lc = {**env, "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(lc_cap)}
-                be = {**env, "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(be_cap)}
+            def capped(env: dict[str, str], be_priority: bool, lc_pct: int = lc_cap,
+                       be_pct: int = be_cap) -> list[list[dict[str, object]]]:
+                lc = {**env, "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(lc_pct)}
+                be = {**env, "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(be_pct)}
                 if be_priority:  # best-effort work yields to the latency-critical replica's
                     be["CUDA_MPS_CLIENT_PRIORITY"] = PRIORITIES["best-effort"]
                 return run_together([_spec(opts, opts.lc_batch, lc, group)] +
@@ -237,16 +244,27 @@ def run_sharing(opts: SharingOptions,
                 "below-normal MPS client priority")
             with _Mps(opts, root, "noisy-gpuslice", gpu) as env:
                 gs_rows = capped(env, be_priority=True)
+            swept = []
+            for i, (lc_pct, be_pct) in enumerate(opts.noisy_splits):
+                say(f"noisy neighbour: gpuslice caps {lc_pct}% / {be_pct}%, best-effort at "
+                    "below-normal MPS client priority (the trade-off curve)")
+                with _Mps(opts, root, f"noisy-split-{i}", gpu) as env:
+                    swept.append(((lc_pct, be_pct), capped(env, True, lc_pct, be_pct)))
             be_mps = float(np.sum(_thr(mps_rows[1:])))
+
+            def figures(rows: list[list[dict[str, object]]]) -> dict[str, float]:
+                return {"lc_p99_ms": round(_p99(rows[0]), 3),
+                        "lc_p99_vs_solo": round(_p99(rows[0]) / solo_p99, 3),
+                        "be_rps": round(float(np.sum(_thr(rows[1:]))), 2),
+                        "be_vs_mps": round(float(np.sum(_thr(rows[1:]))) / be_mps, 3)}
+
             res["noisy"] = {"solo_p99_ms": round(solo_p99, 3), "caps": [lc_cap, be_cap],
                             "sizing": sizing}
             for name, rows in (("time-slicing", ts_rows), ("mps", mps_rows),
                                ("gpuslice-caps", caps_rows), ("gpuslice", gs_rows)):
-                res["noisy"][name] = {
-                    "lc_p99_ms": round(_p99(rows[0]), 3),
-                    "lc_p99_vs_solo": round(_p99(rows[0]) / solo_p99, 3),
-                    "be_rps": round(float(np.sum(_thr(rows[1:]))), 2),
-                    "be_vs_mps": round(float(np.sum(_thr(rows[1:]))) / be_mps, 3)}
+                res["noisy"][name] = figures(rows)
+            res["noisy"]["splits"] = [{"caps": [lc_cap, be_cap], **res["noisy"]["gpuslice"]}] + [
+                {"caps": list(split), **figures(rows)} for split, rows in swept]
         if "memory" in opts.parts:
             cap = {"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": pinned_mem_limit(opts.mem_cap_mib)}
             say("memory cap: three replicas, none over its cap")
@@ -296,7 +314,12 @@ def plot_sharing(res: dict[str, Any], png: Path) -> Path:
         ax = ax_of["noisy"]
         modes = [m for m in ("time-slicing", "mps", "gpuslice-caps", "gpuslice")
                  if m in res["noisy"]]
-        ax.bar(modes, [res["noisy"][m]["lc_p99_vs_solo"] for m in modes])
+        values = [res["noisy"][m]["lc_p99_vs_solo"] for m in modes]
+        for v in res["noisy"].get("splits", [])[1:]:  # the swept caps, LC/BE
+            modes.append(f"gpuslice {v['caps'][0]}/{v['caps'][1]}")
+            values.append(v["lc_p99_vs_solo"])
+        ax.bar(modes, values)
+        ax.tick_params(axis="x", labelrotation=20)
         ax.axhline(1.1, color="grey", linestyle="--", linewidth=0.8)
         ax.set_ylabel("latency-critical p99 / solo p99")
         ax.set_title("noisy neighbour")

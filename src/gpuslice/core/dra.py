@@ -290,6 +290,9 @@ def _attrs(f: GpuFacts, dtype: str, driver_version: str) -> dict[str, dict[str, 
                                                    f"{g.compute_capability[1]}.0"}
     if semver(driver_version):
         out["driverVersion"] = {"version": semver(driver_version)}
+    known = catalog.lookup(g.model)
+    if known is not None:  # whether the GPU can be partitioned (MIG), whatever its mode now
+        out["migCapable"] = {"bool": known.mig_capable}
     if f.pci_bus_id:
         out["resource.kubernetes.io/pciBusID"] = {"string": f.pci_bus_id}
     if f.pcie_root:
