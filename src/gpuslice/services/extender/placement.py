@@ -38,6 +38,9 @@ STALE_CHECKS = 32  # shares on a nominated node read back from the API server pe
 
 
 class PlacementVerbs(ClusterView):
+    # the node list the scheduler sent last, with its inventory and rows (_rows_of)
+    _last_rows: tuple[dict[str, int], list[str], IntArray] | None = None
+
     def filter(self, pod: dict[str, Any], names: list[str]) -> tuple[list[str], dict[str, str]]:
         """The nodes of ``names`` where the pod fits the GPUs, and why each other one does
         not. With ``narrow`` (the default), only the best-ranked of those that fit is kept:

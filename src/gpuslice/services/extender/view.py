@@ -155,8 +155,6 @@ class ClusterView:
         self._pods: dict[tuple[str, str], _PodInfo] = {}
         self._st_version = -1
         self._scores: ScoreCache | None = None  # the policy's node scores per request shape
-        # the node list the scheduler sent last and its rows (PlacementVerbs._rows_of)
-        self._last_rows: tuple[dict[str, int], list[str], IntArray] | None = None
         self.rng = np.random.default_rng(0)  # policies that draw (random) draw from it
         self._lock = threading.Lock()  # guards the ledger reference and the arrays' GPU rows
         self.problems: list[str] = []
@@ -388,10 +386,8 @@ class ClusterView:
         return self._scores
 
     def cached_choice(self, req: SliceRequest, rows: IntArray) -> tuple[bool, int | None]:
-        """From the score cache (core.scorecache.ScoreCache.choose): (True, the position in
-        ``rows`` of the node the policy picks among those whose GPUs fit ``req``, or ``None``
-        when none fits); (False, None) when the policy's scores cannot be cached (the caller
-        judges the nodes itself)."""
+        """(True, ScoreCache.choose's answer: the position in ``rows`` of the policy's pick
+        among the nodes that fit, or None), or (False, None) when the scores are uncached."""
         with self._lock:
             self._sync_workload_locked()
             if not ScoreCache.usable(self.policy):
