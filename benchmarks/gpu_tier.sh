@@ -26,7 +26,7 @@
 #   bash benchmarks/gpu_tier.sh check profile sharing
 # Issue 33 (one call of about 5 minutes): the DRA driver's shares on the GPU, then the noisy
 # neighbour with three LC/BE cap splits (the trade-off curve):
-#   SHARING_REPLICAS=4 SHARING_PARTS=noisy SHARING_NOISY_SPLITS=50/30,60/40 \
+#   SHARING_REPLICAS=4 SHARING_PARTS=noisy SHARING_NOISY_SPLITS=40/30,40/45,50/60 \
 #   SHARING_WINDOW_S=5 bash benchmarks/gpu_tier.sh check dra sharing
 # PACK=FILE.tgz packs $RESULTS into one archive at the end (a lent machine returns few files).
 # A 30-minute budget fits three calls: `check tests`, `profile` (two models), then
