@@ -193,8 +193,8 @@ class NodeAgent:
                 root = Path(self.cfg.mps_pipe_dir)
                 d = MpsDaemon(uuid, root / uuid, root / f"{uuid}.log", binary=self.mps_binary)
                 self._mps[uuid] = d
-            self._ceilings[uuid] = ensure_ceiling(d, self._ceilings.get(uuid), thread_pct,
-                                                  memory_mib)
+            self._ceilings[uuid], _ = ensure_ceiling(d, self._ceilings.get(uuid), thread_pct,
+                                                     memory_mib)
 
     def watch_mps(self) -> list[str]:
         """Restart each MPS daemon this agent started or adopted that stopped answering (its

@@ -229,13 +229,14 @@ class MpsDaemon:
 
 
 def ensure_ceiling(d: MpsDaemon, was: Ceiling | None, thread_pct: int = 100,
-                   memory_mib: int | None = None) -> Ceiling:
+                   memory_mib: int | None = None) -> tuple[Ceiling, bool]:
     """Daemon ``d`` runs (started when it does not answer) and its servers hold every client
     to a ceiling that covers one of ``thread_pct`` percent and ``memory_mib`` (None:
     uncapped): ``was`` (the ceiling this process set on it before, kept across the daemon's
     restarts) widened as needed; a daemon found running with none set by this process keeps
     what its default thread percentage lets in. The one rule of the node agent's device
-    plugin and of the DRA driver's shares; returns the ceiling now in force."""
+    plugin and of the DRA driver's shares; returns the ceiling now in force and whether the
+    daemon was started here."""
     started = not d.healthy()
     if started:
         d.start()
@@ -244,4 +245,4 @@ def ensure_ceiling(d: MpsDaemon, was: Ceiling | None, thread_pct: int = 100,
     ceiling = (was or Ceiling(thread_pct, memory_mib)).widened(thread_pct, memory_mib)
     if started or ceiling != was:
         d.apply_ceiling(ceiling, was=None if started else was)
-    return ceiling
+    return ceiling, started

@@ -102,13 +102,8 @@ class Effects:
                                      f"{e['gpu']} not removed: {exc}") from None
         for gpu in {g for g in map(_gpu_mps, entry["devices"]) if g} - \
                 {g for g in map(_gpu_mps, others) if g}:
-            d = self.mps.get(gpu)
-            if gpu in self.started and d is not None:
-                if d.healthy():
-                    d.quit()
-                del self.mps[gpu]
-                self.ceilings.pop(gpu, None)
-                self.started.discard(gpu)
+            if gpu in self.started and gpu in self.mps:
+                self._quit(gpu)
 
     def _minor(self, gpu: str) -> int:
         """The GPU's device minor from NVML (``/dev/nvidia<minor>``: not its index, which
@@ -177,24 +172,26 @@ class Effects:
             d = MpsDaemon(target, root / target, root / f"{target}.log",
                           binary=self.cfg.mps_binary)
             self.mps[target] = d
-        if not d.healthy():
+        self.ceilings[target], started = ensure_ceiling(d, self.ceilings.get(target),
+                                                        thread_pct, memory_mib)
+        if started:
             self.started.add(target)
-        self.ceilings[target] = ensure_ceiling(d, self.ceilings.get(target), thread_pct,
-                                               memory_mib)
 
     def stop_mps(self) -> list[str]:
         """Quit the MPS control daemons this driver started or adopted; their targets. For
         local runs (``gpuslice demo --dra``) only: the DaemonSet leaves them running for the
         containers that use them."""
-        stopped = []
-        for target, d in list(self.mps.items()):
-            if d.healthy():
-                d.quit()
-                stopped.append(target)
-            del self.mps[target]
-            self.ceilings.pop(target, None)
-            self.started.discard(target)
-        return stopped
+        return [target for target in list(self.mps) if self._quit(target)]
+
+    def _quit(self, target: str) -> bool:
+        """Quit ``target``'s daemon if it answers and forget it; whether it was running."""
+        running = self.mps[target].healthy()
+        if running:
+            self.mps[target].quit()
+        del self.mps[target]
+        self.ceilings.pop(target, None)
+        self.started.discard(target)
+        return running
 
 
 def _gpu_mps(e: dict[str, Any]) -> str | None:
