@@ -477,6 +477,13 @@ class Choice:
     score: float
 
 
+def top_ranked(scores: FloatArray, rank: IntArray) -> int:
+    """The position of the highest of ``scores``, ties to the lowest ``rank`` (the fixed node
+    order of the candidates, position by position)."""
+    top = np.flatnonzero(scores == scores.max())
+    return int(top[np.argmin(rank[top])])
+
+
 def choose(policy: Policy, st: PlacementState, req: SliceRequest, ok: BoolArray,
            rng: np.random.Generator, rank: IntArray | None = None) -> Choice | None:
     """The policy's choice among the nodes where ``ok`` is True (``None`` when there is none).
@@ -497,7 +504,7 @@ def choose(policy: Policy, st: PlacementState, req: SliceRequest, ok: BoolArray,
     if len(best) == 1:
         pick = int(best[0])
     elif rank is not None and not policy.uniform_ties:
-        pick = int(best[np.argmin(rank[nodes[best]])])
+        pick = top_ranked(scored.scores, rank[nodes])
     else:
         pick = int(best[int(rng.integers(len(best)))])
     node = int(nodes[pick])

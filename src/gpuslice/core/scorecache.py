@@ -21,7 +21,7 @@ import numpy as np
 
 from gpuslice.core import fit as gpu_fit
 from gpuslice.core.model import BoolArray, FloatArray, IntArray, Isolation, SliceRequest
-from gpuslice.core.policies import PlacementState, Policy, Scored
+from gpuslice.core.policies import PlacementState, Policy, Scored, top_ranked
 
 SHAPES = 64  # request shapes kept (least recently used first out)
 
@@ -112,6 +112,4 @@ class ScoreCache:
             return None
         cand = nodes[at]
         self._fill(e, req, cand)
-        raw = e.scores[cand]
-        top = np.flatnonzero(raw == raw.max())
-        return int(at[top[np.argmin(rank[cand[top]])]])
+        return int(at[top_ranked(e.scores[cand], rank[cand])])

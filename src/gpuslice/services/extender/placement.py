@@ -30,7 +30,7 @@ from gpuslice.core.frag import Shape
 from gpuslice.core.ledger import Conflict, Ledger
 from gpuslice.core.model import ClusterArrays, IntArray, Isolation, SliceRequest
 from gpuslice.core.podrequest import GpuWant
-from gpuslice.core.policies import best_fit_gpu, exclusive_gpus
+from gpuslice.core.policies import best_fit_gpu, exclusive_gpus, top_ranked
 from gpuslice.core.scorecache import ScoreCache
 from gpuslice.services.extender.view import ClusterView, _memory_wish, _mig_wish, _MigWish, _mode
 
@@ -38,9 +38,6 @@ STALE_CHECKS = 32  # shares on a nominated node read back from the API server pe
 
 
 class PlacementVerbs(ClusterView):
-    # the node list the scheduler sent last, with its inventory and rows (_rows_of)
-    _last_rows: tuple[dict[str, int], list[str], IntArray] | None = None
-
     def filter(self, pod: dict[str, Any], names: list[str]) -> tuple[list[str], dict[str, str]]:
         """The nodes of ``names`` where the pod fits the GPUs, and why each other one does
         not. With ``narrow`` (the default), only the best-ranked of those that fit is kept:
@@ -80,27 +77,18 @@ class PlacementVerbs(ClusterView):
             return None
         rows = rows[ok]
         raw = np.asarray(self.scores(req, rows).scores, dtype=np.float64)
-        top = np.flatnonzero(raw == raw.max())
-        return self.inv.names[int(rows[top[np.argmin(self._rank[rows[top]])]])]
+        return self.inv.names[int(rows[top_ranked(raw, self._rank[rows])])]
 
     def _rows_of(self, names: list[str]) -> IntArray:
-        """The inventory rows of the known nodes among ``names`` (in their order). The
-        scheduler sends the same node list again and again: the last answer is kept while
-        the list and the inventory stay the same (one comparison in C)."""
+        """The inventory rows of the known nodes among ``names`` (in their order)."""
         index = self.inv.index
-        last = self._last_rows
-        if last is not None and last[0] is index and last[1] == names:
-            return last[2]
         try:  # every name known (the common case): the look-ups in C
-            rows = np.array(itemgetter(*names)(index) if len(names) > 1 else
+            return np.array(itemgetter(*names)(index) if len(names) > 1 else
                             [index[n] for n in names], dtype=np.int64)
         except KeyError:
             rows = np.fromiter((index.get(n, -1) for n in names), dtype=np.int64,
                                count=len(names))
-            rows = rows[rows >= 0]
-        rows.flags.writeable = False  # shared between calls
-        self._last_rows = (index, list(names), rows)
-        return rows
+            return rows[rows >= 0]
 
     def _fit(self, pod: dict[str, Any], req: SliceRequest,
              names: list[str]) -> tuple[list[str], dict[str, str]]:
