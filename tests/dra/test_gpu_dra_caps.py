@@ -93,11 +93,10 @@ def share_claim(name: str, share_id: str, pct: int, mib: int) -> dict[str, Any]:
                          "consumedCapacity": {"compute": str(pct), "memory": f"{mib}Mi"}}])
 
 
-def driver_on(nv: NvmlPort, root: Path, mode: str, mps_binary: str,
-              api: FakeApiServer | None = None) -> tuple[DraDriver, FakeApiServer, DraConfig]:
-    api = api or FakeApiServer()
-    if not api.list_nodes():
-        api.add_node({"metadata": {"name": NODE, "uid": "node-uid"}})
+def driver_on(nv: NvmlPort, root: Path, mode: str,
+              mps_binary: str) -> tuple[DraDriver, FakeApiServer, DraConfig]:
+    api = FakeApiServer()
+    api.add_node({"metadata": {"name": NODE, "uid": "node-uid"}})
     cfg = DraConfig(NODE, kubelet_dir=root / "k", cdi_dir=root / "cdi",
                     mps_pipe_dir=str(root / "mps"), mps_binary=mps_binary, modes={"0": mode},
                     mps_shm_dir="")
