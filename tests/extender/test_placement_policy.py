@@ -135,8 +135,9 @@ def test_filter_keeps_only_the_policys_choice_and_ties_go_to_a_fixed_node_order(
 def test_the_narrow_filters_one_pass_choice_is_best_over_every_node_that_fits() -> None:
     """The narrow filter answers in one vectorised pass (``_choose``) with no reasons; it must
     pick what ``best`` picks among the nodes the full per-node filter keeps, whatever the
-    fill, the request and the order the names come in, and fall back to the reasons when no
-    node fits."""
+    fill, the request, the order the names come in and whether they are every node or a few
+    (the pick among every node is taken only when it is a candidate), and fall back to the
+    reasons when no node fits."""
     rng = np.random.default_rng(5)
     api = FakeApiServer()
     names = [f"n{i:02d}" for i in range(24)]
@@ -144,21 +145,30 @@ def test_the_narrow_filters_one_pass_choice_is_best_over_every_node_that_fits() 
         api.add_node(node(n, gpus=4 if i % 3 else 8, model="A100-80GB" if i % 5 else "T4"))
     state = ExtenderState(api, KEY, clock=clock)
     wide = ExtenderState(api, KEY, clock=clock, narrow=False)
+    elsewhere = 0  # subsets whose pick is not the pick among every node
     for k in range(400):  # about 128 GPUs: full well before
         milli = int(rng.choice([250, 500, 750, 1000]))
         gpus = 2 if milli == 1000 and k % 4 == 0 else 1
         p = api.add_pod(pod(f"p{k}", milli=milli, gpus=gpus))
-        asked = [str(n) for n in rng.permutation(names)] + ["unknown-node"]
+        few = k % 3 == 0  # a few candidates (kube-scheduler's own filters left out the rest)
+        order = [str(n) for n in rng.permutation(names)]
+        asked = order[: int(rng.integers(2, 10))] if few else order
+        asked.append("unknown-node")
         keep, failed = state.filter(p, asked)
         fit, _ = wide.filter(p, asked)
         if not fit:  # nothing fits: the per-node reasons, as without narrowing
             assert keep == [] and set(failed) == set(asked)
+            if few:
+                continue
             break
         assert failed == {} and keep == [state.best(pod_req(p), fit)]
+        every, _ = wide.filter(p, names)
+        elsewhere += keep[0] != state.best(pod_req(p), every)
         assert state.bind("default", f"p{k}", p["metadata"]["uid"], keep[0]) == ""
         wide.apply(WatchEvent("MODIFIED", "Pod", api.get_pod("default", f"p{k}")))
     else:
         raise AssertionError("the cluster never filled: the no-fit branch was not reached")
+    assert elsewhere > 0  # the look-up of the candidates' rows was exercised too
 
 
 def test_a_node_that_joins_after_scores_were_kept_is_scored_too() -> None:

@@ -210,6 +210,15 @@ def test_cached_choice_is_the_policys_choice_over_the_fitting_nodes(policy: str)
             want = int(cand[top[np.argmin(rank[cand[top]])]])
         at = cache.choose(req, asked, rank)
         assert (None if at is None else int(asked[at])) == want, step
+        every = np.arange(15, dtype=np.int64)  # every row (nodes=None): the position is the row
+        fits = feasible(st.arrays, req, node_resources=False)
+        want_all = None
+        if fits.any():
+            cand = every[fits]
+            raw = pol.score(st, req, cand).scores
+            top = np.flatnonzero(raw == raw.max())
+            want_all = int(cand[top[np.argmin(rank[cand[top]])]])
+        assert cache.choose(req, None, rank) == want_all, step
         nones += want is None
         row = int(rng.integers(15))  # one node's GPU takes or gives back a share
         st.arrays.gpu_free[row, int(rng.integers(4))] = int(rng.integers(0, 11)) * 100

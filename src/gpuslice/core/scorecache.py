@@ -96,20 +96,21 @@ class ScoreCache:
         self._fill(e, req, nodes)
         return Scored(nodes, e.scores[nodes], e.gpu[nodes] if e.has_gpu else None)
 
-    def choose(self, req: SliceRequest, nodes: IntArray, rank: IntArray) -> int | None:
-        """The position in ``nodes`` (distinct rows) of the node the policy picks among those
-        whose GPUs fit ``req`` (:func:`gpu_fit.feasible` without node resources): the highest
-        score, ties to the lowest ``rank``; ``None`` when none fits. The fit and the scores
-        are computed for the rows changed since this shape was last asked alone."""
+    def choose(self, req: SliceRequest, nodes: IntArray | None, rank: IntArray) -> int | None:
+        """The position in ``nodes`` (distinct rows; ``None``: every row, so the position is
+        the row) of the node the policy picks among those whose GPUs fit ``req``
+        (:func:`gpu_fit.feasible` without node resources): the highest score, ties to the
+        lowest ``rank``; ``None`` when none fits. The fit and the scores are computed for the
+        rows changed since this shape was last asked alone."""
         e = self._entry(req)
-        stale = nodes[~e.ok_fresh[nodes]]
+        stale = np.flatnonzero(~e.ok_fresh) if nodes is None else nodes[~e.ok_fresh[nodes]]
         if stale.size:
             e.ok[stale] = gpu_fit.feasible(self.st.arrays, req, node_resources=False,
                                            rows=stale)
             e.ok_fresh[stale] = True
-        at = np.flatnonzero(e.ok[nodes])
+        at = np.flatnonzero(e.ok if nodes is None else e.ok[nodes])
         if not at.size:
             return None
-        cand = nodes[at]
+        cand = at if nodes is None else nodes[at]
         self._fill(e, req, cand)
         return int(at[top_ranked(e.scores[cand], rank[cand])])

@@ -68,6 +68,16 @@ class PlacementVerbs(ClusterView):
         a whole-GPU slice, or ``None`` when none does; arrays over the nodes, no per-node
         Python, and with a cacheable policy only the rows changed since this request shape
         was last asked are judged again."""
+        cached, at = self.cached_choice(req, None)
+        if cached:
+            if at is None:  # no node's GPUs fit the shape, so none of these
+                return None
+            best = self.inv.names[at]
+            # the pick among every node is a candidate, so it is the pick among the
+            # candidates (the same scores and total order): no look-up of each name (a
+            # hash of every fresh string kube-scheduler sent, which grew with the cluster)
+            if best in names:
+                return best
         rows = self._rows_of(names)
         cached, at = self.cached_choice(req, rows)
         if cached:

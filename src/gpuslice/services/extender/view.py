@@ -385,9 +385,10 @@ class ClusterView:
             self._scores = ScoreCache(self.policy, self.st)
         return self._scores
 
-    def cached_choice(self, req: SliceRequest, rows: IntArray) -> tuple[bool, int | None]:
-        """(True, ScoreCache.choose's answer: the position in ``rows`` of the policy's pick
-        among the nodes that fit, or None), or (False, None) when the scores are uncached."""
+    def cached_choice(self, req: SliceRequest, rows: IntArray | None
+                      ) -> tuple[bool, int | None]:
+        """(True, ScoreCache.choose's answer for ``rows``, ``None`` for every row), or
+        (False, None) when the scores are uncached."""
         with self._lock:
             self._sync_workload_locked()
             if not ScoreCache.usable(self.policy):
