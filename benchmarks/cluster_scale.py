@@ -51,7 +51,9 @@ sys.path.insert(0, str(REPO / "benchmarks"))  # cluster_scale_dra
 
 from tests.cluster.helpers import over_allocation  # noqa: E402
 
+from go_profile import Capture, breakdown, table_lines  # noqa: E402
 from gpuslice.devcluster import DevCluster, find_bin_dir, gpu_node, wait_until  # noqa: E402
+from gpuslice.devcluster.procs import insecure  # noqa: E402
 
 KEY = "cluster-scale-benchmark-key-0123456789abcdef"
 NS = "bench"
@@ -221,6 +223,23 @@ def api_bind_line(ours: dict[str, Any], base: dict[str, Any]) -> str:
             f"{base['api_bind_p50_ms']:.1f} / {base['api_bind_p99_ms']:.1f}")
 
 
+def idle_line(idle: float, ours: dict[str, Any], base: dict[str, Any]) -> str:
+    return (f"With no pod to schedule the cluster keeps {idle:.2f} cores busy (kwok's node "
+            "leases and status, the API server and etcd serving them, the controllers): "
+            f"{1e3 * idle / ours['pods_per_s']:.1f} ms of the CPU per pod at the extender "
+            f"run's rate, {1e3 * idle / base['pods_per_s']:.1f} at the scheduler alone's")
+
+
+def go_lines(ours: dict[str, Any], base: dict[str, Any], seconds: int,
+             delay: float) -> list[str]:
+    if "go_profile" not in ours or ours.get("go_profile_off"):
+        return []
+    errors = "; ".join(r["go_profile_error"] for r in (ours, base) if r["go_profile_error"])
+    return table_lines(ours["go_profile"], base["go_profile"],
+                       ours["cpu_ms"]["kube-scheduler"], base["cpu_ms"]["kube-scheduler"],
+                       seconds, delay, errors)
+
+
 def threads_line(ours: dict[str, Any]) -> str:
     return "by thread: " + ", ".join(f"{n} {ms:.2f}" for n, ms in ours["ext_threads"].items()
                                      if ms >= 0.005)
@@ -278,11 +297,22 @@ def cpu_now(dev: DevCluster, ours: dict[str, int]) -> dict[str, float]:
             if n in CPU_COMPONENTS or n in DRA_COMPONENTS}
 
 
+def background_cores(dev: DevCluster, extender_pid: int, seconds: float = 10.0) -> float:
+    """Cores the cluster keeps busy with no pod to schedule (kwok's node leases and status
+    updates, the API server and etcd serving them, the controllers): a cost per second, so
+    per pod it is larger the slower the pods go."""
+    before = cpu_now(dev, {"gpuslice extender": extender_pid})
+    time.sleep(seconds)
+    after = cpu_now(dev, {"gpuslice extender": extender_pid})
+    return sum(after[n] - before.get(n, 0.0) for n in after) / seconds
+
+
 def run_once(dev: DevCluster, pods: int, fractional: bool, timeout_s: float,
              extender_metrics: Any, extender_pid: int,
-             window_closed: Any = None) -> dict[str, Any]:
+             window_closed: Any = None, go_profile: Path | None = None,
+             go_seconds: int = 10, go_delay: float = 2.0) -> dict[str, Any]:
     """One run; ``window_closed`` is called when the last pod is bound (before the pods are
-    read back and deleted)."""
+    read back and deleted); ``go_profile``: a folder for kube-scheduler's CPU profile."""
     console = Console(stderr=True)
     if "kube-scheduler" in dev.procs:
         dev.procs.pop("kube-scheduler").stop()
@@ -296,6 +326,12 @@ def run_once(dev: DevCluster, pods: int, fractional: bool, timeout_s: float,
     binding0 = binding_buckets(dev)
     dev.start_scheduler(with_extender=fractional)
     t0 = time.monotonic()
+    cap = None
+    if go_profile is not None:
+        go_profile.mkdir(parents=True, exist_ok=True)
+        cap = Capture(f"https://127.0.0.1:{dev.ports['scheduler']}", insecure(),
+                      go_profile / f"kube-scheduler-{'ours' if fractional else 'alone'}.pb.gz",
+                      delay_s=go_delay, seconds=go_seconds).start()
     wait_until(f"{pods} pods bound", lambda: unbound(dev) == 0, timeout_s, every_s=1.0)
     elapsed = time.monotonic() - t0
     after = cpu_now(dev, {"gpuslice extender": extender_pid})
@@ -304,6 +340,7 @@ def run_once(dev: DevCluster, pods: int, fractional: bool, timeout_s: float,
     binding = minus(binding_buckets(dev), binding0)
     if window_closed is not None:
         window_closed()
+    got_profile = cap.finish() if cap is not None else None
     spent = {n: after[n] - before.get(n, 0.0) for n in after}
     metrics = dev.scheduler_metrics()
     algo = histogram(metrics, "scheduler_scheduling_algorithm_duration_seconds")
@@ -325,6 +362,8 @@ def run_once(dev: DevCluster, pods: int, fractional: bool, timeout_s: float,
         "api_bind_p50_ms": quantile(binding, 0.5) * 1e3,
         "api_bind_p99_ms": quantile(binding, 0.99) * 1e3,
         "ext_threads": by_thread(threads0, threads1, thread_names(extender_pid), pods),
+        "go_profile": breakdown(got_profile) if got_profile is not None else None,
+        "go_profile_off": cap is None, "go_profile_error": cap.error if cap else "",
     }
     got = list_json(dev, "pods", "-n", NS)
     res["bound"] = sum(1 for p in got if p["spec"].get("nodeName"))
@@ -394,6 +433,14 @@ def main() -> int:
     ap.add_argument("--profile", metavar="FILE",
                     help="sample the extender with py-spy during run 1 (collapsed stacks to "
                          "FILE) and print its top functions")
+    ap.add_argument("--go-profile", type=Path, metavar="DIR",
+                    help="kube-scheduler's CPU profile of each run (pprof, --go-seconds long, "
+                         "from --go-delay into the burst) into DIR, and where its CPU went")
+    ap.add_argument("--go-seconds", type=int, default=None, help="length of --go-profile's "
+                    "profiles (default 10 s: the 1000-node bursts last 25-60 s; 3 s with "
+                    "--quick, whose bursts last 1.5-3.5 s)")
+    ap.add_argument("--go-delay", type=float, default=None, help="seconds from the "
+                    "scheduler's start to its profile's (default 2, 0 with --quick)")
     ap.add_argument("--write", type=Path, help="write the figures (markdown) to this file")
     args = ap.parse_args()
     # a SIGTERM (timeout, CI) unwinds like Ctrl-C, so the cluster's processes are stopped
@@ -403,6 +450,10 @@ def main() -> int:
     signal.signal(signal.SIGTERM, interrupted)
     if args.quick:
         args.nodes, args.pods = 100, 500
+    if args.go_seconds is None:
+        args.go_seconds = 3 if args.quick else 10
+    if args.go_delay is None:
+        args.go_delay = 0.0 if args.quick else 2.0
     console = Console(width=220)
     bin_dir = find_bin_dir(REPO)
     t_all = time.monotonic()
@@ -442,6 +493,8 @@ def main() -> int:
                                         timeout=10) as r:
                 return str(r.read().decode())
 
+        idle = background_cores(dev, ext.pid)
+        console.print(f"with no pod to schedule the cluster keeps {idle:.2f} cores busy")
         spy = None
         if args.profile:  # py-spy samples the extender process through run 1
             spy = subprocess.Popen(["py-spy", "record", "--pid", str(ext.pid), "--format", "raw",
@@ -456,11 +509,12 @@ def main() -> int:
                     spy.wait(60)
 
             ours = run_once(dev, args.pods, True, args.timeout, ext_metrics, ext.pid,
-                            stop_spy)
+                            stop_spy, args.go_profile, args.go_seconds, args.go_delay)
             if spy is not None:
                 console.print(profile_table(Path(args.profile)))
             console.print("run 2/2: kube-scheduler alone, whole GPUs")
-            base = run_once(dev, args.pods, False, args.timeout, ext_metrics, ext.pid)
+            base = run_once(dev, args.pods, False, args.timeout, ext_metrics, ext.pid,
+                            None, args.go_profile, args.go_seconds, args.go_delay)
         finally:
             ext.stop(30)
     total = time.monotonic() - t_all
@@ -497,6 +551,10 @@ def main() -> int:
     console.print(sys_line(ours))
     console.print(threads_line(ours))
     console.print(api_bind_line(ours, base))
+    console.print(idle_line(idle, ours, base))
+    go_rows = go_lines(ours, base, args.go_seconds, args.go_delay)
+    for line in go_rows:
+        console.print(line, highlight=False)
     console.print(f"ratio gpuslice / scheduler alone: {ratio:.2f} (goal >= 0.50); "
                   f"over-allocation: {ours['over_allocation']} (must be 0)")
     if args.write:
@@ -519,7 +577,10 @@ def main() -> int:
                          + f" | {sum(r['cpu_ms'].values()):.1f} | {r['cores']:.2f} of "
                          f"{os.cpu_count()} |")
         lines += ["", sys_line(ours)[0].upper() + sys_line(ours)[1:] + "; "
-                  + threads_line(ours) + ".", "", api_bind_line(ours, base) + "."]
+                  + threads_line(ours) + ".", "", api_bind_line(ours, base) + ".", "",
+                  idle_line(idle, ours, base) + "."]
+        if go_rows:
+            lines += ["", *go_rows]
         if args.profile:
             samples, prof = profile_rows(Path(args.profile))
             lines += ["", PROFILE_TITLE.format(samples) + ", top functions by own time:", "",

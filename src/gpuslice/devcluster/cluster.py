@@ -389,7 +389,9 @@ class DevCluster:
             f"--authorization-kubeconfig={self.kubeconfig}",
             "--bind-address=127.0.0.1", f"--secure-port={self.ports['scheduler']}",
             f"--cert-dir={self.dir / 'scheduler-certs'}",
-            "--authorization-always-allow-paths=/healthz,/readyz,/livez,/metrics",
+            # /debug/pprof: CPU profiles of the scheduler on loopback (cluster_scale --go-profile)
+            "--authorization-always-allow-paths=/healthz,/readyz,/livez,/metrics,"
+            "/debug/pprof,/debug/pprof/*",
             f"--feature-gates={FEATURE_GATES}",
         ])
         wait_until("kube-scheduler /healthz", lambda: http_get(
