@@ -441,6 +441,8 @@ def main() -> int:
                     "--quick, whose bursts last 1.5-3.5 s)")
     ap.add_argument("--go-delay", type=float, default=None, help="seconds from the "
                     "scheduler's start to its profile's (default 2, 0 with --quick)")
+    ap.add_argument("--binds-in-flight", type=int, default=None, metavar="N",
+                    help="the extender's --binds-in-flight (default: its own)")
     ap.add_argument("--write", type=Path, help="write the figures (markdown) to this file")
     args = ap.parse_args()
     # a SIGTERM (timeout, CI) unwinds like Ctrl-C, so the cluster's processes are stopped
@@ -484,7 +486,9 @@ def main() -> int:
 
         key = dev.dir / "key"
         key.write_text(KEY)
-        ext = dev.start_extender(key, timeout_s=300)
+        flow = [] if args.binds_in_flight is None else \
+            ["--binds-in-flight", str(args.binds_in_flight)]
+        ext = dev.start_extender(key, timeout_s=300, args=flow)
         assert ext.pid is not None
         ctx = ssl.create_default_context(cafile=str(dev.ca_crt))
 
@@ -586,8 +590,10 @@ def main() -> int:
             lines += ["", PROFILE_TITLE.format(samples) + ", top functions by own time:", "",
                       "| function (file) | own % | total % |", "|---|---|---|"]
             lines += [f"| `{f}` | {own:.1f} | {tot:.1f} |" for f, own, tot in prof]
+        flags = "" if args.binds_in_flight is None else \
+            f", extender --binds-in-flight {args.binds_in_flight}"
         block = (f"<!-- cluster_scale: {args.nodes} nodes x {args.gpus} GPUs, {args.pods} pods"
-                 f" -->\n" + "\n".join(lines) + f"\n\nRatio {ratio:.2f}; whole benchmark "
+                 f"{flags} -->\n" + "\n".join(lines) + f"\n\nRatio {ratio:.2f}; whole benchmark "
                  f"{total / 60:.1f} min on {os.cpu_count()} CPUs.\n")
         args.write.parent.mkdir(parents=True, exist_ok=True)
         with args.write.open("a") as f:

@@ -12,6 +12,7 @@ from gpuslice.cli.common import (
     Sub,
     add_log_format,
     examples,
+    non_negative_int,
     positive_float,
     read_key,
     setup_logging,
@@ -67,6 +68,10 @@ def register(sub: Sub) -> None:
     e.add_argument("--resync", type=positive_float, default=300.0,
                    help="seconds between full re-reads of nodes and pods, besides the watch "
                    "(default 300)")
+    e.add_argument("--binds-in-flight", type=non_negative_int, default=None,
+                   help="binds under way past which a filter call waits for one to finish "
+                   "(at most 1 s), so binds do not queue for the API server in a burst; 0: "
+                   "never wait (default 8)")
     add_log_format(e)
     e.set_defaults(handler=_extender)
 
@@ -149,7 +154,7 @@ def _extender(args: argparse.Namespace, console: Console) -> int:
         try:
             await serve(state, host, int(port_text), ctx, args.resync, ready, stop,
                         tls_files=(args.tls_cert, args.tls_key) if ctx else None,
-                        leader_label=label)
+                        leader_label=label, binds_in_flight=args.binds_in_flight)
         finally:
             signals.restore()
 

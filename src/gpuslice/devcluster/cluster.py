@@ -408,19 +408,21 @@ class DevCluster:
         crt, key = self.extender_cert
         return ["--tls-cert", str(crt), "--tls-key", str(key), "--client-ca", str(self.ca_crt)]
 
-    def start_extender(self, key_file: Path, timeout_s: float = 120.0) -> Proc:
+    def start_extender(self, key_file: Path, timeout_s: float = 120.0,
+                       args: Sequence[str] = ()) -> Proc:
         """(Re)start ``gpuslice extender`` as deploy/base runs it: mutual TLS with a certificate
         of this cluster's CA at :attr:`extender_url` (:meth:`extender_tls_args`), the HMAC key
         in ``key_file``, the
         ``gpuslice-extender`` service account's token (its RBAC must be applied); returns once
-        it answers /healthz. Stopped with the cluster, or by the caller (``Proc.stop``)."""
+        it answers /healthz; ``args``: more of its flags. Stopped with the cluster, or by the
+        caller (``Proc.stop``)."""
         if "gpuslice-extender" in self.procs:
             self.procs["gpuslice-extender"].stop()
         kubeconfig = self.service_account_kubeconfig("gpuslice-system", "gpuslice-extender")
         p = self._add("gpuslice-extender", [
             sys.executable, "-m", "gpuslice.cli", "extender", "--listen",
             f"127.0.0.1:{self.extender_port}", *self.extender_tls_args(),
-            "--key-file", str(key_file), "--kubeconfig", str(kubeconfig)])
+            "--key-file", str(key_file), "--kubeconfig", str(kubeconfig), *args])
         ctx = ssl.create_default_context(cafile=str(self.ca_crt))
         wait_until("gpuslice extender /healthz", lambda: urllib.request.urlopen(
             self.extender_url + "/healthz", context=ctx, timeout=5).status == 200,

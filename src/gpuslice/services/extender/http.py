@@ -26,6 +26,7 @@ from gpuslice.adapters.http.h2 import (
 )
 from gpuslice.adapters.kube.ports import KubePort
 from gpuslice.core.errors import GpusliceError, ValidationError
+from gpuslice.services.extender.flow import BINDS_IN_FLIGHT, FLOW_WAIT_S, BindFlow
 from gpuslice.services.extender.metrics import ExtenderMetrics
 from gpuslice.services.extender.state import BindWrite, ExtenderState
 from gpuslice.services.leader import LeaderLabel
@@ -178,13 +179,17 @@ def _client_certified(request: web.Request) -> bool:
 
 
 def make_app(state: ExtenderState, metrics: ExtenderMetrics | None = None, *,
-             client_auth: bool = False) -> web.Application:
+             client_auth: bool = False, binds_in_flight: int = BINDS_IN_FLIGHT,
+             flow_wait_s: float = FLOW_WAIT_S) -> web.Application:
     """The extender's routes. ``client_auth``: the scheduler's verbs answer only a client that
     presented a certificate the TLS layer verified (see :func:`tls_context`); health, readiness
-    and metrics stay open to the kubelet's probes, which present none."""
+    and metrics stay open to the kubelet's probes, which present none. A filter waits (at most
+    ``flow_wait_s``) while ``binds_in_flight`` binds are under way (0: never;
+    :mod:`~gpuslice.services.extender.flow`)."""
     from concurrent.futures import ThreadPoolExecutor
 
     m = metrics or ExtenderMetrics(state)
+    flow = BindFlow(binds_in_flight, flow_wait_s)
     binds = ThreadPoolExecutor(BIND_THREADS, thread_name_prefix="bind")
     # the Binding written from the event loop: the real client's aiohttp writer, else (an
     # in-process API) its own bind on the bind threads
@@ -212,6 +217,10 @@ def make_app(state: ExtenderState, metrics: ExtenderMetrics | None = None, *,
 
     async def filter_(request: web.Request) -> web.Response:
         args = await _json(request)
+        waited = await flow.room()  # the answer is made from the ledger as it is after it
+        if waited:
+            m.filter_waits.inc()
+            m.filter_wait_seconds.inc(waited)
         try:
             names, objects = _names(args)
             pod = _pod(args)
@@ -274,6 +283,7 @@ def make_app(state: ExtenderState, metrics: ExtenderMetrics | None = None, *,
         # whatever order the extender wrote them in
         loop = asyncio.get_running_loop()
         held = state.hold(ns, name, uid, node)
+        flow.started()
         try:
             w = state.start_held(ns, name, uid, node, held) if held is not None else None
             if w is not None:
@@ -291,6 +301,8 @@ def make_app(state: ExtenderState, metrics: ExtenderMetrics | None = None, *,
                                                    held, read, from_filter)
         except GpusliceError as exc:
             error = f"pod {ns}/{name}: {exc}; retry"
+        finally:
+            flow.finished()
         m.binds.labels("refused" if error else "bound").inc()
         return _answer({"Error": error})
 
@@ -435,7 +447,8 @@ async def serve(state: ExtenderState, host: str, port: int, ssl_context: Any = N
                 resync_s: float = 300.0, ready: Callable[[int], None] | None = None,
                 stop: asyncio.Event | None = None, tls_files: tuple[str, str] | None = None,
                 tls_reload_s: float = TLS_RELOAD_S,
-                leader_label: LeaderLabel | None = None) -> None:
+                leader_label: LeaderLabel | None = None,
+                binds_in_flight: int | None = None) -> None:
     """Serve until ``stop`` is set (or until cancelled), following the API server's watch of
     pods and nodes, with a full re-read every ``resync_s`` as a safety net; with
     ``tls_files`` (the certificate and key ``ssl_context`` was made from), a renewed
@@ -445,7 +458,9 @@ async def serve(state: ExtenderState, host: str, port: int, ssl_context: Any = N
     call), so a label a previous container of the pod left is taken off after the first
     step unless that step won the Lease. On the way out: stop serving (binds under way
     finish), give the Lease up if we hold it, then take the label off."""
-    app = make_app(state, client_auth=verifies_clients(ssl_context))
+    app = make_app(state, client_auth=verifies_clients(ssl_context),
+                   binds_in_flight=BINDS_IN_FLIGHT if binds_in_flight is None else
+                   binds_in_flight)
     runner = web.AppRunner(app, access_log=None, handle_signals=False)
     await runner.setup()
     # over TLS, HTTP/2 for the clients that ask for it (kube-scheduler does: every call a

@@ -103,6 +103,13 @@ class ExtenderMetrics:
                                   registry=self.registry)
         self.binds = Counter("gpuslice_extender_binds", "Bind calls, by result", ["result"],
                              registry=self.registry)
+        self.filter_waits = Counter(
+            "gpuslice_extender_filter_waits",
+            "Filter calls that waited for binds under way to go below --binds-in-flight",
+            registry=self.registry)
+        self.filter_wait_seconds = Counter(
+            "gpuslice_extender_filter_wait_seconds",
+            "Time filter calls waited for binds under way (seconds)", registry=self.registry)
         self.stale_freed = Counter("gpuslice_extender_stale_shares_freed",
                                    "Shares given back at filter time because their pod had "
                                    "gone before the watch said so", registry=self.registry)
