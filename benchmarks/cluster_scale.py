@@ -11,8 +11,9 @@ nvidia.com/gpu capacity). Two runs on the same nodes:
   on its service account) for filter, prioritize and bind;
 * **baseline**: P pods asking 1 nvidia.com/gpu (a whole GPU), kube-scheduler alone.
 
-The pods are created while no scheduler runs; the clock starts when the scheduler is healthy
-and stops when its ``scheduler_schedule_attempts_total{result="scheduled"}`` reaches P. Latency
+The pods are created while no scheduler runs; pods/s is the burst's rate from the first pod
+bound to the last (a watch of the pods: each pod's first event with a node), and CPU is counted
+from the scheduler's start until a poll finds every pod bound. Latency
 as the scheduler sees it: ``scheduler_scheduling_algorithm_duration_seconds`` (filter and score,
 including the extender's HTTP round trips; the 1.36 scheduler has no per-extender metric), and
 the extender's own ``gpuslice_extender_request_seconds`` per verb. Over-allocation is read back
@@ -51,7 +52,19 @@ sys.path.insert(0, str(REPO / "benchmarks"))  # cluster_scale_dra
 
 from tests.cluster.helpers import over_allocation  # noqa: E402
 
-from go_profile import Capture, breakdown, table_lines  # noqa: E402
+from cluster_scale_report import (  # noqa: E402
+    PROFILE_TITLE,
+    api_bind_line,
+    go_lines,
+    idle_line,
+    profile_rows,
+    profile_table,
+    sys_line,
+    threads_line,
+    window_line,
+)
+from first_seen import FirstSeen, burst_rate  # noqa: E402
+from go_profile import Capture, breakdown  # noqa: E402
 from gpuslice.devcluster import DevCluster, find_bin_dir, gpu_node, wait_until  # noqa: E402
 from gpuslice.devcluster.procs import insecure  # noqa: E402
 
@@ -180,81 +193,6 @@ def cpu_seconds(pid: int) -> float:
     return sum(cpu_split(pid))
 
 
-def profile_rows(path: Path, top: int = 15) -> tuple[int, list[tuple[str, float, float]]]:
-    """The functions the extender spent its CPU in (py-spy's collapsed stacks): (function
-    (file), own %, total %), own time being the sample's innermost frame and total anywhere on
-    the stack, in % of all samples; and the number of samples."""
-    own: dict[str, int] = {}
-    total: dict[str, int] = {}
-    samples = 0
-    for line in path.read_text().splitlines():
-        stack, _, n = line.rpartition(" ")
-        if not stack or not n.isdigit():
-            continue
-        count = int(n)
-        samples += count
-        frames = [f.split(" (")[0] + " (" + f.split(" (")[1].split(":")[0].rsplit("/", 1)[-1]
-                  + ")" if " (" in f else f for f in stack.split(";")]
-        own[frames[-1]] = own.get(frames[-1], 0) + count
-        for f in set(frames):
-            total[f] = total.get(f, 0) + count
-    rows = [(f, 100 * n / max(1, samples), 100 * total[f] / max(1, samples))
-            for f, n in sorted(own.items(), key=lambda kv: -kv[1])[:top]]
-    return samples, rows
-
-
-PROFILE_TITLE = ("extender profile: {} samples holding the GIL (py-spy --gil, 200/s: the "
-                 "extender in Python and the C it calls without releasing the GIL, idle waits "
-                 "left out; a thread that holds the GIL while it waits for one of the busy "
-                 "cores is sampled too)")
-
-
-def sys_line(ours: dict[str, Any]) -> str:
-    cpu = ours["cpu_ms"]["gpuslice extender"]
-    return (f"the extender's {cpu:.1f} ms of CPU per pod: {cpu - ours['ext_sys_ms']:.1f} "
-            f"user, {ours['ext_sys_ms']:.1f} system (the kernel: its sockets, TCP over "
-            "loopback to and from kube-scheduler and the API server, the watch)")
-
-
-def api_bind_line(ours: dict[str, Any], base: dict[str, Any]) -> str:
-    return ("kube-apiserver's own time for a Binding write, p50 / p99 ms "
-            "(apiserver_request_duration_seconds): with the extender "
-            f"{ours['api_bind_p50_ms']:.1f} / {ours['api_bind_p99_ms']:.1f}, scheduler alone "
-            f"{base['api_bind_p50_ms']:.1f} / {base['api_bind_p99_ms']:.1f}")
-
-
-def idle_line(idle: float, ours: dict[str, Any], base: dict[str, Any]) -> str:
-    return (f"With no pod to schedule the cluster keeps {idle:.2f} cores busy (kwok's node "
-            "leases and status, the API server and etcd serving them, the controllers): "
-            f"{1e3 * idle / ours['pods_per_s']:.1f} ms of the CPU per pod at the extender "
-            f"run's rate, {1e3 * idle / base['pods_per_s']:.1f} at the scheduler alone's")
-
-
-def go_lines(ours: dict[str, Any], base: dict[str, Any], seconds: int,
-             delay: float) -> list[str]:
-    if "go_profile" not in ours or ours.get("go_profile_off"):
-        return []
-    errors = "; ".join(r["go_profile_error"] for r in (ours, base) if r["go_profile_error"])
-    return table_lines(ours["go_profile"], base["go_profile"],
-                       ours["cpu_ms"]["kube-scheduler"], base["cpu_ms"]["kube-scheduler"],
-                       seconds, delay, errors)
-
-
-def threads_line(ours: dict[str, Any]) -> str:
-    return "by thread: " + ", ".join(f"{n} {ms:.2f}" for n, ms in ours["ext_threads"].items()
-                                     if ms >= 0.005)
-
-
-def profile_table(path: Path) -> Table:
-    samples, rows = profile_rows(path)
-    table = Table(title=PROFILE_TITLE.format(samples))
-    for col in ("function (file)", "own %", "total %"):
-        table.add_column(col)
-    for f, own, tot in rows:
-        table.add_row(f, f"{own:.1f}", f"{tot:.1f}")
-    return table
-
-
 def thread_cpu(pid: int) -> dict[int, float]:
     """User + system CPU seconds so far of each of a process's threads (by native id)."""
     out = {}
@@ -324,6 +262,9 @@ def run_once(dev: DevCluster, pods: int, fractional: bool, timeout_s: float,
     sys0 = cpu_split(extender_pid)[1]
     threads0 = thread_cpu(extender_pid)
     binding0 = binding_buckets(dev)
+    # each pod's bind as a client sees it: its first event with a node
+    binds = FirstSeen(dev, f"/api/v1/namespaces/{NS}/pods?fieldSelector=spec.nodeName%21%3D",
+                      lambda _: True, metadata_only=True).start()
     dev.start_scheduler(with_extender=fractional)
     t0 = time.monotonic()
     cap = None
@@ -341,13 +282,19 @@ def run_once(dev: DevCluster, pods: int, fractional: bool, timeout_s: float,
     if window_closed is not None:
         window_closed()
     got_profile = cap.finish() if cap is not None else None
+    time.sleep(0.5)  # the watch's last events
+    binds.stop()
+    bound_at = list(binds.seen.values())
     spent = {n: after[n] - before.get(n, 0.0) for n in after}
     metrics = dev.scheduler_metrics()
     algo = histogram(metrics, "scheduler_scheduling_algorithm_duration_seconds")
     attempt = histogram(metrics, "scheduler_scheduling_attempt_duration_seconds",
                         {"result": "scheduled"})
     res: dict[str, Any] = {
-        "pods": pods, "seconds": elapsed, "pods_per_s": pods / elapsed,
+        # the burst's rate from the first bind to the last (the scheduler's start and the
+        # poll that noticed the end are left out: a second or more at --quick's size)
+        "pods": pods, "seconds": elapsed, "pods_per_s": burst_rate(bound_at)
+        if len(bound_at) == pods else pods / elapsed, "window_pods_per_s": pods / elapsed,
         "retries": counter(metrics, "scheduler_schedule_attempts_total", "error")
         + counter(metrics, "scheduler_schedule_attempts_total", "unschedulable"),
         "algo_p50_ms": quantile(algo, 0.5) * 1e3, "algo_p99_ms": quantile(algo, 0.99) * 1e3,
@@ -371,9 +318,13 @@ def run_once(dev: DevCluster, pods: int, fractional: bool, timeout_s: float,
         nodes = list_json(dev, "nodes")
         res["over_allocation"] = len(over_allocation(got, nodes))
         text = extender_metrics()
-        res["ext_connections"] = int(sum(
-            float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-            if line.startswith("gpuslice_extender_connections_total ")))
+        def total(name: str) -> float:
+            return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                       if line.startswith(name + " "))
+
+        res["ext_connections"] = int(total("gpuslice_extender_connections_total"))
+        res["filter_waits"] = int(total("gpuslice_extender_filter_waits_total"))
+        res["filter_wait_s"] = total("gpuslice_extender_filter_wait_seconds_total")
         for verb in ("filter", "prioritize", "bind"):
             h = histogram(text, "gpuslice_extender_request_seconds", {"verb": verb})
             res[f"ext_{verb}_p50_ms"] = quantile(h, 0.5) * 1e3
@@ -556,6 +507,9 @@ def main() -> int:
     console.print(threads_line(ours))
     console.print(api_bind_line(ours, base))
     console.print(idle_line(idle, ours, base))
+    console.print(window_line(ours, base))
+    console.print(f"filters that waited for binds in flight: {ours['filter_waits']} of "
+                  f"{ours['pods']}, {ours['filter_wait_s']:.1f} s in all")
     go_rows = go_lines(ours, base, args.go_seconds, args.go_delay)
     for line in go_rows:
         console.print(line, highlight=False)
@@ -582,7 +536,7 @@ def main() -> int:
                          f"{os.cpu_count()} |")
         lines += ["", sys_line(ours)[0].upper() + sys_line(ours)[1:] + "; "
                   + threads_line(ours) + ".", "", api_bind_line(ours, base) + ".", "",
-                  idle_line(idle, ours, base) + "."]
+                  idle_line(idle, ours, base) + ".", "", window_line(ours, base) + "."]
         if go_rows:
             lines += ["", *go_rows]
         if args.profile:

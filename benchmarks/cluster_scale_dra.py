@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 from collections.abc import Callable
@@ -29,6 +28,7 @@ from typing import Any
 
 import yaml
 
+from first_seen import FirstSeen
 from gpuslice.adapters.kube import dra as kdra
 from gpuslice.core import dra
 from gpuslice.core.catalog import resolve
@@ -97,50 +97,13 @@ def create(dev: DevCluster, n: int) -> float:
     return time.monotonic() - t0
 
 
-class AllocationWatch:
-    """When each claim of the namespace was first seen allocated (a watch of the claims, in a
-    thread: monotonic seconds)."""
-
-    def __init__(self, dev: DevCluster) -> None:
-        self.dev = dev
-        self.seen: dict[str, float] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def start(self) -> AllocationWatch:
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-
-    def _run(self) -> None:
-        rv = ""
-        while not self._stop.is_set():
-            url = (f"{self.dev.server}/apis/resource.k8s.io/v1/namespaces/{NS}/resourceclaims"
-                   f"?watch=1&allowWatchBookmarks=true&timeoutSeconds=30"
-                   + (f"&resourceVersion={rv}" if rv else ""))
-            try:
-                with urllib.request.urlopen(url, context=self.dev._ssl(), timeout=60) as r:
-                    for line in r:
-                        if self._stop.is_set():
-                            return
-                        ev = json.loads(line)
-                        obj = ev.get("object") or {}
-                        if ev.get("type") == "ERROR":  # e.g. 410 Gone: watch from now
-                            rv = ""
-                            break
-                        rv = (obj.get("metadata") or {}).get("resourceVersion") or rv
-                        name = (obj.get("metadata") or {}).get("name")
-                        if ev.get("type") in ("ADDED", "MODIFIED") and name and \
-                                (obj.get("status") or {}).get("allocation") and \
-                                name not in self.seen:
-                            self.seen[name] = time.monotonic()
-            except (OSError, ValueError):
-                time.sleep(0.5)
+def allocation_watch(dev: DevCluster) -> FirstSeen:
+    """When each claim of the namespace was first seen allocated (monotonic seconds)."""
+    return FirstSeen(dev, f"/apis/resource.k8s.io/v1/namespaces/{NS}/resourceclaims",
+                     lambda c: bool((c.get("status") or {}).get("allocation")))
 
 
-def paced(dev: DevCluster, first: int, n: int, rate: float, watch: AllocationWatch,
+def paced(dev: DevCluster, first: int, n: int, rate: float, watch: FirstSeen,
           timeout_s: float) -> list[float]:
     """``n`` more pods with claims, one every ``1 / rate`` s (each claim then its pod, by the
     API); each claim's allocation latency in seconds, from its pod's creation to the watch
@@ -234,7 +197,7 @@ def run_dra(dev: DevCluster, nodes: list[str], gpus: int, pods: int, ours: bool,
     created = create(dev, pods)
     console.print(f"  {pods} pods with claims created in {created:.0f} s; starting "
                   f"kube-scheduler{' and gpuslice dra-allocator' if ours else ''}")
-    watch = AllocationWatch(dev).start()
+    watch = allocation_watch(dev).start()
     before = helpers.cpu_now(dev, {})
     allocator = start_allocator(dev, dev.dir / f"dra-allocator-{generation}.log") \
         if ours else None

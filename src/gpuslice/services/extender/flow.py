@@ -5,9 +5,10 @@ pod at once, so in a burst its filters can outrun the Binding writes the API ser
 binds then pile up in the extender (each holding its share in the ledger, and waiting for one
 of the connections to the API server), and a bind takes as long as the queue ahead of it. A
 filter that answers only once fewer than ``limit`` binds are under way keeps that queue short:
-the pods wait unscheduled in kube-scheduler's queue instead, holding nothing, and the total
-rate is the same when the API server sets it. The wait is bounded (``wait_s``): a slow API
-server delays filters by at most that, never stops them.
+the pods wait unscheduled in kube-scheduler's queue instead, holding nothing. It can cost
+pods/s where the control plane is short of CPU (docs/extender.md, "Binds in flight"), hence off
+by default. The wait is bounded (``wait_s``): a slow API server delays filters by at most
+that, never stops them.
 """
 
 from __future__ import annotations
@@ -15,9 +16,11 @@ from __future__ import annotations
 import asyncio
 import time
 
-# binds under way past which a filter waits, and for how long at most (the CLI's
-# --binds-in-flight; its help quotes these)
-BINDS_IN_FLIGHT = 8
+# binds under way past which a filter waits (0: never; the CLI's --binds-in-flight, whose help
+# quotes these), and for how long at most. Off by default: on the 2-core benchmark machine at
+# 1000 nodes a limit of 8 cost 12% of the pods/s (more CPU per pod in the API server, etcd and
+# kwok) for a bind p99 of 206-219 ms instead of 244-351 (docs/extender.md)
+BINDS_IN_FLIGHT = 0
 FLOW_WAIT_S = 1.0
 
 
