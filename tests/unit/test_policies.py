@@ -6,7 +6,7 @@ import pytest
 from gpuslice.core.errors import ValidationError
 from gpuslice.core.fit import feasible
 from gpuslice.core.frag import Shape, TargetWorkload
-from gpuslice.core.model import ClusterSnapshot
+from gpuslice.core.model import ClusterSnapshot, SliceRequest
 from gpuslice.core.policies import (
     REGISTRY,
     PlacementState,
@@ -197,28 +197,24 @@ def test_cached_choice_is_the_policys_choice_over_the_fitting_nodes(policy: str)
     rng = np.random.default_rng(5)
     shapes = [MakeReq().share(250).obj(), MakeReq().share(700).obj(), MakeReq().gpu(4).obj(),
               MakeReq().share(500).models("T4").obj()]
+    def uncached(req: SliceRequest, rows: np.ndarray) -> int | None:
+        """The rule: among ``rows`` whose GPUs fit, the highest score, ties to the lowest rank."""
+        cand = rows[feasible(st.arrays, req, node_resources=False)[rows]]
+        if not cand.size:
+            return None
+        raw = pol.score(st, req, cand).scores
+        top = np.flatnonzero(raw == raw.max())
+        return int(cand[top[np.argmin(rank[cand[top]])]])
+
     nones = 0
     for step in range(120):
         req = shapes[step % len(shapes)]
         asked = rng.permutation(15)[: 5 + step % 10].astype(np.int64)
-        ok = feasible(st.arrays, req, node_resources=False)[asked]
-        want = None
-        if ok.any():
-            cand = asked[ok]
-            raw = pol.score(st, req, cand).scores
-            top = np.flatnonzero(raw == raw.max())
-            want = int(cand[top[np.argmin(rank[cand[top]])]])
+        want = uncached(req, asked)
         at = cache.choose(req, asked, rank)
         assert (None if at is None else int(asked[at])) == want, step
-        every = np.arange(15, dtype=np.int64)  # every row (nodes=None): the position is the row
-        fits = feasible(st.arrays, req, node_resources=False)
-        want_all = None
-        if fits.any():
-            cand = every[fits]
-            raw = pol.score(st, req, cand).scores
-            top = np.flatnonzero(raw == raw.max())
-            want_all = int(cand[top[np.argmin(rank[cand[top]])]])
-        assert cache.choose(req, None, rank) == want_all, step
+        # every row (nodes=None): the position is the row
+        assert cache.choose(req, None, rank) == uncached(req, np.arange(15)), step
         nones += want is None
         row = int(rng.integers(15))  # one node's GPU takes or gives back a share
         st.arrays.gpu_free[row, int(rng.integers(4))] = int(rng.integers(0, 11)) * 100
