@@ -72,7 +72,7 @@ def window_line(ours: dict[str, Any], base: dict[str, Any]) -> str:
 
 def go_lines(ours: dict[str, Any], base: dict[str, Any], seconds: int,
              delay: float) -> list[str]:
-    if "go_profile" not in ours or ours.get("go_profile_off"):
+    if ours["go_profile_off"]:  # no --go-profile
         return []
     errors = "; ".join(r["go_profile_error"] for r in (ours, base) if r["go_profile_error"])
     return table_lines(ours["go_profile"], base["go_profile"],

@@ -16,6 +16,7 @@ import shutil
 import ssl
 import subprocess
 import threading
+import time
 import urllib.request
 from pathlib import Path
 
@@ -50,7 +51,6 @@ class Capture:
         self.url, self.ctx, self.out = url, ctx, out
         self.delay_s, self.seconds = delay_s, seconds
         self.error = ""
-        self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="pprof")
 
     def start(self) -> Capture:
@@ -58,8 +58,7 @@ class Capture:
         return self
 
     def _run(self) -> None:
-        if self._stop.wait(self.delay_s):
-            return
+        time.sleep(self.delay_s)
         try:
             with urllib.request.urlopen(f"{self.url}/debug/pprof/profile?seconds="
                                         f"{self.seconds}", context=self.ctx,
