@@ -9,7 +9,10 @@ nvidia.com/gpu capacity). Two runs on the same nodes:
 * **gpuslice**: P pods asking 1 gpuslice.io/gpu with 250..750 gpuslice.io/gpu-milli, scheduled
   by the ``gpuslice-scheduler`` profile, which calls ``gpuslice extender`` (a process, HTTPS,
   on its service account) for filter, prioritize and bind;
-* **baseline**: P pods asking 1 nvidia.com/gpu (a whole GPU), kube-scheduler alone.
+* **baseline**: P pods asking 1 nvidia.com/gpu (a whole GPU), kube-scheduler alone; with
+  ``--baseline fractional`` the gpuslice run's own pods through the same ``gpuslice-scheduler``
+  profile without the extender (kube-scheduler counts the three extended resources against the
+  node totals and chooses no GPU): what the extender's path adds to the same pods.
 
 The pods are created while no scheduler runs; pods/s is the burst's rate from the first pod
 bound to the last (a watch of the pods: each pod's first event with a node), and CPU is counted
@@ -17,7 +20,8 @@ from the scheduler's start until a poll finds every pod bound. Latency
 as the scheduler sees it: ``scheduler_scheduling_algorithm_duration_seconds`` (filter and score,
 including the extender's HTTP round trips; the 1.36 scheduler has no per-extender metric), and
 the extender's own ``gpuslice_extender_request_seconds`` per verb. Over-allocation is read back
-from the pods' assignments in the API server and must be 0.
+from the pods' assignments in the API server and must be 0 (the baseline's pods: their
+requests summed per node against its allocatable).
 
     python benchmarks/cluster_scale.py            # 1000 nodes, 5000 pods
     python benchmarks/cluster_scale.py --nodes 5000
@@ -61,12 +65,15 @@ from cluster_scale_report import (  # noqa: E402
     profile_table,
     sys_line,
     threads_line,
+    timeline_line,
     window_line,
 )
-from first_seen import FirstSeen, burst_rate  # noqa: E402
+from first_seen import FirstSeen, burst_quantiles, burst_rate  # noqa: E402
 from go_profile import Capture, breakdown  # noqa: E402
+from gpuslice.adapters.kube.objects import quantity  # noqa: E402
 from gpuslice.devcluster import DevCluster, find_bin_dir, gpu_node, wait_until  # noqa: E402
 from gpuslice.devcluster.procs import insecure  # noqa: E402
+from proc_cpu import by_thread, cpu_seconds, cpu_split, thread_cpu, thread_names  # noqa: E402
 
 KEY = "cluster-scale-benchmark-key-0123456789abcdef"
 NS = "bench"
@@ -137,6 +144,14 @@ def counter(metrics: str, name: str, result: str) -> int:
                    if line.startswith(name + "{") and f'result="{result}"' in line))
 
 
+# kube-scheduler's client rate limit in the benchmark: high enough that no run is held by it
+# (with 200, the dev cluster's own, the scheduler alone's Bindings came at 200/s after a burst
+# of 400: 217 pods/s for 5000 pods, as it measured at 1000 nodes; the extender's Binding
+# writer has no such limit)
+SCHEDULER_QPS = 5000
+BASELINES = {"whole": "whole GPUs", "fractional": "fractional, no extender"}
+
+
 def pod(i: int, fractional: bool, rng: random.Random) -> dict[str, Any]:
     if fractional:
         limits = {"gpuslice.io/gpu": "1", "gpuslice.io/gpu-milli": str(rng.choice(
@@ -173,60 +188,6 @@ DRA_COMPONENTS = ("kube-scheduler", "gpuslice dra-allocator", "kube-apiserver", 
                   "kube-controller-manager")
 
 
-def cpu_split(pid: int) -> tuple[float, float]:
-    """User and system CPU time of a process so far (Linux /proc/<pid>/stat, fields 14 and
-    15, in clock ticks); 0 where it cannot be read."""
-    return cpu_split_path(Path(f"/proc/{pid}/stat"))
-
-
-def cpu_split_path(stat: Path) -> tuple[float, float]:
-    try:
-        fields = stat.read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0, 0.0
-    tick = os.sysconf("SC_CLK_TCK")
-    return int(fields[11]) / tick, int(fields[12]) / tick
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process so far (:func:`cpu_split`)."""
-    return sum(cpu_split(pid))
-
-
-def thread_cpu(pid: int) -> dict[int, float]:
-    """User + system CPU seconds so far of each of a process's threads (by native id)."""
-    out = {}
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        t = cpu_split_path(task / "stat")
-        out[int(task.name)] = t[0] + t[1]
-    return out
-
-
-def thread_names(pid: int) -> dict[int, str]:
-    """Native thread id -> the Python thread's name, without its pool index (``bind_3`` ->
-    ``bind``), from ``py-spy dump``; empty when py-spy cannot attach."""
-    try:
-        text = subprocess.run(["py-spy", "dump", "--pid", str(pid), "--nonblocking"],
-                              check=False, capture_output=True, text=True,
-                              timeout=30).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return {}
-    names = {}
-    for m in re.finditer(r'^Thread (\d+) \([a-z]+\): "([^"]*)"', text, re.M):
-        names[int(m.group(1))] = re.sub(r"_\d+$", "", m.group(2))
-    return names
-
-
-def by_thread(before: dict[int, float], after: dict[int, float], names: dict[int, str],
-              pods: int) -> dict[str, float]:
-    """CPU ms per pod of each thread kind over a window (threads py-spy did not name, ended
-    ones included, as "other")."""
-    out: dict[str, float] = defaultdict(float)
-    for tid, t in after.items():
-        out[names.get(tid, "other")] += 1e3 * (t - before.get(tid, 0.0)) / pods
-    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
-
-
 def cpu_now(dev: DevCluster, ours: dict[str, int]) -> dict[str, float]:
     """CPU seconds so far of the cluster's processes and ``ours`` (name -> PID)."""
     pids = {n: p.pid for n, p in dev.procs.items() if p.pid}
@@ -245,16 +206,34 @@ def background_cores(dev: DevCluster, extender_pid: int, seconds: float = 10.0) 
     return sum(after[n] - before.get(n, 0.0) for n in after) / seconds
 
 
+def over_node_totals(pods: list[dict[str, Any]], nodes: list[dict[str, Any]]) -> int:
+    """Nodes whose bound pods' extended resources (nvidia.com/gpu, gpuslice.io/*), summed,
+    exceed the node's allocatable: the baseline runs' over-allocation."""
+    used: dict[tuple[str, str], float] = defaultdict(float)
+    for p in pods:
+        node = p["spec"].get("nodeName")
+        for c in p["spec"]["containers"] if node else ():
+            for k, v in ((c.get("resources") or {}).get("limits") or {}).items():
+                if "/" in k:  # as the API server writes them back: 1000 is "1k"
+                    used[node, k] += quantity(v, k)
+    cap = {(n["metadata"]["name"], k): quantity(v, k) for n in nodes
+           for k, v in n["status"]["allocatable"].items() if "/" in k}
+    return len({node for (node, k), v in used.items() if v > cap.get((node, k), 0)})
+
+
 def run_once(dev: DevCluster, pods: int, fractional: bool, timeout_s: float,
              extender_metrics: Any, extender_pid: int,
              window_closed: Any = None, go_profile: Path | None = None,
-             go_seconds: int = 10, go_delay: float = 2.0) -> dict[str, Any]:
-    """One run; ``window_closed`` is called when the last pod is bound (before the pods are
-    read back and deleted); ``go_profile``: a folder for kube-scheduler's CPU profile."""
+             go_seconds: int = 10, go_delay: float = 2.0,
+             baseline_fractional: bool = False) -> dict[str, Any]:
+    """One run (``fractional``: through the extender; otherwise the baseline, whole-GPU pods
+    or, with ``baseline_fractional``, the same fractional pods without the extender);
+    ``window_closed`` is called when the last pod is bound (before the pods are read back and
+    deleted); ``go_profile``: a folder for kube-scheduler's CPU profile."""
     console = Console(stderr=True)
     if "kube-scheduler" in dev.procs:
         dev.procs.pop("kube-scheduler").stop()
-    created = create_pods(dev, pods, fractional)
+    created = create_pods(dev, pods, fractional or baseline_fractional)
     console.print(f"  {pods} pods created in {created:.0f} s; starting kube-scheduler "
                   f"({'with' if fractional else 'without'} the extender)")
     # the scheduler is not running yet: it starts at 0
@@ -295,6 +274,7 @@ def run_once(dev: DevCluster, pods: int, fractional: bool, timeout_s: float,
         # poll that noticed the end are left out: a second or more at --quick's size)
         "pods": pods, "seconds": elapsed, "pods_per_s": burst_rate(bound_at)
         if len(bound_at) == pods else pods / elapsed, "window_pods_per_s": pods / elapsed,
+        "bind_quantiles": burst_quantiles(bound_at),
         "retries": counter(metrics, "scheduler_schedule_attempts_total", "error")
         + counter(metrics, "scheduler_schedule_attempts_total", "unschedulable"),
         "algo_p50_ms": quantile(algo, 0.5) * 1e3, "algo_p99_ms": quantile(algo, 0.99) * 1e3,
@@ -330,11 +310,7 @@ def run_once(dev: DevCluster, pods: int, fractional: bool, timeout_s: float,
             res[f"ext_{verb}_p50_ms"] = quantile(h, 0.5) * 1e3
             res[f"ext_{verb}_p99_ms"] = quantile(h, 0.99) * 1e3
     else:
-        per_node: dict[str, int] = defaultdict(int)
-        for p in got:
-            if p["spec"].get("nodeName"):
-                per_node[p["spec"]["nodeName"]] += 1
-        res["over_allocation"] = sum(1 for c in per_node.values() if c > 8)
+        res["over_allocation"] = over_node_totals(got, list_json(dev, "nodes"))
     dev.procs.pop("kube-scheduler").stop()
     dev.kubectl("delete", "pods", "--all", "-n", NS, "--grace-period=0", "--force",
                 "--wait=false", timeout_s=600)
@@ -392,6 +368,14 @@ def main() -> int:
                     "--quick, whose bursts last 1.5-3.5 s)")
     ap.add_argument("--go-delay", type=float, default=None, help="seconds from the "
                     "scheduler's start to its profile's (default 2, 0 with --quick)")
+    ap.add_argument("--baseline", choices=("whole", "fractional"), default="whole",
+                    help="the scheduler-alone run's pods: whole GPUs (default), or the same "
+                    "fractional pods through the gpuslice-scheduler profile without the "
+                    "extender")
+    ap.add_argument("--scheduler-qps", type=int, default=SCHEDULER_QPS, metavar="N",
+                    help="kube-scheduler's client rate limit, burst twice that (default "
+                    f"{SCHEDULER_QPS}: the scheduler alone's own Bindings not held by it; "
+                    "the figures before 2026-11-28's seventh session ran with 200)")
     ap.add_argument("--binds-in-flight", type=int, default=None, metavar="N",
                     help="the extender's --binds-in-flight (default: its own)")
     ap.add_argument("--write", type=Path, help="write the figures (markdown) to this file")
@@ -410,7 +394,8 @@ def main() -> int:
     console = Console(width=220)
     bin_dir = find_bin_dir(REPO)
     t_all = time.monotonic()
-    with DevCluster(bin_dir, REPO / "deploy", scheduler="none") as dev:
+    with DevCluster(bin_dir, REPO / "deploy", scheduler="none",
+                    scheduler_qps=args.scheduler_qps) as dev:
         console.print(f"control plane up in {dev.dir}")
         for f in ("namespace.yaml", "rbac.yaml"):
             dev.kubectl("apply", "--server-side", "-n", "gpuslice-system", "-f",
@@ -467,15 +452,17 @@ def main() -> int:
                             stop_spy, args.go_profile, args.go_seconds, args.go_delay)
             if spy is not None:
                 console.print(profile_table(Path(args.profile)))
-            console.print("run 2/2: kube-scheduler alone, whole GPUs")
+            console.print(f"run 2/2: kube-scheduler alone, {BASELINES[args.baseline]}")
             base = run_once(dev, args.pods, False, args.timeout, ext_metrics, ext.pid,
-                            None, args.go_profile, args.go_seconds, args.go_delay)
+                            None, args.go_profile, args.go_seconds, args.go_delay,
+                            baseline_fractional=args.baseline == "fractional")
         finally:
             ext.stop(30)
     total = time.monotonic() - t_all
     ratio = ours["pods_per_s"] / base["pods_per_s"]
     table = Table(title=f"{args.nodes} kwok nodes x {args.gpus} GPUs, {args.pods} pods per run "
-                  f"({os.cpu_count()} CPUs, whole benchmark {total / 60:.1f} min)")
+                  f"({os.cpu_count()} CPUs, kube-scheduler qps {args.scheduler_qps}, whole "
+                  f"benchmark {total / 60:.1f} min)")
     for col in ("run", "pods/s", "bound", "failed attempts", "sched. algorithm p50 / p99 ms",
                 "attempt p50 / p99 ms", "extender filter p50 / p99 ms",
                 "prioritize p50 / p99 ms", "bind p50 / p99 ms", "over-allocated"):
@@ -486,7 +473,8 @@ def main() -> int:
             return "-"
         return f"{r[f'{a}_p50_ms']:.1f} / {r[f'{a}_p99_ms']:.1f}"
 
-    rows = [("scheduler + gpuslice (fractional)", ours), ("scheduler alone (whole GPUs)", base)]
+    rows = [("scheduler + gpuslice (fractional)", ours),
+            (f"scheduler alone ({BASELINES[args.baseline]})", base)]
     for name, r in rows:
         table.add_row(name, f"{r['pods_per_s']:.1f}", f"{r['bound']}/{r['pods']}",
                       str(r["retries"]),
@@ -508,6 +496,7 @@ def main() -> int:
     console.print(api_bind_line(ours, base))
     console.print(idle_line(idle, ours, base))
     console.print(window_line(ours, base))
+    console.print(timeline_line(ours, base))
     console.print(f"filters that waited for binds in flight: {ours['filter_waits']} of "
                   f"{ours['pods']}, {ours['filter_wait_s']:.1f} s in all")
     go_rows = go_lines(ours, base, args.go_seconds, args.go_delay)
@@ -536,7 +525,8 @@ def main() -> int:
                          f"{os.cpu_count()} |")
         lines += ["", sys_line(ours)[0].upper() + sys_line(ours)[1:] + "; "
                   + threads_line(ours) + ".", "", api_bind_line(ours, base) + ".", "",
-                  idle_line(idle, ours, base) + ".", "", window_line(ours, base) + "."]
+                  idle_line(idle, ours, base) + ".", "", window_line(ours, base) + ".", "",
+                  timeline_line(ours, base) + "."]
         if go_rows:
             lines += ["", *go_rows]
         if args.profile:
@@ -546,6 +536,10 @@ def main() -> int:
             lines += [f"| `{f}` | {own:.1f} | {tot:.1f} |" for f, own, tot in prof]
         flags = "" if args.binds_in_flight is None else \
             f", extender --binds-in-flight {args.binds_in_flight}"
+        if args.baseline != "whole":
+            flags += f", --baseline {args.baseline}"
+        if args.scheduler_qps != SCHEDULER_QPS:
+            flags += f", --scheduler-qps {args.scheduler_qps}"
         block = (f"<!-- cluster_scale: {args.nodes} nodes x {args.gpus} GPUs, {args.pods} pods"
                  f"{flags} -->\n" + "\n".join(lines) + f"\n\nRatio {ratio:.2f}; whole benchmark "
                  f"{total / 60:.1f} min on {os.cpu_count()} CPUs.\n")

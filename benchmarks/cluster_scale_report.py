@@ -9,6 +9,7 @@ from typing import Any
 
 from rich.table import Table
 
+from first_seen import SHARES
 from go_profile import table_lines
 
 
@@ -68,6 +69,15 @@ def window_line(ours: dict[str, Any], base: dict[str, Any]) -> str:
             f"every pod bound, {ours['seconds']:.1f} and {base['seconds']:.1f} s): "
             f"{ours['window_pods_per_s']:.1f} and {base['window_pods_per_s']:.1f} pods/s, "
             f"ratio {ours['window_pods_per_s'] / base['window_pods_per_s']:.2f}")
+
+
+def timeline_line(ours: dict[str, Any], base: dict[str, Any]) -> str:
+    def spread(r: dict[str, Any]) -> str:
+        return " / ".join(f"{t:.2f}" for t in r["bind_quantiles"]) or "-"
+
+    return ("how each burst spread, seconds from its first bind until "
+            f"{' / '.join(f'{q:.0%}' for q in SHARES)} / all of its pods were bound: with the "
+            f"extender {spread(ours)}, scheduler alone {spread(base)}")
 
 
 def go_lines(ours: dict[str, Any], base: dict[str, Any], seconds: int,

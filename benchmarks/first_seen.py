@@ -68,3 +68,16 @@ def burst_rate(times: list[float]) -> float:
     if len(times) < 2 or max(times) <= min(times):
         return 0.0
     return (len(times) - 1) / (max(times) - min(times))
+
+
+SHARES = (0.25, 0.5, 0.75, 0.9)
+
+
+def burst_quantiles(times: list[float]) -> list[float]:
+    """Seconds from the first time until each of :data:`SHARES` of the objects, then all, were
+    seen (how the burst spread over time); empty with fewer than two."""
+    if len(times) < 2:
+        return []
+    t = sorted(times)
+    return [t[min(len(t) - 1, max(0, round(q * len(t)) - 1))] - t[0] for q in SHARES] + \
+        [t[-1] - t[0]]

@@ -34,8 +34,13 @@ def test_the_scheduler_config_keeps_deploys_extender_stanza_and_points_it_here(
                                                              "default-scheduler"]
     assert cfg["leaderElection"] == {"leaderElect": False}
     assert cfg["clientConnection"]["kubeconfig"] == str(tmp_path / "kc")
-    plain = scheduler_config(CONFIG, tmp_path / "kc", None, None)
+    assert (cfg["clientConnection"]["qps"], cfg["clientConnection"]["burst"]) == (200, 400)
+    plain = scheduler_config(CONFIG, tmp_path / "kc", None, None, qps=5000)
     assert "extenders" not in plain and len(plain["profiles"]) == 2
+    # the benchmark's: the scheduler alone's Bindings not held by its client rate limit
+    assert (plain["clientConnection"]["qps"], plain["clientConnection"]["burst"]) == (5000, 10000)
+    with pytest.raises(GpusliceError, match=r"qps: expected a rate of 1 or more"):
+        scheduler_config(CONFIG, tmp_path / "kc", None, None, qps=0)
 
 
 def test_a_config_without_an_extender_is_refused_naming_the_field(tmp_path: Path) -> None:
