@@ -54,13 +54,14 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # the cluster tier's node and pod builders
 sys.path.insert(0, str(REPO / "benchmarks"))  # cluster_scale_dra
 
-from tests.cluster.helpers import over_allocation  # noqa: E402
+from tests.cluster.helpers import assignment, over_allocation  # noqa: E402
 
 from cluster_scale_report import (  # noqa: E402
     PROFILE_TITLE,
     api_bind_line,
     go_lines,
     idle_line,
+    packing_line,
     profile_rows,
     profile_table,
     sys_line,
@@ -71,6 +72,7 @@ from cluster_scale_report import (  # noqa: E402
 from first_seen import FirstSeen, burst_quantiles, burst_rate  # noqa: E402
 from go_profile import Capture, breakdown  # noqa: E402
 from gpuslice.adapters.kube.objects import quantity  # noqa: E402
+from gpuslice.core.assignment import ANNOTATION  # noqa: E402
 from gpuslice.devcluster import DevCluster, find_bin_dir, gpu_node, wait_until  # noqa: E402
 from gpuslice.devcluster.procs import insecure  # noqa: E402
 from proc_cpu import by_thread, cpu_seconds, cpu_split, thread_cpu, thread_names  # noqa: E402
@@ -206,6 +208,16 @@ def background_cores(dev: DevCluster, extender_pid: int, seconds: float = 10.0) 
     return sum(after[n] - before.get(n, 0.0) for n in after) / seconds
 
 
+def in_use(pods: list[dict[str, Any]]) -> tuple[int, int, int]:
+    """GPUs and nodes holding at least one share of the pods' assignments (how tightly the
+    policy packed them: fewer is tighter), and the fewest GPUs their milli could fill."""
+    held = [assignment(p) for p in pods
+            if ANNOTATION in (p["metadata"].get("annotations") or {})]
+    shares = [g for a in held for c in a.containers for g in c.gpus]
+    return (len({g.uuid for g in shares}), len({a.node for a in held}),
+            -(-sum(g.milli for g in shares) // 1000))
+
+
 def over_node_totals(pods: list[dict[str, Any]], nodes: list[dict[str, Any]]) -> int:
     """Nodes whose bound pods' extended resources (nvidia.com/gpu, gpuslice.io/*), summed,
     exceed the node's allocatable: the baseline runs' over-allocation."""
@@ -297,6 +309,7 @@ def run_once(dev: DevCluster, pods: int, fractional: bool, timeout_s: float,
     if fractional:
         nodes = list_json(dev, "nodes")
         res["over_allocation"] = len(over_allocation(got, nodes))
+        res["gpus_used"], res["nodes_used"], res["gpus_needed"] = in_use(got)
         text = extender_metrics()
         def total(name: str) -> float:
             return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
@@ -376,6 +389,9 @@ def main() -> int:
                     help="kube-scheduler's client rate limit, burst twice that (default "
                     f"{SCHEDULER_QPS}: the scheduler alone's own Bindings not held by it; "
                     "the figures before 2026-11-28's seventh session ran with 200)")
+    ap.add_argument("--nodes-to-score", type=int, default=None, metavar="PERCENT",
+                    help="the gpuslice profile's percentageOfNodesToScore (default: "
+                    "deploy/'s, 100; 0: kube-scheduler's adaptive share)")
     ap.add_argument("--binds-in-flight", type=int, default=None, metavar="N",
                     help="the extender's --binds-in-flight (default: its own)")
     ap.add_argument("--write", type=Path, help="write the figures (markdown) to this file")
@@ -395,7 +411,8 @@ def main() -> int:
     bin_dir = find_bin_dir(REPO)
     t_all = time.monotonic()
     with DevCluster(bin_dir, REPO / "deploy", scheduler="none",
-                    scheduler_qps=args.scheduler_qps) as dev:
+                    scheduler_qps=args.scheduler_qps,
+                    nodes_to_score=args.nodes_to_score) as dev:
         console.print(f"control plane up in {dev.dir}")
         for f in ("namespace.yaml", "rbac.yaml"):
             dev.kubectl("apply", "--server-side", "-n", "gpuslice-system", "-f",
@@ -497,6 +514,7 @@ def main() -> int:
     console.print(idle_line(idle, ours, base))
     console.print(window_line(ours, base))
     console.print(timeline_line(ours, base))
+    console.print(packing_line(ours))
     console.print(f"filters that waited for binds in flight: {ours['filter_waits']} of "
                   f"{ours['pods']}, {ours['filter_wait_s']:.1f} s in all")
     go_rows = go_lines(ours, base, args.go_seconds, args.go_delay)
@@ -526,7 +544,7 @@ def main() -> int:
         lines += ["", sys_line(ours)[0].upper() + sys_line(ours)[1:] + "; "
                   + threads_line(ours) + ".", "", api_bind_line(ours, base) + ".", "",
                   idle_line(idle, ours, base) + ".", "", window_line(ours, base) + ".", "",
-                  timeline_line(ours, base) + "."]
+                  timeline_line(ours, base) + ".", "", packing_line(ours) + "."]
         if go_rows:
             lines += ["", *go_rows]
         if args.profile:
@@ -538,6 +556,8 @@ def main() -> int:
             f", extender --binds-in-flight {args.binds_in_flight}"
         if args.baseline != "whole":
             flags += f", --baseline {args.baseline}"
+        if args.nodes_to_score is not None:
+            flags += f", --nodes-to-score {args.nodes_to_score}"
         if args.scheduler_qps != SCHEDULER_QPS:
             flags += f", --scheduler-qps {args.scheduler_qps}"
         block = (f"<!-- cluster_scale: {args.nodes} nodes x {args.gpus} GPUs, {args.pods} pods"

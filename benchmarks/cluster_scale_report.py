@@ -80,6 +80,11 @@ def timeline_line(ours: dict[str, Any], base: dict[str, Any]) -> str:
             f"extender {spread(ours)}, scheduler alone {spread(base)}")
 
 
+def packing_line(ours: dict[str, Any]) -> str:
+    return (f"packing through the extender: {ours['gpus_used']} GPUs hold a share (the milli "
+            f"asked fills at least {ours['gpus_needed']}), on {ours['nodes_used']} nodes")
+
+
 def go_lines(ours: dict[str, Any], base: dict[str, Any], seconds: int,
              delay: float) -> list[str]:
     if ours["go_profile_off"]:  # no --go-profile

@@ -9,8 +9,16 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
-from cluster_scale import over_node_totals
+from cluster_scale import in_use, over_node_totals
 from first_seen import SHARES, burst_quantiles, burst_rate
+from gpuslice.adapters.kube.annotation import encode
+from gpuslice.core.assignment import (
+    ANNOTATION,
+    Assignment,
+    ContainerAssignment,
+    GpuShare,
+    Mode,
+)
 
 
 def _pod(node: str | None, limits: dict[str, str]) -> dict[str, Any]:
@@ -67,3 +75,20 @@ def test_a_burst_spread_is_read_from_its_first_bind() -> None:
     flood = [float(i) for i in range(50)] + [50.0 + i / 10 for i in range(50)]
     q = burst_quantiles(flood)
     assert q[0] == 24.0 and q[1] == 49.0 and q[-1] == 54.9
+
+
+def _assigned(name: str, node: str, *shares: tuple[str, int]) -> dict[str, Any]:
+    a = Assignment("bench", name, f"uid-{name}", node, (ContainerAssignment(
+        "m", Mode.MPS, tuple(GpuShare(u, m, 8192) for u, m in shares)),),
+        "2026-11-28T00:00:00Z")
+    return {"metadata": {"name": name, "annotations": {ANNOTATION: encode(a)}},
+            "spec": {"nodeName": node}}
+
+
+def test_packing_counts_gpus_and_nodes_holding_a_share_and_the_fewest_the_milli_fills() -> None:
+    pods = [_assigned("a", "n1", ("GPU-1", 500)), _assigned("b", "n1", ("GPU-1", 250)),
+            _assigned("c", "n2", ("GPU-2", 750)),
+            {"metadata": {"name": "pending"}, "spec": {}}]  # no assignment: not counted
+    assert in_use(pods) == (2, 2, 2)  # 1500 milli fill at least 2 GPUs
+    assert in_use(pods[:2]) == (1, 1, 1)
+    assert in_use([]) == (0, 0, 0)

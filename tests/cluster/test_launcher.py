@@ -41,6 +41,14 @@ def test_the_scheduler_config_keeps_deploys_extender_stanza_and_points_it_here(
     assert (plain["clientConnection"]["qps"], plain["clientConnection"]["burst"]) == (5000, 10000)
     with pytest.raises(GpusliceError, match=r"qps: expected a rate of 1 or more"):
         scheduler_config(CONFIG, tmp_path / "kc", None, None, qps=0)
+    ours = {p["schedulerName"]: p for p in cfg["profiles"]}["gpuslice-scheduler"]
+    assert ours["percentageOfNodesToScore"] == 100  # deployed: the policy sees every node
+    adaptive = scheduler_config(CONFIG, tmp_path / "kc", None, None, nodes_to_score=0)
+    by_name = {p["schedulerName"]: p for p in adaptive["profiles"]}
+    assert by_name["gpuslice-scheduler"]["percentageOfNodesToScore"] == 0
+    assert "percentageOfNodesToScore" not in by_name["default-scheduler"]
+    with pytest.raises(GpusliceError, match=r"percentageOfNodesToScore: expected 0"):
+        scheduler_config(CONFIG, tmp_path / "kc", None, None, nodes_to_score=101)
 
 
 def test_a_config_without_an_extender_is_refused_naming_the_field(tmp_path: Path) -> None:

@@ -71,14 +71,17 @@ def missing_binaries(bin_dir: Path) -> list[str]:
 
 def scheduler_config(deploy_config: Path, kubeconfig: Path, extender_url: str | None,
                      ca_file: Path | None, *, client_cert: tuple[Path, Path] | None = None,
-                     leader_elect: bool = False, qps: int = 200) -> dict[str, Any]:
+                     leader_elect: bool = False, qps: int = 200,
+                     nodes_to_score: int | None = None) -> dict[str, Any]:
     """deploy/base/scheduler-config.yaml's KubeSchedulerConfiguration with the extender pointed
     at ``extender_url`` (its CA file ``ca_file`` when https, and the scheduler's client
     certificate and key ``client_cert`` for mutual TLS), a kubeconfig, no leader election
     (one scheduler), and a ``default-scheduler`` profile beside ``gpuslice-scheduler`` for pods
     that ask for no GPU. ``extender_url=None``: the same profiles without the extender (the
     benchmark's baseline). ``qps``: the scheduler's client rate limit (burst twice that), which
-    its own Binding writes are held to (the extender's are not)."""
+    its own Binding writes are held to (the extender's are not). ``nodes_to_score``: the
+    ``gpuslice-scheduler`` profile's percentageOfNodesToScore instead of the deployed one (0:
+    kube-scheduler's adaptive default)."""
     doc = yaml.safe_load(deploy_config.read_text())
     try:
         cfg = yaml.safe_load(doc["data"]["config.yaml"])
@@ -91,6 +94,13 @@ def scheduler_config(deploy_config: Path, kubeconfig: Path, extender_url: str | 
     cfg["clientConnection"] = {"kubeconfig": str(kubeconfig), "qps": qps, "burst": 2 * qps}
     if not leader_elect:
         cfg["leaderElection"] = {"leaderElect": False}
+    if nodes_to_score is not None:
+        if not 0 <= nodes_to_score <= 100:
+            raise ValidationError("percentageOfNodesToScore", "0 (adaptive) to 100",
+                                  nodes_to_score)
+        for p in cfg.get("profiles") or []:
+            if p.get("schedulerName") == "gpuslice-scheduler":
+                p["percentageOfNodesToScore"] = nodes_to_score
     names = {p.get("schedulerName") for p in cfg.get("profiles") or []}
     if "default-scheduler" not in names:
         cfg.setdefault("profiles", []).append({"schedulerName": "default-scheduler"})
@@ -137,6 +147,8 @@ class DevCluster:
     # kube-scheduler's client rate limit (its burst twice that): 200 by default; the
     # throughput benchmark lifts it so that the scheduler alone's Bindings are not held
     scheduler_qps: int = 200
+    # the gpuslice profile's percentageOfNodesToScore, when not the deployed one
+    nodes_to_score: int | None = None
     procs: dict[str, Proc] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -375,7 +387,7 @@ class DevCluster:
         cfg = scheduler_config(self.deploy_dir / "base" / "scheduler-config.yaml",
                                self.kubeconfig, self.extender_url if with_extender else None,
                                self.ca_crt, client_cert=self.scheduler_client_cert,
-                               qps=self.scheduler_qps)
+                               qps=self.scheduler_qps, nodes_to_score=self.nodes_to_score)
         if default_only:  # the gpuslice profile is left to a scheduler installed in the cluster
             cfg["profiles"] = [p for p in cfg["profiles"]
                                if p.get("schedulerName") == "default-scheduler"]
