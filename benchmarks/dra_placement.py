@@ -147,12 +147,14 @@ class ClusterTarget:
     modes = ("default", "ours", "device-plugin", "device-plugin-sim", "device-plugin-model")
 
     def __init__(self, bin_dir: Path, nodes: int, gpus: int, tune_ratio: float,
-                 console: Console, burst: bool = False, variant: str | None = None) -> None:
+                 console: Console, burst: bool = False, variant: str | None = None,
+                 nodes_to_score: int | None = None) -> None:
         from gpuslice.core.catalog import resolve
         from gpuslice.core.model import Gpu, Node
         from gpuslice.sim.default import default_tasks
 
         self.console, self.tune_ratio = console, tune_ratio
+        self.nodes_to_score = nodes_to_score  # the gpuslice profile's, when not deploy/'s
         mib = resolve(CLUSTER_MODEL).memory_mib
         self.nodes = [Node(f"dra-bench-{i:02d}", CLUSTER_CPU * 1000, CLUSTER_MEM_GIB * 1024,
                            tuple(Gpu(j, CLUSTER_MODEL, mib) for j in range(gpus)))
@@ -180,7 +182,8 @@ class ClusterTarget:
         from gpuslice.devcluster import DevCluster, gpu_node
 
         repo = Path(__file__).resolve().parents[1]
-        self.dev = DevCluster(self.bin_dir, repo / "deploy", scheduler="plain").start()
+        self.dev = DevCluster(self.bin_dir, repo / "deploy", scheduler="plain",
+                              nodes_to_score=self.nodes_to_score).start()
         self.dev.apply(repo / "deploy" / "dra" / "namespace.yaml")
         self.dev.apply(repo / "deploy" / "dra" / "deviceclasses.yaml")
         # the extender's RBAC, for the device-plugin runs
@@ -617,6 +620,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--burst", action="store_true",
                     help="--cluster: create every task at once and measure throughput (tasks "
                     "bound per second) instead of the FGD protocol's one-by-one replay")
+    ap.add_argument("--nodes-to-score", type=int, default=None, metavar="PERCENT",
+                    help="--cluster: the gpuslice-scheduler profile's percentageOfNodesToScore "
+                    "(default: deploy/'s, 100; 0: kube-scheduler's adaptive share)")
     ap.add_argument("--seeds", default="42-44")
     ap.add_argument("--only", default=None, metavar="PATH[,PATH]",
                     help=f"replay only these paths ({', '.join(PATHS)}; device-plugin-sim "
@@ -657,7 +663,8 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"dra_placement: {bin_dir} lacks {', '.join(missing)}; build "
                              "them with tools/cluster/build.sh")
         with ClusterTarget(bin_dir, args.nodes, args.gpus, args.tune, console,
-                           burst=args.burst, variant=args.variant) as ct:
+                           burst=args.burst, variant=args.variant,
+                           nodes_to_score=args.nodes_to_score) as ct:
             return run(ct, seeds, console, only, args.json, args.doc, args.doc_key)
     target: Target
     if args.variant:
