@@ -508,13 +508,13 @@ def main() -> int:
     console.print(cpu)
     console.print(f"the scheduler's calls reached the extender on {ours['ext_connections']} "
                   f"connections ({ours['pods']} pods)")
+    # the lines below the tables, printed and (as sentences) written
+    notes = [api_bind_line(ours, base), idle_line(idle, ours, base), window_line(ours, base),
+             timeline_line(ours, base), packing_line(ours)]
     console.print(sys_line(ours))
     console.print(threads_line(ours))
-    console.print(api_bind_line(ours, base))
-    console.print(idle_line(idle, ours, base))
-    console.print(window_line(ours, base))
-    console.print(timeline_line(ours, base))
-    console.print(packing_line(ours))
+    for line in notes:
+        console.print(line)
     console.print(f"filters that waited for binds in flight: {ours['filter_waits']} of "
                   f"{ours['pods']}, {ours['filter_wait_s']:.1f} s in all")
     go_rows = go_lines(ours, base, args.go_seconds, args.go_delay)
@@ -541,10 +541,10 @@ def main() -> int:
                                                       for n in CPU_COMPONENTS)
                          + f" | {sum(r['cpu_ms'].values()):.1f} | {r['cores']:.2f} of "
                          f"{os.cpu_count()} |")
-        lines += ["", sys_line(ours)[0].upper() + sys_line(ours)[1:] + "; "
-                  + threads_line(ours) + ".", "", api_bind_line(ours, base) + ".", "",
-                  idle_line(idle, ours, base) + ".", "", window_line(ours, base) + ".", "",
-                  timeline_line(ours, base) + ".", "", packing_line(ours) + "."]
+        cpu_line = sys_line(ours)
+        lines += ["", cpu_line[0].upper() + cpu_line[1:] + "; " + threads_line(ours) + "."]
+        for line in notes:
+            lines += ["", line + "."]
         if go_rows:
             lines += ["", *go_rows]
         if args.profile:
