@@ -56,6 +56,17 @@ def api_bind_line(ours: dict[str, Any], base: dict[str, Any]) -> str:
             f"{base['api_bind_p50_ms']:.1f} / {base['api_bind_p99_ms']:.1f}")
 
 
+def requests_line(ours: dict[str, Any], base: dict[str, Any]) -> str:
+    def kinds(r: dict[str, Any]) -> str:
+        n, size = r["pod_events"]
+        return (", ".join(f"{k} {v:.2f}" for k, v in r["api_requests"].items()) +
+                f"; {n:.1f} pod watch events sent ({size / 1024:.1f} KiB)")
+
+    return ("kube-apiserver's work in the timed window per pod bound, its requests by kind "
+            "(apiserver_request_total, the most frequent) and the pod watch events it sent "
+            f"to its watchers: with the extender {kinds(ours)}; scheduler alone {kinds(base)}")
+
+
 def idle_line(idle: float, ours: dict[str, Any], base: dict[str, Any]) -> str:
     return (f"With no pod to schedule the cluster keeps {idle:.2f} cores busy (kwok's node "
             "leases and status, the API server and etcd serving them, the controllers): "
