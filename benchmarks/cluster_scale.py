@@ -35,7 +35,6 @@ import argparse
 import json
 import os
 import random
-import re
 import signal
 import ssl
 import subprocess
@@ -64,6 +63,7 @@ from cluster_scale_report import (  # noqa: E402
     packing_line,
     profile_rows,
     profile_table,
+    requests_line,
     sys_line,
     threads_line,
     timeline_line,
@@ -76,58 +76,31 @@ from gpuslice.core.assignment import ANNOTATION  # noqa: E402
 from gpuslice.devcluster import DevCluster, find_bin_dir, gpu_node, wait_until  # noqa: E402
 from gpuslice.devcluster.procs import insecure  # noqa: E402
 from proc_cpu import by_thread, cpu_seconds, cpu_split, thread_cpu, thread_names  # noqa: E402
+from prom_text import (  # noqa: E402
+    api_requests,
+    counter,
+    histogram,
+    minus,
+    per_pod,
+    pod_watch_events,
+    quantile,
+)
 
 KEY = "cluster-scale-benchmark-key-0123456789abcdef"
 NS = "bench"
 
 
-def histogram(metrics: str, name: str, match: dict[str, str] | None = None,
-              ) -> list[tuple[float, float]]:
-    """Cumulative buckets (le, count) of one histogram series, summed over series that match."""
-    acc: dict[float, float] = defaultdict(float)
-    pat = re.compile(r"^" + re.escape(name) + r"_bucket\{(.*)\} ([0-9.e+-]+)$")
-    for line in metrics.splitlines():
-        m = pat.match(line)
-        if not m:
-            continue
-        labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
-        if any(labels.get(k) != v for k, v in (match or {}).items()):
-            continue
-        le = float("inf") if labels["le"] == "+Inf" else float(labels["le"])
-        acc[le] += float(m.group(2))
-    return sorted(acc.items())
-
-
-def quantile(buckets: list[tuple[float, float]], q: float) -> float:
-    """Prometheus' histogram_quantile: linear inside the bucket that holds the rank."""
-    if not buckets or buckets[-1][1] == 0:
-        return float("nan")
-    rank = q * buckets[-1][1]
-    prev_le, prev_c = 0.0, 0.0
-    for le, c in buckets:
-        if c >= rank:
-            if le == float("inf"):
-                return prev_le
-            return prev_le + (le - prev_le) * ((rank - prev_c) / max(c - prev_c, 1e-12))
-        prev_le, prev_c = le, c
-    return prev_le
-
-
 BINDING = {"verb": "POST", "resource": "pods", "subresource": "binding"}
 
 
-def binding_buckets(dev: DevCluster) -> list[tuple[float, float]]:
+def api_metrics(dev: DevCluster) -> str:
+    return dev.kubectl("get", "--raw", "/metrics", timeout_s=60).stdout
+
+
+def binding_buckets(text: str) -> list[tuple[float, float]]:
     """kube-apiserver's own latency histogram for the Binding writes so far (whoever wrote
     them: kube-scheduler alone, or the extender)."""
-    text = dev.kubectl("get", "--raw", "/metrics", timeout_s=60).stdout
     return histogram(text, "apiserver_request_duration_seconds", BINDING)
-
-
-def minus(after: list[tuple[float, float]], before: list[tuple[float, float]],
-          ) -> list[tuple[float, float]]:
-    """The buckets of a window: cumulative counts after minus before."""
-    was = dict(before)
-    return [(le, c - was.get(le, 0.0)) for le, c in after]
 
 
 def unbound(dev: DevCluster, ns: str = NS) -> int:
@@ -141,16 +114,14 @@ def unbound(dev: DevCluster, ns: str = NS) -> int:
         return len(json.loads(r.read())["items"] or [])
 
 
-def counter(metrics: str, name: str, result: str) -> int:
-    return int(sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
-                   if line.startswith(name + "{") and f'result="{result}"' in line))
-
-
 # kube-scheduler's client rate limit in the benchmark: high enough that no run is held by it
 # (with 200, the dev cluster's own, the scheduler alone's Bindings came at 200/s after a burst
 # of 400: 217 pods/s for 5000 pods, as it measured at 1000 nodes; the extender's Binding
 # writer has no such limit)
 SCHEDULER_QPS = 5000
+# kwok's node Lease duration per 1000 nodes (the dev cluster's, renewed every 10 s): scaled
+# with the node count, 5000 nodes' heartbeats load the API server and etcd as 1000 nodes' do
+LEASE_S = 40
 BASELINES = {"whole": "whole GPUs", "fractional": "fractional, no extender"}
 
 
@@ -252,7 +223,7 @@ def run_once(dev: DevCluster, pods: int, fractional: bool, timeout_s: float,
     before = cpu_now(dev, {"gpuslice extender": extender_pid})
     sys0 = cpu_split(extender_pid)[1]
     threads0 = thread_cpu(extender_pid)
-    binding0 = binding_buckets(dev)
+    api0 = api_metrics(dev)
     # each pod's bind as a client sees it: its first event with a node
     binds = FirstSeen(dev, f"/api/v1/namespaces/{NS}/pods?fieldSelector=spec.nodeName%21%3D",
                       lambda _: True, metadata_only=True).start()
@@ -269,7 +240,8 @@ def run_once(dev: DevCluster, pods: int, fractional: bool, timeout_s: float,
     after = cpu_now(dev, {"gpuslice extender": extender_pid})
     sys1 = cpu_split(extender_pid)[1]
     threads1 = thread_cpu(extender_pid)
-    binding = minus(binding_buckets(dev), binding0)
+    api1 = api_metrics(dev)
+    binding = minus(binding_buckets(api1), binding_buckets(api0))
     if window_closed is not None:
         window_closed()
     got_profile = cap.finish() if cap is not None else None
@@ -300,6 +272,10 @@ def run_once(dev: DevCluster, pods: int, fractional: bool, timeout_s: float,
         # the Binding write as kube-apiserver timed it (its part of a bind's latency)
         "api_bind_p50_ms": quantile(binding, 0.5) * 1e3,
         "api_bind_p99_ms": quantile(binding, 0.99) * 1e3,
+        # what the API server served meanwhile: requests by kind, pod watch events
+        "api_requests": per_pod(api_requests(api1), api_requests(api0), pods),
+        "pod_events": [(b - a) / pods for a, b in zip(pod_watch_events(api0),
+                                                       pod_watch_events(api1), strict=True)],
         "ext_threads": by_thread(threads0, threads1, thread_names(extender_pid), pods),
         "go_profile": breakdown(got_profile) if got_profile is not None else None,
         "go_profile_off": cap is None, "go_profile_error": cap.error if cap else "",
@@ -392,6 +368,14 @@ def main() -> int:
     ap.add_argument("--nodes-to-score", type=int, default=None, metavar="PERCENT",
                     help="the gpuslice profile's percentageOfNodesToScore (default: "
                     "deploy/'s, 100; 0: kube-scheduler's adaptive share)")
+    ap.add_argument("--node-lease-s", type=int, default=None, metavar="S",
+                    help="kwok's node Lease duration (default: 40 s per 1000 nodes, at "
+                    "least 40: the nodes' heartbeats as 1000 nodes write them, 100 a second)")
+    ap.add_argument("--pod-lifecycle", action="store_true",
+                    help="kwok also plays the bound pods' lifecycle (marks them Running: a "
+                    "status write each, as the figures before 2026-11-28's eighth session); "
+                    "by default a bound pod stays as bound, as in kube-scheduler's "
+                    "scheduler_perf")
     ap.add_argument("--binds-in-flight", type=int, default=None, metavar="N",
                     help="the extender's --binds-in-flight (default: its own)")
     ap.add_argument("--write", type=Path, help="write the figures (markdown) to this file")
@@ -403,6 +387,8 @@ def main() -> int:
     signal.signal(signal.SIGTERM, interrupted)
     if args.quick:
         args.nodes, args.pods = 100, 500
+    if args.node_lease_s is None:
+        args.node_lease_s = max(LEASE_S, LEASE_S * args.nodes // 1000)
     if args.go_seconds is None:
         args.go_seconds = 3 if args.quick else 10
     if args.go_delay is None:
@@ -412,7 +398,9 @@ def main() -> int:
     t_all = time.monotonic()
     with DevCluster(bin_dir, REPO / "deploy", scheduler="none",
                     scheduler_qps=args.scheduler_qps,
-                    nodes_to_score=args.nodes_to_score) as dev:
+                    nodes_to_score=args.nodes_to_score,
+                    node_lease_s=args.node_lease_s,
+                    pod_lifecycle=args.pod_lifecycle) as dev:
         console.print(f"control plane up in {dev.dir}")
         for f in ("namespace.yaml", "rbac.yaml"):
             dev.kubectl("apply", "--server-side", "-n", "gpuslice-system", "-f",
@@ -478,8 +466,9 @@ def main() -> int:
     total = time.monotonic() - t_all
     ratio = ours["pods_per_s"] / base["pods_per_s"]
     table = Table(title=f"{args.nodes} kwok nodes x {args.gpus} GPUs, {args.pods} pods per run "
-                  f"({os.cpu_count()} CPUs, kube-scheduler qps {args.scheduler_qps}, whole "
-                  f"benchmark {total / 60:.1f} min)")
+                  f"({os.cpu_count()} CPUs, kube-scheduler qps {args.scheduler_qps}, node Leases "
+                  f"{args.node_lease_s} s, pod lifecycle "
+                  f"{'on' if args.pod_lifecycle else 'off'}, whole benchmark {total / 60:.1f} min)")
     for col in ("run", "pods/s", "bound", "failed attempts", "sched. algorithm p50 / p99 ms",
                 "attempt p50 / p99 ms", "extender filter p50 / p99 ms",
                 "prioritize p50 / p99 ms", "bind p50 / p99 ms", "over-allocated"):
@@ -509,8 +498,8 @@ def main() -> int:
     console.print(f"the scheduler's calls reached the extender on {ours['ext_connections']} "
                   f"connections ({ours['pods']} pods)")
     # the lines below the tables, printed and (as sentences) written
-    notes = [api_bind_line(ours, base), idle_line(idle, ours, base), window_line(ours, base),
-             timeline_line(ours, base), packing_line(ours)]
+    notes = [api_bind_line(ours, base), requests_line(ours, base), idle_line(idle, ours, base),
+             window_line(ours, base), timeline_line(ours, base), packing_line(ours)]
     console.print(sys_line(ours))
     console.print(threads_line(ours))
     for line in notes:
@@ -558,6 +547,10 @@ def main() -> int:
             flags += f", --baseline {args.baseline}"
         if args.nodes_to_score is not None:
             flags += f", --nodes-to-score {args.nodes_to_score}"
+        if args.node_lease_s != max(LEASE_S, LEASE_S * args.nodes // 1000):
+            flags += f", --node-lease-s {args.node_lease_s}"
+        if args.pod_lifecycle:
+            flags += ", --pod-lifecycle"
         if args.scheduler_qps != SCHEDULER_QPS:
             flags += f", --scheduler-qps {args.scheduler_qps}"
         block = (f"<!-- cluster_scale: {args.nodes} nodes x {args.gpus} GPUs, {args.pods} pods"

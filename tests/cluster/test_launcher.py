@@ -89,3 +89,29 @@ def test_missing_binaries_are_named(tmp_path: Path) -> None:
     (tmp_path / "etcd").write_text("")
     with pytest.raises(GpusliceError, match=r"kube-apiserver.*tools/cluster/build.sh"):
         DevCluster(tmp_path, DEPLOY)
+
+
+def test_a_node_lease_under_a_second_is_refused_naming_the_field(tmp_path: Path) -> None:
+    with pytest.raises(GpusliceError, match=r"node_lease_s: expected a Lease duration"):
+        DevCluster(tmp_path, DEPLOY, node_lease_s=0)
+
+
+def test_without_the_pod_lifecycle_kwok_runs_only_the_node_stages(tmp_path: Path) -> None:
+    bins = tmp_path / "bin"
+    bins.mkdir()
+    for b in ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler",
+              "kubectl", "kwok"):
+        (bins / b).write_text("#!/bin/sh\n")
+        (bins / b).chmod(0o755)
+    stages = [{"apiVersion": "kwok.x-k8s.io/v1alpha1", "kind": "Stage",
+               "metadata": {"name": name},
+               "spec": {"resourceRef": {"apiGroup": "v1", "kind": kind}}}
+              for name, kind in (("node-initialize", "Node"), ("pod-ready", "Pod"),
+                                 ("node-heartbeat-with-lease", "Node"), ("pod-delete", "Pod"))]
+    (bins / "kwok-stages.yaml").write_text(yaml.safe_dump_all(stages))
+    full = DevCluster(bins, DEPLOY, folder=tmp_path / "a")
+    assert full._kwok_stages() == bins / "kwok-stages.yaml"  # as build.sh wrote it
+    bare = DevCluster(bins, DEPLOY, folder=tmp_path / "b", pod_lifecycle=False)
+    kept = list(yaml.safe_load_all(bare._kwok_stages().read_text()))
+    assert [d["metadata"]["name"] for d in kept] == ["node-initialize",
+                                                     "node-heartbeat-with-lease"]

@@ -149,9 +149,21 @@ class DevCluster:
     scheduler_qps: int = 200
     # the gpuslice profile's percentageOfNodesToScore, when not the deployed one
     nodes_to_score: int | None = None
+    # kwok's node Lease duration (it renews a quarter of it apart): 40 s, so 1000 nodes write
+    # 100 Leases a second; the throughput benchmark lengthens it with the node count so that
+    # 5000 nodes' heartbeats do not take the two cores it measures the scheduler on
+    node_lease_s: int = 40
+    # kwok plays the pods' lifecycle (Running on their node, Succeeded, deleted) with the
+    # kwok module's Pod stages; off: only the node stages, so a bound pod stays as it was
+    # bound (the throughput benchmark's choice, as kube-scheduler's own scheduler_perf runs
+    # no kubelet: the status writes a kubelet makes are not the scheduler's work)
+    pod_lifecycle: bool = True
     procs: dict[str, Proc] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if self.node_lease_s < 1:
+            raise ValidationError("node_lease_s", "a Lease duration of 1 s or more",
+                                  self.node_lease_s)
         if self.scheduler not in ("extender", "plain", "default", "none"):
             raise ValidationError("scheduler", "extender, plain, default or none",
                                   self.scheduler)
@@ -372,16 +384,27 @@ class DevCluster:
     def _start_kwok(self) -> None:
         p = self._add("kwok", [
             self.bin("kwok"), f"--kubeconfig={self.kubeconfig}",
-            f"--config={self.bin_dir / KWOK_STAGES}",
+            f"--config={self._kwok_stages()}",
             "--manage-all-nodes=false",
             f"--manage-nodes-with-annotation-selector={KWOK_NODE_ANNOTATION}=fake",
             "--cidr=10.128.0.1/12", "--node-ip=10.0.0.1",
             f"--server-address=127.0.0.1:{self.ports['kwok']}",
-            "--node-lease-duration-seconds=40",
+            f"--node-lease-duration-seconds={self.node_lease_s}",
         ])
         wait_until("kwok /healthz", lambda: http_get(
             f"http://127.0.0.1:{self.ports['kwok']}/healthz") == b"ok",
             self.ready_timeout_s, p.popen, p.log)
+
+    def _kwok_stages(self) -> Path:
+        """The stage file kwok runs: build.sh's, or without its Pod stages."""
+        stages = self.bin_dir / KWOK_STAGES
+        if self.pod_lifecycle:
+            return stages
+        docs = [d for d in yaml.safe_load_all(stages.read_text()) if d is not None and
+                ((d.get("spec") or {}).get("resourceRef") or {}).get("kind") != "Pod"]
+        out = self.dir / "kwok-node-stages.yaml"
+        out.write_text(yaml.safe_dump_all(docs, sort_keys=False))
+        return out
 
     def scheduler_config_path(self, with_extender: bool, default_only: bool = False) -> Path:
         cfg = scheduler_config(self.deploy_dir / "base" / "scheduler-config.yaml",
