@@ -14,7 +14,10 @@ nvidia.com/gpu capacity). Two runs on the same nodes:
   profile without the extender (kube-scheduler counts the three extended resources against the
   node totals and chooses no GPU): what the extender's path adds to the same pods.
 
-The pods are created while no scheduler runs; pods/s is the burst's rate from the first pod
+kwok runs only its Node stages (``--pod-lifecycle``: its Pod stages too), so a bound pod
+stays as bound, as kube-scheduler's scheduler_perf runs no kubelet; its node Leases last 40 s
+per 1000 nodes, so heartbeats load the API server alike at every size. The pods are created
+while no scheduler runs; pods/s is the burst's rate from the first pod
 bound to the last (a watch of the pods: each pod's first event with a node), and CPU is counted
 from the scheduler's start until a poll finds every pod bound. Latency
 as the scheduler sees it: ``scheduler_scheduling_algorithm_duration_seconds`` (filter and score,
