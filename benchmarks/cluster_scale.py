@@ -122,9 +122,16 @@ def unbound(dev: DevCluster, ns: str = NS) -> int:
 # of 400: 217 pods/s for 5000 pods, as it measured at 1000 nodes; the extender's Binding
 # writer has no such limit)
 SCHEDULER_QPS = 5000
-# kwok's node Lease duration per 1000 nodes (the dev cluster's, renewed every 10 s): scaled
-# with the node count, 5000 nodes' heartbeats load the API server and etcd as 1000 nodes' do
-LEASE_S = 40
+
+
+def lease_s(nodes: int) -> int:
+    """kwok's node Lease duration for ``nodes``: the dev cluster's (renewed a quarter of it
+    apart) per 1000 nodes, at least that, so 5000 nodes' heartbeats load the API server and
+    etcd as 1000 nodes' do."""
+    base = DevCluster.node_lease_s
+    return max(base, base * nodes // 1000)
+
+
 BASELINES = {"whole": "whole GPUs", "fractional": "fractional, no extender"}
 
 
@@ -391,7 +398,7 @@ def main() -> int:
     if args.quick:
         args.nodes, args.pods = 100, 500
     if args.node_lease_s is None:
-        args.node_lease_s = max(LEASE_S, LEASE_S * args.nodes // 1000)
+        args.node_lease_s = lease_s(args.nodes)
     if args.go_seconds is None:
         args.go_seconds = 3 if args.quick else 10
     if args.go_delay is None:
@@ -550,7 +557,7 @@ def main() -> int:
             flags += f", --baseline {args.baseline}"
         if args.nodes_to_score is not None:
             flags += f", --nodes-to-score {args.nodes_to_score}"
-        if args.node_lease_s != max(LEASE_S, LEASE_S * args.nodes // 1000):
+        if args.node_lease_s != lease_s(args.nodes):
             flags += f", --node-lease-s {args.node_lease_s}"
         if args.pod_lifecycle:
             flags += ", --pod-lifecycle"
