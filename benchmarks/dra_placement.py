@@ -95,25 +95,53 @@ class Target(Protocol):
 
 
 SIM_POLICY = {"default": "dra-default", "ours": "dra-ours", "device-plugin": DEVICE_PLUGIN,
-              "device-plugin-model": "deployed"}
-PATHS = ("default", "ours", "device-plugin", "device-plugin-sim", "device-plugin-model")
+              "device-plugin-model": "deployed", "device-plugin-model-every": "deployed:100"}
+PATHS = ("default", "ours", "device-plugin", "device-plugin-sim", "device-plugin-model",
+         "device-plugin-model-every")
 
 
 class SimTarget:
-    modes = ("default", "ours", "device-plugin", "device-plugin-model")
+    """The simulator. ``nodes_to_score``: the ``device-plugin-model`` row's
+    ``percentageOfNodesToScore`` (default deploy/'s, kube-scheduler's adaptive share);
+    ``device-plugin-model-every`` is that model scoring every node (100)."""
+
+    modes = ("default", "ours", "device-plugin", "device-plugin-model",
+             "device-plugin-model-every")
     labels: ClassVar[dict[str, str]] = {
         "device-plugin": "device-plugin path, simulator's frag-strand (every pod)"}
 
-    def __init__(self, scenario: Scenario, tune: float = 1.3) -> None:
+    def __init__(self, scenario: Scenario, tune: float = 1.3,
+                 nodes_to_score: int | None = None) -> None:
         self.scenario, self.tune = scenario, tune
         self.name = f"simulator, {scenario.name} ({scenario.total_gpus} GPUs)"
+        self.policy = dict(SIM_POLICY)
+        if nodes_to_score is not None:
+            self.policy["device-plugin-model"] = f"deployed:{nodes_to_score}"
 
     def replay(self, mode: str, seed: int) -> Outcome:
         start = time.perf_counter()
-        res = run_job(self.scenario, Job(SIM_POLICY[mode], seed, self.tune))
+        res = run_job(self.scenario, Job(self.policy[mode], seed, self.tune))
         seconds = time.perf_counter() - start
         return Outcome(100.0 - float(res.binned.alloc[100]), res.tasks - res.binned.failed,
                        seconds)
+
+
+def kwok_scenario(nodes: int, gpus: int,
+                  variant: str | None) -> tuple[list[Any], Scenario, str]:
+    """The cluster target's nodes (``nodes`` x ``gpus`` A100s, named as its kwok nodes, so the
+    extender's fixed node order is the same), their scenario with the embedded task mix or
+    ``variant``'s, and the mix's name."""
+    from gpuslice.core.catalog import resolve
+    from gpuslice.core.model import Gpu, Node
+    from gpuslice.sim.default import default_tasks
+
+    mib = resolve(CLUSTER_MODEL).memory_mib
+    made = [Node(f"dra-bench-{i:02d}", CLUSTER_CPU * 1000, CLUSTER_MEM_GIB * 1024,
+                 tuple(Gpu(j, CLUSTER_MODEL, mib) for j in range(gpus))) for i in range(nodes)]
+    tasks, mix = default_tasks(), "embedded task mix"
+    if variant:
+        tasks, mix = variant_tasks(variant), f"task mix of trace variant {variant}"
+    return made, scenario_of(f"{nodes} x {gpus} {CLUSTER_MODEL}", made, tasks), mix
 
 
 class ClusterTarget:
@@ -144,26 +172,17 @@ class ClusterTarget:
     the GPU pods bound once the cluster is quiet, as the simulator does. Throughput: GPU pods
     bound per second, from the first create to the last bind."""
 
-    modes = ("default", "ours", "device-plugin", "device-plugin-sim", "device-plugin-model")
+    modes = ("default", "ours", "device-plugin", "device-plugin-sim", "device-plugin-model",
+             "device-plugin-model-every")
 
     def __init__(self, bin_dir: Path, nodes: int, gpus: int, tune_ratio: float,
                  console: Console, burst: bool = False, variant: str | None = None,
                  nodes_to_score: int | None = None) -> None:
-        from gpuslice.core.catalog import resolve
-        from gpuslice.core.model import Gpu, Node
-        from gpuslice.sim.default import default_tasks
-
         self.console, self.tune_ratio = console, tune_ratio
         self.nodes_to_score = nodes_to_score  # the gpuslice profile's, when not deploy/'s
-        mib = resolve(CLUSTER_MODEL).memory_mib
-        self.nodes = [Node(f"dra-bench-{i:02d}", CLUSTER_CPU * 1000, CLUSTER_MEM_GIB * 1024,
-                           tuple(Gpu(j, CLUSTER_MODEL, mib) for j in range(gpus)))
-                      for i in range(nodes)]
-        tasks, mix = default_tasks(), "embedded task mix"
-        if variant:
-            tasks, mix = variant_tasks(variant), f"task mix of trace variant {variant}"
-        self.scenario = scenario_of(f"{nodes} x {gpus} {CLUSTER_MODEL}", self.nodes, tasks)
-        self.sim = SimTarget(self.scenario, tune_ratio)
+        self.nodes, self.scenario, mix = kwok_scenario(nodes, gpus, variant)
+        # the model of the device-plugin path scores the share of nodes the profile does
+        self.sim = SimTarget(self.scenario, tune_ratio, nodes_to_score)
         self.name = (f"real control plane (kube-scheduler v1.36, kwok), {nodes} nodes x "
                      f"{gpus} {CLUSTER_MODEL}, {mix}")
         self.bin_dir = bin_dir
@@ -265,7 +284,7 @@ class ClusterTarget:
     def replay(self, mode: str, seed: int) -> Outcome:
         if mode == "device-plugin-sim":
             return self.sim.replay("device-plugin", seed)
-        if mode == "device-plugin-model":
+        if mode.startswith("device-plugin-model"):
             return self.sim.replay(mode, seed)
         self.runs += 1
         ns = f"dra-bench-{mode}-{seed}-{self.runs}"
@@ -513,6 +532,7 @@ def run(target: Target, seeds: list[int], console: Console,
     pairs = [(a, b) for a, b in (("device-plugin", ref), ("ours", ref),
                                  ("device-plugin-model", ref), ("device-plugin",
                                                                 "device-plugin-model"),
+                                 ("device-plugin-model", "device-plugin-model-every"),
                                  ("default", "device-plugin"), ("default", "ours"))
              if a in unalloc and b in unalloc and a != b]
     ptable = Table(title=f"paired per-seed differences (points of unallocated GPU, "
@@ -551,7 +571,8 @@ def run(target: Target, seeds: list[int], console: Console,
 LABELS = {"default": "DRA first fit (kube-scheduler)", "ours": "DRA, our claim allocator",
           "device-plugin": "device-plugin path as deployed",
           "device-plugin-sim": "simulator, frag-strand (every pod)",
-          "device-plugin-model": "simulator, deployed model"}
+          "device-plugin-model": "simulator, deployed model",
+          "device-plugin-model-every": "simulator, deployed model, every node scored"}
 def doc_markers(key: str) -> tuple[str, str]:
     """The comments around a generated section (``--doc-key`` names one of several)."""
     tag = "--doc" if key == "main" else f"--doc {key}"
@@ -578,7 +599,8 @@ def write_doc(doc: Path, name: str, seeds: list[int], unalloc: dict[str, list[fl
               "| difference | mean ± standard error |", "|---|---|"]
     for (a, b), (m, se) in diffs.items():
         lines.append(f"| {labels.get(a, a)} - {labels.get(b, b)} | {pm(m, se)} |")
-    lines += ["", "| goal | result | measured |", "|---|---|---|"]
+    if gates:
+        lines += ["", "| goal | result | measured |", "|---|---|---|"]
     for label, ok, value in gates:
         lines.append(f"| {label} | {'met' if ok else 'missed'} | {value} |")
     lines += ["", end]
@@ -612,8 +634,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--binaries", type=Path, default=None,
                     help="cluster binaries (default $GPUSLICE_CLUSTER_BIN, else "
                     "tools/cluster/build.sh --bin-dir)")
-    ap.add_argument("--nodes", type=int, default=6, help="--cluster: kwok nodes (default 6)")
-    ap.add_argument("--gpus", type=int, default=8, help="--cluster: GPUs per node (default 8)")
+    ap.add_argument("--nodes", type=int, default=None,
+                    help="--cluster: kwok nodes (default 6); --sim: replay on that many nodes "
+                    "of the cluster target's shape instead of the scenario's")
+    ap.add_argument("--gpus", type=int, default=8, help="GPUs per node of --nodes (default 8)")
     ap.add_argument("--variant", default=None, help="trace variant from the shared data "
                     "folder (default: the embedded scenario); with --cluster its task mix on "
                     "the kwok nodes, GPU-model constraints dropped")
@@ -621,8 +645,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="--cluster: create every task at once and measure throughput (tasks "
                     "bound per second) instead of the FGD protocol's one-by-one replay")
     ap.add_argument("--nodes-to-score", type=int, default=None, metavar="PERCENT",
-                    help="--cluster: the gpuslice-scheduler profile's percentageOfNodesToScore "
-                    "(default: deploy/'s, 100; 0: kube-scheduler's adaptive share)")
+                    help="the gpuslice-scheduler profile's percentageOfNodesToScore, on the "
+                    "cluster and in the device-plugin-model path (default: deploy/'s, 0: "
+                    "kube-scheduler's adaptive share; 100: every node)")
     ap.add_argument("--seeds", default="42-44")
     ap.add_argument("--only", default=None, metavar="PATH[,PATH]",
                     help=f"replay only these paths ({', '.join(PATHS)}; device-plugin-sim "
@@ -643,6 +668,9 @@ def main(argv: list[str] | None = None) -> int:
     if only and not set(only) <= known:
         raise SystemExit(f"dra_placement: --only takes {', '.join(sorted(known))}; got "
                          f"{args.only!r}")
+    if args.nodes_to_score is not None and not 0 <= args.nodes_to_score <= 100:
+        raise SystemExit("dra_placement: --nodes-to-score takes a percentage, 0..100 (0: "
+                         f"kube-scheduler's adaptive share); got {args.nodes_to_score}")
     if args.burst and not args.cluster:
         raise SystemExit("dra_placement: --burst needs --cluster")
     if args.cluster and args.variant:
@@ -655,6 +683,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cluster:
         from gpuslice.devcluster import find_bin_dir, missing_binaries
 
+        args.nodes = 6 if args.nodes is None else args.nodes
         if args.nodes < 1 or args.gpus < 1:
             raise SystemExit("dra_placement: --nodes and --gpus must be at least 1")
         bin_dir = args.binaries or find_bin_dir(Path(__file__).resolve().parents[1])
@@ -667,16 +696,22 @@ def main(argv: list[str] | None = None) -> int:
                            nodes_to_score=args.nodes_to_score) as ct:
             return run(ct, seeds, console, only, args.json, args.doc, args.doc_key)
     target: Target
-    if args.variant:
+    if args.nodes is not None:
+        if args.nodes < 1 or args.gpus < 1:
+            raise SystemExit("dra_placement: --nodes and --gpus must be at least 1")
+        _, scenario, mix = kwok_scenario(args.nodes, args.gpus, args.variant)
+        target = SimTarget(scenario, args.tune, args.nodes_to_score)
+        target.name += f", {mix}"
+    elif args.variant:
         from gpuslice.adapters.traces.data import variant_paths
 
         pods, nodes = variant_paths(args.variant)
-        target = SimTarget(load_scenario(pods, nodes), args.tune)
+        target = SimTarget(load_scenario(pods, nodes), args.tune, args.nodes_to_score)
     else:
         from gpuslice.sim.default import default_nodes, default_tasks
 
         target = SimTarget(scenario_of("embedded-default", default_nodes(), default_tasks()),
-                           args.tune)
+                           args.tune, args.nodes_to_score)
     return run(target, seeds, console, only, args.json, args.doc, args.doc_key)
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gpuslice.core.dra_default import nodes_to_find
+from gpuslice.core.dra_default import nodes_to_find, window
 from gpuslice.core.dra_placement import (
     COMPUTE,
     MEMORY,
@@ -117,6 +117,27 @@ def test_nodes_to_find_is_kube_schedulers() -> None:
     assert nodes_to_find(10_000) == 500  # the 5% floor
     assert nodes_to_find(150, percentage=10) == 100  # at least 100
     assert nodes_to_find(1213, percentage=100) == 1213
+
+
+def test_the_window_is_kube_schedulers_search_from_its_rotating_start() -> None:
+    """pkg/scheduler/schedule_one.go, findNodesThatPassFilters and schedulePod: the nodes are
+    judged from nextStartNodeIndex on, wrapping, until numFeasibleNodesToFind pass; the next
+    search starts after the nodes judged (passed or not). Fewer feasible than wanted: every
+    node is judged, so the start comes back where it was."""
+    every = np.ones(300, dtype=np.bool_)  # 300 nodes: 48% of them, 144
+    nodes, nxt = window(every, 250)
+    assert nodes.tolist() == list(range(250, 300)) + list(range(94)) and nxt == 94
+    even = np.arange(300) % 2 == 0
+    nodes, nxt = window(even, 0)
+    assert nodes.tolist() == list(range(0, 288, 2)) and nxt == 287  # judged 0..286
+    few = np.zeros(300, dtype=np.bool_)
+    few[[5, 7, 290]] = True
+    nodes, nxt = window(few, 100)
+    assert nodes.tolist() == [290, 5, 7] and nxt == 100
+    nodes, nxt = window(np.zeros(300, dtype=np.bool_), 17)
+    assert nodes.size == 0 and nxt == 17
+    assert window(every, 3, percentage=100)[0].size == 300
+    assert window(np.ones(60, dtype=np.bool_), 3)[0].size == 60  # below 100 nodes: all
 
 
 # ---- the default allocator: first fit in slice order ------------------------------------------

@@ -45,18 +45,30 @@ def default_pick(arrays: ClusterArrays, req: SliceRequest, ok: BoolArray, start:
     scored by :func:`default_scores`, the best taken with ties at random (``selectHost``).
     None when no node is feasible (the start does not move then)."""
     n = arrays.n_nodes
+    nodes, next_start = window(ok, start, percentage)
+    if len(nodes) == 0:
+        return None
+    scores = default_scores(arrays, req, nodes)
+    top = np.flatnonzero(scores == scores.max())
+    return DefaultPick(int(nodes[top[int(rng.integers(len(top)))]]), next_start % n,
+                       len(nodes), float(scores.max()))
+
+
+def window(ok: BoolArray, start: int, percentage: int = 0) -> tuple[IntArray, int]:
+    """The feasible nodes (``ok``) kube-scheduler's filters find for one pod, in the order
+    it finds them, and where the next pod's search starts: from the rotating ``start``
+    (``nextStartNodeIndex``) until :func:`nodes_to_find` feasible ones are found, every node
+    when fewer are (``findNodesThatPassFilters``; the start then moves by the nodes it
+    judged). No node found: an empty window, the start unmoved."""
+    n = len(ok)
     want = nodes_to_find(n, percentage)
     order = (np.arange(n) + start) % n
     hits = np.flatnonzero(ok[order])
     if len(hits) == 0:
-        return None
+        return hits, start
     taken = hits[:want]
     processed = int(taken[-1]) + 1 if len(hits) >= want else n
-    nodes = order[taken]
-    scores = default_scores(arrays, req, nodes)
-    top = np.flatnonzero(scores == scores.max())
-    return DefaultPick(int(nodes[top[int(rng.integers(len(top)))]]), (start + processed) % n,
-                       len(nodes), float(scores.max()))
+    return order[taken], (start + processed) % n
 
 
 def default_scores(arrays: ClusterArrays, req: SliceRequest, nodes: IntArray) -> FloatArray:

@@ -80,8 +80,8 @@ def scheduler_config(deploy_config: Path, kubeconfig: Path, extender_url: str | 
     that ask for no GPU. ``extender_url=None``: the same profiles without the extender (the
     benchmark's baseline). ``qps``: the scheduler's client rate limit (burst twice that), which
     its own Binding writes are held to (the extender's are not). ``nodes_to_score``: the
-    ``gpuslice-scheduler`` profile's percentageOfNodesToScore instead of the deployed one (0:
-    kube-scheduler's adaptive default)."""
+    ``gpuslice-scheduler`` profile's percentageOfNodesToScore instead of the deployed one (0,
+    kube-scheduler's adaptive share; 100: every node)."""
     doc = yaml.safe_load(deploy_config.read_text())
     try:
         cfg = yaml.safe_load(doc["data"]["config.yaml"])

@@ -84,8 +84,9 @@ def run_job(scenario: Scenario, job: Job,
             progress: Callable[[int], None] | None = None) -> JobResult:
     """One replay: tune the task list with the seed, submit it under the policy, bin it.
     A DRA mode (``dra-default``, ``dra-ours``, ``dra-ours-all``) replays the DRA path,
-    ``deployed`` the device-plugin path as a cluster runs it (:mod:`gpuslice.sim.deployed`)."""
-    from gpuslice.sim.deployed import is_deployed, replay_deployed
+    ``deployed`` the device-plugin path as a cluster runs it (:mod:`gpuslice.sim.deployed`;
+    ``deployed:P`` with the profile's percentageOfNodesToScore P)."""
+    from gpuslice.sim.deployed import is_deployed, nodes_to_score, replay_deployed
     from gpuslice.sim.dra import is_dra, replay_dra
 
     rng = np.random.default_rng(job.seed)
@@ -96,7 +97,8 @@ def run_job(scenario: Scenario, job: Job,
                            seed=job.seed, progress=progress)
     elif is_deployed(job.policy):
         trace = replay_deployed(scenario.arrays, tasks, scenario.workload, rng,
-                                seed=job.seed, progress=progress)
+                                seed=job.seed, progress=progress,
+                                percentage=nodes_to_score(job.policy))
     else:
         trace = replay(scenario.arrays, tasks, make_policy(job.policy), scenario.workload,
                        rng, seed=job.seed, progress=progress, tie_order=job.tie_order)
@@ -127,12 +129,14 @@ class Experiment:
     workers: int = field(default_factory=lambda: max(1, os.cpu_count() or 1))
 
     def jobs(self) -> list[Job]:
-        from gpuslice.sim.deployed import is_deployed
+        from gpuslice.sim.deployed import is_deployed, nodes_to_score
         from gpuslice.sim.dra import is_dra
 
-        for p in self.policies:
-            if not is_dra(p) and not is_deployed(p):
-                make_policy(p)  # validate every name before any work starts
+        for p in self.policies:  # validate every name before any work starts
+            if is_deployed(p):
+                nodes_to_score(p)
+            elif not is_dra(p):
+                make_policy(p)
         return [Job(p, s, self.tune, self.tie_order) for p in self.policies for s in self.seeds]
 
 
