@@ -37,6 +37,7 @@ from gpuslice.adapters.kubelet import pluginregistration_v1_pb2_grpc as rpbg
 from gpuslice.adapters.nvml.caps import cap_minor, mig_cap_minors
 from gpuslice.adapters.nvml.port import NvmlError
 from gpuslice.core import dra
+from gpuslice.core.dra import slices as dra_slices
 from gpuslice.services.dra_driver import DraServer
 from tests.dra.conftest import NODE, Node, claim, make_node, opaque
 
@@ -412,7 +413,7 @@ def test_every_slice_of_every_model_passes_the_api_servers_validation(node: Node
     _check_pool(pool)
     versions = [a["version"] for d in devices(node).values()
                 for a in d["attributes"].values() if "version" in a]
-    assert versions and all(dra._SEMVER.match(v) for v in versions)
+    assert versions and all(dra_slices._SEMVER.match(v) for v in versions)
 
 
 def test_a_republish_of_the_same_devices_writes_nothing_against_a_canonicalizing_server(
