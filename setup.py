@@ -9,6 +9,10 @@
   checkout, which ``gpuslice --version`` prints (an editable install asks git at run time
   instead). A source that carries its own ``_build_info.py`` (scripts/build-image.sh, the
   Containerfile, an sdist) keeps it.
+- deploy/dra's DeviceClasses and example claims, which ``gpuslice demo --dra`` reads, go into
+  a wheel as ``gpuslice/demo/deploy/dra/...`` (deploy/ is not a package; an editable install
+  reads the checkout's own) and into an sdist as they are. A source without them (the image
+  build copies only what the image runs) builds without them.
 
 Everything else is in pyproject.toml."""
 
@@ -26,14 +30,16 @@ ROOT = Path(__file__).resolve().parent
 SRC = ROOT / "src"
 PROTO_PACKAGE = Path("gpuslice") / "adapters" / "kubelet"
 BUILD_INFO = Path("gpuslice") / "_build_info.py"
+# deploy/dra's files the DRA demo reads (gpuslice.demo.dra.DEPLOY_FILES), and where a wheel has them
+DEMO_DEPLOY_FILES = ("dra/deviceclasses.yaml", "dra/examples/claims.yaml")
+DEMO_DEPLOY = Path("gpuslice") / "demo" / "deploy"
 
 
 def compile_protos(out_root: Path) -> list[Path]:
     """Compile every .proto of the kubelet adapter into ``out_root``/gpuslice/...; the
     generated modules import each other by their absolute package path."""
-    from grpc_tools import protoc
-
     import grpc_tools
+    from grpc_tools import protoc
 
     well_known = Path(grpc_tools.__file__).resolve().parent / "_proto"
     protos = sorted((SRC / PROTO_PACKAGE).glob("*.proto"))
@@ -85,6 +91,23 @@ def write_build_info(out_root: Path) -> Path | None:
     return target
 
 
+def demo_deploy_files() -> list[Path]:
+    """The deploy/ files the DRA demo reads that this source has (relative to deploy/)."""
+    return [Path(f) for f in DEMO_DEPLOY_FILES if (ROOT / "deploy" / f).is_file()]
+
+
+def copy_demo_deploy(out_root: Path) -> list[Path]:
+    """deploy/dra's files the DRA demo reads, into ``out_root``/gpuslice/demo/deploy/; the
+    paths written."""
+    written = []
+    for rel in demo_deploy_files():
+        target = out_root / DEMO_DEPLOY / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes((ROOT / "deploy" / rel).read_bytes())
+        written.append(target)
+    return written
+
+
 class BuildPyWithProtos(build_py):
     def run(self) -> None:
         super().run()
@@ -93,6 +116,7 @@ class BuildPyWithProtos(build_py):
         compile_protos(target)
         if not self.editable_mode:  # an editable install asks git when asked its revision
             write_build_info(target)
+            copy_demo_deploy(target)  # an editable install reads the checkout's deploy/
 
     def get_outputs(self, include_bytecode: bool = True) -> list[str]:
         outs = list(super().get_outputs(include_bytecode))
@@ -103,6 +127,7 @@ class BuildPyWithProtos(build_py):
                     outs.append(str(base / f"{proto.stem}{suffix}"))
             if not (SRC / BUILD_INFO).exists() and git_revision() is not None:
                 outs.append(str(Path(self.build_lib) / BUILD_INFO))
+            outs += [str(Path(self.build_lib) / DEMO_DEPLOY / f) for f in demo_deploy_files()]
         return outs
 
 
@@ -112,6 +137,10 @@ class SdistWithRevision(sdist):
     def make_release_tree(self, base_dir: str, files: list[str]) -> None:
         super().make_release_tree(base_dir, files)
         write_build_info(Path(base_dir) / "src")
+        for rel in demo_deploy_files():  # the wheel built from the sdist takes them
+            target = Path(base_dir) / "deploy" / rel
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes((ROOT / "deploy" / rel).read_bytes())
 
 
 setup(cmdclass={"build_py": BuildPyWithProtos, "sdist": SdistWithRevision})

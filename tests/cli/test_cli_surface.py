@@ -326,7 +326,8 @@ def test_demo_bind_line_counts_what_it_says(fits: list[str], line: str,
                                             score: int | None) -> None:
     """It said "score 3 of 1 feasible node(s)": a score of a lone node kube-scheduler never
     scores, read as "3 of 1"."""
-    from gpuslice.demo.cluster import EventLog, SchedulerSim
+    from gpuslice.demo.cluster import SchedulerSim
+    from gpuslice.demo.runtime import EventLog
 
     log = EventLog()
     sim = SchedulerSim(_Api(), "http://unused", log)  # type: ignore[arg-type]

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from gpuslice.demo.cluster import EventLog
+from gpuslice.demo.runtime import EventLog
 from gpuslice.demo.scenario import Display
 
 

@@ -117,18 +117,28 @@ def test_a_failing_step_exits_non_zero_naming_it_and_still_cleans_up(tmp_path: P
     assert not Path(workdir).exists()
 
 
-def test_the_demos_manifests_are_those_of_deploy_dra() -> None:
-    """The demo embeds the DeviceClasses and example templates (deploy/ is not installed with
-    the package): they must stay what deploy/dra says."""
+def test_the_demo_reads_the_manifests_of_deploy_dra() -> None:
+    """The demo's DeviceClasses and example templates are deploy/dra's, read from there (a
+    checkout here; a wheel's copy is tested in tests/unit/test_packaging.py), and setup.py
+    copies into a wheel the files the demo reads."""
+    import ast
+
+    from gpuslice.demo.dra import DEPLOY_FILES
+
     deploy = {f"{d['kind']}/{d['metadata']['name']}": d
               for f in ("deviceclasses.yaml", "examples/claims.yaml")
               for d in yaml.safe_load_all((ROOT / "deploy" / "dra" / f).read_text()) if d}
     mine = manifests()
+    assert set(mine) == {k for k in deploy if not k.startswith("Pod/")}
     assert {k for k in mine if k.startswith("ResourceClaimTemplate/")} == \
         {"ResourceClaimTemplate/gpu-quarter", "ResourceClaimTemplate/mig-3g",
          "ResourceClaimTemplate/whole-gpu"}
     for key, doc in mine.items():
         assert doc == deploy[key], key
+    setup = ast.parse((ROOT / "setup.py").read_text())
+    copied = next(ast.literal_eval(n.value) for n in setup.body if isinstance(n, ast.Assign)
+                  and getattr(n.targets[0], "id", "") == "DEMO_DEPLOY_FILES")
+    assert copied == DEPLOY_FILES
 
 
 def _mig_slices() -> list[dict[str, Any]]:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from gpuslice.adapters.install import checkout, pip_install
-from gpuslice.demo.cluster import EventLog
+from gpuslice.demo.runtime import EventLog
 from gpuslice.demo.scenario import local_nvml
 
 ROOT = Path(__file__).resolve().parents[2]

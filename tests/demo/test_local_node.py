@@ -10,7 +10,8 @@ from pathlib import Path
 
 from gpuslice.adapters.nvml.port import FakeNvml
 from gpuslice.core.devices import GpuDevice
-from gpuslice.demo.cluster import Cluster, EventLog, InProcessRuntime, NodeSpec, gpu_pod
+from gpuslice.demo.cluster import Cluster, NodeSpec, gpu_pod
+from gpuslice.demo.runtime import EventLog, InProcessRuntime
 from gpuslice.demo.scenario import local_nvml
 from tests.fake_mps import write_fake_mps
 

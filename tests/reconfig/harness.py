@@ -22,12 +22,11 @@ from gpuslice.adapters.kube.objects import CORDONED_ANNOTATION
 from gpuslice.core.routing_config import parse_router_config
 from gpuslice.demo.cluster import (
     Cluster,
-    EventLog,
-    InProcessRuntime,
     NodeSpec,
     gpu_pod,
     router_config_from_pods,
 )
+from gpuslice.demo.runtime import EventLog, InProcessRuntime
 from gpuslice.services.reconfig import PLURAL, ReconfigController
 from gpuslice.services.router import start_router
 

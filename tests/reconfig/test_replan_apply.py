@@ -109,7 +109,8 @@ def test_a_plan_on_gpus_in_its_mig_layouts_puts_every_slice_inside_an_instance(
 
     from gpuslice.adapters.kube.annotation import decode
     from gpuslice.core.assignment import ANNOTATION
-    from gpuslice.demo.cluster import Cluster, EventLog, InProcessRuntime, NodeSpec
+    from gpuslice.demo.cluster import Cluster, NodeSpec
+    from gpuslice.demo.runtime import EventLog, InProcessRuntime
 
     plan = plan_and_check(PROFILES, SERVICES, FLEET, PlanOptions(),
                           rng=np.random.default_rng(1)).plan

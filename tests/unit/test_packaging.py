@@ -87,6 +87,9 @@ def test_a_wheel_built_from_a_git_checkout_carries_its_revision(tmp_path: Path) 
     [wheel] = tmp_path.glob("gpuslice-*.whl")
     with zipfile.ZipFile(wheel) as z:
         info = z.read("gpuslice/_build_info.py").decode()
+        # deploy/dra's files the DRA demo reads (deploy/ is no package): copied in as they are
+        for rel in ("dra/deviceclasses.yaml", "dra/examples/claims.yaml"):
+            assert z.read(f"gpuslice/demo/deploy/{rel}") == (ROOT / "deploy" / rel).read_bytes()
         assert "gpuslice/_build_info.py" in z.read(
             next(n for n in z.namelist() if n.endswith(".dist-info/RECORD"))).decode()
     [revision_built] = re.findall(r'^REVISION = "(.*)"$', info, flags=re.M)
@@ -96,12 +99,14 @@ def test_a_wheel_built_from_a_git_checkout_carries_its_revision(tmp_path: Path) 
     assert head.stdout.strip() in revision_built
     # run from the wheel (a pure-Python wheel imports as a zip), outside the checkout
     out = subprocess.run([sys.executable, "-c", "import gpuslice._version as v; "
-                          "print(v.__file__); print(v.version_line('gpuslice'))"],
+                          "print(v.__file__); print(v.version_line('gpuslice')); "
+                          "from gpuslice.demo.dra import manifests; print(len(manifests()))"],
                          capture_output=True, text=True, timeout=60, check=False,
                          cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(wheel)})
     assert out.returncode == 0, out.stderr
-    where, line = out.stdout.splitlines()
+    where, line, found = out.stdout.splitlines()
     assert where.startswith(str(wheel)), where
+    assert found == "6"  # the DRA demo's three DeviceClasses and three templates, the wheel's
     assert line == f"gpuslice {gpuslice.__version__} (revision {revision_built})"
 
 

@@ -104,13 +104,8 @@ def register(sub: Sub) -> None:
 def _up(args: argparse.Namespace, console: Console) -> int:
     import asyncio
 
-    from gpuslice.services.local import (
-        LocalRuntime,
-        default_state_dir,
-        read_local_services,
-        read_state,
-        run_local,
-    )
+    from gpuslice.services.local import LocalRuntime, default_state_dir, read_state, run_local
+    from gpuslice.services.local_config import read_local_services
 
     state_dir = args.state_dir or default_state_dir()
     cfg = read_local_services(args.services)

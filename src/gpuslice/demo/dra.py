@@ -69,95 +69,10 @@ NAMESPACE = "default"
 GPUS = ({"model": "H100-SXM"}, {"model": "A100-80GB", "mig_enabled": True}, {"model": "L4"})
 MODES = {"0": dra.SHARE, "1": dra.MIG}  # the others: whole
 
-# The DeviceClasses of deploy/dra/deviceclasses.yaml and the ResourceClaimTemplates of
-# deploy/dra/examples/claims.yaml, as they are there (tests/demo checks they still are; the
-# deploy folder is not installed with the package).
-MANIFESTS = """
-apiVersion: resource.k8s.io/v1
-kind: DeviceClass
-metadata:
-  name: gpu.gpuslice.io
-spec:
-  selectors:
-    - cel:
-        expression: device.driver == 'gpu.gpuslice.io' &&
-          device.attributes['gpu.gpuslice.io'].type == 'gpu'
-  extendedResourceName: gpuslice.io/gpu
----
-apiVersion: resource.k8s.io/v1
-kind: DeviceClass
-metadata:
-  name: mig.gpuslice.io
-spec:
-  selectors:
-    - cel:
-        expression: device.driver == 'gpu.gpuslice.io' &&
-          device.attributes['gpu.gpuslice.io'].type == 'mig'
----
-apiVersion: resource.k8s.io/v1
-kind: DeviceClass
-metadata:
-  name: share.gpuslice.io
-spec:
-  selectors:
-    - cel:
-        expression: device.driver == 'gpu.gpuslice.io' &&
-          device.attributes['gpu.gpuslice.io'].type == 'share'
----
-apiVersion: resource.k8s.io/v1
-kind: ResourceClaimTemplate
-metadata:
-  name: gpu-quarter
-spec:
-  spec:
-    devices:
-      requests:
-        - name: gpu
-          exactly:
-            deviceClassName: share.gpuslice.io
-            capacity:
-              requests:
-                compute: "25"
-                memory: 20Gi
----
-apiVersion: resource.k8s.io/v1
-kind: ResourceClaimTemplate
-metadata:
-  name: mig-3g
-spec:
-  spec:
-    devices:
-      requests:
-        - name: mig
-          exactly:
-            deviceClassName: mig.gpuslice.io
-            selectors:
-              - cel:
-                  expression: device.attributes['gpu.gpuslice.io'].migProfile.startsWith('3g.')
----
-apiVersion: resource.k8s.io/v1
-kind: ResourceClaimTemplate
-metadata:
-  name: whole-gpu
-spec:
-  spec:
-    devices:
-      requests:
-        - name: gpu
-          exactly:
-            deviceClassName: gpu.gpuslice.io
-      config:
-        - requests: ["gpu"]
-          opaque:
-            driver: gpu.gpuslice.io
-            parameters:
-              apiVersion: gpuslice.io/v1alpha1
-              kind: GpuConfig
-              sharing:
-                strategy: TimeSlicing
-                timeSlicing:
-                  interval: Default
-"""
+# deploy/dra's DeviceClasses and example ResourceClaimTemplates, read from there: a wheel has
+# them beside this module (setup.py copies them in as gpuslice/demo/deploy/...), a checkout
+# (an editable install) has deploy/ itself
+DEPLOY_FILES = ("dra/deviceclasses.yaml", "dra/examples/claims.yaml")
 
 # a second share of the same GPU with other limits: a claim written directly (no template)
 SECOND_SHARE = {"devices": {"requests": [{"name": "gpu", "exactly": {
@@ -199,10 +114,26 @@ class DraDemoResult:
     removed: list[str] = field(default_factory=list)  # CDI specs removed on unprepare
 
 
+def deploy_file(rel: str) -> str:
+    """deploy/``rel`` (one of :data:`DEPLOY_FILES`): the wheel's copy, else the checkout's."""
+    from importlib.resources import files
+
+    packaged = files("gpuslice.demo").joinpath("deploy", *rel.split("/"))
+    if packaged.is_file():
+        return packaged.read_text()
+    checkout = Path(__file__).resolve().parents[3] / "deploy" / rel
+    if checkout.is_file():
+        return checkout.read_text()
+    raise DraDemoFailed(f"deploy/{rel}: not in this install (a wheel built from a gpuslice "
+                        "checkout or sdist has it) nor beside it in a checkout")
+
+
 def manifests() -> dict[str, dict[str, Any]]:
-    """The embedded DeviceClasses and ResourceClaimTemplates by ``<kind>/<name>``."""
+    """deploy/dra's DeviceClasses and ResourceClaimTemplates by ``<kind>/<name>`` (the
+    example pod beside the templates is the demo's own)."""
     return {f"{d['kind']}/{d['metadata']['name']}": d
-            for d in yaml.safe_load_all(MANIFESTS) if d}
+            for rel in DEPLOY_FILES for d in yaml.safe_load_all(deploy_file(rel))
+            if d and d.get("kind") in ("DeviceClass", "ResourceClaimTemplate")}
 
 
 # -- the kubelet's side of DRA -------------------------------------------------------------------

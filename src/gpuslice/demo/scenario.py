@@ -34,11 +34,11 @@ from gpuslice.core.replay import plan_and_check
 from gpuslice.core.speedmodel import MODELS, profiles
 from gpuslice.demo.cluster import (
     Cluster,
-    EventLog,
     NodeSpec,
     gpu_pod,
     router_config_from_pods,
 )
+from gpuslice.demo.runtime import EventLog
 
 SERVICES = (
     Service("resnet50", "resnet50", 200.0, 100.0),

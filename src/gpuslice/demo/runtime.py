@@ -1,0 +1,143 @@
+"""What the demo cluster's containers run on: the event log the demo shows, and the two
+runtimes of a simulated replica (a child process, or an asyncio server in this process)."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import threading
+import time
+import zlib
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from gpuslice.adapters.proc import read_ready, spawn, terminate
+
+
+@dataclass
+class Event:
+    t: float  # seconds since the demo started
+    kind: str
+    text: str
+
+
+class EventLog:
+    def __init__(self) -> None:
+        self.t0 = time.monotonic()
+        self._lock = threading.Lock()
+        self.events: list[Event] = []
+
+    def now(self) -> float:
+        return time.monotonic() - self.t0
+
+    def add(self, kind: str, text: str) -> None:
+        with self._lock:
+            self.events.append(Event(round(self.now(), 2), kind, text))
+
+    def tail(self, n: int) -> list[Event]:
+        with self._lock:
+            return self.events[-n:]
+
+    def since(self, i: int) -> list[Event]:
+        """The events from the ``i``-th on (a copy taken under the lock)."""
+        with self._lock:
+            return self.events[i:]
+
+
+@dataclass
+class Container:
+    pod: str  # namespace/name
+    service: str
+    model: str
+    gpu_model: str
+    milli: int
+    batch: int
+    service_ms: float
+    envs: dict[str, str]
+    proc: subprocess.Popen[str] | None = None  # with the process runtime
+    handle: Any = None  # with the in-process runtime
+    port: int = 0
+    restarts: int = 0
+    started_at: float = 0.0
+    gpus: tuple[str, ...] = ()
+
+
+class Runtime(Protocol):
+    """How the simulated kubelet runs a container (a simulated replica)."""
+
+    def start(self, c: Container, run_id: str) -> int: ...  # the port it serves on
+    def alive(self, c: Container) -> bool: ...
+    def stop(self, c: Container) -> None: ...
+    def kill(self, c: Container) -> int | None: ...
+
+
+class ProcessRuntime:
+    """One ``fake_replica`` process per container (dies with the demo)."""
+
+    def start(self, c: Container, run_id: str) -> int:
+        name = c.pod.split("/", 1)[1]
+        c.proc = spawn([sys.executable, "-m", "gpuslice.adapters.http.fake_replica", "--port",
+                        "0", "--name", name, "--service-ms", f"{c.service_ms:.3f}",
+                        "--dist", "det", "--concurrency", str(c.batch),
+                        "--seed", str(zlib.crc32(c.pod.encode()) % 1000 + c.restarts)],
+                       run_id, env=c.envs, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        return read_ready(c.proc)
+
+    def alive(self, c: Container) -> bool:
+        return c.proc is not None and c.proc.poll() is None
+
+    def stop(self, c: Container) -> None:
+        terminate(c.proc)
+
+    def kill(self, c: Container) -> int | None:
+        if c.proc is None:
+            return None
+        c.proc.kill()
+        return c.proc.pid
+
+
+class InProcessRuntime:
+    """Every container's replica as an HTTP server in one asyncio loop on a background thread:
+    hundreds of replicas at the cost of one process (tests of reconfiguration)."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True,
+                                        name="replicas")
+        self._thread.start()
+
+    def start(self, c: Container, run_id: str) -> int:
+        from aiohttp import web
+
+        from gpuslice.adapters.http.fake_replica import FakeReplica
+
+        replica = FakeReplica(c.pod.split("/", 1)[1], c.service_ms, "det", c.batch,
+                              zlib.crc32(c.pod.encode()) % 1000)
+
+        async def up() -> tuple[Any, int]:
+            runner = web.ServerRunner(web.Server(replica.handle, access_log=None))
+            await runner.setup()
+            site = web.TCPSite(runner, "127.0.0.1", 0)
+            await site.start()
+            return runner, int(runner.addresses[0][1])
+
+        runner, port = asyncio.run_coroutine_threadsafe(up(), self.loop).result(10)
+        c.handle = runner
+        return port
+
+    def alive(self, c: Container) -> bool:
+        return c.handle is not None
+
+    def stop(self, c: Container) -> None:
+        if c.handle is not None:
+            runner, c.handle = c.handle, None
+            asyncio.run_coroutine_threadsafe(runner.cleanup(), self.loop).result(10)
+
+    def kill(self, c: Container) -> int | None:
+        self.stop(c)
+        return None
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(5)
