@@ -74,6 +74,7 @@ def _run(args: argparse.Namespace, console: Console) -> int:
     from gpuslice.adapters.kube.mirror import MirroredLists
     from gpuslice.adapters.signals import StopSignals
     from gpuslice.services.dra_allocator import DraAllocator, PassReport
+    from gpuslice.services.heap import LongLivedHeap
     from gpuslice.services.leader import LeaderElector
 
     if args.interval <= 0:
@@ -120,11 +121,17 @@ def _run(args: argparse.Namespace, console: Console) -> int:
             log.warning("problem: %s", problem, extra={"event": "problem"})
         alloc.problems.clear()
 
+    heap = LongLivedHeap()
+
+    def passed(report: PassReport) -> None:
+        show(report)
+        heap.settled()  # the watched lists and the ledger out of full collections
+
     with StopSignals() as signals:  # SIGTERM (the pod deleted) or Ctrl-C: stop, exit 0
         if args.once:
             show(alloc.run_once())
         else:
-            alloc.run(signals.event, args.interval, show)
+            alloc.run(signals.event, args.interval, passed)
     lists.close()
     released = elector.release()  # a standby takes over at its next pass
     log.info("%s", signals.stopped_line(f"released the Lease {lease}" if released
