@@ -308,6 +308,9 @@ def run_once(dev: DevCluster, pods: int, fractional: bool, timeout_s: float,
             h = histogram(text, "gpuslice_extender_request_seconds", {"verb": verb})
             res[f"ext_{verb}_p50_ms"] = quantile(h, 0.5) * 1e3
             res[f"ext_{verb}_p99_ms"] = quantile(h, 0.99) * 1e3
+        h = histogram(text, "gpuslice_extender_bind_write_seconds", {})
+        res["ext_write_p50_ms"], res["ext_write_p99_ms"] = (quantile(h, q) * 1e3
+                                                            for q in (0.5, 0.99))
     else:
         res["over_allocation"] = over_node_totals(got, list_json(dev, "nodes"))
     dev.procs.pop("kube-scheduler").stop()

@@ -50,10 +50,17 @@ def sys_line(ours: dict[str, Any]) -> str:
 
 
 def api_bind_line(ours: dict[str, Any], base: dict[str, Any]) -> str:
-    return ("kube-apiserver's own time for a Binding write, p50 / p99 ms "
+    line = ("kube-apiserver's own time for a Binding write, p50 / p99 ms "
             "(apiserver_request_duration_seconds): with the extender "
             f"{ours['api_bind_p50_ms']:.1f} / {ours['api_bind_p99_ms']:.1f}, scheduler alone "
             f"{base['api_bind_p50_ms']:.1f} / {base['api_bind_p99_ms']:.1f}")
+    if "ext_write_p50_ms" in ours:
+        line += ("; the extender's Binding writes as it saw them (its connections to the API "
+                 "server, the TLS, its event loop around the call; "
+                 f"gpuslice_extender_bind_write_seconds) {ours['ext_write_p50_ms']:.1f} / "
+                 f"{ours['ext_write_p99_ms']:.1f}, of its binds' {ours['ext_bind_p50_ms']:.1f}"
+                 f" / {ours['ext_bind_p99_ms']:.1f}")
+    return line
 
 
 def requests_line(ours: dict[str, Any], base: dict[str, Any]) -> str:

@@ -747,6 +747,8 @@ def test_metrics_show_latency_rejections_by_kind_binds_and_the_ledger() -> None:
         assert got[("gpuslice_extender_bad_requests_total", (("verb", "filter"),))] == 1
         assert got[("gpuslice_extender_request_seconds_count", (("verb", "filter"),))] == 3
         assert got[("gpuslice_extender_request_seconds_count", (("verb", "prioritize"),))] == 1
+        # the one bind whose filter was seen wrote from the loop, and its write was timed
+        assert got[("gpuslice_extender_bind_write_seconds_count", ())] == 1
         assert got[("gpuslice_extender_node_allocated_milli", (("node", "b"),))] == 700
         assert got[("gpuslice_extender_node_capacity_milli", (("node", "a"),))] == 2000
         assert got[("gpuslice_extender_assignments", ())] == 1
@@ -1187,3 +1189,45 @@ def changed_pod_rebound(api: FakeApiServer, client: Any) -> None:
             assert dict(state.used_milli) == {"GPU-a-0": 600}
 
     asyncio.run(serving(api, body, client=client))
+
+
+def test_serving_moves_the_heap_out_of_full_collections_on_schedule() -> None:
+    """``serve`` with a heap (as ``gpuslice extender`` passes one) settles it every
+    ``settle_every_s`` while it answers, and stops doing so when it stops."""
+    from gpuslice.services.extender import serve
+    from gpuslice.services.heap import LongLivedHeap
+
+    class Counted(LongLivedHeap):
+        def __init__(self) -> None:
+            super().__init__()
+            self.settles = 0
+
+        def settled(self) -> None:  # counted, not frozen: the test process's heap is left
+            self.settles += 1
+
+    heap = Counted()
+    api = small_cluster()
+
+    async def main() -> None:
+        state = ExtenderState(api, KEY, clock=clock, narrow=False)
+        started: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        stop = asyncio.Event()
+        server = asyncio.create_task(serve(state, "127.0.0.1", 0, ready=started.set_result,
+                                           stop=stop, heap=heap, settle_every_s=0.02))
+        url = f"http://127.0.0.1:{await asyncio.wait_for(started, 10)}"
+        async with aiohttp.ClientSession() as s:
+            for _ in range(50):
+                if heap.settles >= 3:
+                    break
+                st, res = await post(s, url + "/filter", {"Pod": pod("p", 300),
+                                                          "NodeNames": ["a", "b"]})
+                assert st == 200 and sorted(res["NodeNames"]) == ["a", "b"]
+                await asyncio.sleep(0.02)
+        assert heap.settles >= 3
+        stop.set()
+        await asyncio.wait_for(server, 10)
+        after = heap.settles
+        await asyncio.sleep(0.1)
+        assert heap.settles == after  # the settling task ended with the server
+
+    eventloop.run(main())

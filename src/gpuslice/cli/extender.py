@@ -90,6 +90,7 @@ def _extender(args: argparse.Namespace, console: Console) -> int:
         serve,
         tls_context,
     )
+    from gpuslice.services.heap import LongLivedHeap
     from gpuslice.services.leader import LeaderElector, LeaderLabel
 
     log = setup_logging(args.log_format, "extender")
@@ -154,7 +155,8 @@ def _extender(args: argparse.Namespace, console: Console) -> int:
         try:
             await serve(state, host, int(port_text), ctx, args.resync, ready, stop,
                         tls_files=(args.tls_cert, args.tls_key) if ctx else None,
-                        leader_label=label, binds_in_flight=args.binds_in_flight)
+                        leader_label=label, binds_in_flight=args.binds_in_flight,
+                        heap=LongLivedHeap())  # the inventory and ledger out of full GCs
         finally:
             signals.restore()
 

@@ -27,7 +27,7 @@ from gpuslice.adapters.kube.ports import ApiConflict, ApiInvalid, ApiNotFound
 from gpuslice.adapters.kube.wire import binding_body, status_text
 from gpuslice.core.errors import GpusliceError
 
-KEEP_ALIVE = 16  # connections kept open to the API server
+KEEP_ALIVE = 64  # connections to the API server at most: binds written at once (more wait)
 AUTH_TTL_S = 10.0  # how long the credentials read from the configuration are used
 
 

@@ -29,12 +29,14 @@ from gpuslice.core.errors import GpusliceError, ValidationError
 from gpuslice.services.extender.flow import BINDS_IN_FLIGHT, FLOW_WAIT_S, BindFlow
 from gpuslice.services.extender.metrics import ExtenderMetrics
 from gpuslice.services.extender.state import BindWrite, ExtenderState
+from gpuslice.services.heap import LongLivedHeap
 from gpuslice.services.leader import LeaderLabel
 
 MAX_BODY = 8 * 1024 * 1024
 # the app's requests for a connection that chose HTTP/2 (serve's AlpnSite)
 H2_DISPATCH = web.AppKey[Dispatch]("h2_dispatch")
 BIND_THREADS = 8  # binds writing to the API server at once
+SETTLE_EVERY_S = 1.0  # how often what survived is moved out of full collections (heap)
 # the longest one watch call waits for events: it runs on a thread a stopping process joins,
 # so this bounds how long a SIGTERM waits for it (each call only hands over what the
 # watches queued meanwhile)
@@ -307,10 +309,13 @@ def make_app(state: ExtenderState, metrics: ExtenderMetrics | None = None, *,
         return _answer({"Error": error})
 
     async def write_held(w: BindWrite) -> str | None:
+        t0 = time.perf_counter()
         try:
             await writer.bind(w.namespace, w.name, w.uid, w.node, w.annotations(),
                               w.resource_version)
+            m.bind_write.observe(time.perf_counter() - t0)
         except GpusliceError as exc:
+            m.bind_write.observe(time.perf_counter() - t0)
             return state.finish_held(w, exc)
         except BaseException:  # cancelled (the server stopping): the outcome is unknown
             state.finish_held(w, GpusliceError("the Binding write was cancelled"))
@@ -448,7 +453,9 @@ async def serve(state: ExtenderState, host: str, port: int, ssl_context: Any = N
                 stop: asyncio.Event | None = None, tls_files: tuple[str, str] | None = None,
                 tls_reload_s: float = TLS_RELOAD_S,
                 leader_label: LeaderLabel | None = None,
-                binds_in_flight: int | None = None) -> None:
+                binds_in_flight: int | None = None,
+                heap: LongLivedHeap | None = None,
+                settle_every_s: float = SETTLE_EVERY_S) -> None:
     """Serve until ``stop`` is set (or until cancelled), following the API server's watch of
     pods and nodes, with a full re-read every ``resync_s`` as a safety net; with
     ``tls_files`` (the certificate and key ``ssl_context`` was made from), a renewed
@@ -456,8 +463,12 @@ async def serve(state: ExtenderState, host: str, port: int, ssl_context: Any = N
     ``leader_label`` (and an elector): the label follows leadership after each election
     step, on a task of its own (a slow or failing write holds up neither the election nor a
     call), so a label a previous container of the pod left is taken off after the first
-    step unless that step won the Lease. On the way out: stop serving (binds under way
-    finish), give the Lease up if we hold it, then take the label off."""
+    step unless that step won the Lease. With ``heap`` (the CLI's): every ``settle_every_s``
+    what the process holds is moved out of Python's full collections
+    (:class:`~gpuslice.services.heap.LongLivedHeap`), which otherwise stop every filter and
+    bind under way while they scan the inventory and the ledger. On the way out: stop
+    serving (binds under way finish), give the Lease up if we hold it, then take the label
+    off."""
     app = make_app(state, client_auth=verifies_clients(ssl_context),
                    binds_in_flight=BINDS_IN_FLIGHT if binds_in_flight is None else
                    binds_in_flight)
@@ -551,6 +562,11 @@ async def serve(state: ExtenderState, host: str, port: int, ssl_context: Any = N
     async def stopped() -> None:
         await (stop or asyncio.Event()).wait()  # without a stop: until cancelled
 
+    async def settle(h: LongLivedHeap) -> None:
+        while True:
+            await asyncio.sleep(settle_every_s)
+            h.settled()
+
     tasks = [asyncio.create_task(follow()), asyncio.create_task(stopped())]
     if state.elector is not None:
         tasks.append(asyncio.create_task(elect()))
@@ -558,6 +574,8 @@ async def serve(state: ExtenderState, host: str, port: int, ssl_context: Any = N
             tasks.append(asyncio.create_task(mark(leader_label)))
     if ssl_context is not None and tls_files is not None:
         tasks.append(asyncio.create_task(renew(*tls_files)))
+    if heap is not None:
+        tasks.append(asyncio.create_task(settle(heap)))
     try:
         done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
         for t in done:

@@ -95,6 +95,11 @@ class ExtenderMetrics:
         self.seconds = Histogram("gpuslice_extender_request_seconds",
                                  "Time to answer a scheduler call", ["verb"],
                                  registry=self.registry, buckets=BUCKETS)
+        self.bind_write = Histogram(
+            "gpuslice_extender_bind_write_seconds",
+            "The Binding write of a bind as the extender sees it: the API call, waiting for "
+            "one of its connections to the API server included (the rest of a bind's time "
+            "is its hold and the event loop)", registry=self.registry, buckets=BUCKETS)
         self.nodes = Counter("gpuslice_extender_filter_nodes",
                              "Nodes filter was asked about, by result", ["result"],
                              registry=self.registry)
