@@ -44,14 +44,13 @@ def default_pick(arrays: ClusterArrays, req: SliceRequest, ok: BoolArray, start:
     from the rotating ``start`` (``nextStartNodeIndex``) until :func:`nodes_to_find` of them,
     scored by :func:`default_scores`, the best taken with ties at random (``selectHost``).
     None when no node is feasible (the start does not move then)."""
-    n = arrays.n_nodes
     nodes, next_start = window(ok, start, percentage)
     if len(nodes) == 0:
         return None
     scores = default_scores(arrays, req, nodes)
     top = np.flatnonzero(scores == scores.max())
-    return DefaultPick(int(nodes[top[int(rng.integers(len(top)))]]), next_start % n,
-                       len(nodes), float(scores.max()))
+    return DefaultPick(int(nodes[top[int(rng.integers(len(top)))]]), next_start, len(nodes),
+                       float(scores.max()))
 
 
 def window(ok: BoolArray, start: int, percentage: int = 0) -> tuple[IntArray, int]:
