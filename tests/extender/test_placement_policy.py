@@ -136,8 +136,9 @@ def test_the_narrow_filters_one_pass_choice_is_best_over_every_node_that_fits() 
     """The narrow filter answers in one vectorised pass (``_choose``) with no reasons; it must
     pick what ``best`` picks among the nodes the full per-node filter keeps, whatever the
     fill, the request, the order the names come in and whether they are every node or a few
-    (the pick among every node is taken only when it is a candidate), and fall back to the
-    reasons when no node fits."""
+    (with most nodes asked, the pick among every node is taken when it is a candidate; with
+    fewer than half, kube-scheduler's adaptive share, their rows are looked up at once), and
+    fall back to the reasons when no node fits."""
     rng = np.random.default_rng(5)
     api = FakeApiServer()
     names = [f"n{i:02d}" for i in range(24)]

@@ -68,16 +68,20 @@ class PlacementVerbs(ClusterView):
         a whole-GPU slice, or ``None`` when none does; arrays over the nodes, no per-node
         Python, and with a cacheable policy only the rows changed since this request shape
         was last asked are judged again."""
-        cached, at = self.cached_choice(req, None)
-        if cached:
-            if at is None:  # no node's GPUs fit the shape, so none of these
-                return None
-            best = self.inv.names[at]
-            # the pick among every node is a candidate, so it is the pick among the
-            # candidates (the same scores and total order): no look-up of each name (a
-            # hash of every fresh string kube-scheduler sent, which grew with the cluster)
-            if best in names:
-                return best
+        if 2 * len(names) >= len(self.inv.names):  # most nodes asked (every one, or nearly)
+            cached, at = self.cached_choice(req, None)
+            if cached:
+                if at is None:  # no node's GPUs fit the shape, so none of these
+                    return None
+                best = self.inv.names[at]
+                # the pick among every node is a candidate, so it is the pick among the
+                # candidates (the same scores and total order): no look-up of each name (a
+                # hash of every fresh string kube-scheduler sent, which grew with the
+                # cluster)
+                if best in names:
+                    return best
+        # else (kube-scheduler's adaptive share: 42% of 1000 nodes, 10% of 5000) the pick
+        # among every node is mostly not among these: straight to their rows
         rows = self._rows_of(names)
         cached, at = self.cached_choice(req, rows)
         if cached:
