@@ -6,8 +6,8 @@ reference cycles. Python's cyclic collector still scans them all in every full (
 2) collection: 0.5-1.1 s at 1000 nodes with 5000 claims, with nothing collected, and the pass
 under way waits (measured in ``cluster_scale.py --path dra``: the slowest claims of the run
 were those whose pass a full collection stopped). The scheduler extender holds every node's
-inventory, every pod and the ledger: its full collections took 0.1-0.4 s in a 1000-node burst,
-each one a pause of every filter and bind under way.
+inventory, every pod and the ledger: its full collections took 0.1-0.4 s each in a 1000-node
+run, each one a pause of every filter and bind under way.
 
 After each pass (the allocator) or every second (the extender) :meth:`LongLivedHeap.settled`
 collects the young generations, then moves what survived into the permanent generation
