@@ -96,12 +96,12 @@ def demo_deploy_files() -> list[Path]:
     return [Path(f) for f in DEMO_DEPLOY_FILES if (ROOT / "deploy" / f).is_file()]
 
 
-def copy_demo_deploy(out_root: Path) -> list[Path]:
-    """deploy/dra's files the DRA demo reads, into ``out_root``/gpuslice/demo/deploy/; the
-    paths written."""
+def copy_demo_deploy(dest: Path) -> list[Path]:
+    """deploy/dra's files the DRA demo reads, into ``dest`` by their paths under deploy/ (a
+    wheel's ``gpuslice/demo/deploy/``, an sdist's ``deploy/``); the paths written."""
     written = []
     for rel in demo_deploy_files():
-        target = out_root / DEMO_DEPLOY / rel
+        target = dest / rel
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_bytes((ROOT / "deploy" / rel).read_bytes())
         written.append(target)
@@ -116,7 +116,7 @@ class BuildPyWithProtos(build_py):
         compile_protos(target)
         if not self.editable_mode:  # an editable install asks git when asked its revision
             write_build_info(target)
-            copy_demo_deploy(target)  # an editable install reads the checkout's deploy/
+            copy_demo_deploy(target / DEMO_DEPLOY)  # an editable install reads deploy/ itself
 
     def get_outputs(self, include_bytecode: bool = True) -> list[str]:
         outs = list(super().get_outputs(include_bytecode))
@@ -137,10 +137,7 @@ class SdistWithRevision(sdist):
     def make_release_tree(self, base_dir: str, files: list[str]) -> None:
         super().make_release_tree(base_dir, files)
         write_build_info(Path(base_dir) / "src")
-        for rel in demo_deploy_files():  # the wheel built from the sdist takes them
-            target = Path(base_dir) / "deploy" / rel
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_bytes((ROOT / "deploy" / rel).read_bytes())
+        copy_demo_deploy(Path(base_dir) / "deploy")  # the wheel built from the sdist takes them
 
 
 setup(cmdclass={"build_py": BuildPyWithProtos, "sdist": SdistWithRevision})
