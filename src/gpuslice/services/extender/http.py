@@ -310,17 +310,17 @@ def make_app(state: ExtenderState, metrics: ExtenderMetrics | None = None, *,
 
     async def write_held(w: BindWrite) -> str | None:
         t0 = time.perf_counter()
+        failed: GpusliceError | None = None
         try:
             await writer.bind(w.namespace, w.name, w.uid, w.node, w.annotations(),
                               w.resource_version)
-            m.bind_write.observe(time.perf_counter() - t0)
         except GpusliceError as exc:
-            m.bind_write.observe(time.perf_counter() - t0)
-            return state.finish_held(w, exc)
+            failed = exc
         except BaseException:  # cancelled (the server stopping): the outcome is unknown
             state.finish_held(w, GpusliceError("the Binding write was cancelled"))
             raise
-        return state.finish_held(w, None)
+        m.bind_write.observe(time.perf_counter() - t0)
+        return state.finish_held(w, failed)
 
     async def preempt(request: web.Request) -> web.Response:
         args = await _json(request)
