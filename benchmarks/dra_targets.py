@@ -1,0 +1,102 @@
+"""What :mod:`dra_placement` replays a trace on: the :class:`Target` protocol, its
+:class:`Outcome`, the simulator's target, and the task mix and nodes of the control-plane target
+(:mod:`dra_cluster_target`)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol
+
+from gpuslice.sim.runner import Job, Scenario, load_scenario, run_job, scenario_of
+
+DEVICE_PLUGIN = "ours"  # the device-plugin path's policy in the simulator
+# the control-plane target's nodes (the embedded scenario's A100 nodes)
+CLUSTER_MODEL, CLUSTER_CPU, CLUSTER_MEM_GIB = "A100-80GB", 96, 768
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One replay: unallocated GPU % at 100% arrived, tasks placed and the seconds they took
+    (on the control plane: each bound task's time from creation to bound, summed)."""
+
+    unallocated_pct: float
+    placed: int
+    seconds: float
+
+    @property
+    def per_second(self) -> float:
+        return self.placed / self.seconds if self.seconds > 0 else float("nan")
+
+
+class Target(Protocol):
+    name: str
+    modes: tuple[str, ...]
+
+    def replay(self, mode: str, seed: int) -> Outcome:
+        """Replay the trace (tuned with ``seed``) with ``mode``: ``default`` (kube-scheduler's
+        DRA allocator), ``ours`` (our claim allocator) or ``device-plugin`` (our extender's
+        path)."""
+        ...
+
+
+SIM_POLICY = {"default": "dra-default", "ours": "dra-ours", "device-plugin": DEVICE_PLUGIN,
+              "device-plugin-model": "deployed", "device-plugin-model-every": "deployed:100"}
+PATHS = ("default", "ours", "device-plugin", "device-plugin-sim", "device-plugin-model",
+         "device-plugin-model-every")
+
+
+class SimTarget:
+    """The simulator. ``nodes_to_score``: the ``device-plugin-model`` row's
+    ``percentageOfNodesToScore`` (default deploy/'s, kube-scheduler's adaptive share);
+    ``device-plugin-model-every`` is that model scoring every node (100)."""
+
+    modes = ("default", "ours", "device-plugin", "device-plugin-model",
+             "device-plugin-model-every")
+    labels: ClassVar[dict[str, str]] = {
+        "device-plugin": "device-plugin path, simulator's frag-strand (every pod)"}
+
+    def __init__(self, scenario: Scenario, tune: float = 1.3,
+                 nodes_to_score: int | None = None) -> None:
+        self.scenario, self.tune = scenario, tune
+        self.name = f"simulator, {scenario.name} ({scenario.total_gpus} GPUs)"
+        self.policy = dict(SIM_POLICY)
+        if nodes_to_score is not None:
+            self.policy["device-plugin-model"] = f"deployed:{nodes_to_score}"
+
+    def replay(self, mode: str, seed: int) -> Outcome:
+        start = time.perf_counter()
+        res = run_job(self.scenario, Job(self.policy[mode], seed, self.tune))
+        seconds = time.perf_counter() - start
+        return Outcome(100.0 - float(res.binned.alloc[100]), res.tasks - res.binned.failed,
+                       seconds)
+
+
+def kwok_scenario(nodes: int, gpus: int,
+                  variant: str | None) -> tuple[list[Any], Scenario, str]:
+    """The cluster target's nodes (``nodes`` x ``gpus`` A100s, named as its kwok nodes, so the
+    extender's fixed node order is the same), their scenario with the embedded task mix or
+    ``variant``'s, and the mix's name."""
+    from gpuslice.core.catalog import resolve
+    from gpuslice.core.model import Gpu, Node
+    from gpuslice.sim.default import default_tasks
+
+    mib = resolve(CLUSTER_MODEL).memory_mib
+    made = [Node(f"dra-bench-{i:02d}", CLUSTER_CPU * 1000, CLUSTER_MEM_GIB * 1024,
+                 tuple(Gpu(j, CLUSTER_MODEL, mib) for j in range(gpus))) for i in range(nodes)]
+    tasks, mix = default_tasks(), "embedded task mix"
+    if variant:
+        tasks, mix = variant_tasks(variant), f"task mix of trace variant {variant}"
+    return made, scenario_of(f"{nodes} x {gpus} {CLUSTER_MODEL}", made, tasks), mix
+
+
+def variant_tasks(variant: str) -> Any:
+    """The task list of trace variant ``variant`` (found through GPUSLICE_DATA), its GPU-model
+    constraints dropped: the benchmark's kwok nodes are all one model."""
+    import dataclasses
+
+    from gpuslice.adapters.traces.data import variant_paths
+
+    pods, nodes = variant_paths(variant)
+    tasks = load_scenario(pods, nodes).tasks
+    return dataclasses.replace(tasks, specs=(frozenset(),) * len(tasks.specs))
