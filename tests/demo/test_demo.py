@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from gpuslice.adapters.proc import processes_of as _processes_of
-from gpuslice.demo.scenario import OWNER_FILE, sweep_stale_workdirs
+from gpuslice.demo.runtime import OWNER_FILE, sweep_stale_workdirs
 
 pytestmark = pytest.mark.slow
 

@@ -1,18 +1,25 @@
-"""What the demo cluster's containers run on: the event log the demo shows, and the two
-runtimes of a simulated replica (a child process, or an asyncio server in this process)."""
+"""What the demo cluster's containers run on: the event log the demo shows, the two runtimes of
+a simulated replica (a child process, or an asyncio server in this process), and the demo's work
+directory."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
-from gpuslice.adapters.proc import read_ready, spawn, terminate
+from gpuslice.adapters.proc import alive, read_ready, spawn, terminate
 
 
 @dataclass
@@ -141,3 +148,45 @@ class InProcessRuntime:
     def close(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(5)
+
+
+# ---- the demo's work directory -------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def workdir(chosen: Path | None) -> Iterator[Path]:
+    """``chosen`` (made if missing, kept afterwards), else a new directory under the temp root
+    that goes when the demo ends, or, if the demo is killed, at the next demo's start."""
+    if chosen is not None:
+        chosen.mkdir(parents=True, exist_ok=True)
+        yield chosen
+        return
+    # unix socket paths must stay short: a directory right under the temp root
+    sweep_stale_workdirs()
+    d = Path(tempfile.mkdtemp(prefix=WORKDIR_PREFIX))
+    (d / OWNER_FILE).write_text(str(os.getpid()))
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+WORKDIR_PREFIX = "gsd-"
+OWNER_FILE = "owner.pid"
+
+
+def sweep_stale_workdirs(root: Path | None = None) -> list[Path]:
+    """Remove the work directories of demos that were killed (SIGKILL, a crash: no ``finally``
+    ran): each names its process in ``owner.pid``; a directory whose process is gone goes.
+    Returns those removed."""
+    removed = []
+    for d in (root or Path(tempfile.gettempdir())).glob(f"{WORKDIR_PREFIX}*"):
+        try:
+            pid = int((d / OWNER_FILE).read_text())
+        except (OSError, ValueError):
+            continue  # not one of ours, or still being set up
+        if pid == os.getpid() or alive(pid):
+            continue
+        shutil.rmtree(d, ignore_errors=True)
+        removed.append(d)
+    return removed

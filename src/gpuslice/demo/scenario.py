@@ -6,16 +6,12 @@ import asyncio
 import contextlib
 import json
 import math
-import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,7 +21,6 @@ import numpy as np
 
 from gpuslice.adapters.kube.annotation import decode
 from gpuslice.adapters.nvml.port import NvmlPort
-from gpuslice.adapters.proc import alive as _alive
 from gpuslice.adapters.proc import spawn
 from gpuslice.core.assignment import ANNOTATION
 from gpuslice.core.errors import GpusliceError
@@ -38,7 +33,7 @@ from gpuslice.demo.cluster import (
     gpu_pod,
     router_config_from_pods,
 )
-from gpuslice.demo.runtime import EventLog
+from gpuslice.demo.runtime import EventLog, workdir
 
 SERVICES = (
     Service("resnet50", "resnet50", 200.0, 100.0),
@@ -375,43 +370,6 @@ async def refresh(display: Display) -> None:
 # ---- the scenario -----------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def workdir(opts: DemoOptions) -> Iterator[Path]:
-    if opts.workdir is not None:
-        opts.workdir.mkdir(parents=True, exist_ok=True)
-        yield opts.workdir
-        return
-    # unix socket paths must stay short: a directory right under the temp root
-    sweep_stale_workdirs()
-    d = Path(tempfile.mkdtemp(prefix=WORKDIR_PREFIX))
-    (d / OWNER_FILE).write_text(str(os.getpid()))
-    try:
-        yield d
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
-
-
-WORKDIR_PREFIX = "gsd-"
-OWNER_FILE = "owner.pid"
-
-
-def sweep_stale_workdirs(root: Path | None = None) -> list[Path]:
-    """Remove the work directories of demos that were killed (SIGKILL, a crash: no ``finally``
-    ran): each names its process in ``owner.pid``; a directory whose process is gone goes.
-    Returns those removed."""
-    removed = []
-    for d in (root or Path(tempfile.gettempdir())).glob(f"{WORKDIR_PREFIX}*"):
-        try:
-            pid = int((d / OWNER_FILE).read_text())
-        except (OSError, ValueError):
-            continue  # not one of ours, or still being set up
-        if pid == os.getpid() or _alive(pid):
-            continue
-        shutil.rmtree(d, ignore_errors=True)
-        removed.append(d)
-    return removed
-
-
 async def scenario(state: DemoState, display: Display) -> None:
     o = state.opts
     c = state.cluster
@@ -591,7 +549,7 @@ def run_demo(opts: DemoOptions) -> dict[str, Any]:
     ``opts.out``). Everything started is stopped on return, error or Ctrl-C."""
     from gpuslice.demo.report import write_report
 
-    with workdir(opts) as root:
+    with workdir(opts.workdir) as root:
         cluster = Cluster(root, uuid.uuid4().hex[:12], uuid.uuid4().bytes + b"demo-key", EventLog())
         state = DemoState(opts, cluster)
         live = sys.stdout.isatty() if opts.live is None else opts.live
