@@ -29,7 +29,7 @@ from gpuslice.core.devices import GpuDevice, MigInstance
 from gpuslice.services.extender import ExtenderState
 from tests.conformance import helpers
 from tests.conformance.helpers import KEY, container, gpus, make_pod, node_rig
-from tests.extender.test_extender_http import post
+from tests.extender.helpers import post
 
 
 def burst_pods(seed: int = 7) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:

@@ -17,7 +17,7 @@ from gpuslice.core.errors import ValidationError
 from gpuslice.core.podrequest import ContainerKind, ContainerRequest, pod_requests
 from gpuslice.services.extender import ExtenderState
 from tests.conformance.helpers import container, gpus, make_pod, node_rig, serving
-from tests.extender.test_extender_http import node, post
+from tests.extender.helpers import node, post
 
 APP, INIT, SIDE = ContainerKind.APP, ContainerKind.INIT, ContainerKind.SIDECAR
 

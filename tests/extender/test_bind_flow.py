@@ -18,7 +18,7 @@ from aiohttp import web
 from gpuslice.adapters.kube.fake import FakeApiServer
 from gpuslice.services.extender import ExtenderState, make_app
 from gpuslice.services.extender.flow import BindFlow
-from tests.extender.test_extender_http import KEY, clock, node, pod, post
+from tests.extender.helpers import KEY, clock, node, pod, post
 
 
 def cluster(pods: int) -> FakeApiServer:

@@ -25,7 +25,7 @@ from gpuslice.adapters.kube.fake import FakeApiServer
 from gpuslice.core.assignment import ANNOTATION
 from gpuslice.services.extender import ExtenderState, serve, tls_context
 from gpuslice.services.extender.http import MAX_BODY
-from tests.extender.test_extender_http import KEY, clock, node, pod
+from tests.extender.helpers import KEY, clock, node, pod
 from tests.extender.test_extender_mtls import Certs, certs, client_ssl, cluster, run_https
 
 httpx = pytest.importorskip("httpx", reason="httpx[http2] (the dev extra) is needed")

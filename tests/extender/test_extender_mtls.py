@@ -21,7 +21,7 @@ import pytest
 from gpuslice.adapters.kube.fake import FakeApiServer
 from gpuslice.core.errors import ValidationError
 from gpuslice.services.extender import ExtenderState, serve, tls_context
-from tests.extender.test_extender_http import KEY, clock, node, pod
+from tests.extender.helpers import KEY, clock, node, pod
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None,
                                 reason="openssl CLI not installed")

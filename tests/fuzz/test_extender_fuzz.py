@@ -23,8 +23,8 @@ from gpuslice.adapters.kube.annotation import decode
 from gpuslice.adapters.kube.fake import FakeApiServer
 from gpuslice.core.assignment import ANNOTATION, verify
 from gpuslice.services.extender import ExtenderState, make_app
+from tests.extender.helpers import KEY, clock, node, pod
 from tests.extender.test_decoder_fuzz import pods as random_pods
-from tests.extender.test_extender_http import KEY, clock, node, pod
 from tests.fuzz.helpers import (
     MALFORMED_JSON,
     LoopThread,

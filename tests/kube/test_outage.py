@@ -20,8 +20,8 @@ from gpuslice.adapters.nvml.port import FakeNvml
 from gpuslice.services.device_plugin import DevicePlugin, PluginConfig, PluginServer, wait_for
 from gpuslice.services.extender import ExtenderState, serve
 from gpuslice.services.node_agent import NodeAgent
-from tests.extender.test_extender_http import node as gpu_node
-from tests.extender.test_extender_http import pod as gpu_pod
+from tests.extender.helpers import node as gpu_node
+from tests.extender.helpers import pod as gpu_pod
 from tests.kube.helpers import EXTENDER, post_json
 from tests.kube.helpers import NODE_AGENT as AGENT
 from tests.kube.helpers import kube_client as client
