@@ -192,6 +192,62 @@ def test_a_bind_reserves_before_its_api_calls_so_the_next_filter_sees_it() -> No
     asyncio.run(serving(api, body))
 
 
+class ReadBeforeWrite(FakeApiServer):
+    """The API server fake where a pod read is answered with the pod as it was before the
+    Binding write that ended meanwhile (a read and a write of one pod crossing)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import threading
+
+        self.read_taken = threading.Event()
+        self.written = threading.Event()
+
+    def get_pod(self, namespace: str, name: str) -> dict[str, Any]:
+        pod = super().get_pod(namespace, name)
+        if not self.read_taken.is_set():
+            self.read_taken.set()
+            assert self.written.wait(10), "the other bind never wrote"
+            import time
+
+            time.sleep(0.2)  # that bind done, its pod no longer busy
+        return pod
+
+    def bind(self, namespace: str, name: str, uid: str, node: str,
+             annotations: Any = None, resource_version: str | None = None) -> None:
+        assert self.read_taken.wait(10), "the other bind never read the pod"
+        super().bind(namespace, name, uid, node, annotations, resource_version)
+        self.written.set()
+
+
+def test_a_bind_sent_twice_at_once_keeps_the_share_the_first_one_wrote() -> None:
+    """kube-scheduler's bind retried while the first is still writing: the second reads the
+    pod before the first's Binding lands and decides after it. It must not take that read
+    (no assignment yet) for a write whose outcome is unknown and give the written share back:
+    the GPU would then take a second whole-GPU pod."""
+    api = ReadBeforeWrite()
+    api.add_node(node("a", "T4", 1))
+    api.add_pod(pod("first", 1000))
+    api.add_pod(pod("second", 1000))
+
+    async def body(url: str, state: ExtenderState) -> None:
+        async with aiohttp.ClientSession() as s:
+            first = FakeApiServer.get_pod(api, "default", "first")
+            _, res = await post(s, url + "/filter", {"Pod": first, "NodeNames": ["a"]})
+            assert res["NodeNames"] == ["a"], res
+            args = {"PodName": "first", "PodNamespace": "default",
+                    "PodUID": first["metadata"]["uid"], "Node": "a"}
+            answers = await asyncio.gather(post(s, url + "/bind", args),
+                                           post(s, url + "/bind", args))
+            assert [a[1]["Error"] for a in answers] == ["", ""], answers
+            assert ("default", "first") in state.ledger.owners
+            second = FakeApiServer.get_pod(api, "default", "second")
+            _, res = await post(s, url + "/filter", {"Pod": second, "NodeNames": ["a"]})
+            assert res["NodeNames"] == [] and "0 milli free" in reasons(res)["a"], res
+
+    asyncio.run(serving(api, body))
+
+
 @contextlib.contextmanager
 def over(how: str) -> Iterator[tuple[FakeApiServer, Any]]:
     """The API server a test's extender talks to: the fake in-process (its binds written on

@@ -193,7 +193,7 @@ class ExtenderState(Preemption):
 
     def _bind(self, namespace: str, name: str, uid: str, node: str,
               held: Assignment | None, seen: Any, read: dict[str, Any] | None,
-              from_filter: bool = False) -> str:
+              from_filter: bool = False, reread: bool = True) -> str:
         if self.elector is not None and not self.elector.leader:
             if held is not None:
                 self._release(namespace, name, held)
@@ -239,15 +239,29 @@ class ExtenderState(Preemption):
         if i is None:
             return f"node {node} is unknown to gpuslice"
         existing = self._assignment_of(pod)
+        bound_to = (pod.get("spec") or {}).get("nodeName")
         if existing is not None and existing.node == node:
+            if bound_to == node:  # a retried bind of a pod bound since: done as asked
+                return ""
             return self._create_binding(namespace, name, uid, node)  # a retried bind
         if existing is not None:
-            if (pod.get("spec") or {}).get("nodeName"):
+            if bound_to:
                 return f"pod {namespace}/{name} is already bound to {existing.node}"
             # an earlier bind wrote its assignment but never created the Binding (the
             # extender died in between); the scheduler chose again: free the old share
             self.pod_gone(namespace, name)
         elif (namespace, name) in self.ledger.owners:
+            with self._lock:
+                unknown = (namespace, name) in self._in_flight
+            if not unknown:
+                # the share is written (another bind of the pod ended while this one read
+                # it, or the watch saw the pod bound): this read is older than that write.
+                # Read the pod again rather than give a written share back
+                if reread:
+                    return self._bind(namespace, name, uid, node, None, seen, None,
+                                      reread=False)
+                return (f"pod {namespace}/{name}: its share is written but the pod read "
+                        "back carries no assignment; retry")
             # an earlier bind whose write failed with its outcome unknown (an API server
             # outage): the pod, read just now, carries no assignment, so that share is not
             # taken; give it back before placing the pod again
