@@ -20,8 +20,12 @@ json_values = st.recursive(scalars, lambda inner: st.one_of(
     st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=8), inner, max_size=4)),
     max_leaves=20)
 
-quantities = st.one_of(st.text(max_size=6), st.integers(-5, 5000),
-                       st.sampled_from(["1", "500", "1000", "1500", "0", "-1", "2Gi", "x", ""]))
+quantities = st.one_of(st.text(max_size=6), st.integers(-5, 5000), st.integers(-10**30, 10**30),
+                       st.floats(),  # NaN and infinities too
+                       st.sampled_from(["1", "500", "1000", "1500", "0", "-1", "2Gi", "x", "",
+                                        "1e3", ".5", "+1", "2Ei", "250n", "1e400",
+                                        "99999999999999999999", "9223372036854775807",
+                                        "1000000000", "9" * 400, "9e18"]))
 resources = st.dictionaries(
     st.sampled_from(["gpuslice.io/gpu", "gpuslice.io/gpu-milli", "gpuslice.io/gpu-memory",
                      "cpu", "memory", "nvidia.com/gpu"]), st.one_of(quantities, json_values),

@@ -102,7 +102,18 @@ def test_hostile_requests_get_clear_errors_and_change_nothing() -> None:
             st, res = await post(s, url + "/filter", {"Pod": bad, "NodeNames": ["a"]})
             assert "gpu-milli" in res["Error"]
             st, res = await post(s, url + "/bind", {"PodName": 3})
-            assert "PodName: expected a string" in res["Error"]
+            assert "PodName: expected a non-empty string" in res["Error"]
+            st, res = await post(s, url + "/filter", {"Pod": pod("x"), "Nodes": "x"})
+            assert res["Error"].startswith("Nodes: expected a NodeList"), res
+            st, res = await post(s, url + "/preempt", {"Pod": pod("x"), "NodeNameToVictims": {
+                "a": {"Pods": [{"metadata": "x"}]}}})
+            assert st == 400 and "NodeNameToVictims.a.Pods[]" in res["Error"], (st, res)
+            huge = pod("huge")
+            huge["spec"]["containers"][0]["resources"]["requests"]["cpu"] = "1e300"
+            for verb in ("filter", "prioritize"):
+                st, res = await post(s, url + f"/{verb}", {"Pod": huge, "NodeNames": ["a"]})
+                assert "containers[0] cpu: expected a quantity of at most 2^63-1" \
+                    in res["Error"], res
             st, res = await post(s, url + "/bind", {"PodName": "nope", "PodNamespace": "default",
                                                     "PodUID": "u", "Node": "a"})
             assert "not found" in res["Error"]

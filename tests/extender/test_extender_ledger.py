@@ -76,3 +76,28 @@ def test_node_events_re_read_only_when_gpu_inventory_or_cordon_change() -> None:
     assert "c" in state.inv.index and "GPU-b-0" in state.cordoned
     state.apply(WatchEvent("DELETED", "Node", api.get_node("c")))
     assert len(reads) == 2
+
+
+def test_pods_with_quantities_no_array_can_hold_are_left_out_not_crashes() -> None:
+    """A pod asking for a GPU count, milli, GPU memory or CPU past what an int64 holds (the
+    API server keeps such quantities) is left out of what the extender learns, at start and
+    through the watch (its filter calls answer why); the pods around it count as before."""
+    api = small_cluster()
+    for name, limits, cpu in (
+            ("milli", {"gpuslice.io/gpu": "1", "gpuslice.io/gpu-milli": "9" * 400}, "1"),
+            ("count", {"gpuslice.io/gpu": "99999999999999999999"}, "1"),
+            ("memory", {"gpuslice.io/gpu": "1", "gpuslice.io/gpu-memory": "1e30"}, "1"),
+            ("plain", {}, "9300000000000000")):  # 9.3e15 cores: past int64 milli-CPU
+        p = pod(name)
+        p["spec"]["containers"][0]["resources"] = {"limits": limits, "requests": {"cpu": cpu}}
+        api.add_pod(p)
+    state = ExtenderState(api, KEY, clock=clock)  # the start's full read: no OverflowError
+    _, since = api.watch("", 0.0)
+    late = pod("late")
+    late["spec"]["containers"][0]["resources"]["requests"]["cpu"] = "1e19"
+    api.add_pod(late)
+    events, since = api.watch(since, 1.0)
+    state.apply_all(events)  # the watch goes on
+    p = api.get_pod("default", "big")
+    assert state.bind("default", "big", p["metadata"]["uid"], "a") == ""
+    assert sum(state.ledger.used_milli.values()) == 700

@@ -103,6 +103,11 @@ class GpuWant:
     memory_mib: int = 0
 
 
+# the most GPUs one container may ask for: more than any node holds (8 or 16 GPUs, up to 7 MIG
+# instances each), few enough that a pod's GPU slots are a small tuple
+MAX_GPUS = 128
+
+
 @dataclass(frozen=True, slots=True)
 class PodGpuShape:
     """A pod's GPU request by the effective rule: ``gpus`` GPUs of ``milli`` and
@@ -125,6 +130,10 @@ def gpu_shape(wants: Sequence[GpuWant], where: str = "pod") -> PodGpuShape | Non
     gpu_wants = [w for w in wants if w.gpus > 0]
     if not gpu_wants:
         return None
+    many = {w.name: w.gpus for w in gpu_wants if w.gpus > MAX_GPUS}
+    if many:
+        raise ValidationError(f"{where}: containers {', '.join(many)} gpuslice.io/gpu",
+                              f"at most {MAX_GPUS} GPUs per container", list(many.values()))
     if all(w.milli == 1000 for w in gpu_wants):
         slots: list[tuple[GpuWant, tuple[int, ...]]] = []
         started = 0  # slots held by the sidecars started so far

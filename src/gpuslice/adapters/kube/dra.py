@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, TypeVar
 
+from gpuslice.adapters.kube.objects import node_allocatable as _allocatable_of
 from gpuslice.adapters.kube.objects import pod_cpu_memory, pod_finished, quantity
 from gpuslice.core.dra_placement import (
     Capacity,
@@ -238,16 +239,9 @@ def allocated_node(claim: Mapping[str, Any]) -> str | None:
 
 def node_allocatable(node: Mapping[str, Any]) -> tuple[int, int]:
     """A node's allocatable CPU (milli) and memory (MiB)."""
-    return _memo("node", node, partial(_node_allocatable, node))
+    return _memo("node", node, partial(_allocatable_of, node))
 
 
-def _node_allocatable(node: Mapping[str, Any]) -> tuple[int, int]:
-    name = str(node["metadata"]["name"])
-    alloc = (node.get("status") or {}).get("allocatable") or {}
-    cpu = int(quantity(alloc.get("cpu", 0), f"node {name} allocatable cpu") * 1000)
-    mem = int(quantity(alloc.get("memory", 0), f"node {name} allocatable memory")
-              / (1024 * 1024))
-    return cpu, mem
 
 
 ClaimKey = tuple[str | None, str | None]

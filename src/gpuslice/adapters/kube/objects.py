@@ -11,11 +11,12 @@ object and field.
 from __future__ import annotations
 
 import json
-import re
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from gpuslice.core.dra.quantity import parse_quantity
 from gpuslice.core.errors import ValidationError
 from gpuslice.core.model import PRIORITIES, Isolation, SliceRequest
 from gpuslice.core.podrequest import (
@@ -43,23 +44,50 @@ CORDONED_ANNOTATION = "gpuslice.io/cordoned-gpus"
 # a pod being replaced: routers stop sending it requests and let in-flight ones finish
 DRAINING_ANNOTATION = "gpuslice.io/draining"
 
-_QUANTITY = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(m|k|M|G|T|Ki|Mi|Gi|Ti)?$")
-_FACTOR = {None: 1.0, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12,
-           "Ki": 1024.0, "Mi": 1024.0**2, "Gi": 1024.0**3, "Ti": 1024.0**4}
+# the largest quantity the API server holds (an int64), and the largest CPU (milli) and memory
+# (MiB) gpuslice counts: int64 too, as its arrays hold them
+INT64_MAX = 2**63 - 1
 
 
 def quantity(value: object, field: str) -> float:
-    """A Kubernetes quantity (``"500m"``, ``"2"``, ``"4Gi"``, or a number) as a float."""
-    if isinstance(value, bool):
-        raise ValidationError(field, "a Kubernetes quantity", value)
-    if isinstance(value, int | float):
-        return float(value)
-    if not isinstance(value, str):
-        raise ValidationError(field, "a Kubernetes quantity", value)
-    m = _QUANTITY.match(value.strip())
-    if not m:
-        raise ValidationError(field, "a Kubernetes quantity such as 500m, 2 or 4Gi", value)
-    return float(m.group(1)) * _FACTOR[m.group(2)]
+    """A Kubernetes quantity (``"500m"``, ``"2"``, ``"4Gi"``, ``"1e3"``, ``"1.5G"``, or a
+    number) as a float: every form apimachinery's resource.Quantity reads (core.dra.quantity),
+    not negative and at most an int64, as the API server holds it."""
+    if isinstance(value, str) and value.isascii() and value.isdigit():  # "1", "8192": most
+        n = int(value)
+        if n <= INT64_MAX:
+            return float(n)
+    if isinstance(value, float):
+        if not math.isfinite(value) or abs(value) > INT64_MAX:
+            raise ValidationError(field, "a Kubernetes quantity of at most 2^63-1", value)
+        number = value
+    else:
+        number = float(parse_quantity(value, field))
+    if number < 0:
+        raise ValidationError(field, "a quantity >= 0", value)
+    return number
+
+
+def scaled(value: float, unit: float, field: str, what: str) -> int:
+    """``value`` in ``unit`` (1000: milli-CPU), rounded up as apimachinery's ``MilliValue``
+    does, and at most an int64 (``what`` names the unit in the error)."""
+    n = math.ceil(value * unit)
+    if n > INT64_MAX:
+        raise ValidationError(field, f"at most 2^63-1 {what}", value)
+    return n
+
+
+def node_allocatable(node: Mapping[str, Any]) -> tuple[int, int]:
+    """A node's allocatable CPU (milli, rounded up as kube-scheduler counts it) and memory
+    (MiB, whole MiB); 0 for what it does not report. A :class:`ValidationError` names a
+    quantity that is not one."""
+    alloc = _dict(_dict(node.get("status"), "node status").get("allocatable"),
+                  "node status.allocatable")
+    name = _dict(node.get("metadata"), "node metadata").get("name")
+    cpu = scaled(quantity(alloc.get("cpu", 0), f"node {name}: allocatable cpu"), 1000,
+                 f"node {name}: allocatable cpu", "milli-CPU")
+    mem = int(quantity(alloc.get("memory", 0), f"node {name}: allocatable memory") // 2**20)
+    return cpu, mem
 
 
 def _dict(obj: object, field: str) -> dict[str, Any]:
@@ -193,7 +221,11 @@ def _cpu_memory(pod: dict[str, Any], containers: list[PodContainer],
         if k in pod_level:
             eff[k] = round(quantity(pod_level[k], f"{where}: spec.resources.requests {k}") * u
                            + overhead.get(k, 0) * u)
-    return int(eff.get("cpu", 0)), int(eff.get("memory", 0))
+    cpu, mem = int(eff.get("cpu", 0)), int(eff.get("memory", 0))
+    for value, what in ((cpu, "cpu (milli-CPU)"), (mem, "memory (MiB)")):
+        if value > INT64_MAX:
+            raise ValidationError(f"{where}: {what}", "a request of at most 2^63-1", value)
+    return cpu, mem
 
 
 def pod_request(pod: dict[str, Any]) -> SliceRequest | None:

@@ -114,9 +114,11 @@ def _names(args: dict[str, Any]) -> tuple[list[str], dict[str, dict[str, Any]] |
             raise ValidationError("NodeNames", "a list of node names", type(names).__name__)
         return names, None
     nodes = args.get("Nodes") or {}
-    items = nodes.get("items") if isinstance(nodes, dict) else None
+    if not isinstance(nodes, dict):
+        raise ValidationError("Nodes", "a NodeList (or NodeNames)", type(nodes).__name__)
+    items = nodes.get("items")
     if not isinstance(items, list):
-        raise ValidationError("Nodes.items", "a NodeList", type(items).__name__)
+        raise ValidationError("Nodes.items", "a list of nodes", type(items).__name__)
     by_name = {}
     for n in items:
         meta = n.get("metadata") if isinstance(n, dict) else None
@@ -143,8 +145,13 @@ def _victims(args: dict[str, Any]) -> tuple[dict[str, list[str]], dict[str, int]
             raise ValidationError(f"{key}.{node}.Pods", "a list of pods", type(pods).__name__)
         uids = []
         for p in pods:
-            uid = (p.get("UID") if meta is not None else (p.get("metadata") or {}).get("uid")) \
-                if isinstance(p, dict) else None
+            if not isinstance(p, dict):
+                uid = None
+            elif meta is not None:
+                uid = p.get("UID")
+            else:
+                pod_meta = p.get("metadata")
+                uid = pod_meta.get("uid") if isinstance(pod_meta, dict) else None
             if not isinstance(uid, str) or not uid:
                 raise ValidationError(f"{key}.{node}.Pods[]", "pods with their UID", p)
             uids.append(uid)
@@ -274,7 +281,8 @@ def make_app(state: ExtenderState, metrics: ExtenderMetrics | None = None, *,
             value = args.get(key)
             if not isinstance(value, str) or not value:
                 m.errors.labels("bind").inc()
-                return _answer({"Error": f"{key}: expected a string"})
+                return _answer({"Error": f"{key}: expected a non-empty string, got "
+                                         f"{value!r:.80}"})
             fields[key] = value
         ns, name, uid, node = (fields["PodNamespace"], fields["PodName"], fields["PodUID"],
                                fields["Node"])

@@ -22,12 +22,12 @@ from gpuslice.adapters.kube.objects import (
 from gpuslice.adapters.kube.objects import (
     INVENTORY_ANNOTATION,
     InventoryMig,
+    node_allocatable,
     node_inventory,
     pod_cpu_memory,
     pod_finished,
     pod_key,
     pod_request,
-    quantity,
 )
 from gpuslice.core import catalog, migmps
 from gpuslice.core.assignment import (
@@ -72,12 +72,8 @@ def _node_mark(node: dict[str, Any]) -> tuple[str, str, str, str]:
 
 def _allocatable(node: dict[str, Any], problems: list[str]) -> tuple[int, int]:
     """A node's allocatable CPU (milli) and memory (MiB); 0 for what it does not report."""
-    alloc = (node.get("status") or {}).get("allocatable") or {}
-    name = (node.get("metadata") or {}).get("name")
     try:
-        return (round(quantity(alloc.get("cpu", 0), f"node {name}: allocatable cpu") * 1000),
-                int(quantity(alloc.get("memory", 0), f"node {name}: allocatable memory")
-                    // 2**20))
+        return node_allocatable(node)
     except ValidationError as exc:
         problems.append(str(exc))
         return 0, 0
