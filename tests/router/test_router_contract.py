@@ -419,7 +419,7 @@ def test_cli_router_exports_and_errors(tmp_path: Path, capsys) -> None:  # type:
     bad.write_text(json.dumps({"services": [{"name": "m", "replicas": [{"url": "nope"}]}]}))
     assert main(["router", "--config", str(bad)]) == 2
     err = capsys.readouterr().err
-    assert "bad.json: services[m].replicas[0].url: expected an http:// or https:// URL" in err
+    assert "bad.json: services[m].replicas[0].url: expected an http:// URL with a host" in err
     assert main(["router", "--config", str(bad), "--policy", "fastest"]) == 2
     assert "policy: expected a routing policy" in capsys.readouterr().err
 
@@ -501,6 +501,79 @@ def test_terminating_endpoints_that_still_serve_are_draining_replicas() -> None:
     reps = {r.name: r for r in replicas_from_slices(doc)}
     assert set(reps) == {"up", "leaving"}
     assert reps["leaving"].draining and not reps["up"].draining
+
+
+def test_endpoints_whose_fields_are_not_of_their_types_are_skipped() -> None:
+    """discovery/v1 EndpointSlice (k8s.io/api discovery/v1 types.go): ``addresses`` a list of
+    strings, ``conditions`` and ``targetRef`` objects, a port 1..65535. A source that sends
+    anything else (a proxy, a fake) gets those endpoints skipped, not turned into replicas
+    such as ``http://1:80`` from a string's characters or ``http://10.0.0.1:True``."""
+    from gpuslice.adapters.http.endpointslices import replicas_from_slices
+
+    good = {"addresses": ["10.0.0.1"], "targetRef": {"name": "good"}}
+    doc = {"items": [
+        {"ports": [{"port": 8000}], "endpoints": [
+            good, {"addresses": "10.0.0.2"}, {"addresses": [None, 7, "", "a b"]},
+            {"addresses": ["10.0.0.3"], "conditions": "x"},
+            {"addresses": ["10.0.0.4"], "targetRef": "x"},
+            {"addresses": ["10.0.0.5"], "nodeName": 5, "targetRef": {"name": 5}}]},
+        {"ports": [{"port": True}], "endpoints": [{"addresses": ["10.0.1.1"]}]},
+        {"ports": [{"port": 99999}], "endpoints": [{"addresses": ["10.0.1.2"]}]},
+        {"ports": "x", "endpoints": [{"addresses": ["10.0.1.3"]}]}]}
+    reps = {r.name: r.url for r in replicas_from_slices(doc)}
+    assert reps == {"good": "http://10.0.0.1:8000", "10.0.0.5": "http://10.0.0.5:8000"}
+
+
+def test_a_source_that_answers_garbage_leaves_the_replicas_and_the_reload_loop_alive() -> None:
+    """The EndpointSlice source answers a login page (HTML with 200), then a good list again:
+    the failed reload keeps the replica set, says why (``POST /reload``), and the periodic
+    reload goes on and picks up the good list."""
+    from gpuslice.services.router import ServeOptions, make_loader, start_router
+
+    with backend("pod-a") as (pa, _):
+        async def go() -> None:
+            answers = ["good", "html", "html", "good2"]
+
+            async def handler(request: web.BaseRequest) -> web.Response:
+                kind = answers[0] if len(answers) == 1 else answers.pop(0)
+                if kind == "html":
+                    return web.Response(text="<html>login</html>", content_type="text/html")
+                name = "pod-a" if kind == "good" else "pod-a2"
+                return web.json_response({"items": [{"ports": [{"port": pa}], "endpoints": [
+                    {"addresses": ["127.0.0.1"], "targetRef": {"name": name}}]}]})
+
+            runner = web.ServerRunner(web.Server(handler))
+            await runner.setup()
+            await web.TCPSite(runner, "127.0.0.1", 0).start()
+            loader, _ = make_loader(ServeOptions(endpointslices="ml/resnet",
+                                                 kube_api=url(runner.addresses[0][1])))
+            app = await start_router(await loader(), loader=loader, reload_every_s=0.1,
+                                     health=False)
+
+            def names() -> list[str]:
+                return [r.name for r in app.router.config.services[0].replicas]
+
+            try:
+                async with aiohttp.ClientSession() as s:
+                    for _ in range(100):
+                        if app.reload_errors:
+                            break
+                        await asyncio.sleep(0.05)
+                    assert "a JSON answer from the API server" in app.reload_errors[0]
+                    assert names() == ["pod-a"]
+                    for _ in range(100):
+                        if names() == ["pod-a2"]:
+                            break
+                        await asyncio.sleep(0.05)
+                    assert names() == ["pod-a2"]
+                    assert not any(t.done() for t in app.tasks)
+                    r = await s.post(url(app.port) + "/v2/models/resnet/infer", json=V2_BODY)
+                    assert r.status == 200
+                    r.release()
+            finally:
+                await app.close()
+                await runner.cleanup()
+        run(go())
 
 
 def test_a_replica_url_pointing_back_at_a_router_is_refused_as_a_loop() -> None:

@@ -236,8 +236,10 @@ def test_router_config_parses_plan_fields_and_names_bad_fields() -> None:
     bad = [
         ({"services": []}, "services: expected at least one service"),
         ({"services": [{"name": "m", "replicas": [{"name": "a"}]}]}, r"replicas\[a\].url"),
-        ({"services": [{"name": "m", "replicas": [{"url": "ftp://x"}]}]},
-         "expected an http:// or https:// URL"),
+        *[({"services": [{"name": "m", "replicas": [{"url": u}]}]},
+           "expected an http:// URL with a host and a port of 1..65535")
+          for u in ("ftp://x", "https://10.0.0.1:8443", "http://h:notaport", "http://h:99999",
+                    "http://h:0", "http://[::1", "http://", "http:///x", "http://a b")],
         ({"services": [{"name": "m", "replicas": [{"url": "http://x", "weight": "3"}]}]},
          r"replicas\[0\].weight: expected a number"),
         ({"policy": "best", "services": [{"name": "m", "replicas": [{"url": "http://x"}]}]},

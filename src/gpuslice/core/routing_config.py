@@ -21,6 +21,7 @@ mesh exports and EndpointSlice weights (pods are matched to them by name prefix)
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -120,11 +121,20 @@ def _list(where: str, value: object) -> Sequence[object]:
     return value
 
 
+_HOST = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+)(:[0-9]{1,5})?$")
+
+
 def check_url(where: str, value: object) -> str:
+    """A replica's URL: ``http://HOST[:PORT][/...]`` (the proxy speaks plain HTTP/1.1 to its
+    replicas), the host a name, an IPv4 or a bracketed IPv6 address, the port 1..65535."""
     url = _str(where, value)
     scheme, sep, rest = url.partition("://")
-    if not sep or scheme not in ("http", "https") or not rest or rest.startswith("/"):
-        raise ValidationError(where, "an http:// or https:// URL with a host", value)
+    hostport = rest.split("/", 1)[0]
+    m = _HOST.match(hostport) if sep and scheme == "http" else None
+    port = int(m.group(2)[1:]) if m and m.group(2) else 80
+    if m is None or not 1 <= port <= 65535:
+        raise ValidationError(where, "an http:// URL with a host and a port of 1..65535 "
+                              "(replicas are served plain HTTP)", value)
     return url.rstrip("/")
 
 

@@ -305,18 +305,27 @@ class RouterApp:
         try:
             config = await self.loader()
             self.router.apply(config)
-        except (ValidationError, OSError, aiohttp.ClientError) as exc:
-            self.reload_errors.append(str(exc))
-            log.warning("reload failed, keeping the old replica set: %s", exc,
-                        extra={"event": "reload-failed"})
-            return {"reloaded": False, "error": str(exc)}
+        except (TimeoutError, ValidationError, OSError, aiohttp.ClientError) as exc:
+            return self._reload_failed(str(exc) or type(exc).__name__)
+        except Exception as exc:  # a source's answer no rule above foresaw: the router goes
+            # on with the replicas it has, and the next reload may do better
+            log.exception("reload failed unexpectedly, keeping the old replica set",
+                          extra={"event": "reload-failed"})
+            return self._reload_failed(f"{type(exc).__name__}: {exc}")
         return {"reloaded": True, "generation": self.router.generation}
+
+    def _reload_failed(self, error: str) -> dict[str, object]:
+        self.reload_errors.append(error)
+        log.warning("reload failed, keeping the old replica set: %s", error,
+                    extra={"event": "reload-failed"})
+        return {"reloaded": False, "error": error}
 
     async def close(self) -> None:
         for t in self.tasks:
             t.cancel()
         for t in self.tasks:
-            with contextlib.suppress(asyncio.CancelledError):
+            # a task that ended on an error must not keep the runners and the proxy open
+            with contextlib.suppress(Exception, asyncio.CancelledError):
                 await t
         for r in self.runners:
             await r.cleanup()

@@ -6,6 +6,7 @@ HTTP API: in cluster with the pod's service-account token, or against any URL (t
 from __future__ import annotations
 
 import os
+import re
 import ssl
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -46,28 +47,35 @@ def replicas_from_slices(doc: object, port_name: str | None = None,
     for item in doc["items"]:
         if not isinstance(item, dict):
             continue
-        ports = [p for p in item.get("ports") or [] if isinstance(p, dict)]
+        ports = [p for p in _items(item.get("ports")) if isinstance(p, dict)]
         if port_name is not None:
             ports = [p for p in ports if p.get("name") == port_name]
-        if not ports or not isinstance(ports[0].get("port"), int):
+        port = ports[0].get("port") if ports else None
+        # an EndpointSlice port the API server would refuse (discovery/v1 validation) is
+        # skipped, as are the endpoints below whose fields are not of their types
+        if not isinstance(port, int) or isinstance(port, bool) or not 1 <= port <= 65535:
             continue
-        port = ports[0]["port"]
-        for ep in item.get("endpoints") or []:
+        for ep in _items(item.get("endpoints")):
             if not isinstance(ep, dict):
                 continue
-            cond = ep.get("conditions") or {}
+            cond, ref = ep.get("conditions") or {}, ep.get("targetRef") or {}
+            if not isinstance(cond, dict) or not isinstance(ref, dict):
+                continue
             draining = cond.get("terminating") is True
             if draining and cond.get("serving") is not True:
                 continue
             if not draining and cond.get("ready") is False:
                 continue
-            ref = ep.get("targetRef") or {}
-            for addr in ep.get("addresses") or []:
-                host = f"[{addr}]" if ":" in str(addr) else str(addr)
-                pod = str(ref.get("name") or addr)
+            node = ep.get("nodeName")
+            labels = {"node": node} if isinstance(node, str) and node else {}
+            for addr in _items(ep.get("addresses")):
+                if not isinstance(addr, str) or not _ADDRESS.match(addr):
+                    continue
+                host = f"[{addr}]" if ":" in addr else addr
+                ref_name = ref.get("name")
+                pod = ref_name if isinstance(ref_name, str) and ref_name else addr
                 name = pod if pod not in out else f"{pod}-{addr}"
                 known = _match(pod, weights or {})
-                labels = {"node": str(ep["nodeName"])} if ep.get("nodeName") else {}
                 if known is not None:
                     out[name] = ReplicaSpec(name, f"http://{host}:{port}", known.weight,
                                             known.concurrency, known.service_time_s,
@@ -76,6 +84,15 @@ def replicas_from_slices(doc: object, port_name: str | None = None,
                     out[name] = ReplicaSpec(name, f"http://{host}:{port}", labels=labels,
                                             draining=draining)
     return tuple(out.values())
+
+
+# an endpoint address: IPv4, IPv6 or (addressType FQDN) a DNS name
+_ADDRESS = re.compile(r"^([0-9A-Fa-f:.]+|[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?)$")
+
+
+def _items(value: object) -> list[object]:
+    """A list field of the EndpointSlice, or nothing when it is absent or not a list."""
+    return value if isinstance(value, list) else []
 
 
 def _match(pod: str, weights: Mapping[str, ReplicaSpec]) -> ReplicaSpec | None:
@@ -111,4 +128,8 @@ async def fetch_slices(session: aiohttp.ClientSession, src: SliceSource) -> obje
             text = (await resp.text())[:200]
             raise ValidationError("EndpointSlice list", "HTTP 200 from the API server",
                                   f"{resp.status}: {text}")
-        return await resp.json(content_type=None)
+        try:
+            return await resp.json(content_type=None)
+        except ValueError as exc:  # json's JSONDecodeError, a body that is not UTF-8
+            raise ValidationError("EndpointSlice list", "a JSON answer from the API server",
+                                  str(exc)[:200]) from None
