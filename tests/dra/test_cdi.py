@@ -11,6 +11,7 @@ import jsonschema
 import pytest
 
 from gpuslice.adapters.dra.cdi import CdiDevice, CdiSpecs, device_name
+from gpuslice.core.errors import ValidationError
 from tests.dra.conftest import Node, claim
 
 SCHEMA = json.loads((Path(__file__).with_name("cdi_schema.json")).read_text())
@@ -53,7 +54,8 @@ def test_every_spec_of_every_model_validates(node: Node) -> None:
 
 def test_device_names_reject_characters_cdi_does_not_allow() -> None:
     assert device_name("u-1", "gpu-0", "s:1") == "u-1-gpu-0-s:1"
-    with pytest.raises(ValueError, match="CDI device name"):
+    # a gpuslice error, so a claim refused for it says why without a Python type's name
+    with pytest.raises(ValidationError, match="CDI device name"):
         device_name("u 1", "gpu-0")
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from gpuslice.adapters.dra.files import remove_durably, write_atomic
+from gpuslice.core.errors import ValidationError
 
 CDI_VERSION = "0.6.0"  # env, deviceNodes with hostPath, mounts, names starting with digits
 VENDOR = "k8s.gpu.gpuslice.io"
@@ -68,7 +69,8 @@ def device_node(host_path: str, dev_dir: str = "/dev") -> dict[str, str]:
 def device_name(claim_uid: str, device: str, share_id: str = "") -> str:
     name = f"{claim_uid}-{device}" + (f"-{share_id}" if share_id else "")
     if not _NAME.match(name):
-        raise ValueError(f"CDI device name {name!r}: letters, digits, '-', '_', '.', ':'")
+        raise ValidationError("CDI device name (claim UID, device, share ID)",
+                              "letters, digits, '-', '_', '.' and ':' only", name)
     return name
 
 
