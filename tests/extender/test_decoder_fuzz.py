@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 from gpuslice.adapters.kube.annotation import AnnotationError, decode
 from gpuslice.adapters.kube.objects import pod_request
 from gpuslice.core.errors import GpusliceError
-from gpuslice.services.extender.http import _names, _victims
+from gpuslice.services.extender.wire import node_names as _names
+from gpuslice.services.extender.wire import victims_of as _victims
 
 scalars = st.one_of(st.none(), st.booleans(), st.integers(-10**6, 10**6),
                     st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=12))

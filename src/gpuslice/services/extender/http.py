@@ -12,7 +12,6 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import Executor
 from typing import Any, Protocol, cast
 
-import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
@@ -29,6 +28,15 @@ from gpuslice.core.errors import GpusliceError, ValidationError
 from gpuslice.services.extender.flow import BINDS_IN_FLIGHT, FLOW_WAIT_S, BindFlow
 from gpuslice.services.extender.metrics import ExtenderMetrics
 from gpuslice.services.extender.state import BindWrite, ExtenderState
+from gpuslice.services.extender.wire import (
+    answer,
+    bad,
+    node_names,
+    pod_name,
+    read_json,
+    scheduled_pod,
+    victims_of,
+)
 from gpuslice.services.heap import LongLivedHeap
 from gpuslice.services.leader import LeaderLabel
 
@@ -82,100 +90,6 @@ class OnThreads:
 # -- HTTP ------------------------------------------------------------------------------------
 
 
-def _answer(doc: Any, status: int = 200) -> web.Response:
-    return web.Response(status=status, body=orjson.dumps(doc), content_type="application/json")
-
-
-def _bad(message: str, status: int = 400) -> web.Response:
-    return _answer({"Error": message}, status)
-
-
-async def _json(request: web.Request) -> dict[str, Any]:
-    try:
-        body = await request.read()
-    except (web.RequestPayloadError, ConnectionError) as exc:  # a Content-Encoding it lies
-        # about, a body cut short
-        raise web.HTTPBadRequest(text=f"request body unreadable: {exc}") from None
-    try:
-        doc = orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
-        raise web.HTTPBadRequest(text=f"request body is not JSON: {exc}") from None
-    if not isinstance(doc, dict):
-        raise web.HTTPBadRequest(text="request body: expected a JSON object")
-    return doc
-
-
-def _names(args: dict[str, Any]) -> tuple[list[str], dict[str, dict[str, Any]] | None]:
-    """The candidate node names, and the node objects when the scheduler sent them."""
-    if args.get("NodeNames") is not None:
-        names = args["NodeNames"]
-        # the element check in C (map, set): a generator over 1000 names was 0.1 ms a call
-        if not isinstance(names, list) or (names and set(map(type, names)) != {str}):
-            raise ValidationError("NodeNames", "a list of node names", type(names).__name__)
-        return names, None
-    nodes = args.get("Nodes") or {}
-    if not isinstance(nodes, dict):
-        raise ValidationError("Nodes", "a NodeList (or NodeNames)", type(nodes).__name__)
-    items = nodes.get("items")
-    if not isinstance(items, list):
-        raise ValidationError("Nodes.items", "a list of nodes", type(items).__name__)
-    by_name = {}
-    for n in items:
-        meta = n.get("metadata") if isinstance(n, dict) else None
-        if not isinstance(meta, dict) or not isinstance(meta.get("name"), str):
-            raise ValidationError("Nodes.items[].metadata.name", "a node name", n)
-        by_name[n["metadata"]["name"]] = n
-    return list(by_name), by_name
-
-
-def _victims(args: dict[str, Any]) -> tuple[dict[str, list[str]], dict[str, int]]:
-    """Victim pod UIDs per node and the PDB violations counted for them, from either form the
-    scheduler sends (``NodeNameToMetaVictims`` with UIDs, or ``NodeNameToVictims`` with pods)."""
-    meta = args.get("NodeNameToMetaVictims")
-    full = args.get("NodeNameToVictims")
-    raw, key = (meta, "NodeNameToMetaVictims") if meta is not None else \
-        (full, "NodeNameToVictims")
-    if not isinstance(raw, dict):
-        raise ValidationError(key, "a map of node name to victims", type(raw).__name__)
-    victims: dict[str, list[str]] = {}
-    pdb: dict[str, int] = {}
-    for node, v in raw.items():
-        pods = v.get("Pods") if isinstance(v, dict) else None
-        if not isinstance(pods, list):
-            raise ValidationError(f"{key}.{node}.Pods", "a list of pods", type(pods).__name__)
-        uids = []
-        for p in pods:
-            if not isinstance(p, dict):
-                uid = None
-            elif meta is not None:
-                uid = p.get("UID")
-            else:
-                pod_meta = p.get("metadata")
-                uid = pod_meta.get("uid") if isinstance(pod_meta, dict) else None
-            if not isinstance(uid, str) or not uid:
-                raise ValidationError(f"{key}.{node}.Pods[]", "pods with their UID", p)
-            uids.append(uid)
-        victims[node] = uids
-        n = v.get("NumPDBViolations", 0)
-        pdb[node] = n if isinstance(n, int) and not isinstance(n, bool) else 0
-    return victims, pdb
-
-
-def _pod_name(pod: dict[str, Any]) -> str:
-    meta = pod.get("metadata") or {}
-    return f"{meta.get('namespace', '')}/{meta.get('name', '')}"
-
-
-def _pod(args: dict[str, Any]) -> dict[str, Any]:
-    pod = args.get("Pod")
-    if not isinstance(pod, dict):
-        raise ValidationError("Pod", "a Pod object", type(pod).__name__)
-    for part in ("metadata", "spec", "status"):  # what the verbs read with .get()
-        if pod.get(part) is not None and not isinstance(pod[part], dict):
-            raise ValidationError(f"Pod.{part}", "an object", type(pod[part]).__name__)
-    return pod
-
-
 # the scheduler's verbs: with client authentication, only a certified client may call them
 VERBS = ("filter", "prioritize", "bind", "preempt")
 
@@ -212,7 +126,7 @@ def make_app(state: ExtenderState, metrics: ExtenderMetrics | None = None, *,
             return await handler(request)  # type: ignore[no-any-return]
         if client_auth and not _client_certified(request):
             m.unauthenticated.labels(verb).inc()
-            return _bad(f"{verb}: a client certificate signed by the extender's --client-ca "
+            return bad(f"{verb}: a client certificate signed by the extender's --client-ca "
                         "is required (kube-scheduler's tlsConfig certFile/keyFile)", 403)
         m.arrived_on(request.transport)
         t0 = time.perf_counter()
@@ -225,14 +139,14 @@ def make_app(state: ExtenderState, metrics: ExtenderMetrics | None = None, *,
             m.seconds.labels(verb).observe(time.perf_counter() - t0)
 
     async def filter_(request: web.Request) -> web.Response:
-        args = await _json(request)
+        args = await read_json(request)
         waited = await flow.room()  # the answer is made from the ledger as it is after it
         if waited:
             m.filter_waits.inc()
             m.filter_wait_seconds.inc(waited)
         try:
-            names, objects = _names(args)
-            pod = _pod(args)
+            names, objects = node_names(args)
+            pod = scheduled_pod(args)
             stale = state.stale_holders(pod, names)
             if stale:
                 freed = await asyncio.get_running_loop().run_in_executor(
@@ -241,7 +155,7 @@ def make_app(state: ExtenderState, metrics: ExtenderMetrics | None = None, *,
                 if freed:  # victims the watch had not yet seen go (placement.stale_holders)
                     nominated = (pod.get("status") or {}).get("nominatedNodeName") or ""
                     log.info("filter: %d share(s) of deleted pods given back for %s "
-                             "(nominated: %s)", freed, _pod_name(pod), nominated or "not yet",
+                             "(nominated: %s)", freed, pod_name(pod), nominated or "not yet",
                              extra={"event": "stale_freed", "freed": freed,
                                     "nominated": nominated})
             keep, failed = state.filter(pod, names)
@@ -250,7 +164,7 @@ def make_app(state: ExtenderState, metrics: ExtenderMetrics | None = None, *,
             hopeless = state.unresolvable(pod, list(failed))
         except GpusliceError as exc:
             m.errors.labels("filter").inc()
-            return _answer({"Nodes": None, "NodeNames": None, "FailedNodes": {},
+            return answer({"Nodes": None, "NodeNames": None, "FailedNodes": {},
                             "FailedAndUnresolvableNodes": {}, "Error": str(exc)})
         result: dict[str, Any] = {
             "FailedNodes": {n: r for n, r in failed.items() if n not in hopeless},
@@ -262,26 +176,26 @@ def make_app(state: ExtenderState, metrics: ExtenderMetrics | None = None, *,
             result.update(NodeNames=None,
                           Nodes={"apiVersion": "v1", "kind": "NodeList",
                                  "items": [objects[n] for n in keep]})
-        return _answer(result)
+        return answer(result)
 
     async def prioritize(request: web.Request) -> web.Response:
-        args = await _json(request)
+        args = await read_json(request)
         try:
-            names, _ = _names(args)
-            scores = state.prioritize(_pod(args), names)
+            names, _ = node_names(args)
+            scores = state.prioritize(scheduled_pod(args), names)
         except GpusliceError as exc:
             m.errors.labels("prioritize").inc()
-            return _bad(str(exc))
-        return _answer([{"Host": h, "Score": s} for h, s in scores])
+            return bad(str(exc))
+        return answer([{"Host": h, "Score": s} for h, s in scores])
 
     async def bind(request: web.Request) -> web.Response:
-        args = await _json(request)
+        args = await read_json(request)
         fields = {}
         for key in ("PodName", "PodNamespace", "PodUID", "Node"):
             value = args.get(key)
             if not isinstance(value, str) or not value:
                 m.errors.labels("bind").inc()
-                return _answer({"Error": f"{key}: expected a non-empty string, got "
+                return answer({"Error": f"{key}: expected a non-empty string, got "
                                          f"{value!r:.80}"})
             fields[key] = value
         ns, name, uid, node = (fields["PodNamespace"], fields["PodName"], fields["PodUID"],
@@ -314,7 +228,7 @@ def make_app(state: ExtenderState, metrics: ExtenderMetrics | None = None, *,
         finally:
             flow.finished()
         m.binds.labels("refused" if error else "bound").inc()
-        return _answer({"Error": error})
+        return answer({"Error": error})
 
     async def write_held(w: BindWrite) -> str | None:
         t0 = time.perf_counter()
@@ -331,15 +245,15 @@ def make_app(state: ExtenderState, metrics: ExtenderMetrics | None = None, *,
         return state.finish_held(w, failed)
 
     async def preempt(request: web.Request) -> web.Response:
-        args = await _json(request)
+        args = await read_json(request)
         try:
-            victims, pdb = _victims(args)
+            victims, pdb = victims_of(args)
             kept = await asyncio.get_running_loop().run_in_executor(
-                binds, state.preempt, _pod(args), victims, pdb)
+                binds, state.preempt, scheduled_pod(args), victims, pdb)
         except GpusliceError as exc:
             m.errors.labels("preempt").inc()
-            return _bad(str(exc))
-        return _answer({"NodeNameToMetaVictims": {
+            return bad(str(exc))
+        return answer({"NodeNameToMetaVictims": {
             node: {"Pods": [{"UID": u} for u in uids], "NumPDBViolations": n}
             for node, (uids, n) in kept.items()}})
 
