@@ -187,7 +187,8 @@ def allocate_next_to(env: Env, annotation: str, ids: list[str]) -> None:
         refused_properly(exc)
     finally:
         env.api.delete_pod("ml", name)
-    assert ("ml", name) not in env.plugin._claimed  # nothing unsigned was executed
+    # nothing unsigned was executed
+    assert not any(a.pod == name for a in env.plugin.executed())
 
 
 def test_after_the_fuzzing_a_valid_assignment_is_steered_to_and_executed(env: Env) -> None:

@@ -164,7 +164,7 @@ def test_bad_allocations_are_refused_with_a_reason(env, setup, ids, code, text) 
     with pytest.raises(grpc.RpcError) as exc:
         allocate(kubelet.stub(), *ids)
     assert exc.value.code() == code and text in (exc.value.details() or "")
-    assert plugin._claimed == set()  # no state changed
+    assert plugin._claimed == {}  # no state changed
 
 
 def test_gpu_fault_and_recovery_are_streamed(env) -> None:  # type: ignore[no-untyped-def]

@@ -75,47 +75,74 @@ class Admissions(PluginState):
         order: dict[str, int] = {}
         asks: set[str] = set()
         for field_name in ("initContainers", "containers"):
-            for c in spec.get(field_name) or []:
+            listed = spec.get(field_name)
+            for c in listed if isinstance(listed, list) else []:
                 if not isinstance(c, dict):
                     continue
                 name = str(c.get("name") or "")
                 order.setdefault(name, len(order))
-                res = c.get("resources") or {}
-                if any(self.cfg.resource in (res.get(k) or {}) for k in ("limits", "requests")):
+                res = c.get("resources")
+                if isinstance(res, dict) and any(
+                        isinstance(res.get(k), dict) and self.cfg.resource in res[k]
+                        for k in ("limits", "requests")):
                     asks.add(name)
         ordered = sorted(a.containers, key=lambda c: order.get(c.name, len(order)))
         plan = tuple(c for c in ordered if c.name not in order or c.name in asks)
         return plan or tuple(ordered)
 
-    def _waiting(self) -> list[_Admission]:
+    def _waiting(self, pods: list[dict[str, Any]] | None = None) -> list[_Admission]:
         """Verified assignments for this node not claimed yet, oldest first, each with the
-        containers the kubelet will allocate and its pod's priority annotation."""
+        containers the kubelet will allocate and its pod's priority annotation. ``pods``: the
+        node's pods as just read (read here when not given). A pod whose fields are not of
+        their types is passed over (noted once): it must not hold up the others."""
         out = []
         held = self._held_by_kubelet()
-        for p in self._pods_here():
-            meta = p.get("metadata") or {}
-            text = (meta.get("annotations") or {}).get(ANNOTATION)
-            if not text:
-                continue
-            # the kubelet allocates devices while admitting a pod, never for one already
-            # running or finished: after an agent restart those are not waiting for Allocate
-            if (p.get("status") or {}).get("phase") not in (None, "", "Pending"):
-                continue
-            if (meta.get("namespace", "default"), meta.get("name")) in held:
-                continue  # the kubelet gave it devices already: executed before a restart
+        for p in self._pods_here() if pods is None else pods:
             try:
-                a = decode(text)
-            except AnnotationError:
+                w = self._waiting_one(p, held)
+            except (AttributeError, TypeError, ValueError) as exc:
+                meta = p.get("metadata") if isinstance(p, dict) else None
+                name = (f"{meta.get('namespace')}/{meta.get('name')}"
+                        if isinstance(meta, dict) else "?")
+                note_once(self.problems, f"pod {name}: passed over, not a pod as the API "
+                          f"server holds one ({type(exc).__name__}: {exc})")
                 continue
-            if a.node != self.cfg.node or not verify(a, self.cfg.key):
-                continue
-            if (a.namespace, a.pod) in self._claimed:
-                continue
-            priority = str((meta.get("annotations") or {}).get(PRIORITY_ANNOTATION, "normal"))
-            rv = str(meta.get("resourceVersion") or "")
-            out.append(_Admission(a, self._plan(p, a), priority,
-                                  int(rv) if rv.isdigit() else None))
+            if w is not None:
+                out.append(w)
         return sorted(out, key=_kubelet_order)
+
+    def _waiting_one(self, p: dict[str, Any], held: set[tuple[str, str]]) -> _Admission | None:
+        meta = p.get("metadata") or {}
+        annotations = meta.get("annotations") or {}
+        text = annotations.get(ANNOTATION)
+        if not text or not isinstance(text, str):
+            return None
+        # the kubelet allocates devices while admitting a pod, never for one already running
+        # or finished: after an agent restart those are not waiting for Allocate
+        if (p.get("status") or {}).get("phase") not in (None, "", "Pending"):
+            return None
+        key = (meta.get("namespace", "default"), meta.get("name"))
+        if key in held:
+            return None  # the kubelet gave it devices already: executed before a restart
+        try:
+            a = decode(text)
+        except AnnotationError:
+            return None
+        if a.node != self.cfg.node or not verify(a, self.cfg.key):
+            return None
+        if (a.namespace, a.pod, a.pod_uid) != (*key, meta.get("uid")):
+            # signed for another pod: a copy of a running pod's annotation must not get
+            # that pod's GPUs
+            note_once(self.problems, f"pod {key[0]}/{key[1]}: carries the assignment of "
+                      f"{a.namespace}/{a.pod} (UID {a.pod_uid}); not executed")
+            return None
+        if a.pod_uid in self._claimed:
+            return None
+        priority = str(annotations.get(PRIORITY_ANNOTATION, "normal"))
+        rv = str(meta.get("resourceVersion") or "")
+        # a resourceVersion is a uint64 in every API server known (etcd's revision)
+        return _Admission(a, self._plan(p, a), priority,
+                          int(rv) if rv.isascii() and rv.isdigit() and len(rv) <= 20 else None)
 
     def _fits_next(self, adm: _Admission, ids: list[str]) -> bool:
         """Whether the devices the kubelet chose can be ``adm``'s next container's: as many
@@ -137,8 +164,25 @@ class Admissions(PluginState):
         kubelet is admitting (its containers come one Allocate at a time), else the oldest
         waiting assignment whose first container is on these GPUs and can be executed; and
         why older ones were passed over (their MIG instance is gone: a layout changed after
-        the bind). One that can never run must not hold up the pods behind it."""
+        the bind). One that can never run must not hold up the pods behind it.
+
+        The node's pods are read first: a pod being admitted that is gone or no longer
+        pending (deleted, its admission failed) gives up its remaining containers, and what
+        was claimed for pods gone from the node is forgotten (a pod made again under the
+        same name is another pod, with another UID)."""
         with self._claim_lock:
+            seen = self._claim_seq
+        pods = self._pods_here()
+        pending = set()
+        for p in pods:
+            meta = p.get("metadata") if isinstance(p, dict) else None
+            status = p.get("status") if isinstance(p, dict) else None
+            phase = status.get("phase") if isinstance(status, dict) else None
+            if isinstance(meta, dict) and isinstance(meta.get("uid"), str) \
+                    and phase in (None, "", "Pending"):
+                pending.add(meta["uid"])
+        with self._claim_lock:
+            self._forget(pending, seen)
             for adm in self._admitting:
                 if self._fits_next(adm, ids):
                     adm.done += 1
@@ -146,7 +190,7 @@ class Admissions(PluginState):
                         self._admitting.remove(adm)
                     return adm, []
         stale: list[str] = []
-        for w in self._waiting():
+        for w in self._waiting(pods):
             if not self._fits_next(w, ids):
                 continue
             mig = [g for c in w.a.containers for g in c.gpus if g.mig_profile]
@@ -157,25 +201,42 @@ class Admissions(PluginState):
                 stale.append(f"{w.a.namespace}/{w.a.pod}: {exc}")
                 continue
             with self._claim_lock:
-                key = (w.a.namespace, w.a.pod)
-                if key in self._claimed:
+                if w.a.pod_uid in self._claimed:
                     continue
-                self._claimed.add(key)
+                self._claim_seq += 1
+                self._claimed[w.a.pod_uid] = self._claim_seq
                 self._executed.append(w.a)
                 w.done = 1
+                # the kubelet admits one pod at a time: another pod's admission left half
+                # done ended without its remaining containers (it failed, or was deleted)
+                self._admitting.clear()
                 if len(w.plan) > 1:
                     self._admitting.append(w)
             return w, stale
         return None, stale
+
+    def _forget(self, pending: set[str], seen: int) -> None:
+        """Under ``_claim_lock``: drop the admissions under way of pods not pending on the node
+        any more, and the claims of pods gone from it, among those claimed before the read
+        that found them gone (sequence <= ``seen``; a claim made since the read is not in
+        it)."""
+        self._admitting = [adm for adm in self._admitting if adm.a.pod_uid in pending]
+        gone = [uid for uid, seq in self._claimed.items()
+                if seq <= seen and uid not in pending]
+        if not gone:
+            return
+        for uid in gone:
+            del self._claimed[uid]
+        dropped = set(gone)
+        self._executed = [x for x in self._executed if x.pod_uid not in dropped]
 
     def _undo(self, adm: _Admission) -> None:
         """Give back the container just taken (and the pod, when it was its first)."""
         with self._claim_lock:
             adm.done -= 1
             if adm.done == 0:
-                self._claimed.discard((adm.a.namespace, adm.a.pod))
-                self._executed = [x for x in self._executed
-                                  if (x.namespace, x.pod) != (adm.a.namespace, adm.a.pod)]
+                self._claimed.pop(adm.a.pod_uid, None)
+                self._executed = [x for x in self._executed if x.pod_uid != adm.a.pod_uid]
                 if adm in self._admitting:
                     self._admitting.remove(adm)
             elif adm not in self._admitting:
@@ -200,7 +261,6 @@ class Admissions(PluginState):
 
     def _unclaim(self, a: Assignment) -> None:
         with self._claim_lock:
-            self._claimed.discard((a.namespace, a.pod))
-            self._executed = [x for x in self._executed if (x.namespace, x.pod) !=
-                              (a.namespace, a.pod)]
+            self._claimed.pop(a.pod_uid, None)
+            self._executed = [x for x in self._executed if x.pod_uid != a.pod_uid]
             self._admitting = [w for w in self._admitting if w.a is not a]

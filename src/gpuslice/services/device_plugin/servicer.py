@@ -88,10 +88,10 @@ class DevicePlugin(Admissions, Responses, pbg.DevicePluginServicer):
                      else "<GPU UUID>::<n>")
             if not ids or len(set(ids)) != len(ids):
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                              f"devices_ids: expected distinct device IDs, got {ids}")
+                              f"devices_ids: expected distinct device IDs, got {_some(ids)}")
             if unknown:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                              f"unknown device IDs {unknown}; this plugin serves "
+                              f"unknown device IDs {_some(unknown)}; this plugin serves "
                               f"{self.cfg.resource} devices named {named}")
             if self.cfg.mig_strategy != "none":
                 # NVIDIA's single/mixed strategies: the kubelet's choice is the instance
@@ -132,3 +132,11 @@ class DevicePlugin(Admissions, Responses, pbg.DevicePluginServicer):
     def PreStartContainer(self, request: pb.PreStartContainerRequest,
                           context: Any) -> pb.PreStartContainerResponse:
         return pb.PreStartContainerResponse()
+
+
+def _some(ids: list[str], shown: int = 8) -> str:
+    """``ids`` for an error message: the first few (each cut to 80 characters) and how many
+    more, so that the message stays well under gRPC's 16 KiB of status details."""
+    head = [i[:80] for i in ids[:shown]]
+    more = f" and {len(ids) - shown} more" if len(ids) > shown else ""
+    return f"{head}{more}"

@@ -41,7 +41,9 @@ class PluginState:
         self._cond = threading.Condition()
         self._version = 0
         self._unhealthy: set[str] = set()
-        self._claimed: set[tuple[str, str]] = set()  # (namespace, pod) already executed
+        # pods (by UID) whose assignment was executed, with the sequence number of the claim
+        self._claimed: dict[str, int] = {}
+        self._claim_seq = 0
         self._executed: list[Assignment] = []
         self._claim_lock = threading.Lock()
         self._admitting: list[_Admission] = []  # claimed, containers still to allocate
