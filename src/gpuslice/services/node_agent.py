@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import shutil
 import threading
@@ -48,6 +49,8 @@ MIG_LAYOUTS = "gpuslice.io/mig-layouts"
 AGENT_LABELS = "gpuslice.io/agent-labels"
 # XIDs that are the application's fault, not the GPU's (NVIDIA's device plugin skips them too)
 APPLICATION_XIDS = frozenset({13, 31, 43, 45, 68, 109})
+
+log = logging.getLogger(__name__)
 
 
 def label_keys(text: str | None) -> set[str]:
@@ -292,6 +295,26 @@ class NodeAgent:
         if changed:
             self.publish()
 
+    def _desired_layouts(self, node: dict[str, Any]) -> dict[str, str]:
+        """The layouts the reconfiguration controller asks of this node's GPUs (its
+        ``gpuslice.io/mig-desired`` annotation: GPU UUID -> layout text); nothing, noted once,
+        when the annotation is not that."""
+        meta = node.get("metadata")
+        ann = meta.get("annotations") if isinstance(meta, dict) else None
+        text = ann.get(MIG_DESIRED) if isinstance(ann, dict) else None
+        if not text:
+            return {}
+        try:
+            desired = json.loads(text) if isinstance(text, str) else None
+        except ValueError:
+            desired = None
+        if not isinstance(desired, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in desired.items()):
+            note_once(self.problems, f"{MIG_DESIRED}: expected a JSON object of GPU UUID to "
+                      f"layout text, got {str(text)[:80]!r}; no layout applied")
+            return {}
+        return desired
+
     def reconcile_layouts(self) -> dict[str, dict[str, str]]:
         """Apply the MIG layout the controller wants on each MIG-enabled GPU that has no
         clients, and report every GPU's layout and state on the node (changed reports only).
@@ -305,12 +328,7 @@ class NodeAgent:
         if any(g.mig_enabled for g in self.nvml.devices()):  # else no layout to be asked for
             with contextlib.suppress(ApiNotFound):  # its own node (RBAC: nodes get, not list)
                 node = self.api.get_node(self.cfg.node)
-        ann = (node.get("metadata") or {}).get("annotations") or {}
-        try:
-            desired = json.loads(ann.get(MIG_DESIRED) or "{}")
-        except ValueError:
-            self.problems.append(f"{MIG_DESIRED}: not JSON")
-            desired = {}
+        desired = self._desired_layouts(node)
         report: dict[str, dict[str, str]] = {}
         changed = False
         for g in self.nvml.devices():
@@ -410,6 +428,10 @@ class NodeAgent:
                 self.reconcile_layouts()
             except GpusliceError as exc:
                 note_once(self.problems, f"MIG layouts: {exc}")
+            except Exception as exc:  # whatever the API server or NVML answered: health
+                # checks, publishing and metrics must go on
+                log.exception("MIG layouts: unexpected error")
+                note_once(self.problems, f"MIG layouts: {type(exc).__name__}: {exc}")
 
     def mps_targets(self) -> set[str]:
         """The GPUs and MIG instances this agent may run an MPS daemon for (each one's pipe
