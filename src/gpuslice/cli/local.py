@@ -104,13 +104,14 @@ def register(sub: Sub) -> None:
 def _up(args: argparse.Namespace, console: Console) -> int:
     import asyncio
 
-    from gpuslice.services.local import LocalRuntime, default_state_dir, read_state, run_local
+    from gpuslice.services.local import LocalRuntime, default_state_dir, run_local
     from gpuslice.services.local_config import read_local_services
+    from gpuslice.services.local_state import read_state, up_running
 
     state_dir = args.state_dir or default_state_dir()
     cfg = read_local_services(args.services)
     old = read_state(state_dir)
-    if old is not None and alive(int(old.get("pid", 0))):
+    if old is not None and up_running(old):
         raise ValidationError("--state-dir", "no local mode already running there (gpuslice "
                               "down first)", f"{state_dir}: pid {old.get('pid')}")
     if not 0 <= args.port <= 65535:
@@ -133,7 +134,7 @@ def _up_detached(args: argparse.Namespace, state_dir: Path, console: Console) ->
     import subprocess
     import time
 
-    from gpuslice.services.local import read_state
+    from gpuslice.services.local_state import read_state
 
     argv = [a for a in sys.argv[1:] if a != "--detach"] if sys.argv[1:2] == ["up"] else None
     if argv is None:
@@ -169,11 +170,12 @@ def _up_detached(args: argparse.Namespace, state_dir: Path, console: Console) ->
 def _status(args: argparse.Namespace, console: Console) -> int:
     import asyncio
 
-    from gpuslice.services.local import default_state_dir, read_state, replica_throughput
+    from gpuslice.services.local import default_state_dir, replica_throughput
+    from gpuslice.services.local_state import read_state, up_running
 
     state_dir = args.state_dir or default_state_dir()
     st = read_state(state_dir)
-    if st is None or not alive(int(st.get("pid", 0))):
+    if st is None or not up_running(st):
         if args.output == "json":
             print_json({"status": "not running", "state_dir": str(state_dir)})
         else:
@@ -215,11 +217,12 @@ def _status(args: argparse.Namespace, console: Console) -> int:
 
 
 def _switch(args: argparse.Namespace, console: Console) -> int:
-    from gpuslice.services.local import OVERRIDE_FILE, default_state_dir, read_state
+    from gpuslice.services.local import OVERRIDE_FILE, default_state_dir
+    from gpuslice.services.local_state import read_state, up_running
 
     state_dir = args.state_dir or default_state_dir()
     st = read_state(state_dir)
-    if st is None or not alive(int(st.get("pid", 0))):
+    if st is None or not up_running(st):
         raise ValidationError("--state-dir", "a running local mode", str(state_dir))
     layouts = (st.get("layout") or {}).get("layouts") or []
     target = state_dir / OVERRIDE_FILE
@@ -246,7 +249,8 @@ def _down(args: argparse.Namespace, console: Console) -> int:
 
 def _select(args: argparse.Namespace, console: Console) -> int:
     from gpuslice.core.local import parse_memory, parse_percent, select_gpu
-    from gpuslice.services.local import default_state_dir, held_slices, local_gpus, read_state
+    from gpuslice.services.local import default_state_dir, held_slices, local_gpus
+    from gpuslice.services.local_state import read_state
 
     memory = 0 if str(args.memory) == "0" else parse_memory("--memory", args.memory)
     compute = 0 if str(args.compute) in ("0", "0%") else parse_percent("--compute",

@@ -98,7 +98,10 @@ def read_fleet(path: Path) -> list[FleetType]:
     """A fleet file: a list of ``{gpu, count (optional), cost_per_hour}``."""
     if not path.is_file():
         raise InputError(path, None, None, "file not found")
-    data = yaml.safe_load(path.read_text())
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise InputError(path, None, None, f"not valid YAML/JSON: {exc}") from None
     items = data.get("fleet") if isinstance(data, dict) else data
     if not isinstance(items, list) or not items:
         raise InputError(path, None, "fleet", "expected a non-empty list of GPU types")
@@ -107,9 +110,32 @@ def read_fleet(path: Path) -> list[FleetType]:
         if not isinstance(item, dict) or "gpu" not in item:
             raise InputError(path, i + 1, "gpu", "missing")
         count = item.get("count")
-        out.append(FleetType(str(item["gpu"]), None if count is None else int(count),
-                             float(item.get("cost_per_hour", 1.0))))
+        if count is not None:
+            count = _count(path, i + 1, count)
+        out.append(FleetType(str(item["gpu"]), count,
+                             _cost(path, i + 1, item.get("cost_per_hour", 1.0))))
     return out
+
+
+def _cost(path: Path, row: int, value: object) -> float:
+    """A fleet ``cost_per_hour``: a finite number >= 0."""
+    try:
+        x = float(value) if not isinstance(value, bool) else math.nan  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        x = math.nan
+    if not math.isfinite(x) or x < 0:
+        raise InputError(path, row, "cost_per_hour",
+                         f"expected a finite number >= 0, got {value!r}")
+    return x
+
+
+def _count(path: Path, row: int, value: object) -> int:
+    """A fleet ``count``: a whole number >= 0 (``2.0`` will do; ``1.5``, ``"abc"`` will not)."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise InputError(path, row, "count", f"expected a whole number >= 0, got {value!r}")
+    return value
 
 
 def run_plan(profiles: ProfileSet, services: Sequence[Service], fleet: Sequence[FleetType],

@@ -60,10 +60,17 @@ from gpuslice.core.local import (
 from gpuslice.core.model import PRIORITIES
 from gpuslice.core.routing_config import parse_router_config
 from gpuslice.services.local_config import LocalConfig, LocalService
+from gpuslice.services.local_state import (
+    STATE_FILE,
+    process_start,
+    read_state,
+    same_process,
+    signal_same,
+    up_running,
+)
 
 log = logging.getLogger("gpuslice.local")
 
-STATE_FILE = "state.json"
 
 
 def local_gpus(nvml: NvmlPort) -> list[LocalGpu]:
@@ -92,23 +99,12 @@ def default_state_dir() -> Path:
     return Path(base) / "gpuslice"
 
 
-def read_state(state_dir: Path) -> dict[str, Any] | None:
-    try:
-        doc = json.loads((state_dir / STATE_FILE).read_text())
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError) as exc:
-        raise ValidationError(str(state_dir / STATE_FILE), "a local-mode state file",
-                              str(exc)) from None
-    return doc if isinstance(doc, dict) else None
-
-
 def held_slices(state: dict[str, Any] | None) -> list[LocalSlice]:
     """The slices a running local mode holds (none when it is not running)."""
-    if not state or not alive(int(state.get("pid", 0))):
+    if state is None or not up_running(state):
         return []
     return [LocalSlice(r["name"], r["service"], r["gpu_uuid"], r["gpu_index"],
-                       r["compute_pct"], r["memory_mib"]) for r in state.get("replicas", [])]
+                       r["compute_pct"], r["memory_mib"]) for r in state["replicas"]]
 
 
 def _free_port() -> int:
@@ -151,6 +147,8 @@ class LocalRuntime:
         self.port, self.admin_port, self.host = port, admin_port, host
         self.mps, self.mps_binary = mps, mps_binary
         self.run_id = run_id or os.urandom(6).hex()
+        # with the pid, which process wrote the state: `down` signals only that one
+        self.pid_start = process_start(os.getpid())
         self.replicas: list[Replica] = []
         self.daemons: dict[str, MpsDaemon] = {}
         self.router: Any = None
@@ -165,7 +163,8 @@ class LocalRuntime:
 
     def state(self, status: str) -> dict[str, Any]:
         return {
-            "run_id": self.run_id, "pid": os.getpid(), "status": status,
+            "run_id": self.run_id, "pid": os.getpid(), "pid_start": self.pid_start,
+            "status": status,
             "simulated": self.simulated,
             "router": None if self.router is None else {
                 "url": f"http://{self.host}:{self.router.port}",
@@ -490,19 +489,20 @@ def stop_local(state_dir: Path, timeout_s: float = 20.0) -> list[str]:
     if state is None:
         return ["nothing running (no state in " + str(state_dir) + ")"]
     done = []
-    pid = int(state.get("pid", 0))
-    if pid and alive(pid):
-        os.kill(pid, signal.SIGTERM)
+    pid, start = state["pid"], state.get("pid_start")
+    if signal_same(pid, start, signal.SIGTERM):
         deadline = time.monotonic() + timeout_s
-        while alive(pid) and time.monotonic() < deadline:
+        while same_process(pid, start) and time.monotonic() < deadline:
             time.sleep(0.1)
-        if alive(pid):
-            os.kill(pid, signal.SIGKILL)
+        if signal_same(pid, start, signal.SIGKILL):
             done.append(f"gpuslice up (pid {pid}) did not stop in {timeout_s:.0f} s: killed")
         else:
             done.append(f"stopped gpuslice up (pid {pid})")
+    elif alive(pid):
+        done.append(f"gpuslice up (pid {pid}) is gone (stale state): pid {pid} is another "
+                    "process now, left alone")
     # whatever survived a crash of `up`: its replicas (found by run id) and MPS daemons
-    for child in processes_of(str(state.get("run_id", "-"))):
+    for child in processes_of(state["run_id"]):
         with contextlib.suppress(ProcessLookupError):
             os.kill(child, signal.SIGKILL)
             done.append(f"killed leftover process {child}")

@@ -91,7 +91,11 @@ def read_local_services(path: Path) -> LocalConfig:
         where = f"{path}: services[{name}]"
         cmd = raw.get("command")
         if isinstance(cmd, str):
-            cmd = shlex.split(cmd)
+            try:
+                cmd = shlex.split(cmd)
+            except ValueError as exc:  # an unbalanced quote
+                raise ValidationError(f"{where}.command", "a command line with balanced quotes "
+                                      f"({exc})", cmd) from None
         if not isinstance(cmd, list) or not cmd or not all(isinstance(c, str | int | float)
                                                            for c in cmd):
             raise ValidationError(f"{where}.command", "a command line (string or list)", cmd)
@@ -105,10 +109,16 @@ def read_local_services(path: Path) -> LocalConfig:
         env = raw.get("env") or {}
         if not isinstance(env, dict):
             raise ValidationError(f"{where}.env", "a mapping of variable names to values", env)
+        for k, v in env.items():
+            if not isinstance(v, str | int | float):
+                raise ValidationError(f"{where}.env.{k}", "a string or number", v)
         priority = raw.get("priority", "normal")
-        if priority not in PRIORITIES:
+        if not isinstance(priority, str) or priority not in PRIORITIES:
             raise ValidationError(f"{where}.priority", f"one of {', '.join(PRIORITIES)}",
                                   priority)
+        gpu = raw.get("gpu")
+        if gpu is not None and (isinstance(gpu, bool) or not isinstance(gpu, str | int)):
+            raise ValidationError(f"{where}.gpu", "a GPU index or UUID", gpu)
         out.append(LocalService(
             name=name, command=tuple(str(c) for c in cmd), replicas=replicas,
             model=str(raw.get("model", name)),
@@ -117,7 +127,7 @@ def read_local_services(path: Path) -> LocalConfig:
             else parse_percent(f"{where}.compute", raw["compute"]),
             memory_mib=None if raw.get("memory") is None
             else parse_memory(f"{where}.memory", raw["memory"]),
-            gpu=None if raw.get("gpu") is None else str(raw["gpu"]),
+            gpu=None if gpu is None else str(gpu),
             env={str(k): str(v) for k, v in env.items()}, priority=priority))
     names = [s.name for s in out]
     if len(set(names)) != len(names):
@@ -158,14 +168,21 @@ def _read_layouts(path: Path, doc: dict[str, Any], services: set[str]) -> tuple[
                 else parse_percent(f"{where}.{svc}.compute", caps["compute"]),
                 None if caps.get("memory") is None
                 else parse_memory(f"{where}.{svc}.memory", caps["memory"]))
+    raw_windows = doc.get("windows")
+    if raw_windows is None:
+        raw_windows = []
+    if not isinstance(raw_windows, list):
+        raise ValidationError(f"{path}: windows", "a list of {layout, start, end}", raw_windows)
     windows = []
-    for i, w in enumerate(doc.get("windows") or []):
+    for i, w in enumerate(raw_windows):
         where = f"{path}: windows[{i}]"
-        if not isinstance(w, dict) or w.get("layout") not in layouts:
-            raise ValidationError(f"{where}.layout", f"one of {sorted(layouts)}", w)
+        if not isinstance(w, dict):
+            raise ValidationError(where, "a mapping with layout, start and end", w)
+        if not isinstance(w.get("layout"), str) or w["layout"] not in layouts:
+            raise ValidationError(f"{where}.layout", f"one of {sorted(layouts)}", w.get("layout"))
         windows.append(Window(str(w["layout"]), minutes_of_day(f"{where}.start", w.get("start")),
                               minutes_of_day(f"{where}.end", w.get("end"))))
     default = doc.get("default", next(iter(layouts)))
-    if default not in layouts:
+    if not isinstance(default, str) or default not in layouts:
         raise ValidationError(f"{path}: default", f"one of {sorted(layouts)}", default)
     return layouts, tuple(windows), str(default)
