@@ -54,8 +54,9 @@ def test_sixteen_gpus_switch_layouts_and_back_under_load(tmp_path: Path) -> None
                          for t, v in run.per_gpu.items()}}))
 
 
-class Killed(Exception):
-    """The controller process died here."""
+class Killed(BaseException):
+    """The controller process died here (a BaseException: a death is no error the controller
+    can catch, and step() goes on past any Exception of one schedule)."""
 
 
 class Dying:

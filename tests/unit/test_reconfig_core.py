@@ -57,6 +57,9 @@ def test_bad_schedules_name_the_field(path: tuple[str, ...], value: object, fiel
 def test_selection_by_node_and_model() -> None:
     o = copy.deepcopy(OBJ)
     o["spec"]["selector"] = {"nodes": ["a"], "gpuModels": ["A100"]}
+    # a layout the selected A100-40GB can hold (1g.10gb x 7 cannot: the schedule is invalid)
+    o["spec"]["layouts"] = {"day": {"mig": {"mig-devices": {"7g.40gb": 1}}}}
+    o["spec"]["windows"] = []
     s = parse_schedule(o)
     assert s.selects("a", "A100-40GB") and not s.selects("b", "A100-40GB")
     assert not s.selects("a", "T4")

@@ -136,35 +136,69 @@ def maximal_layouts(
     return sorted(found, key=lambda lay: [p.key for p in lay])
 
 
-def parse_layout(geometry: MigGeometry, text: str) -> list[MigPlacement]:
-    """Parse ``"3g.40gb@0,2g.20gb@4,1g.10gb@6"`` (profile name or ID ``@`` start)."""
+def check_layout(geometry: MigGeometry, layout: Iterable[MigPlacement],
+                 where: str = "mig layout") -> list[MigPlacement]:
+    """``layout`` as a list when a GPU of ``geometry`` can hold it; else a
+    :class:`ValidationError` naming ``where`` and every problem."""
+    items = list(layout)
+    problems = layout_problems(geometry, items)
+    if problems:
+        raise ValidationError(where, "instances that fit one GPU together", "; ".join(problems))
+    return items
+
+
+def parse_layout(geometry: MigGeometry, text: str, *, check: bool = False) -> list[MigPlacement]:
+    """Parse ``"3g.40gb@0,2g.20gb@4,1g.10gb@6"`` (profile name or ID ``@`` start). With
+    ``check``, a layout no GPU of ``geometry`` can hold (overlapping or repeated instances, a
+    start the profile does not allow, ...) is refused (:func:`check_layout`)."""
     out: list[MigPlacement] = []
     for raw in text.split(","):
         item = raw.strip()
         if not item:
             continue
         name, sep, start = item.partition("@")
-        if not sep or not start.strip().isdigit():
-            raise ValidationError("mig layout", "items like '3g.40gb@0'", item)
-        key: int | str = int(name) if name.strip().isdigit() else name.strip()
+        # a start or profile ID is a slice index: a few digits (an int of 5000 would be a
+        # ValueError, not a layout error)
+        if not sep or not start.strip().isdigit() or len(start.strip()) > 3:
+            raise ValidationError("mig layout", "items like '3g.40gb@0'", item[:80])
+        key: int | str = int(name) if name.strip().isdigit() and len(name.strip()) <= 3 \
+            else name.strip()
         out.append(MigPlacement(int(start), geometry.profile(key)))
-    return out
+    return check_layout(geometry, out) if check else out
 
 
 def layout_for_counts(geometry: MigGeometry, counts: dict[str, int]) -> list[MigPlacement]:
     """A valid layout with exactly ``counts`` instances per profile name (mig-parted's
-    ``mig-devices``), largest profiles placed first; raises when none exists."""
+    ``mig-devices``), largest profiles placed first; raises when none exists.
+
+    Counts over a profile's ``max_instances``, or more compute or memory slices than the GPU
+    has, are refused before any search; the search places the instances of one profile at
+    increasing starts (each set of starts is tried once, not in every order)."""
     wanted: list[MigProfile] = []
     for name, n in counts.items():
         if n < 0:
-            raise ValidationError(f"mig-devices {name}", "a count >= 0", n)
-        wanted.extend([geometry.profile(name)] * n)
+            raise ValidationError(f"mig-devices {name}", "a count >= 0",
+                                  n if n > -10**9 else "a huge negative count")
+        prof = geometry.profile(name)
+        if n > prof.max_instances:
+            raise ValidationError(f"mig-devices {name}",
+                                  f"at most {prof.max_instances}: no more fits one GPU",
+                                  n if n < 10**9 else "a count over 10**9")
+        wanted.extend([prof] * n)
     wanted.sort(key=lambda p: (-p.memory_slices, -p.compute_slices, p.profile_id))
+    shown = ", ".join(f"{n} x {k}" for k, n in counts.items())
+    if (sum(p.compute_slices for p in wanted) > geometry.compute_slices
+            or sum(p.memory_slices for p in wanted) > geometry.memory_slices):
+        raise ValidationError("mig-devices", "a combination that fits one GPU", shown)
 
     def place(i: int, layout: list[MigPlacement]) -> list[MigPlacement] | None:
         if i == len(wanted):
             return layout
+        # the same profile as the instance before it: only later starts (no permutations)
+        after = layout[-1].start if i and wanted[i - 1] == wanted[i] else -1
         for start in wanted[i].starts:
+            if start <= after:
+                continue
             cand = [*layout, MigPlacement(start, wanted[i])]
             if is_valid_layout(geometry, cand):
                 found = place(i + 1, cand)
@@ -174,7 +208,6 @@ def layout_for_counts(geometry: MigGeometry, counts: dict[str, int]) -> list[Mig
 
     found = place(0, [])
     if found is None:
-        shown = ", ".join(f"{n} x {k}" for k, n in counts.items())
         raise ValidationError("mig-devices", "a combination that fits one GPU", shown)
     return _sorted(found)
 
@@ -191,9 +224,29 @@ class MigChange:
 def layout_changes(current: Iterable[MigPlacement],
                    desired: Iterable[MigPlacement]) -> list[MigChange]:
     """What turns ``current`` into ``desired``: instances to destroy (first), then to create;
-    instances already where they should be are kept."""
+    instances already where they should be are kept. A ``desired`` no GPU can hold (the same
+    instance twice, overlapping instances, a start its profile does not allow, more instances
+    of a profile than it allows) is refused, before anything is changed."""
+    want_list = list(desired)
+    problems = _self_conflicts(want_list)
+    if problems:
+        shown = ",".join(str(p) for p in _sorted(want_list))
+        raise ValidationError("mig layout", f"instances that fit one GPU together ({shown})",
+                              "; ".join(problems))
     cur = {(p.start, p.profile.profile_id): p for p in current}
-    want = {(p.start, p.profile.profile_id): p for p in desired}
+    want = {(p.start, p.profile.profile_id): p for p in want_list}
     out = [MigChange("destroy", p) for k, p in sorted(cur.items()) if k not in want]
     out += [MigChange("create", p) for k, p in sorted(want.items()) if k not in cur]
     return out
+
+
+def _self_conflicts(layout: list[MigPlacement]) -> list[str]:
+    """The problems of ``layout`` that need no GPU geometry: overlaps (repeats included),
+    starts a profile does not allow, too many instances of a profile (a geometry as large as
+    the layout itself, so that only these can show)."""
+    if not layout:
+        return []
+    profiles = {p.profile.profile_id: p.profile for p in layout}
+    roomy = MigGeometry(max(p.end for p in layout), sum(p.profile.compute_slices for p in layout),
+                        tuple(profiles.values()))
+    return layout_problems(roomy, layout)

@@ -17,12 +17,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from gpuslice.core import catalog
+from gpuslice.core.catalog import GpuModel, MigGeometry
 from gpuslice.core.errors import ValidationError
-from gpuslice.core.mig import MigPlacement, layout_for_counts, parse_layout
+from gpuslice.core.mig import MigPlacement, check_layout, layout_for_counts, parse_layout
 
 PHASES = ("Waiting", "Cordoned", "Moving", "Draining", "Applying", "RollingBack", "Done",
           "Failed")
 _TIME = re.compile(r"^([01]?\d|2[0-3]):([0-5]\d)$")
+MAX_DRAIN_S = 86400  # spec.drainTimeoutSeconds: at most a day
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,14 +33,92 @@ class LayoutSpec:
     devices: Mapping[str, int] = field(default_factory=dict)  # mig-devices: profile -> count
     placements: tuple[str, ...] = ()  # mig-placements: "1g.10gb@0", ...
 
+    @property
+    def path(self) -> str:
+        """Where the layout is in a ``SliceSchedule`` (what its errors name)."""
+        kind = "mig-placements" if self.placements else "mig-devices"
+        return f"spec.layouts.{self.name}.mig.{kind}"
+
     def for_model(self, gpu_model: str) -> tuple[MigPlacement, ...]:
-        """The MIG layout on a GPU of ``gpu_model``."""
+        """The MIG layout on a GPU of ``gpu_model``; a :class:`ValidationError` naming the
+        layout's field when such a GPU cannot hold it."""
         model = catalog.lookup(gpu_model)
         if model is None or model.mig is None:
-            raise ValidationError(f"layouts.{self.name}", "MIG-capable GPUs", gpu_model)
+            raise ValidationError(f"spec.layouts.{self.name}", "MIG-capable GPUs", gpu_model)
+        try:
+            return self.on(model.mig)
+        except ValidationError as exc:
+            raise ValidationError(exc.field, f"{exc.expected} (on the {model.name})",
+                                  exc.got) from None
+
+    def on(self, geometry: MigGeometry) -> tuple[MigPlacement, ...]:
+        """The layout on a GPU of ``geometry`` (errors name the layout's field)."""
+        where = self.path
         if self.placements:
-            return tuple(parse_layout(model.mig, ",".join(self.placements)))
-        return tuple(layout_for_counts(model.mig, dict(self.devices)))
+            try:
+                layout = parse_layout(geometry, ",".join(self.placements))
+            except ValidationError as exc:
+                what = (f"a MIG profile, {exc.expected}" if exc.field == "mig profile"
+                        else exc.expected)
+                raise ValidationError(where, what, exc.got) from None
+            return tuple(check_layout(geometry, layout, where))
+        for prof in self.devices:
+            try:
+                geometry.profile(prof)
+            except ValidationError as exc:
+                raise ValidationError(f"{where}.{prof}", f"a MIG profile, {exc.expected}",
+                                      prof) from None
+        try:
+            return tuple(layout_for_counts(geometry, dict(self.devices)))
+        except ValidationError as exc:  # "mig-devices" or "mig-devices <profile>"
+            rest = exc.field.removeprefix("mig-devices").strip()
+            raise ValidationError(f"{where}.{rest}" if rest else where, exc.expected,
+                                  exc.got) from None
+
+    def profile_names(self) -> tuple[str, ...]:
+        """The profile names (or IDs) the layout uses."""
+        if self.placements:
+            return tuple(item.partition("@")[0].strip() for text in self.placements
+                         for item in text.split(",") if item.strip())
+        return tuple(self.devices)
+
+
+def _knows(geometry: MigGeometry, key: str) -> bool:
+    return any(key in (p.name, str(p.profile_id)) for p in geometry.profiles)
+
+
+def check_layouts(layouts: Mapping[str, LayoutSpec], gpu_models: Sequence[str]) -> None:
+    """Every layout can exist on at least one of the MIG-capable ``gpu_models`` (none: on one
+    MIG-capable model of the catalogue); else a :class:`ValidationError` naming the layout's
+    field (the reason given is that of a model that offers every profile the layout names,
+    when there is one). The GPUs a schedule selects are checked again as they are met."""
+    if gpu_models:
+        found = [catalog.lookup(m) for m in gpu_models]
+        models = list({m.name: m for m in found if m is not None and m.mig is not None}
+                      .values())
+        if not models:
+            raise ValidationError("spec.selector.gpuModels", "at least one MIG-capable GPU "
+                                  "model of the catalogue", list(gpu_models))
+    else:
+        models = [m for m in catalog.known_models() if m.mig is not None]
+    for spec in layouts.values():
+        errors: list[tuple[GpuModel, ValidationError]] = []
+        for m in models:
+            assert m.mig is not None
+            try:
+                spec.on(m.mig)
+                break
+            except ValidationError as exc:
+                errors.append((m, exc))
+        else:
+            names = ", ".join(m.name for m in models)
+            model, err = next(((m, e) for m, e in errors if m.mig is not None and all(
+                _knows(m.mig, k) for k in spec.profile_names())), errors[0])
+            if len(models) == 1:
+                raise ValidationError(err.field, f"{err.expected} (on the {model.name})",
+                                      err.got)
+            raise ValidationError(err.field, f"a layout one of {names} can hold "
+                                  f"(on the {model.name}: {err.expected})", err.got)
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,7 +204,8 @@ def parse_schedule(obj: Mapping[str, object]) -> SliceSchedule:
         counts: dict[str, int] = {}
         for prof, n in devices.items():
             if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-                raise ValidationError(f"{where}.mig.mig-devices.{prof}", "a count >= 0", n)
+                raise ValidationError(f"{where}.mig.mig-devices.{prof}", "a count >= 0",
+                                      _shown(n))
             counts[str(prof)] = n
         layouts[str(lname)] = LayoutSpec(str(lname), counts, placements)
     windows = []
@@ -148,13 +229,25 @@ def parse_schedule(obj: Mapping[str, object]) -> SliceSchedule:
     if not isinstance(sel, Mapping):
         raise ValidationError("spec.selector", "a mapping with nodes and/or gpuModels", sel)
     drain = spec.get("drainTimeoutSeconds", 60)
-    if isinstance(drain, bool) or not isinstance(drain, int | float) or drain <= 0:
-        raise ValidationError("spec.drainTimeoutSeconds", "a positive number", drain)
+    # `not 0 < x <= max` also refuses NaN; a huge int is compared, never made a float
+    if isinstance(drain, bool) or not isinstance(drain, int | float) or not (
+            0 < drain <= MAX_DRAIN_S):
+        raise ValidationError("spec.drainTimeoutSeconds",
+                              f"a positive number of seconds, at most {MAX_DRAIN_S} (a day)",
+                              _shown(drain))
+    nodes = _strings("spec.selector.nodes", sel.get("nodes"))
+    gpu_models = _strings("spec.selector.gpuModels", sel.get("gpuModels"))
+    check_layouts(layouts, gpu_models)
     return SliceSchedule(ns, name, layouts, str(default), tuple(windows),
-                         None if override is None else str(override),
-                         _strings("spec.selector.nodes", sel.get("nodes")),
-                         _strings("spec.selector.gpuModels", sel.get("gpuModels")),
+                         None if override is None else str(override), nodes, gpu_models,
                          float(drain))
+
+
+def _shown(value: object) -> object:
+    """``value`` as an error shows it: an integer too long to print is described."""
+    if isinstance(value, int) and not -10**18 < value < 10**18:
+        return f"an integer of {value.bit_length()} bits"
+    return value
 
 
 def target_layout(s: SliceSchedule, minute_of_day: int) -> str:

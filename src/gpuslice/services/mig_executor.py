@@ -22,6 +22,7 @@ from gpuslice.core.errors import GpusliceError, ValidationError
 from gpuslice.core.mig import (
     MigChange,
     MigPlacement,
+    check_layout,
     layout_changes,
     layout_for_counts,
     layout_problems,
@@ -84,7 +85,10 @@ class MigExecutor:
                     raise ValidationError(f"{where}: GPU {g.index}", "a MIG-capable GPU",
                                           g.model)
                 if "mig-placements" in entry:
-                    layout = parse_layout(model.mig, ",".join(entry["mig-placements"]))
+                    # a layout no GPU can hold is refused here, before any GPU is touched
+                    layout = check_layout(model.mig, parse_layout(
+                        model.mig, ",".join(entry["mig-placements"])),
+                        f"{where}.mig-placements")
                 else:
                     counts = {str(k): int(v) for k, v in (entry.get("mig-devices") or {}).items()}
                     layout = layout_for_counts(model.mig, counts)

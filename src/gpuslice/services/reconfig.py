@@ -96,17 +96,37 @@ class ReconfigController:
     # -- the loop ------------------------------------------------------------------------------
 
     def step(self) -> None:
-        """One pass over every SliceSchedule."""
+        """One pass over every SliceSchedule. One schedule's trouble never stops the others:
+        an invalid one gets the condition Invalid (naming the field), an unexpected error the
+        condition Error (and a log line with its traceback)."""
         for obj in self.api.list_custom(PLURAL):
             try:
-                sched = parse_schedule(obj)
-            except ValidationError as exc:
-                self._set_condition(obj, "Invalid", str(exc))
-                continue
-            try:
-                self._reconcile(obj, sched)
+                self._one(obj)
             except ApiConflict:
                 continue  # someone changed the object: read it again next pass
+            except Exception as exc:
+                self._failed(obj, exc)
+
+    def _one(self, obj: dict[str, Any]) -> None:
+        try:
+            sched = parse_schedule(obj)
+        except ValidationError as exc:
+            self._set_condition(obj, "Invalid", str(exc))
+            return
+        self._reconcile(obj, sched)
+
+    def _failed(self, obj: dict[str, Any], exc: Exception) -> None:
+        meta = obj.get("metadata") if isinstance(obj, dict) else None
+        name = (f"{meta.get('namespace', 'default')}/{meta.get('name', '')}"
+                if isinstance(meta, dict) else repr(obj)[:80])
+        log.error("SliceSchedule %s: %s: %s", name, type(exc).__name__, exc,
+                  exc_info=(type(exc), exc, exc.__traceback__))
+        self.log.append(f"{name}: Error: {type(exc).__name__}: {exc}")
+        try:
+            self._set_condition(obj, "Error", f"reconciling failed ({type(exc).__name__}: "
+                                f"{exc}); the controller goes on with the other schedules")
+        except Exception as again:
+            log.error("SliceSchedule %s: its status could not be written: %s", name, again)
 
     def _note(self, text: str) -> None:
         self.log.append(text)
@@ -121,6 +141,8 @@ class ReconfigController:
                 self.step()
             except GpusliceError as exc:
                 self._note(f"step: {exc}")
+            except Exception:
+                log.exception("step")
             stop.wait(every_s)
 
     # -- one schedule --------------------------------------------------------------------------
@@ -154,7 +176,11 @@ class ReconfigController:
         status = dict(obj.get("status") or {})
         gstat: dict[str, dict[str, Any]] = dict(status.get("gpus") or {})
         gpus, nodes = self._gpus(sched)
-        want = {g.uuid: layout_text(sched.layouts[target].for_model(g.model)) for g in gpus}
+        try:  # a GPU model the layout does not fit: the schedule is invalid, nothing is touched
+            want = {g.uuid: layout_text(sched.layouts[target].for_model(g.model)) for g in gpus}
+        except ValidationError as exc:
+            self._set_condition(obj, "Invalid", str(exc))
+            return
         current = {g.uuid: (self._ann(nodes[g.node], MIG_LAYOUTS).get(g.uuid) or {})
                    for g in gpus}
         if status.get("target") != target:
