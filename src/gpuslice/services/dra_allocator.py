@@ -25,11 +25,17 @@ Safety (docs/dra-placement.md):
   ``max_backoff_s``. Never given up: while our taint is on, nobody else would place it.
 * Pods not bound yet whose claim is allocated count on their node's CPU and memory, so the
   next claim does not go to CPU that pod's bind is about to take.
+* One bad object never stops the allocator: an invalid pool (a device name twice, as upstream's
+  ``GatherPools`` marks it) or a slice with a field of the wrong type leaves its pool out, a
+  claim, pod or node of the wrong shape is passed over as :mod:`~gpuslice.services.dra_book`
+  says, each noted once in :attr:`DraAllocator.problems` while it stays so; any other error
+  fails that pass only (logged, the ledger built again) and the next pass runs.
 """
 
 from __future__ import annotations
 
 import copy
+import logging
 import threading
 import time
 import uuid
@@ -46,6 +52,8 @@ from gpuslice.core.dra_placement import DeviceResult, DraDevice, DraPlacement
 from gpuslice.core.errors import GpusliceError
 from gpuslice.core.policies import Policy, make_policy
 from gpuslice.services.dra_book import DraBook
+
+log = logging.getLogger("gpuslice.dra-allocator")
 
 
 class AllocatorPort(KubePort, DraApiPort, Protocol):
@@ -105,10 +113,27 @@ class DraAllocator:
         self.book = DraBook(driver, classes)
         self._slices_version: tuple[tuple[object, object], ...] | None = None
         self._devices: dict[str, list[DraDevice]] = {}
+        self._slice_problems: list[str] = []  # what is wrong with the slices read last
+        self._pass = 0
+        self._noted: dict[str, int] = {}  # problem -> the last pass it was found in
 
     # -- one pass ------------------------------------------------------------------------------
 
+    def _note(self, text: str) -> bool:
+        """Add ``text`` to :attr:`problems` unless it was found in the previous pass too (a
+        bad object, a refused claim, found pass after pass, is noted once while it lasts);
+        whether it was added."""
+        last = self._noted.get(text)
+        self._noted[text] = self._pass
+        if last is not None and last >= self._pass - 1:
+            return False
+        self.problems.append(text)
+        return True
+
     def run_once(self) -> PassReport:
+        self._pass += 1
+        if self._noted:
+            self._noted = {t: n for t, n in self._noted.items() if n >= self._pass - 1}
         report = PassReport()
         if not self._leading():
             report.leading = False
@@ -119,9 +144,13 @@ class DraAllocator:
         version = tuple(((s.get("metadata") or {}).get("uid"),
                          (s.get("metadata") or {}).get("resourceVersion")) for s in slices)
         if version != self._slices_version or None in (v for pair in version for v in pair):
+            found: list[str] = []
             self._devices = kdra.slice_devices(slices, self.driver,
-                                               require_taint=self.require_taint)
-            self._slices_version = version
+                                               require_taint=self.require_taint,
+                                               problems=found)
+            self._slices_version, self._slice_problems = version, found
+        for problem in self._slice_problems:
+            self._note(problem)
         devices = self._devices
         now = self.clock()
         self._seen_since = {n: self._seen_since.get(n, now) for n in devices}
@@ -135,7 +164,13 @@ class DraAllocator:
         if not ready:
             return report
         # the ledger kept between passes (services.dra_book), synced with what changed
-        ledger = self.book.sync(ready, version, nodes, pods, claims)
+        try:
+            ledger = self.book.sync(ready, version, nodes, pods, claims)
+        except BaseException:  # half-synced: built again from the next lists
+            self.book.invalidate()
+            raise
+        for problem in self.book.problems():
+            self._note(problem)
         pending = self.book.pending()
         if not pending:
             return report
@@ -155,8 +190,8 @@ class DraAllocator:
                 continue
             try:
                 outcome, claim = self._write(pc.claim, dec.placement, classes, report)
-            except GpusliceError as exc:  # refused (403, 422): this claim only, the rest go on
-                self.problems.append(f"claim {name}: not allocated: {exc}")
+            except GpusliceError as exc:  # refused (403, 422), a config of the wrong shape:
+                self._note(f"claim {name}: not allocated: {exc}")  # this claim only
                 continue
             if outcome == "allocated":
                 tries = self._attempts[uid] = self._attempts.get(uid, 0) + 1
@@ -188,9 +223,9 @@ class DraAllocator:
 
     def _as_placement(self, claim: Mapping[str, Any]) -> DraPlacement:
         """Someone else's allocation of a claim, to count in the ledger (its node's CPU is
-        counted when its pod is bound, at the next pass)."""
+        counted when its pod is bound, at the next pass; a problem with it is noted then)."""
         out: list[DeviceResult] = []
-        for (pool, device), u in kdra.claim_usage([claim], self.driver).items():
+        for (pool, device), u in kdra.claim_usage([claim], self.driver, []).items():
             out.append(DeviceResult("", pool, device, not u.whole, dict(u.consumed)))
         return DraPlacement("", tuple(out), 0.0)
 
@@ -237,6 +272,14 @@ class DraAllocator:
                 report = self.run_once()
             except GpusliceError as exc:  # the API server away: try again next pass
                 self.problems.append(str(exc))
+                report = PassReport(leading=self.elector is None or self.elector.leader)
+            except Exception as exc:  # a bug, an object of a shape nobody foresaw: this pass
+                # only; the ledger and the slices' devices are built afresh from the next lists
+                self.book.invalidate()
+                self._slices_version = None
+                if self._note(f"pass failed: {type(exc).__name__}: {exc}"):
+                    log.exception("allocator pass failed; the next pass builds its ledger "
+                                  "again", extra={"event": "pass-failed"})
                 report = PassReport(leading=self.elector is None or self.elector.leader)
             if on_pass is not None:
                 on_pass(report)

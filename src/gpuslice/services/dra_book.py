@@ -16,6 +16,12 @@ changed:
 * a change to the nodes' devices (a slice, the set of nodes whose devices have settled) or
   to a node's allocatable builds everything again.
 
+An object with a field of the wrong type does not stop the sync: an allocated claim's
+malformed result still takes the device it names (whole), a claim of the wrong shape is not
+placed, a pod's malformed ``resourceClaims`` name no claim (its CPU and memory still count), and
+a node whose allocatable is not a quantity has no room; each is in :meth:`DraBook.problems`
+while the object stays so.
+
 What the pass itself decided and :meth:`~DraLedger.apply`-ed is set back from the objects at
 the next sync, once the API server has the claim (the allocator's writes are read back
 through its lists): the ledger never counts a claim twice. The per-node task counts of the
@@ -30,6 +36,7 @@ from typing import Any
 
 from gpuslice.adapters.kube import dra as kdra
 from gpuslice.core.dra_placement import DeviceRequest, DraDevice, DraLedger, DraNode, Usage
+from gpuslice.core.errors import ValidationError
 from gpuslice.core.frag import Shape
 from gpuslice.core.learned import WorkloadEstimator
 
@@ -57,6 +64,7 @@ class _Pod:
     waiting: bool  # not bound, not being deleted: its claim may be ours to place
     node: str | None = None  # where its CPU and memory count (kdra.pod_node)
     shape: Shape | None = None  # its shape in the learned workload
+    broken: bool = False  # of the wrong shape: counts nowhere, no shape (a problem noted)
 
 
 def _version(obj: Mapping[str, Any]) -> Version | None:
@@ -105,6 +113,11 @@ class DraBook:
         self._dirty_devices: set[DeviceKey] = set()
         self._dirty_nodes: set[str] = set()
         self._unshaped: set[Key] = set()  # pods whose shape is to be (re)done
+        # what is wrong with the objects as they are now (dropped when fixed or gone)
+        self._bad_claims: dict[Key, str] = {}
+        self._bad_pods: dict[Key, str] = {}
+        self._bad_nodes: list[str] = []
+        self._found: list[str] = []  # what is wrong with the object being read (reused)
 
     # -- the pass's view -------------------------------------------------------------------
 
@@ -113,8 +126,17 @@ class DraBook:
              claims: Sequence[dict[str, Any]]) -> DraLedger:
         """The ledger for this pass over ``devices`` (per node, the usable ones;
         ``devices_version`` changes whenever they may have) and the listed objects."""
-        alloc = {str(n["metadata"]["name"]): kdra.node_allocatable(n) for n in nodes
-                 if n["metadata"]["name"] in devices}
+        alloc: dict[str, tuple[int, int]] = {}
+        self._bad_nodes = []
+        for n in nodes:
+            name = n["metadata"]["name"]
+            if name not in devices:
+                continue
+            try:
+                alloc[str(name)] = kdra.node_allocatable(n)
+            except ValidationError as exc:  # no room on it rather than no allocator
+                alloc[str(name)] = (0, 0)
+                self._bad_nodes.append(f"{exc}: node counted as having no room")
         shape = (devices_version, frozenset(devices), tuple(sorted(alloc.items())))
         rebuild = self.ledger is None or shape != self._shape
         if rebuild:
@@ -136,6 +158,17 @@ class DraBook:
             ledger.set_workload(workload)
         ledger.state.affinity[:] = 0
         return ledger
+
+    def problems(self) -> list[str]:
+        """What is wrong with the objects of the last sync (each object's fields of the wrong
+        type, and what was done instead)."""
+        return [*self._bad_nodes, *self._bad_claims.values(), *self._bad_pods.values()]
+
+    def invalidate(self) -> None:
+        """Build everything again at the next sync (a pass that failed midway may have left
+        the book half-synced)."""
+        self.ledger = None
+        self._shape = None
 
     def pending(self) -> list[kdra.PendingClaim]:
         """Unallocated claims we place, of pods not bound yet (:func:`kdra.pending_claims`
@@ -159,18 +192,29 @@ class DraBook:
         self._dirty_devices.clear()
         self._dirty_nodes.clear()
         self._unshaped.clear()
+        self._bad_claims.clear()
+        self._bad_pods.clear()
 
     def _sync_claims(self, claims: Sequence[dict[str, Any]]) -> set[kdra.ClaimKey]:
         """The claims' changes applied to the devices' usage; returns the claims whose node
         or request changed (the pods naming them count again)."""
         moved: set[kdra.ClaimKey] = set()
         changed, gone = _diff(claims, self._claims)
+        found = self._found
+        found.clear()
         for key, c, version in changed:
-            took = kdra.claim_took(c, self.driver)
-            allocated = (c.get("status") or {}).get("allocation")
-            new = _Claim(version or (None, None), c,
-                         kdra.allocated_node(c) if allocated else None, took,
-                         kdra.claim_request(c, self.driver, self.classes))
+            took = kdra.claim_took(c, self.driver, found)
+            node = None
+            if took or kdra.is_allocated(c):
+                try:
+                    node = kdra.allocated_node(c)
+                except ValidationError as exc:  # its pods count on no node
+                    found.append(str(exc))
+            new = _Claim(version or (None, None), c, node, took,
+                         kdra.claim_request(c, self.driver, self.classes, found))
+            if found or self._bad_claims:
+                self._note(self._bad_claims, key, found)
+                found.clear()
             old = self._claims.get(key)
             self._claims[key] = new
             self._take(old.took if old is not None else (), -1)
@@ -179,8 +223,16 @@ class DraBook:
                 moved.add(key)
         for key in gone:
             self._take(self._claims.pop(key).took, -1)
+            self._bad_claims.pop(key, None)
             moved.add(key)
         return moved
+
+    @staticmethod
+    def _note(bad: dict[Key, str], key: Key, found: list[str]) -> None:
+        if found:
+            bad[key] = "; ".join(found)
+        else:
+            bad.pop(key, None)
 
     def _take(self, took: kdra.Took, sign: int) -> None:
         for dev, whole, consumed in took:
@@ -197,14 +249,35 @@ class DraBook:
 
     def _sync_pods(self, pods: Sequence[dict[str, Any]], moved: set[kdra.ClaimKey]) -> None:
         changed, gone = _diff(pods, self._pods)
+        found = self._found
+        found.clear()
         for key, p, version in changed:
             spec, meta = p.get("spec") or {}, p["metadata"]
-            cpu, mem = kdra.pod_needs(p)
-            new = _Pod(version or (None, None), p, kdra.pod_claims(p), cpu, mem,
+            if not isinstance(spec, dict) or not isinstance(p.get("status") or {}, dict):
+                self._bad_pods[key] = f"pod {key[0]}/{key[1]}: spec and status: expected " \
+                    "objects: not counted"
+                self._count(key, self._pods.get(key),
+                            _Pod(version or (None, None), p, (), 0, 0, False, broken=True))
+                continue
+            try:
+                cpu, mem = kdra.pod_needs(p)
+            except ValidationError as exc:  # the API server admits no such pod
+                cpu, mem = 0, 0
+                found.append(f"{exc}: counted as requesting no CPU or memory")
+            try:
+                claims = kdra.pod_claims(p)
+            except ValidationError as exc:
+                claims = ()
+                found.append(f"{exc}: its claims are not placed")
+            if found or self._bad_pods:
+                self._note(self._bad_pods, key, found)
+                found.clear()
+            new = _Pod(version or (None, None), p, claims, cpu, mem,
                        not spec.get("nodeName") and not meta.get("deletionTimestamp"))
             self._count(key, self._pods.get(key), new)
         for key in gone:
             self._count(key, self._pods[key], None)
+            self._bad_pods.pop(key, None)
         # unchanged pods that name a claim whose node or request changed count again
         redo = {k for c in moved for k in self._naming.get(c, ())}
         redo.difference_update(k for k, _, _ in changed)
@@ -228,7 +301,7 @@ class DraBook:
         if new is None:
             self._pods.pop(key, None)
             return
-        node = kdra.pod_node(new.obj, new.claims, self._claim_node)
+        node = None if new.broken else kdra.pod_node(new.obj, new.claims, self._claim_node)
         if node is not None:
             self._use(node, new.cpu_milli, new.memory_mib)
         for c in new.claims:
@@ -256,7 +329,7 @@ class DraBook:
         todo = self._pods.keys() if rebuild else self._unshaped
         for key in list(todo):
             pod = self._pods.get(key)
-            if pod is None:
+            if pod is None or pod.broken:
                 continue
             shape: Shape | None = None
             if not pod.claims:

@@ -1,4 +1,5 @@
-"""resource.k8s.io/v1 objects as the claim allocator sees them (plain JSON in, core types out).
+"""resource.k8s.io/v1 objects as the claim allocator sees them (plain JSON in, core types out;
+the slices read in .dra_slices, the field readers and the memo in .dra_common).
 
 * ResourceSlices of our driver become :class:`DraNode` (core.dra_placement) devices in the order
   the scheduler's allocator tries them: only node-local slices, only each pool's newest
@@ -6,6 +7,11 @@
   name, slices by name, devices in slice order (``GatherPools``, ``buildPool``). Devices that
   consume shared counters (partitionable MIG) or carry a taint other than ours are left out:
   the allocator never gives them.
+* A pool is left out whole (and the problem named, in ``problems``) when its newest slices name
+  one device twice (upstream ``GatherPools`` marks such a pool invalid and allocates nothing
+  from it), or when one of its slices has a field of the wrong type: the API server's
+  validation never lets either through, so they come from a broken writer, and one of them
+  must not stop the allocator for every other node.
 * Allocated claims become :class:`Usage` (core.dra_placement) per device (``foreachAllocatedDevice``
   in the scheduler's allocateddevices.go: a result with a ``shareID`` is a share that consumed
   ``consumedCapacity``; one without took the device; admin access takes nothing).
@@ -19,29 +25,36 @@
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, TypeVar
+from typing import Any
 
+from gpuslice.adapters.kube import dra_common, dra_slices
+from gpuslice.adapters.kube.dra_common import (
+    _dict,
+    _int,
+    _list,
+    _memo,
+    _name,
+    _note,
+    _whole,
+)
 from gpuslice.adapters.kube.objects import node_allocatable as _allocatable_of
-from gpuslice.adapters.kube.objects import pod_cpu_memory, pod_finished, quantity
+from gpuslice.adapters.kube.objects import pod_cpu_memory, pod_finished
 from gpuslice.core.dra_placement import (
-    Capacity,
     DeviceRequest,
-    DraDevice,
     DraPlacement,
-    RequestPolicy,
     Usage,
 )
 from gpuslice.core.errors import ValidationError
 
-DRIVER = "gpu.gpuslice.io"
+# our driver's names and the slices' devices, this module's too
+DRIVER = dra_common.DRIVER
+ALLOCATOR_TAINT = dra_common.ALLOCATOR_TAINT
+MEMO_MAX = dra_common.MEMO_MAX
+slice_devices = dra_slices.slice_devices
 FINALIZER = "resource.kubernetes.io/delete-protection"
-# the taint our drivers put on their devices while the allocator's lease is fresh (see
-# docs/dra-placement.md): kube-scheduler then leaves those devices to us
-ALLOCATOR_TAINT = "gpu.gpuslice.io/allocator"
 # device class -> the device ``type`` attributes it selects (our DeviceClasses' CEL)
 CLASS_KINDS: Mapping[str, frozenset[str]] = {
     "gpu.gpuslice.io": frozenset({"gpu"}),
@@ -49,131 +62,12 @@ CLASS_KINDS: Mapping[str, frozenset[str]] = {
 }
 
 
-T = TypeVar("T")
-_MEMO: dict[tuple[Any, ...], Any] = {}
-MEMO_MAX = 1 << 16  # entries kept; the oldest quarter goes when full
-
-
-def _memo(kind: str, obj: Mapping[str, Any], make: Callable[[], T], *extra: Any) -> T:
-    """``make()``, kept per object version (UID and resourceVersion: an object the API
-    server returns with the same version has the same content), so that the allocator's
-    passes parse again only what changed. Objects without both are parsed every time; what
-    is kept is never changed by its users (frozen core types, tuples)."""
-    meta = obj.get("metadata") or {}
-    uid, rv = meta.get("uid"), meta.get("resourceVersion")
-    if not uid or not rv:
-        return make()
-    key = (kind, uid, rv, *extra)
-    try:
-        return _MEMO[key]  # type: ignore[no-any-return]
-    except KeyError:
-        pass
-    value = make()
-    _MEMO[key] = value
-    if len(_MEMO) > MEMO_MAX:
-        for old in list(itertools.islice(_MEMO, MEMO_MAX // 4)):
-            _MEMO.pop(old, None)
-    return value
-
-
-def _int(value: object, field: str) -> int:
-    return round(quantity(value, field))
-
-
-def _name(name: str, driver: str) -> str:
-    """A capacity or attribute name without our driver's domain (unprefixed names are the
-    driver's own)."""
-    return name[len(driver) + 1:] if name.startswith(driver + "/") else name
-
-
-def _policy(doc: Mapping[str, Any] | None, field: str) -> RequestPolicy | None:
-    if not doc:
-        return None
-    rng = doc.get("validRange") or {}
-    default = doc.get("default")
-    return RequestPolicy(
-        default=None if default is None else _int(default, f"{field}.default"),
-        valid_values=tuple(_int(v, f"{field}.validValues") for v in doc.get("validValues")
-                           or ()),
-        min=None if rng.get("min") is None else _int(rng["min"], f"{field}.validRange.min"),
-        max=None if rng.get("max") is None else _int(rng["max"], f"{field}.validRange.max"),
-        step=None if rng.get("step") is None else _int(rng["step"],
-                                                       f"{field}.validRange.step"))
-
-
-def _attr(device: Mapping[str, Any], name: str, driver: str) -> str:
-    for key, val in (device.get("attributes") or {}).items():
-        if _name(key, driver) == name and isinstance(val, dict):
-            return str(val.get("string") or val.get("version") or val.get("int") or "")
-    return ""
-
-
-def _usable(device: Mapping[str, Any], require_taint: bool) -> bool:
-    if device.get("consumesCounters"):
-        return False
-    ours = False
-    for taint in device.get("taints") or []:
-        if taint.get("key") == ALLOCATOR_TAINT:
-            ours = True
-        elif taint.get("effect") in ("NoSchedule", "NoExecute"):
-            return False
-    return ours or not require_taint
-
-
-def slice_devices(slices: Sequence[Mapping[str, Any]], driver: str = DRIVER, *,
-                  require_taint: bool = True) -> dict[str, list[DraDevice]]:
-    """Per node, our devices in the allocator's order (see the module doc). With
-    ``require_taint`` only devices carrying :data:`ALLOCATOR_TAINT` are kept: the ones
-    kube-scheduler will not allocate behind our back."""
-    pools: dict[str, list[Mapping[str, Any]]] = {}
-    for s in slices:
-        spec = s.get("spec") or {}
-        if spec.get("driver") != driver or not spec.get("nodeName"):
-            continue
-        pool = (spec.get("pool") or {}).get("name") or ""
-        pools.setdefault(pool, []).append(s)
-    out: dict[str, list[DraDevice]] = {}
-    for pool in sorted(pools):
-        group = pools[pool]
-        gen = max(int((s["spec"].get("pool") or {}).get("generation") or 0) for s in group)
-        newest = [s for s in group
-                  if int((s["spec"].get("pool") or {}).get("generation") or 0) == gen]
-        want = int((newest[0]["spec"].get("pool") or {}).get("resourceSliceCount") or 1)
-        if len(newest) < want:
-            continue  # incomplete pool: the allocator does not use it either
-        for s in sorted(newest, key=lambda s: str(s["metadata"]["name"])):
-            node = str(s["spec"]["nodeName"])
-            out.setdefault(node, []).extend(_memo(
-                "slice", s, partial(_devices_of, s, pool, driver, require_taint),
-                pool, driver, require_taint))
-    return out
-
-
-def _devices_of(s: Mapping[str, Any], pool: str, driver: str,
-                require_taint: bool) -> tuple[DraDevice, ...]:
-    """One slice's usable devices (:func:`slice_devices`)."""
-    out: list[DraDevice] = []
-    for i, d in enumerate(s["spec"].get("devices") or []):
-        if not _usable(d, require_taint):
-            continue
-        where = f"resourceslice {s['metadata']['name']} device[{i}]"
-        caps = {
-            _name(k, driver): Capacity(
-                _int((v or {}).get("value"), f"{where} capacity {k}"),
-                _policy((v or {}).get("requestPolicy"), f"{where} capacity {k}"))
-            for k, v in (d.get("capacity") or {}).items()}
-        out.append(DraDevice(
-            pool, str(d["name"]), _attr(d, "type", driver) or "gpu",
-            _attr(d, "productName", driver), bool(d.get("allowMultipleAllocations")), caps))
-    return tuple(out)
-
-
-def claim_usage(claims: Sequence[Mapping[str, Any]], driver: str = DRIVER) -> \
-        dict[tuple[str, str], Usage]:
+def claim_usage(claims: Sequence[Mapping[str, Any]], driver: str = DRIVER,
+                problems: list[str] | None = None) -> dict[tuple[str, str], Usage]:
     """What the allocated claims took of each of our devices."""
     usage: dict[tuple[str, str], Usage] = {}
     for c in claims:
-        for key, whole, consumed in claim_took(c, driver):
+        for key, whole, consumed in claim_took(c, driver, problems):
             usage[key] = usage.get(key, Usage()).plus(whole, consumed)
     return usage
 
@@ -181,26 +75,68 @@ def claim_usage(claims: Sequence[Mapping[str, Any]], driver: str = DRIVER) -> \
 Took = tuple[tuple[tuple[str, str], bool, dict[str, int]], ...]
 
 
-def claim_took(c: Mapping[str, Any], driver: str = DRIVER) -> Took:
+def _allocation(c: Mapping[str, Any]) -> object:
+    status = c.get("status")
+    return status.get("allocation") if isinstance(status, Mapping) else None
+
+
+def is_allocated(claim: Mapping[str, Any]) -> bool:
+    """Whether the claim has a ``status.allocation`` (whoever wrote it)."""
+    return bool(_allocation(claim))
+
+
+def claim_took(c: Mapping[str, Any], driver: str = DRIVER,
+               problems: list[str] | None = None) -> Took:
     """One claim's results on our devices: (pool, device), taken whole, what a share
-    consumed; ``()`` while it is not allocated."""
-    if not (c.get("status") or {}).get("allocation"):
+    consumed; ``()`` while it is not allocated. A result of the wrong shape is noted in
+    ``problems``: one that names a device still takes it (whole: what it consumed is not
+    known, and a device must not be given twice), any other is passed over."""
+    if not _allocation(c):
         return ()
-    return _memo("usage", c, partial(_claim_took, c, driver), driver)
+    took, problem = _memo("usage", c, partial(_claim_took, c, driver), driver)
+    if problem is not None:
+        _note(problems, problem)
+    return took
 
 
-def _claim_took(c: Mapping[str, Any], driver: str) -> Took:
-    out = []
-    for r in (c["status"]["allocation"].get("devices") or {}).get("results") or []:
+def _claim_took(c: Mapping[str, Any], driver: str) -> tuple[Took, str | None]:
+    where = f"claim {_claim_key(c)}: status.allocation"
+    out: list[tuple[tuple[str, str], bool, dict[str, int]]] = []
+    problem: str | None = None
+    try:
+        devices = _dict(_dict(_allocation(c), where).get("devices"), f"{where}.devices")
+        results = _list(devices.get("results"), f"{where}.devices.results")
+    except ValidationError as exc:
+        return (), f"{exc}: its devices are not counted"
+    for i, r in enumerate(results):
+        at = f"{where}.devices.results[{i}]"
+        if not isinstance(r, Mapping):
+            problem = problem or f"{at}: expected an object, got {type(r).__name__}: " \
+                "not counted"
+            continue
         if r.get("driver") != driver or r.get("adminAccess"):
             continue
-        consumed = {_name(k, driver): _int(v, f"claim {c['metadata'].get('name')} "
-                                          f"consumedCapacity {k}")
-                    for k, v in (r.get("consumedCapacity") or {}).items()}
+        pool, device = r.get("pool"), r.get("device")
+        if not isinstance(pool, str) or not isinstance(device, str):
+            problem = problem or f"{at}: expected a pool and a device name (strings), got " \
+                f"{pool!r} and {device!r}: not counted"
+            continue
         shared = r.get("shareID") is not None
-        out.append(((str(r.get("pool")), str(r.get("device"))), not shared,
-                    consumed if shared else {}))
-    return tuple(out)
+        try:
+            consumed = {_name(str(k), driver): _int(v, f"{at}.consumedCapacity {k}")
+                        for k, v in _dict(r.get("consumedCapacity"),
+                                          f"{at}.consumedCapacity").items()}
+        except ValidationError as exc:  # what the share took is not known: all of it
+            problem = problem or f"{exc}: device {pool}/{device} counted as taken whole"
+            shared, consumed = False, {}
+        out.append(((pool, device), not shared, consumed if shared else {}))
+    return tuple(out), problem
+
+
+def _claim_key(c: Mapping[str, Any]) -> str:
+    meta = c.get("metadata")
+    meta = meta if isinstance(meta, Mapping) else {}
+    return f"{meta.get('namespace')}/{meta.get('name')}"
 
 
 def pod_needs(pod: Mapping[str, Any]) -> tuple[int, int]:
@@ -211,27 +147,47 @@ def pod_needs(pod: Mapping[str, Any]) -> tuple[int, int]:
 
 def pod_claim_name(pod: Mapping[str, Any], ref: Mapping[str, Any]) -> str | None:
     """The ResourceClaim a pod's ``spec.resourceClaims`` entry names: its
-    ``resourceClaimName``, or for a template the generated name in the pod's status."""
+    ``resourceClaimName``, or for a template the generated name in the pod's status. A
+    :class:`ValidationError` names a field of the wrong type."""
     name = ref.get("resourceClaimName")
     if not name:
-        for st in (pod.get("status") or {}).get("resourceClaimStatuses") or []:
+        status = _dict(pod.get("status"), "status")
+        for i, item in enumerate(_list(status.get("resourceClaimStatuses"),
+                                       "status.resourceClaimStatuses")):
+            st = _dict(item, f"status.resourceClaimStatuses[{i}]")
             if st.get("name") == ref.get("name"):
                 name = st.get("resourceClaimName")
-    return str(name) if name else None
+    if name and not isinstance(name, str):
+        raise ValidationError("resourceClaimName", "a string", name)
+    return name or None
 
 
 def allocated_node(claim: Mapping[str, Any]) -> str | None:
     """The one node an allocated claim is bound to (its ``nodeSelector`` names a single
-    ``metadata.name``, as kube-scheduler and we write it), else ``None``."""
-    sel = (((claim.get("status") or {}).get("allocation") or {}).get("nodeSelector") or {})
-    terms = sel.get("nodeSelectorTerms") or []
+    ``metadata.name``, as kube-scheduler and we write it), else ``None``. A
+    :class:`ValidationError` names a field of the wrong type."""
+    try:
+        return _allocated_node(claim)
+    except ValidationError as exc:
+        raise ValidationError(f"claim {_claim_key(claim)}: {exc.field}", exc.expected,
+                              exc.got) from None
+
+
+def _allocated_node(claim: Mapping[str, Any]) -> str | None:
+    sel = _dict(_dict(_allocation(claim), "status.allocation").get("nodeSelector"),
+                "status.allocation.nodeSelector")
+    terms = _list(sel.get("nodeSelectorTerms"), "status.allocation.nodeSelector."
+                  "nodeSelectorTerms")
     if len(terms) != 1:
         return None
-    fields = terms[0].get("matchFields") or []
-    if len(fields) != 1 or terms[0].get("matchExpressions"):
+    term = _dict(terms[0], "status.allocation.nodeSelector.nodeSelectorTerms[0]")
+    fields = _list(term.get("matchFields"), "status.allocation.nodeSelector."
+                   "nodeSelectorTerms[0].matchFields")
+    if len(fields) != 1 or term.get("matchExpressions"):
         return None
-    f = fields[0]
-    values = f.get("values") or []
+    f = _dict(fields[0], "status.allocation.nodeSelector.nodeSelectorTerms[0].matchFields[0]")
+    values = _list(f.get("values"), "status.allocation.nodeSelector.nodeSelectorTerms[0]."
+                   "matchFields[0].values")
     if f.get("key") == "metadata.name" and f.get("operator") == "In" and len(values) == 1:
         return str(values[0])
     return None
@@ -249,10 +205,19 @@ ClaimKey = tuple[str | None, str | None]
 
 def pod_claims(pod: Mapping[str, Any]) -> tuple[ClaimKey, ...]:
     """The (namespace, name) of each claim in the pod's ``spec.resourceClaims``, in order
-    (the name ``None`` while a template's claim is not generated yet)."""
-    ns = pod["metadata"].get("namespace")
-    return tuple((ns, pod_claim_name(pod, ref))
-                 for ref in (pod.get("spec") or {}).get("resourceClaims") or [])
+    (the name ``None`` while a template's claim is not generated yet). A
+    :class:`ValidationError` names a field of the wrong type."""
+    meta = pod["metadata"]
+    ns = meta.get("namespace")
+    try:
+        refs = _list(_dict(pod.get("spec"), "spec").get("resourceClaims"),
+                     "spec.resourceClaims")
+        return tuple((ns, pod_claim_name(pod, ref if type(ref) is dict else
+                                         _dict(ref, f"spec.resourceClaims[{i}]")))
+                     for i, ref in enumerate(refs))
+    except ValidationError as exc:
+        raise ValidationError(f"pod {ns}/{meta.get('name')}: {exc.field}", exc.expected,
+                              exc.got) from None
 
 
 def pod_node(pod: Mapping[str, Any], claims: Sequence[ClaimKey],
@@ -286,36 +251,52 @@ class PendingClaim:
 
 
 def claim_request(claim: Mapping[str, Any], driver: str = DRIVER,
-                  classes: Mapping[str, frozenset[str]] = CLASS_KINDS) -> DeviceRequest | None:
+                  classes: Mapping[str, frozenset[str]] = CLASS_KINDS,
+                  problems: list[str] | None = None) -> DeviceRequest | None:
     """The claim as one device request, or ``None`` when it is a shape we leave to the
-    default allocator."""
+    default allocator; a field of the wrong type or value leaves it there too, and is noted
+    in ``problems``."""
     kinds = "default" if classes is CLASS_KINDS else \
         tuple(sorted((k, tuple(sorted(v))) for k, v in classes.items()))
-    return _memo("claim", claim, lambda: _claim_request(claim, driver, classes), driver, kinds)
+    req, problem = _memo("claim", claim, lambda: _claim_request(claim, driver, classes),
+                         driver, kinds)
+    if problem is not None:
+        _note(problems, problem)
+    return req
 
 
 def _claim_request(claim: Mapping[str, Any], driver: str,
-                   classes: Mapping[str, frozenset[str]]) -> DeviceRequest | None:
-    devices = (claim.get("spec") or {}).get("devices") or {}
-    reqs = devices.get("requests") or []
-    if len(reqs) != 1 or devices.get("constraints"):
-        return None
-    exactly = reqs[0].get("exactly")
-    if not exactly or exactly.get("deviceClassName") not in classes:
-        return None
-    if exactly.get("selectors") or exactly.get("adminAccess") or exactly.get("tolerations"):
-        return None
-    if exactly.get("allocationMode", "ExactCount") != "ExactCount":
-        return None
-    caps = ((exactly.get("capacity") or {}).get("requests")) or {}
-    name = str(claim["metadata"].get("name"))
+                   classes: Mapping[str, frozenset[str]]) -> \
+        tuple[DeviceRequest | None, str | None]:
+    where = f"claim {_claim_key(claim)}: spec.devices"
     try:
+        devices = _dict(_dict(claim.get("spec"), "claim spec").get("devices"), where)
+        reqs = _list(devices.get("requests"), f"{where}.requests")
+        if len(reqs) != 1 or devices.get("constraints"):
+            return None, None
+        req = _dict(reqs[0], f"{where}.requests[0]")
+        exactly = _dict(req.get("exactly"), f"{where}.requests[0].exactly")
+        cls = exactly.get("deviceClassName")
+        if not isinstance(cls, str) or cls not in classes:
+            return None, None
+        if exactly.get("selectors") or exactly.get("adminAccess") or \
+                exactly.get("tolerations"):
+            return None, None
+        if exactly.get("allocationMode", "ExactCount") != "ExactCount":
+            return None, None
+        at = f"{where}.requests[0].exactly"
+        caps = _dict(_dict(exactly.get("capacity"), f"{at}.capacity").get("requests"),
+                     f"{at}.capacity.requests")
+        name = req.get("name") or ""
+        if not isinstance(name, str):
+            raise ValidationError(f"{where}.requests[0].name", "a string", name)
         return DeviceRequest(
-            str(reqs[0].get("name") or ""), int(exactly.get("count") or 1),
-            {_name(k, driver): _int(v, f"claim {name} capacity {k}") for k, v in caps.items()},
-            classes[exactly["deviceClassName"]])
-    except ValidationError:
-        return None
+            name, _whole(exactly.get("count") or 1, f"{at}.count", 1),
+            {_name(str(k), driver): _int(v, f"{at}.capacity.requests {k}")
+             for k, v in caps.items()},
+            classes[cls]), None
+    except ValidationError as exc:
+        return None, f"{exc}: claim left to the default allocator"
 
 
 def pending_claims(pods: Sequence[Mapping[str, Any]], claims: Sequence[Mapping[str, Any]],
@@ -327,20 +308,24 @@ def pending_claims(pods: Sequence[Mapping[str, Any]], claims: Sequence[Mapping[s
     out: list[PendingClaim] = []
     for p in sorted(pods, key=lambda p: (str(p["metadata"].get("creationTimestamp") or ""),
                                          str(p["metadata"]["name"]))):
-        spec, meta = p.get("spec") or {}, p["metadata"]
-        if spec.get("nodeName") or meta.get("deletionTimestamp") or spec.get("schedulingGates"):
+        spec, meta = p.get("spec"), p["metadata"]
+        if not isinstance(spec, Mapping) or spec.get("nodeName") \
+                or meta.get("deletionTimestamp") or spec.get("schedulingGates"):
             continue
-        refs = spec.get("resourceClaims") or []
-        if len(refs) != 1:
+        try:  # a pod of the wrong shape is left alone (the allocator notes it)
+            keys = pod_claims(p)
+            if len(keys) != 1:
+                continue
+            claim = by_name.get(keys[0])
+            if claim is None or _allocation(claim) \
+                    or claim["metadata"].get("deletionTimestamp"):
+                continue
+            req = claim_request(claim, driver, classes)
+            if req is None:
+                continue
+            cpu, mem = pod_needs(p)
+        except ValidationError:
             continue
-        claim = by_name.get((meta.get("namespace"), pod_claim_name(p, refs[0])))
-        if claim is None or (claim.get("status") or {}).get("allocation") \
-                or claim["metadata"].get("deletionTimestamp"):
-            continue
-        req = claim_request(claim, driver, classes)
-        if req is None:
-            continue
-        cpu, mem = pod_needs(p)
         out.append(PendingClaim(dict(claim), dict(p), req, cpu, mem))
     return out
 
@@ -354,7 +339,8 @@ def allocation(claim: Mapping[str, Any], placement: DraPlacement,
     binds: for a claim allocated without it, its PreBind (``bindClaim``, adding the pod to
     ``reservedFor``) writes the allocation back with a timestamp, which the API server refuses
     ("status.allocation: field is immutable"), and the pod never binds (seen on the dev
-    cluster's v1.36.3)."""
+    cluster's v1.36.3). A config of the wrong shape (the class's or the claim's) is a
+    :class:`ValidationError` naming it: that claim is not allocated."""
     results: list[dict[str, Any]] = []
     for r in placement.results:
         res: dict[str, Any] = {"request": r.request, "driver": driver, "pool": r.pool,
@@ -364,18 +350,24 @@ def allocation(claim: Mapping[str, Any], placement: DraPlacement,
             res["consumedCapacity"] = {k: str(v) for k, v in r.consumed.items()}
         results.append(res)
     config: list[dict[str, Any]] = []
-    spec = (claim.get("spec") or {}).get("devices") or {}
-    for req in spec.get("requests") or []:
-        cls = (req.get("exactly") or {}).get("deviceClassName")
+    where = f"claim {_claim_key(claim)}: spec.devices"
+    spec = _dict(_dict(claim.get("spec"), "claim spec").get("devices"), where)
+    for i, item in enumerate(_list(spec.get("requests"), f"{where}.requests")):
+        req = _dict(item, f"{where}.requests[{i}]")
+        cls = _dict(req.get("exactly"), f"{where}.requests[{i}].exactly") \
+            .get("deviceClassName")
         for c in classes:
             if c["metadata"]["name"] == cls:
-                for cfg in (c.get("spec") or {}).get("config") or []:
-                    config.append({"source": "FromClass", "requests": [req["name"]],
-                                   "opaque": cfg.get("opaque")})
-    for cfg in spec.get("config") or []:
+                at = f"deviceclass {cls}: spec.config"
+                for j, cfg in enumerate(_list(_dict(c.get("spec"), f"deviceclass {cls}: spec")
+                                              .get("config"), at)):
+                    config.append({"source": "FromClass", "requests": [req.get("name")],
+                                   "opaque": _dict(cfg, f"{at}[{j}]").get("opaque")})
+    for j, item in enumerate(_list(spec.get("config"), f"{where}.config")):
+        cfg = _dict(item, f"{where}.config[{j}]")
         entry = {"source": "FromClaim", "opaque": cfg.get("opaque")}
         if cfg.get("requests"):
-            entry["requests"] = list(cfg["requests"])
+            entry["requests"] = list(_list(cfg["requests"], f"{where}.config[{j}].requests"))
         config.append(entry)
     devices: dict[str, Any] = {"results": results}
     if config:
