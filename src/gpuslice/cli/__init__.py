@@ -74,6 +74,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except GpusliceError as exc:
         err.print(f"gpuslice: error: {exc}", markup=False, highlight=False, soft_wrap=True)
         return EXIT_USAGE
+    # what an input can make a reader raise before any check of its own sees it: bad input too
+    except UnicodeDecodeError as exc:
+        err.print(f"gpuslice: error: an input file is not UTF-8 text ({exc.reason} at byte "
+                  f"{exc.start})", markup=False, highlight=False, soft_wrap=True)
+        return EXIT_USAGE
+    except OverflowError as exc:
+        err.print(f"gpuslice: error: a number in the input is too large ({exc})", markup=False,
+                  highlight=False, soft_wrap=True)
+        return EXIT_USAGE
     except KeyboardInterrupt:
         err.print("gpuslice: interrupted")
         return EXIT_INTERRUPTED

@@ -282,6 +282,28 @@ def non_negative_int(text: str) -> int:
     return n
 
 
+def non_negative_float(text: str) -> float:
+    """argparse ``type=``: a finite number >= 0 (0 where it means "at once" or "none")."""
+    try:
+        x = float(text)
+    except ValueError:
+        x = math.nan
+    if not (math.isfinite(x) and x >= 0):
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+    return x
+
+
+def parse_hostport(field_name: str, text: str) -> tuple[str, int]:
+    """``HOST:PORT`` or ``PORT`` (every interface) of a listening option, the port 0..65535
+    (0: any free one); an IPv6 host in brackets."""
+    host, sep, port = text.rpartition(":")
+    if not sep:
+        host, port = "0.0.0.0", text
+    if not (port.isascii() and port.isdigit()) or len(port) > 5 or not 0 <= int(port) <= 65535:
+        raise ValidationError(field_name, "HOST:PORT or PORT, the port from 0 to 65535", text)
+    return host.strip("[]") or "0.0.0.0", int(port)
+
+
 def input_path(kind: str) -> Callable[[str], Path]:
     """argparse ``type=`` of an input file option that also takes the inputs shipped with
     gpuslice by name (``builtin:NAME``, ``adapters/profiles/builtin.py``): a path, or the
@@ -453,10 +475,24 @@ PIPE_WIDTH = 1000
 
 def make_console(*, stderr: bool = False) -> Console:
     """A rich console; when the output is not a terminal, as wide as the content needs."""
-    console = Console(stderr=stderr)
+    width = _columns()
+    if width is None and "COLUMNS" in os.environ:  # rich would take COLUMNS=0 as no width
+        try:
+            width = os.get_terminal_size((sys.stderr if stderr else sys.stdout).fileno()).columns
+        except (OSError, ValueError, AttributeError):
+            width = 80
+    console = Console(stderr=stderr, width=width)
     if console.is_terminal:
         return console
-    return Console(stderr=stderr, width=int(os.environ.get("COLUMNS") or PIPE_WIDTH))
+    return Console(stderr=stderr, width=_columns() or PIPE_WIDTH)
+
+
+def _columns() -> int | None:
+    """``$COLUMNS`` when it is a usable width (a whole number of at least 20), else None: a
+    stray value (``abc``, ``0``) must not break, or blank, every command's output."""
+    text = os.environ.get("COLUMNS", "")
+    return int(text) if text.isascii() and text.isdigit() and 20 <= int(text) <= 100_000 \
+        else None
 
 
 def add_output(p: argparse.ArgumentParser, *, json_alias: bool = False) -> None:

@@ -15,7 +15,9 @@ from gpuslice.cli.common import (
     add_log_format,
     deprecated_alias,
     examples,
+    non_negative_float,
     parse_lease,
+    positive_float,
     setup_logging,
 )
 from gpuslice.core.errors import ValidationError
@@ -39,15 +41,15 @@ def register(sub: Sub) -> None:
     a.add_argument("--driver", default="gpu.gpuslice.io", help="DRA driver name")
     a.add_argument("--policy", default="frag-strand", help="placement policy (default "
                    "frag-strand)")
-    a.add_argument("--interval", type=float, default=0.5, help="seconds between passes")
-    a.add_argument("--settle", type=float, default=10.0, help="seconds a node's devices must "
-                   "have carried the allocator taint before they are used (in-flight "
-                   "scheduler allocations land meanwhile)")
+    a.add_argument("--interval", type=positive_float, default=0.5, help="seconds between passes")
+    a.add_argument("--settle", type=non_negative_float, default=10.0,
+                   help="seconds a node's devices must have carried the allocator taint "
+                   "before they are used (in-flight scheduler allocations land meanwhile)")
     a.add_argument("--no-require-taint", action="store_true",
                    help="also use untainted devices (race mode: kube-scheduler may allocate "
                    "the same devices at the same time; for clusters without device taints, "
                    "and only where nothing else allocates our devices)")
-    a.add_argument("--max-backoff", type=float, default=60.0,
+    a.add_argument("--max-backoff", type=positive_float, default=60.0,
                    help="longest wait (seconds) before placing again a claim the scheduler "
                    "released three times (the wait doubles from 2 s; default 60)")
     lease = add_lease(a, "gpuslice-system/gpuslice-dra-allocator",

@@ -22,6 +22,7 @@ from gpuslice.cli.common import (
     examples,
     local_nvml,
     parse_lease,
+    positive_float,
     setup_logging,
 )
 from gpuslice.core import dra
@@ -52,7 +53,7 @@ def register(sub: Sub) -> None:
                    help="sharing model of one GPU (index or UUID), e.g. 0=share, 1=mig")
     p.add_argument("--no-taints", action="store_true",
                    help="leave unhealthy GPUs out of the slices instead of tainting them")
-    p.add_argument("--quiet", type=float, default=60.0,
+    p.add_argument("--quiet", type=positive_float, default=60.0,
                    help="seconds without an XID after which a GPU is healthy again")
     p.add_argument("--mps-pipe-dir", default=PIPE_DIR,
                    help="root of the per-GPU MPS pipe directories (the node agent's)")
@@ -66,7 +67,7 @@ def register(sub: Sub) -> None:
     p.add_argument("--dev-dir", default="/dev", help="where the NVIDIA device nodes are")
     add_fake_gpus(p, FAKE_INVENTORY_HELP, old_fake=True)
     p.add_argument("--kubeconfig", help="kubeconfig (default: in-cluster, else kubectl's)")
-    p.add_argument("--poll", type=float, default=1.0, help="health poll interval, seconds")
+    p.add_argument("--poll", type=positive_float, default=1.0, help="health poll interval, seconds")
     lease = add_lease(p, "gpuslice-system/gpuslice-dra-allocator",
                       "the claim allocator's Lease (gpuslice dra-allocator --lease): while it "
                       "is fresh, consumable-capacity devices carry its taint "
@@ -75,9 +76,9 @@ def register(sub: Sub) -> None:
     p.add_argument("--health-timeout", type=int, default=120,
                    help="health_check_timeout_seconds reported to the kubelet (the list is "
                    "resent every quarter of it)")
-    p.add_argument("--resync", type=float, default=10.0,
+    p.add_argument("--resync", type=positive_float, default=10.0,
                    help="seconds between comparisons of the pool with the API server's")
-    p.add_argument("--claim-read-timeout", type=float, default=20.0, metavar="SECONDS",
+    p.add_argument("--claim-read-timeout", type=positive_float, default=20.0, metavar="SECONDS",
                    help="a prepare's claim reads from the API server, connection, reads and "
                    "retries together, answer within this; a claim not read by then gets an "
                    "error the kubelet retries (its own deadline is 45 s; default %(default)s)")

@@ -13,6 +13,7 @@ from gpuslice.cli.common import (
     add_log_format,
     examples,
     non_negative_int,
+    parse_hostport,
     positive_float,
     read_key,
     setup_logging,
@@ -94,9 +95,7 @@ def _extender(args: argparse.Namespace, console: Console) -> int:
     from gpuslice.services.leader import LeaderElector, LeaderLabel
 
     log = setup_logging(args.log_format, "extender")
-    host, _, port_text = args.listen.rpartition(":")
-    if not host or not port_text.isdigit():
-        raise ValidationError("--listen", "HOST:PORT", args.listen)
+    host, port = parse_hostport("--listen", args.listen)
     key = read_key(args.key_file)
     ctx = tls_context(args.tls_cert, args.tls_key, args.client_ca)
     if args.client_ca is None and not args.insecure_no_client_auth:
@@ -153,7 +152,7 @@ def _extender(args: argparse.Namespace, console: Console) -> int:
     async def main() -> None:
         signals.install(asyncio.get_running_loop())
         try:
-            await serve(state, host, int(port_text), ctx, args.resync, ready, stop,
+            await serve(state, host, port, ctx, args.resync, ready, stop,
                         tls_files=(args.tls_cert, args.tls_key) if ctx else None,
                         leader_label=label, binds_in_flight=args.binds_in_flight,
                         heap=LongLivedHeap())  # the inventory and ledger out of full GCs

@@ -18,10 +18,17 @@ from gpuslice.cli.common import (
     add_log_format,
     examples,
     local_nvml,
+    non_negative_float,
+    parse_hostport,
+    positive_float,
     read_key,
     setup_logging,
 )
 from gpuslice.core.errors import ValidationError
+
+# virtual devices per GPU at most: a few per milli-GPU share is plenty, and the kubelet lists,
+# checkpoints and sends every one
+MAX_REPLICAS = 1000
 
 if TYPE_CHECKING:
     from gpuslice.adapters.kube.client import KubeClient
@@ -60,7 +67,7 @@ def register(sub: Sub) -> None:
                     help="with --cleanup: first delete the node agents' DaemonSet (foreground) "
                     "and wait until its pods are gone, each agent cleaning its own node, MPS "
                     "folders included (the Helm chart's pre-delete hook)")
-    na.add_argument("--stop-wait", type=float, default=120.0, metavar="SECONDS",
+    na.add_argument("--stop-wait", type=positive_float, default=120.0, metavar="SECONDS",
                     help="with --stop-daemonset: how long to wait for the agents (default 120)")
     add_fake_gpus(na, FAKE_INVENTORY_HELP, old_fake=True)
     na.add_argument("--socket-dir", type=Path, default=Path("/var/lib/kubelet/device-plugins"),
@@ -77,7 +84,7 @@ def register(sub: Sub) -> None:
     na.add_argument("--dev-dir", type=Path, default=Path("/dev"),
                     help="where the NVIDIA device nodes are on the host (default /dev): the CDI "
                     "spec's hostPath, e.g. stand-in nodes for --fake-gpus GPUs")
-    na.add_argument("--quiet", type=float, default=60.0,
+    na.add_argument("--quiet", type=non_negative_float, default=60.0,
                     help="seconds without errors before a faulty GPU is healthy again")
     na.add_argument("--metrics", default="0.0.0.0:9402",
                     help="HOST:PORT of the Prometheus endpoint ('off' to disable)")
@@ -159,8 +166,9 @@ def _node_agent(args: argparse.Namespace, console: Console) -> int:
     node = args.node or os.environ.get("NODE_NAME")
     if not node:
         raise ValidationError("--node", "the node's name (or $NODE_NAME)", node)
-    if args.replicas < 1:
-        raise ValidationError("--replicas", "at least 1 virtual device per GPU", args.replicas)
+    if not 1 <= args.replicas <= MAX_REPLICAS:
+        raise ValidationError("--replicas", f"1..{MAX_REPLICAS} virtual devices per GPU (the "
+                              "kubelet tracks each one)", args.replicas)
     if args.key_file is None:
         raise ValidationError("--key-file", "the file holding the HMAC key shared with the "
                               "extender", None)
@@ -186,10 +194,8 @@ def _node_agent(args: argparse.Namespace, console: Console) -> int:
         if args.metrics != "off":
             from prometheus_client import start_http_server
 
-            mhost, _, mport = args.metrics.rpartition(":")
-            if not mport.isdigit():
-                raise ValidationError("--metrics", "HOST:PORT or off", args.metrics)
-            start_http_server(int(mport), mhost or "0.0.0.0", registry=agent.metrics.registry)
+            mhost, mport = parse_hostport("--metrics", args.metrics)
+            start_http_server(mport, mhost, registry=agent.metrics.registry)
         log.info("node agent for %s: %d GPU(s), %d virtual devices each; socket dir %s", node,
                  len(nvml.devices()), args.replicas, args.socket_dir,
                  extra={"event": "starting", "node": node, "gpus": len(nvml.devices())})

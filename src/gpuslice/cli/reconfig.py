@@ -15,6 +15,7 @@ from gpuslice.cli.common import (
     add_log_format,
     add_output,
     examples,
+    positive_float,
     print_json,
     read_yaml,
     setup_logging,
@@ -68,7 +69,7 @@ def register(sub: Sub) -> None:
                        help="as if it were this time of day (UTC; default: now)")
     run.add_argument("--router-admin", help="router admin URL: drain until it reports no "
                      "request in flight (default: wait the schedule's drain timeout)")
-    run.add_argument("--every", type=float, default=2.0,
+    run.add_argument("--every", type=positive_float, default=2.0,
                      help="seconds between passes (default 2)")
     run.add_argument("--once", action="store_true", help="one pass, then exit")
     add_log_format(run)

@@ -8,7 +8,14 @@ from pathlib import Path
 
 from rich.console import Console
 
-from gpuslice.cli.common import Sub, add_log_format, examples, setup_logging
+from gpuslice.cli.common import (
+    Sub,
+    add_log_format,
+    examples,
+    parse_hostport,
+    positive_float,
+    setup_logging,
+)
 from gpuslice.core.errors import ValidationError
 
 
@@ -41,8 +48,8 @@ def register(sub: Sub) -> None:
     r.add_argument("--policy", help="routing policy for every service (default from the "
                    "config, else sed): round-robin, weighted-round-robin, least-outstanding, "
                    "p2c, sed")
-    r.add_argument("--slo-ms", type=float, help="latency SLO for admission control (overrides "
-                   "the services' slo_ms)")
+    r.add_argument("--slo-ms", type=positive_float,
+                   help="latency SLO for admission control (overrides the services' slo_ms)")
     r.add_argument("--no-admission", action="store_true",
                    help="never answer 429: queue every request")
     r.add_argument("--access-log", default="-", help="'-' stdout (default), a file, or 'off'")
@@ -59,7 +66,7 @@ def _router(args: argparse.Namespace, console: Console) -> int:
 
     from gpuslice.adapters.http.config import read_config
     from gpuslice.services import mesh_export
-    from gpuslice.services.router import ServeOptions, parse_hostport, run
+    from gpuslice.services.router import ServeOptions, run
 
     if args.export:
         path = args.plan or args.config
@@ -92,8 +99,11 @@ def _router(args: argparse.Namespace, console: Console) -> int:
     setup_logging(args.log_format, "router")
     try:
         run(opts)
-    except OSError as exc:
-        raise ValidationError("--listen", "a free address to listen on", str(exc)) from None
+    except OSError as exc:  # the ports it binds, or the access log it opens
+        if getattr(exc, "filename", None) == opts.access_log:
+            raise ValidationError("--access-log", "a file it can write", str(exc)) from None
+        raise ValidationError("--listen/--admin", "free addresses to listen on",
+                              str(exc)) from None
     return 0
 
 

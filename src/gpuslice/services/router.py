@@ -459,19 +459,6 @@ class ServeOptions:
     models: tuple[str, ...] = ()  # EndpointSlices alone: the models served (none: any)
 
 
-def parse_hostport(field_name: str, text: str) -> tuple[str, int]:
-    host, sep, port = text.rpartition(":")
-    if not sep:
-        host, port = "0.0.0.0", text
-    try:
-        p = int(port)
-    except ValueError:
-        raise ValidationError(field_name, "HOST:PORT or PORT", text) from None
-    if not 0 <= p <= 65535:
-        raise ValidationError(field_name, "a port from 0 to 65535", text)
-    return host.strip("[]") or "0.0.0.0", p
-
-
 def _service_of(cfg: RouterConfig, name: str, path: Path | None) -> ServiceSpec:
     """The service of a config or plan that the EndpointSlices of Service ``name`` serve: the
     one of that name (or model), or the only one."""

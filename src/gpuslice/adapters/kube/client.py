@@ -26,7 +26,7 @@ from typing import Any
 from gpuslice.adapters.install import pip_install
 from gpuslice.adapters.kube.ports import ApiConflict, ApiInvalid, ApiNotFound, WatchEvent
 from gpuslice.adapters.kube.wire import binding_body, status_text
-from gpuslice.core.errors import GpusliceError
+from gpuslice.core.errors import GpusliceError, Unavailable
 
 
 class KubeClient:
@@ -516,8 +516,9 @@ def _events(resp: Any) -> Any:
         yield orjson.loads(rest)
 
 
-class _Unreachable(GpusliceError):
-    """No answer from the API server (refused, timed out, connection lost)."""
+class _Unreachable(Unavailable):
+    """No answer from the API server (refused, timed out, connection lost): not the input's
+    fault, so the CLI exits 1, not 2."""
 
 
 def _status_message(exc: Any) -> str:
