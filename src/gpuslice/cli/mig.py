@@ -122,7 +122,8 @@ def _mig_apply(args: argparse.Namespace, console: Console) -> int:
         api = (load_fake_cluster(args.fake_cluster) if args.fake_cluster
                else KubeClient(args.kubeconfig))
     report = MigExecutor(nvml, api, args.node or "").apply(config, args.config,
-                                                          dry_run=args.dry_run)
+                                                          dry_run=args.dry_run,
+                                                          source=str(args.file))
     for uuid, changes in report.changes.items():
         note = f" (skipped: {report.skipped[uuid]})" if uuid in report.skipped else ""
         console.print(f"{uuid}: {', '.join(str(c) for c in changes)}{note}", highlight=False)

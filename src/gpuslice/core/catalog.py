@@ -208,8 +208,9 @@ def opaque_model(name: str, memory_mib: int) -> GpuModel:
     """A model the catalogue does not know: only its name and memory are used."""
     if not name.strip():
         raise ValidationError("gpu model", "a non-empty name", name)
-    if memory_mib <= 0:
-        raise ValidationError("gpu memory_mib", "a positive number of MiB", memory_mib)
+    # a whole number: text, a float (NaN, infinity, 1.5) or a bool from a user's file is not
+    if not isinstance(memory_mib, int) or isinstance(memory_mib, bool) or memory_mib <= 0:
+        raise ValidationError("gpu memory_mib", "a positive whole number of MiB", memory_mib)
     return GpuModel(name=name.strip(), memory_mib=memory_mib, opaque=True)
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from gpuslice.adapters.kube.fake import KubePort
-from gpuslice.adapters.nvml.port import NvmlError, NvmlPort
+from gpuslice.adapters.nvml.port import NvmlError, NvmlPort, read_yaml
 from gpuslice.core import catalog
 from gpuslice.core.catalog import MigGeometry
 from gpuslice.core.errors import GpusliceError, ValidationError
@@ -43,16 +43,72 @@ class MigReport:
 
 
 def read_config(path: Path | str) -> dict[str, Any]:
-    import yaml
-
+    """A mig-parted config file (``version: v1``, ``mig-configs``), every config checked for
+    its form (:func:`check_entry`); errors name the file and the field."""
     p = Path(path)
-    try:
-        doc = yaml.safe_load(p.read_text())
-    except (OSError, yaml.YAMLError) as exc:
-        raise ValidationError(str(p), "a readable mig-parted YAML config", str(exc)) from None
-    if not isinstance(doc, dict) or not isinstance(doc.get("mig-configs"), dict):
-        raise ValidationError(f"{p}: mig-configs", "a mapping of config names", doc)
+    doc = read_yaml(p, str(p), "a mig-parted YAML config")
+    if not isinstance(doc, dict):
+        raise ValidationError(str(p), "a mig-parted config: a mapping with 'version: v1' and "
+                              "'mig-configs'",
+                              "an empty file" if doc is None else type(doc).__name__)
+    configs = doc.get("mig-configs")
+    if not isinstance(configs, dict) or not configs:
+        raise ValidationError(f"{p}: mig-configs", "a mapping of config names to lists of "
+                              "entries (devices, mig-enabled, mig-devices)", _short(configs))
+    if doc.get("version") != "v1":
+        raise ValidationError(f"{p}: version", "v1 (mig-parted's config format)",
+                              _short(doc.get("version")))
+    for name, entries in configs.items():
+        if not isinstance(entries, list):
+            raise ValidationError(f"{p}: mig-configs.{name}", "a list of entries (devices, "
+                                  "mig-enabled, mig-devices)", _short(entries))
+        for i, entry in enumerate(entries):
+            check_entry(entry, f"{p}: mig-configs.{name}[{i}]")
     return doc
+
+
+def check_entry(entry: object, where: str) -> dict[str, Any]:
+    """One entry of a mig-parted config, checked for its form: ``devices`` (``all`` or a
+    list of GPU indices), ``mig-enabled`` (a bool), ``mig-devices`` (profile name -> whole
+    count) or gpuslice's ``mig-placements`` (a list of ``profile@start``)."""
+    if not isinstance(entry, dict):
+        raise ValidationError(where, "a mapping with devices, mig-enabled and mig-devices",
+                              _short(entry))
+    devices = entry.get("devices", "all")
+    if devices != "all" and not (isinstance(devices, list)
+                                 and all(_index(d) for d in devices)):
+        raise ValidationError(f"{where}.devices", "all or a list of GPU indices (whole "
+                              "numbers >= 0)", _short(devices))
+    if not isinstance(entry.get("mig-enabled", True), bool):
+        raise ValidationError(f"{where}.mig-enabled", "true or false",
+                              _short(entry["mig-enabled"]))
+    counts = entry.get("mig-devices")
+    if counts is not None:
+        if not isinstance(counts, dict):
+            raise ValidationError(f"{where}.mig-devices", "a mapping of MIG profile to count "
+                                  "such as {1g.10gb: 7}", _short(counts))
+        for name, n in counts.items():
+            if not _index(n):
+                raise ValidationError(f"{where}.mig-devices[{name}]", "a whole number of "
+                                      "instances >= 0", _short(n))
+    if "mig-placements" in entry:
+        placements = entry["mig-placements"]
+        if not (isinstance(placements, list) and all(isinstance(x, str) for x in placements)):
+            raise ValidationError(f"{where}.mig-placements", "a list of placements such as "
+                                  "['3g.40gb@0', '3g.40gb@4']", _short(placements))
+    return entry
+
+
+def _index(value: object) -> bool:
+    """Whether ``value`` is a whole number >= 0 (a GPU index or an instance count), not a bool,
+    a float or text."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _short(value: object) -> object:
+    """``value`` for an error message: its text cut short when it is long."""
+    text = repr(value)
+    return value if len(text) <= 80 else f"{text[:77]}..."
 
 
 class MigExecutor:
@@ -63,20 +119,30 @@ class MigExecutor:
         if self.api is not None and self.node:
             self.api.patch_node(self.node, {CONFIG_LABEL: config, STATE_LABEL: state}, {})
 
-    def desired(self, doc: dict[str, Any], config: str) -> dict[str, list[MigPlacement]]:
-        entries = doc["mig-configs"].get(config)
+    def desired(self, doc: dict[str, Any], config: str, *,
+                source: str = "") -> dict[str, list[MigPlacement]]:
+        """The layout ``config`` of the mig-parted config ``doc`` asks of each GPU it
+        touches, by UUID. ``source`` (the file) prefixes the field of every error."""
+        prefix = f"{source}: " if source else ""
+        configs = doc.get("mig-configs")
+        entries = configs.get(config) if isinstance(configs, dict) else None
         if not isinstance(entries, list):
-            raise ValidationError("mig config", f"one of {', '.join(doc['mig-configs'])}",
-                                  config)
+            raise ValidationError(f"{prefix}mig config",
+                                  f"one of {', '.join(map(str, configs or {}))}", config)
         gpus = self.nvml.devices()
+        indices = {g.index for g in gpus}
         out: dict[str, list[MigPlacement]] = {}
-        for i, entry in enumerate(entries):
-            where = f"mig-configs.{config}[{i}]"
+        for i, raw in enumerate(entries):
+            where = f"{prefix}mig-configs.{config}[{i}]"
+            entry = check_entry(raw, where)
             devices = entry.get("devices", "all")
+            if devices != "all":
+                missing = [d for d in devices if d not in indices]
+                if missing:
+                    known = ", ".join(str(g.index) for g in gpus) or "none"
+                    raise ValidationError(f"{where}.devices", f"indices of this node's GPUs "
+                                          f"({known})", _short(missing[0]))
             chosen = gpus if devices == "all" else [g for g in gpus if g.index in devices]
-            if devices != "all" and not isinstance(devices, list):
-                raise ValidationError(f"{where}.devices", "all or a list of GPU indices",
-                                      devices)
             if entry.get("mig-enabled") is False:
                 continue
             for g in chosen:
@@ -84,20 +150,36 @@ class MigExecutor:
                 if model is None or model.mig is None:
                     raise ValidationError(f"{where}: GPU {g.index}", "a MIG-capable GPU",
                                           g.model)
-                if "mig-placements" in entry:
-                    # a layout no GPU can hold is refused here, before any GPU is touched
-                    layout = check_layout(model.mig, parse_layout(
-                        model.mig, ",".join(entry["mig-placements"])),
-                        f"{where}.mig-placements")
-                else:
-                    counts = {str(k): int(v) for k, v in (entry.get("mig-devices") or {}).items()}
-                    layout = layout_for_counts(model.mig, counts)
-                out[g.uuid] = layout
+                out[g.uuid] = self._layout(model.mig, entry, where)
         return out
 
-    def apply(self, doc: dict[str, Any], config: str, *, dry_run: bool = False) -> MigReport:
+    @staticmethod
+    def _layout(geo: MigGeometry, entry: dict[str, Any], where: str) -> list[MigPlacement]:
+        """The layout one (checked) entry asks of a GPU of geometry ``geo``; a layout no GPU
+        can hold is refused here, before any GPU is touched."""
+        if "mig-placements" in entry:
+            field_name = f"{where}.mig-placements"
+            try:
+                return check_layout(geo, parse_layout(geo, ",".join(entry["mig-placements"])),
+                                    field_name)
+            except ValidationError as exc:
+                if exc.field == field_name:
+                    raise
+                raise ValidationError(field_name, exc.expected, exc.got) from None
+        counts = {str(k): v for k, v in (entry.get("mig-devices") or {}).items()}
+        try:
+            return layout_for_counts(geo, counts)
+        except ValidationError as exc:
+            # "mig-devices 1g.10gb" (a count), "mig-devices" (the sum), "mig profile"
+            name = exc.field.removeprefix("mig-devices").strip()
+            field_name = f"{where}.mig-devices" + (f"[{name}]" if name and
+                                                   exc.field.startswith("mig-devices") else "")
+            raise ValidationError(field_name, exc.expected, exc.got) from None
+
+    def apply(self, doc: dict[str, Any], config: str, *, dry_run: bool = False,
+              source: str = "") -> MigReport:
         report = MigReport(config)
-        want = self.desired(doc, config)
+        want = self.desired(doc, config, source=source)
         if not dry_run:
             self._label(config, "pending")
         by_uuid = {g.uuid: g for g in self.nvml.devices()}

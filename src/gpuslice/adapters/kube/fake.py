@@ -74,15 +74,11 @@ def load_fake_cluster(path: Path) -> FakeApiServer:
     """A fake API server holding the ``nodes``, ``pods`` and ``sliceschedules`` lists of a
     YAML file (the ``--fake-cluster`` option of ``gpuslice extender``, ``gpuslice reconfig``
     and ``kubectl gpuslice``)."""
-    import yaml
-
     from gpuslice.adapters.kube.objects import node_inventory
+    from gpuslice.adapters.nvml.port import read_yaml
 
-    try:
-        doc = yaml.safe_load(path.read_text()) or {}
-    except (OSError, yaml.YAMLError) as exc:
-        raise ValidationError("--fake-cluster", "a readable YAML file", str(exc)) from None
     where = f"--fake-cluster {path}"
+    doc = read_yaml(Path(path), where, "a readable YAML file") or {}
     if not isinstance(doc, dict):
         raise ValidationError(where, "a mapping with 'nodes' (and 'pods', 'sliceschedules'); "
                               "see examples/fake-cluster.yaml", type(doc).__name__)
@@ -98,12 +94,16 @@ def load_fake_cluster(path: Path) -> FakeApiServer:
             raise ValidationError(f"{where}: {key}", "a list", type(items).__name__)
         for i, item in enumerate(items):
             meta = item.get("metadata") if isinstance(item, dict) else None
-            if not isinstance(meta, dict) or not meta.get("name"):
+            if not isinstance(meta, dict):
                 raise ValidationError(f"{where}: {key}[{i}].metadata.name",
-                                      "an object with a name", item)
-            if key == "pods" and not meta.get("namespace"):
+                                      "an object with a name", _short(item))
+            if not isinstance(meta.get("name"), str) or not meta["name"]:
+                raise ValidationError(f"{where}: {key}[{i}].metadata.name", "a name (text)",
+                                      _short(meta.get("name")))
+            if key == "pods" and (not isinstance(meta.get("namespace"), str)
+                                  or not meta["namespace"]):
                 raise ValidationError(f"{where}: pods[{i}].metadata.namespace",
-                                      "the pod's namespace", meta.get("namespace"))
+                                      "the pod's namespace (text)", _short(meta.get("namespace")))
             if key == "nodes":
                 try:
                     node_inventory(item)  # a bad GPU inventory annotation is named here
@@ -122,3 +122,9 @@ def load_fake_cluster(path: Path) -> FakeApiServer:
 
 
 FAKE_CLUSTER_KEYS = ("nodes", "pods", "sliceschedules")
+
+
+def _short(value: object) -> object:
+    """``value`` for an error message: its text cut short when it is long."""
+    text = repr(value)
+    return value if len(text) <= 80 else f"{text[:77]}..."

@@ -293,18 +293,33 @@ def node_inventory(node: dict[str, Any]) -> list[InventoryGpu]:
         raise ValidationError(f"node {name}: {INVENTORY_ANNOTATION}", "a JSON list", raw) from None
     if not isinstance(items, list):
         raise ValidationError(f"node {name}: {INVENTORY_ANNOTATION}", "a JSON list", raw)
+
+    def count(obj: dict[str, Any], key: str, at: str, default: int | None = None) -> int:
+        # a whole number >= 0, named when it is not (NaN, 1e400: a float int() refuses)
+        raw_n = obj[key] if default is None else obj.get(key, default)
+        try:
+            n = int(raw_n)
+        except (TypeError, ValueError, OverflowError):
+            n = -1
+        if n < 0 or (isinstance(raw_n, float) and n != raw_n):
+            raise ValidationError(f"{at}.{key}", "a whole number >= 0", str(raw_n)[:40])
+        return n
+
     out = []
     for i, item in enumerate(items):
-        g = _dict(item, f"node {name}: inventory[{i}]")
+        at = f"node {name}: inventory[{i}]"
+        g = _dict(item, at)
         try:
-            migs = tuple(InventoryMig(str(m["uuid"]), str(m["profile"]), int(m["start"]),
-                                      int(m.get("memoryMiB", 0)))
-                         for m in g.get("mig") or [])
-            out.append(InventoryGpu(str(g["uuid"]), int(g["index"]), str(g["model"]),
-                                    int(g.get("memoryMiB", 0)), migs, "mig" in g))
+            migs = tuple(InventoryMig(str(m["uuid"]), str(m["profile"]),
+                                      count(m, "start", f"{at}.mig[{j}]"),
+                                      count(m, "memoryMiB", f"{at}.mig[{j}]", 0))
+                         for j, m in enumerate(g.get("mig") or []))
+            out.append(InventoryGpu(str(g["uuid"]), count(g, "index", at), str(g["model"]),
+                                    count(g, "memoryMiB", at, 0), migs, "mig" in g))
+        except ValidationError:
+            raise
         except (KeyError, TypeError, ValueError) as exc:
-            raise ValidationError(f"node {name}: inventory[{i}]",
-                                  "uuid, index, model and memoryMiB", str(exc)) from None
+            raise ValidationError(at, "uuid, index, model and memoryMiB", str(exc)) from None
     return out
 
 

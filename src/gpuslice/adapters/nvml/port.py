@@ -122,6 +122,56 @@ class NullNvml:
 SIMULATED_MODEL = "A100-80GB"
 
 
+def read_yaml(path: Path, field: str, expected: str) -> object:
+    """The document of the YAML file ``path``. A file that cannot be read, is not UTF-8 text
+    or is not valid YAML is a :class:`ValidationError` of ``field`` (which names the file) in
+    one line: the problem, for YAML with its line and column."""
+    import yaml
+
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValidationError(field, expected, f"not UTF-8 text (byte "
+                              f"{exc.object[exc.start]:#04x} at offset {exc.start})") from None
+    except OSError as exc:
+        raise ValidationError(field, expected, exc.strerror or str(exc)) from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ValidationError(field, expected, yaml_problem(exc)) from None
+    except (ValueError, RecursionError) as exc:  # an int of over 4300 digits, deep nesting
+        raise ValidationError(field, expected, " ".join(str(exc).split())[:120]) from None
+
+
+def yaml_problem(exc: Exception) -> str:
+    """A PyYAML error in one line: the problem and where (its own text spans several lines
+    and quotes the input)."""
+    import yaml
+
+    if isinstance(exc, yaml.MarkedYAMLError) and exc.problem_mark is not None:
+        mark = exc.problem_mark
+        text = f"{exc.problem} at line {mark.line + 1} column {mark.column + 1}"
+        if exc.context:
+            text = f"{exc.context}: {text}"
+        return " ".join(text.split())
+    return " ".join(str(exc).split())
+
+
+def _short(value: object) -> object:
+    """``value`` for an error message: its text cut short when it is long."""
+    text = repr(value)
+    return value if len(text) <= 80 else f"{text[:77]}..."
+
+
+def _whole(value: object, field: str, *, low: int = 0, high: int | None = None) -> int:
+    """``value``, a whole number from ``low`` to ``high`` (not a bool, a float or text)."""
+    if (not isinstance(value, int) or isinstance(value, bool) or value < low
+            or (high is not None and value > high)):
+        span = f"from {low} to {high}" if high is not None else f">= {low}"
+        raise ValidationError(field, f"a whole number {span}", _short(value))
+    return value
+
+
 class FakeNvml:
     """GPUs from a YAML inventory, with faults injected by tests or listed in the file::
 
@@ -168,47 +218,71 @@ class FakeNvml:
 
     @classmethod
     def from_yaml(cls, path: Path | str, node: str = "node") -> FakeNvml:
-        import yaml
-
         p = Path(path)
-        try:
-            doc = yaml.safe_load(p.read_text()) or {}
-        except (OSError, yaml.YAMLError) as exc:
-            raise ValidationError(f"{p}", "a readable YAML inventory", str(exc)) from None
-        items = doc.get("gpus") if isinstance(doc, dict) else None
+        doc = read_yaml(p, str(p), "a YAML inventory of fake GPUs")
+        if not isinstance(doc, dict):
+            raise ValidationError(f"{p}", "a YAML inventory: a mapping with 'gpus'",
+                                  "an empty file" if doc is None else type(doc).__name__)
+        items = doc.get("gpus")
         if not isinstance(items, list):
-            raise ValidationError(f"{p}: gpus", "a list of GPUs", type(items).__name__)
+            raise ValidationError(f"{p}: gpus", "a list of GPUs",
+                                  "nothing" if items is None else type(items).__name__)
         gpus: list[GpuDevice] = []
         faults: list[HealthEvent] = []
         usage: dict[str, tuple[int, int]] = {}
+        minors: dict[str, int] = {}
         for i, item in enumerate(items):
             where = f"{p}: gpus[{i}]"
             if not isinstance(item, dict) or "model" not in item:
-                raise ValidationError(f"{where}.model", "a GPU model", item)
-            model = catalog.resolve(str(item["model"]), item.get("memory_mib"))
-            uuid = str(item.get("uuid") or f"GPU-{node}-{i:02d}")
+                raise ValidationError(f"{where}.model", "a GPU model", _short(item))
+            if not isinstance(item["model"], str) or not item["model"].strip():
+                raise ValidationError(f"{where}.model", "a GPU model name", _short(item["model"]))
+            memory = item.get("memory_mib")
+            if memory is not None:
+                memory = _whole(memory, f"{where}.memory_mib", low=1)
+            try:
+                model = catalog.resolve(item["model"], memory)
+            except ValidationError as exc:  # "gpu model: expected a known model ..."
+                raise ValidationError(f"{where}: {exc.field}", exc.expected, exc.got) from None
+            uuid = item.get("uuid") or f"GPU-{node}-{i:02d}"
+            if not isinstance(uuid, str):
+                raise ValidationError(f"{where}.uuid", "a GPU UUID (text)", _short(uuid))
+            if any(g.uuid == uuid for g in gpus):
+                raise ValidationError(f"{where}.uuid", "a UUID no other GPU has", uuid)
+            mig_enabled = item.get("mig_enabled", False)
+            if not isinstance(mig_enabled, bool):
+                raise ValidationError(f"{where}.mig_enabled", "true or false", _short(mig_enabled))
+            text = item.get("mig") or ""
+            if not isinstance(text, str):
+                raise ValidationError(f"{where}.mig", "a MIG layout like '3g.40gb@0,2g.20gb@4'",
+                                      _short(text))
             mig: tuple[MigInstance, ...] = ()
-            if item.get("mig") or item.get("mig_enabled"):
+            if text or mig_enabled:
                 if model.mig is None:
                     raise ValidationError(f"{where}.mig", "a MIG-capable model", model.name)
-                layout = parse_layout(model.mig, str(item.get("mig") or ""))
+                try:
+                    layout = parse_layout(model.mig, text)
+                except ValidationError as exc:
+                    raise ValidationError(f"{where}.mig", exc.expected, exc.got) from None
                 mig = tuple(MigInstance(f"MIG-{uuid}-{pl.start}", pl.profile.name, pl.start,
                                         pl.profile.memory_mib) for pl in layout)
             gpus.append(GpuDevice(i, uuid, f"NVIDIA {model.name}", model.name, model.memory_mib,
                                   model.sms, model.compute_capability,
-                                  bool(mig) or bool(item.get("mig_enabled")), mig))
-            faults.extend(HealthEvent(uuid, int(x), f"injected XID {x}")
-                          for x in item.get("faults") or [])
+                                  bool(mig) or mig_enabled, mig))
+            xids = item.get("faults") or []
+            if not isinstance(xids, list):
+                raise ValidationError(f"{where}.faults", "a list of XID numbers", _short(xids))
+            for j, xid in enumerate(xids):
+                x = _whole(xid, f"{where}.faults[{j}]")
+                faults.append(HealthEvent(uuid, x, f"injected XID {x}"))
             if "used_mib" in item or "utilization" in item:
-                try:
-                    usage[uuid] = (int(item.get("used_mib", 0)), int(item.get("utilization", 0)))
-                except (TypeError, ValueError):
-                    raise ValidationError(f"{where}.used_mib/utilization", "integers",
-                                          item) from None
-        fake = cls(gpus, str(doc.get("driver", "580.95.05")), faults, usage)
-        for g, item in zip(gpus, items, strict=True):
+                usage[uuid] = (_whole(item.get("used_mib", 0), f"{where}.used_mib"),
+                               _whole(item.get("utilization", 0), f"{where}.utilization",
+                                      high=100))
             if "minor" in item:
-                fake._minors[g.uuid] = int(item["minor"])
+                minors[uuid] = _whole(item["minor"], f"{where}.minor")
+        fake = cls(gpus, str(doc.get("driver", "580.95.05")), faults, usage)
+        fake._minors.update(minors)
         return fake
 
     def driver_version(self) -> str:
