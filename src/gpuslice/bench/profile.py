@@ -19,10 +19,11 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TextIO
 
 import numpy as np
 
-from gpuslice.bench.runner import WorkerSpec, find_gpu, run_together
+from gpuslice.bench.runner import WorkerSpec, check_seconds, find_gpu, run_together
 from gpuslice.bench.workloads import check_workload
 from gpuslice.core.errors import GpusliceError, ValidationError
 from gpuslice.core.profiles import ProfilePoint
@@ -52,9 +53,8 @@ class ProfileOptions:
                                    ("--procs", self.procs, 1, 48)):
             if not vals or any(not lo <= v <= hi for v in vals):
                 raise ValidationError(name, f"a list of integers from {lo} to {hi}", vals)
-        if self.warmup_s < 0 or self.window_s <= 0:
-            raise ValidationError("--window-s", "a positive window and a warm-up >= 0",
-                                  (self.warmup_s, self.window_s))
+        check_seconds("--warmup-s", self.warmup_s, zero_ok=True)
+        check_seconds("--window-s", self.window_s, zero_ok=False)
         if self.device_index < 0:
             raise ValidationError("--device", "a GPU index >= 0", self.device_index)
         if self.out.exists() and not self.out.is_file():
@@ -92,11 +92,38 @@ def _gpu(opts: ProfileOptions) -> tuple[str, str, bool, list[Slice]]:
 
 
 def _existing(path: Path) -> set[tuple[str, str, str, int, int, int]]:
+    """The configurations already in the CSV being resumed; a file that is not a profile CSV
+    (of this format) is refused naming it, not appended to."""
     if not path.is_file():
         return set()
-    with path.open() as f:
-        return {(r["model"], r["gpu"], r["slice_kind"], int(r["slice_size"]), int(r["procs"]),
-                 int(r["batch"])) for r in csv.DictReader(f)}
+    expected = "a profile CSV written by gpuslice profile (to resume) or a new file"
+    try:
+        with path.open(newline="", encoding="utf-8") as f:
+            rows = list(csv.reader(f))
+    except UnicodeDecodeError:
+        raise ValidationError("--out", expected, f"{path}: not a UTF-8 text file") from None
+    except (OSError, csv.Error) as exc:
+        raise ValidationError("--out", expected, f"{path}: {exc}") from None
+    if not rows:
+        return set()  # an empty file: written from its header on
+    header = [c.strip() for c in rows[0]]
+    missing = [c for c in COLUMNS[:-1] if c not in header]
+    if missing:
+        raise ValidationError("--out", expected, f"{path}: its header has no column "
+                              f"{missing[0]!r}")
+    at = {c: header.index(c) for c in COLUMNS[:-1]}
+    done = set()
+    for row, values in enumerate(rows[1:], start=2):
+        if not values:
+            continue
+        try:
+            done.add((values[at["model"]], values[at["gpu"]], values[at["slice_kind"]],
+                      int(values[at["slice_size"]]), int(values[at["procs"]]),
+                      int(values[at["batch"]])))
+        except (IndexError, ValueError):
+            raise ValidationError("--out", expected, f"{path}, row {row}: "
+                                  f"{','.join(values)[:60]!r}") from None
+    return done
 
 
 def _run_config(opts: ProfileOptions, sl: Slice, procs: int, batches: list[int],
@@ -112,9 +139,9 @@ def _run_config(opts: ProfileOptions, sl: Slice, procs: int, batches: list[int],
 def run_profile(opts: ProfileOptions,
                 progress: Callable[[str, int, int], None] | None = None) -> list[ProfilePoint]:
     """Measure every configuration not yet in ``opts.out``; returns the points measured now."""
+    done = _existing(opts.out)  # a file that cannot be resumed is said before the GPU
     gpu_model, gpu_uuid, mig_enabled, migs = _gpu(opts)
     name = opts.model_name or opts.workload
-    done = _existing(opts.out)
     # a MIG-enabled GPU has no whole-GPU device for MPS caps: only its instances are measured
     slices = [] if mig_enabled else [Slice("mps", c, gpu_uuid, f"{c}% threads")
                                      for c in opts.caps]
@@ -139,12 +166,19 @@ def run_profile(opts: ProfileOptions,
                 daemon = MpsDaemon(gpu_uuid, Path(tmp) / "pipe", Path(tmp) / "log",
                                    binary=opts.mps_binary)
                 daemon.start()
-            new_file = not opts.out.is_file()
-            opts.out.parent.mkdir(parents=True, exist_ok=True)
-            with opts.out.open("a", newline="") as f:
+            f = _open_out(opts.out)
+            with f:
                 out = csv.writer(f)
-                if new_file:
-                    out.writerow(COLUMNS)
+
+                def emit(row: Sequence[object]) -> None:
+                    try:
+                        out.writerow(row)
+                        f.flush()  # an interrupted run keeps what it measured
+                    except OSError as exc:
+                        raise _cannot_write(opts.out, exc) from None
+
+                if f.tell() == 0:
+                    emit(COLUMNS)
                 for i, (sl, n, batches) in enumerate(todo):
                     if progress is not None:
                         progress(f"{name} {sl.label} x{n}", i, len(todo))
@@ -162,9 +196,8 @@ def run_profile(opts: ProfileOptions,
                         thr = float(np.mean([r["throughput"] for r in mine]))
                         p50 = float(np.mean([r["p50_ms"] for r in mine]))
                         p99 = float(np.max([r["p99_ms"] for r in mine]))
-                        out.writerow([name, gpu_model, sl.kind, sl.size, b, n, f"{thr:.4f}",
-                                      f"{p50:.4f}", f"{p99:.4f}"])
-                        f.flush()  # an interrupted run keeps what it measured
+                        emit([name, gpu_model, sl.kind, sl.size, b, n, f"{thr:.4f}",
+                              f"{p50:.4f}", f"{p99:.4f}"])
                         measured.append(ProfilePoint(name, gpu_model, sl.kind, sl.size, b, n,
                                                      thr, p50 / 1000, p99 / 1000))
                 if progress is not None:
@@ -173,6 +206,20 @@ def run_profile(opts: ProfileOptions,
             if daemon is not None:
                 daemon.quit()
     return measured
+
+
+def _open_out(path: Path) -> TextIO:
+    """The CSV, opened to append the rows measured now."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return path.open("a", newline="", encoding="utf-8")
+    except OSError as exc:
+        raise _cannot_write(path, exc) from None
+
+
+def _cannot_write(path: Path, exc: OSError) -> ValidationError:
+    return ValidationError("--out", "a CSV file that can be written (in a folder that exists "
+                           "or can be created)", f"{path}: {exc.strerror or exc}")
 
 
 def plot_knee(csv_path: Path, png: Path) -> Path:

@@ -5,6 +5,7 @@ finished first keep running (``holding``) until all have reported, then get STOP
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -13,6 +14,17 @@ from gpuslice.adapters.install import pip_install
 from gpuslice.adapters.proc import spawn, terminate
 from gpuslice.core.devices import GpuDevice
 from gpuslice.core.errors import GpusliceError, Unavailable, ValidationError
+
+MAX_SECONDS = 3600.0  # --warmup-s, --window-s: an hour per measurement at most
+
+
+def check_seconds(flag: str, secs: float, *, zero_ok: bool) -> float:
+    """A warm-up (``zero_ok``) or a measurement window: finite, at most :data:`MAX_SECONDS`."""
+    low_ok = secs >= 0 if zero_ok else secs > 0
+    if not (math.isfinite(secs) and low_ok and secs <= MAX_SECONDS):
+        raise ValidationError(flag, f"seconds, {'0 or more' if zero_ok else 'more than 0'} "
+                              f"and at most {MAX_SECONDS:g}", secs)
+    return secs
 
 
 @dataclass(frozen=True)

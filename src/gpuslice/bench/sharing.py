@@ -34,14 +34,13 @@ from typing import Any
 import numpy as np
 
 from gpuslice.adapters.mps import pinned_mem_limit
-from gpuslice.bench.runner import WorkerSpec, find_gpu, run_together
+from gpuslice.bench.runner import WorkerSpec, check_seconds, find_gpu, run_together
 from gpuslice.core.errors import ValidationError
 from gpuslice.core.model import PRIORITIES
 from gpuslice.core.profiles import ProfileSet
 from gpuslice.core.sizing import Tenant, Unsizable, size_slices
 
 FAKE_GPU_MIB = 81_559  # the fake timer's GPU: an H100 80GB's memory as NVML reports it
-
 
 @dataclass(frozen=True)
 class SharingOptions:
@@ -70,12 +69,29 @@ class SharingOptions:
             raise ValidationError("--replicas", "1 to 48", self.replicas)
         if not 1 <= self.repeats <= 10:
             raise ValidationError("--repeats", "1 to 10", self.repeats)
+        # the noisy neighbour runs the latency-critical replica beside the best-effort ones
+        if not 1 <= self.be_replicas <= 47:
+            raise ValidationError("--be-replicas", "1 to 47 best-effort replicas",
+                                  self.be_replicas)
+        for flag, batch in (("--batch", self.batch), ("--lc-batch", self.lc_batch),
+                            ("--be-batch", self.be_batch)):
+            if not 1 <= batch <= 4096:
+                raise ValidationError(flag, "a batch size of 1 to 4096", batch)
+        check_seconds("--warmup-s", self.warmup_s, zero_ok=True)
+        check_seconds("--window-s", self.window_s, zero_ok=False)
         for lc, be in self.noisy_splits:
-            if not (1 <= lc <= 100 and 1 <= be <= 100):
-                raise ValidationError("--noisy-splits", "LC/BE thread percentages of 1 to 100",
-                                      f"{lc}/{be}")
+            # the LC replica's thread % and each BE replica's: both capped, together at most
+            # the whole GPU (the default split is 40/20)
+            if not (1 <= lc <= 99 and 1 <= be <= 99 and lc + be <= 100):
+                raise ValidationError("--noisy-splits", "LC/BE thread percentages of 1 to 99 "
+                                      "each and at most 100 together", f"{lc}/{be}")
+        if self.mem_cap_mib < 1:
+            raise ValidationError("--mem-cap-mib", "a memory cap of at least 1 MiB",
+                                  self.mem_cap_mib)
         if self.alloc_mib <= self.mem_cap_mib:
             raise ValidationError("--alloc-mib", "more than --mem-cap-mib", self.alloc_mib)
+        if self.device_index < 0:
+            raise ValidationError("--device", "a GPU index >= 0", self.device_index)
         for p in self.parts:
             if p not in ("throughput", "noisy", "memory"):
                 raise ValidationError("--parts", "throughput, noisy and/or memory", p)

@@ -79,6 +79,7 @@ def register(sub: Sub) -> None:
 def _bench(args: argparse.Namespace, console: Console) -> int:
     import json
 
+    from gpuslice.adapters.outputs import check_out_dir, write_files
     from gpuslice.bench.sharing import SharingOptions, plot_sharing, run_sharing
 
     prof = None
@@ -100,10 +101,11 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
         alloc_mib=args.alloc_mib, parts=tuple(p.strip() for p in args.parts.split(",")),
         device_index=args.device, repeats=args.repeats,
         noisy_splits=_splits(args.noisy_splits))
+    check_out_dir(args.out, ("sharing.json", "sharing.png"), "--out")  # before the runs
     res = run_sharing(opts, lambda text: console.print(f"[dim]{text}[/]"))
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "sharing.json").write_text(json.dumps(res, indent=1))
-    plot_sharing(res, args.out / "sharing.png")
+    text = json.dumps(res, indent=1)
+    write_files({args.out / "sharing.json": lambda path: path.write_text(text),
+                 args.out / "sharing.png": lambda path: plot_sharing(res, path)}, "--out")
     gates: list[tuple[str, bool]] = []
     if "throughput" in res:
         thr = res["throughput"]
@@ -171,6 +173,7 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
 
 
 def _splits(text: str) -> tuple[tuple[int, int], ...]:
+    """``--noisy-splits 50/30,60/40``: (LC %, BE %) pairs (their range: SharingOptions)."""
     out = []
     for item in (x.strip() for x in text.split(",") if x.strip()):
         lc, sep, be = item.partition("/")

@@ -20,6 +20,7 @@ from gpuslice.cli.common import (
     builtin_path,
     examples,
     input_path,
+    non_negative_int,
     positive_float,
     print_json,
     read_yaml,
@@ -79,7 +80,8 @@ def register(sub: Sub) -> None:
     add_write_json(p, "the plan")
     p.add_argument("--export", type=Path,
                    help="write plan.json, mig-parted.yaml and manifests.yaml into this folder")
-    p.add_argument("--seed", type=int, default=1, help="seed of the replay")
+    p.add_argument("--seed", type=non_negative_int, default=1,
+                   help="seed of the replay, a whole number >= 0 (default 1)")
     add_output(p)
     p.set_defaults(handler=_plan)
 
@@ -170,22 +172,23 @@ def check_files(args: argparse.Namespace) -> None:
     if args.write_json is not None:
         writable_file(args.write_json, "--write-json")
     if args.export is not None:
+        from gpuslice.planning.export import check_export_dir
+
         writable_dir(args.export, "--export")
+        check_export_dir(args.export, "--export")
     for path, field in ((args.services, "--services"), (args.fleet, "--fleet")):
         if path is not None and path.is_file():
             read_yaml(path, field)
 
 
 def _write(args: argparse.Namespace, plan: Plan, doc: dict[str, Any], console: Console) -> None:
-    """--write-json and --export files; with -o json their names go to stderr."""
-    import json
-
-    from gpuslice.planning.export import write_exports
+    """--write-json and --export files (each written whole or not at all); with -o json
+    their names go to stderr."""
+    from gpuslice.planning.export import write_exports, write_json
 
     say = console if args.output == "table" else Console(stderr=True)
     if args.write_json:
-        args.write_json.parent.mkdir(parents=True, exist_ok=True)
-        args.write_json.write_text(json.dumps(doc, indent=2))
+        write_json(args.write_json, doc, "--write-json")
         say.print(f"wrote {args.write_json}", highlight=False)
     if args.export:
         for path in write_exports(args.export, plan, doc):

@@ -64,9 +64,11 @@ def check_name(spec: str) -> None:
 
 
 def _profile(args: argparse.Namespace, console: Console) -> int:
+    from gpuslice.adapters.outputs import check_out_file, write_files
     from gpuslice.bench.profile import ProfileOptions, parse_ints, plot_knee, run_profile
 
     check_name(args.workload)
+    check_out_file(args.out, "--out")  # before the measurements, not after them
     opts = ProfileOptions(
         workload=args.workload, out=args.out, model_name=args.name,
         caps=parse_ints("--caps", args.caps), batches=parse_ints("--batches", args.batches),
@@ -84,6 +86,7 @@ def _profile(args: argparse.Namespace, console: Console) -> int:
     console.print(f"measured {len(points)} configuration(s) into {args.out}"
                   + ("" if points else " (all were there already)"), highlight=False)
     if args.out.is_file():
-        png = plot_knee(args.out, args.out.with_suffix(".png"))
+        png = args.out.with_suffix(".png")
+        write_files({png: lambda path: plot_knee(args.out, path)}, "--out")
         console.print(f"wrote {png}", highlight=False)
     return 0

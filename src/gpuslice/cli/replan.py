@@ -18,6 +18,7 @@ from gpuslice.cli.common import (
     builtin_path,
     examples,
     input_path,
+    non_negative_int,
     positive_float,
     print_json,
 )
@@ -59,7 +60,8 @@ def register(sub: Sub) -> None:
                    help="with --rates-from: seconds to measure over (default 10)")
     r.add_argument("--fleet", type=input_path("fleet"),
                    help="fleet file (GPU types, counts, costs), " + builtin_help("fleet"))
-    r.add_argument("--seed", type=int, default=1, help="seed of the replays (default 1)")
+    r.add_argument("--seed", type=non_negative_int, default=1,
+                   help="seed of the replays, a whole number >= 0 (default 1)")
     add_write_json(r, "the new plan")
     r.add_argument("--export", type=Path, help="write plan.json, mig-parted.yaml and "
                    "manifests.yaml of the new plan into this folder")
@@ -85,7 +87,6 @@ def register(sub: Sub) -> None:
 
 def _replan(args: argparse.Namespace, console: Console) -> int:
     import asyncio
-    import json
     from urllib.parse import urlparse
 
     import numpy as np
@@ -94,7 +95,7 @@ def _replan(args: argparse.Namespace, console: Console) -> int:
     from gpuslice.cli.plan import check_files
     from gpuslice.core.planner import FleetType, PlanOptions, Service, validate
     from gpuslice.core.replay import plan_and_check, plan_diff, replan
-    from gpuslice.planning.export import write_exports
+    from gpuslice.planning.export import write_exports, write_json
     from gpuslice.planning.run import (
         PlanRun,
         load_profiles,
@@ -187,8 +188,7 @@ def _replan(args: argparse.Namespace, console: Console) -> int:
         doc = to_json(PlanRun(inc.plan, list(services), list(inc.replay), 0.0, 0.0, 1, {},
                               validate(inc.plan, services, opts.latency_factor), {}))
         if args.write_json:
-            args.write_json.parent.mkdir(parents=True, exist_ok=True)
-            args.write_json.write_text(json.dumps(doc, indent=2))
+            write_json(args.write_json, doc, "--write-json")
             say.print(f"wrote {args.write_json}", highlight=False)
         if args.export:
             for path in write_exports(args.export, inc.plan, doc):

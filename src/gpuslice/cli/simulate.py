@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import math
+from collections.abc import Callable
 from pathlib import Path
 
 from rich.console import Console
@@ -52,9 +54,11 @@ def register(sub: Sub) -> None:
                      "'deployed': the extender's frag-strand with the workload it learns, its "
                      "one-node filter, CPU-only pods on the default scheduler's scores)")
     sim.add_argument("--seeds", default=None, help="seeds, e.g. 42-51 (default: 42-51 for a "
-                     "trace, 42-44 for the embedded scenario)")
+                     f"trace, 42-44 for the embedded scenario; at most {MAX_SEEDS})")
     sim.add_argument("--tune", type=float, default=1.3,
-                     help="resize the task list to this multiple of GPU capacity (default 1.3)")
+                     help="resize the task list to this multiple of GPU capacity, more than 0 "
+                     f"and at most {TUNE_MAX:g} (default 1.3; the metrics stop at 130%% "
+                     "arrived)")
     sim.add_argument("--out", type=Path, default=Path("gpuslice-sim"),
                      help="output folder (default ./gpuslice-sim)")
     sim.add_argument("--workers", type=int, default=0, help="processes (default: CPU count)")
@@ -70,6 +74,34 @@ def register(sub: Sub) -> None:
     sim.set_defaults(handler=_simulate)
 
 
+TUNE_MAX = 10.0  # --tune: a few times the capacity is already past the last bin (130%)
+MAX_SEEDS = 1000  # --seeds: each one is a replay per policy
+
+
+def check_tune(x: float) -> float:
+    """``--tune``: a finite ratio in (0, TUNE_MAX]: the task list is grown to it, so a huge
+    one would never end."""
+    if not (math.isfinite(x) and 0 < x <= TUNE_MAX):
+        raise ValidationError("--tune", f"a multiple of GPU capacity more than 0 and at most "
+                              f"{TUNE_MAX:g}", x)
+    return x
+
+
+def seeds_of(text: str) -> list[int]:
+    """``--seeds``, counted before :func:`parse_seeds` makes the list (``1-999999999`` would
+    fill the memory first): at most :data:`MAX_SEEDS` seeds."""
+    count = 0
+    for part in (p.strip() for p in text.split(",")):
+        lo, sep, hi = part.partition("-")
+        try:
+            count += int(hi) - int(lo) + 1 if sep else 1
+        except ValueError:
+            continue  # parse_seeds says what is wrong with it
+        if count > MAX_SEEDS:
+            raise ValidationError("--seeds", f"at most {MAX_SEEDS} seeds, like 42-51", text)
+    return parse_seeds(text)
+
+
 def _simulate(args: argparse.Namespace, console: Console) -> int:
     from gpuslice.adapters.traces.data import published_results, trace_variants, variant_paths
     from gpuslice.adapters.traces.fgd_results import read_published
@@ -78,6 +110,7 @@ def _simulate(args: argparse.Namespace, console: Console) -> int:
     from gpuslice.sim.runner import (
         Experiment,
         JobResult,
+        check_out_dir,
         load_scenario,
         run_experiment,
         scenario_of,
@@ -100,8 +133,7 @@ def _simulate(args: argparse.Namespace, console: Console) -> int:
         from gpuslice.adapters.optional import pyplot
 
         pyplot()
-    if args.tune <= 0:
-        raise ValidationError("--tune", "a positive multiple of GPU capacity", args.tune)
+    check_tune(args.tune)  # before the trace is read
     if args.workers < 0:
         raise ValidationError("--workers", "0 (CPU count) or more", args.workers)
     embedded = args.variant in (EMBEDDED, f"builtin:{EMBEDDED}")
@@ -126,7 +158,8 @@ def _simulate(args: argparse.Namespace, console: Console) -> int:
             raise ValidationError("--trace", "a pod list CSV to go with --nodes", None)
         scenario = scenario_of("embedded-default", default_nodes(), default_tasks())
     from_trace = bool(args.trace or (args.variant and not embedded))
-    seeds = parse_seeds(args.seeds or ("42-51" if from_trace else "42-44"))
+    seeds = seeds_of(args.seeds or ("42-51" if from_trace else "42-44"))
+    check_out_dir(args.out, "--out")  # before the replays, not after them
     published = []  # read before the replays: a missing data folder fails at once
     if args.compare is not None:
         path = published_results() if args.compare == "auto" else Path(args.compare)
@@ -151,12 +184,13 @@ def _simulate(args: argparse.Namespace, console: Console) -> int:
             progress.update(bar, advance=1, description=f"{res.job.policy} seed {res.job.seed}")
 
         ordered = run_experiment(exp, on_done=done)
-    written = write_results(args.out, scenario.name, ordered)
+    also: dict[str, Callable[[Path], object]] = {}
     if not args.no_plot:
         from gpuslice.sim.plot import plot_unallocated
 
-        written.append(plot_unallocated(ordered, args.out / "unallocated.png",
-                                        f"{scenario.name}: unallocated GPU vs arrived workload"))
+        title = f"{scenario.name}: unallocated GPU vs arrived workload"
+        also["unallocated.png"] = lambda path: plot_unallocated(ordered, path, title)
+    written = write_results(args.out, scenario.name, ordered, also, "--out")
     rows = compare(scenario.name, ordered, published)
     if args.output == "json":
         print_json({"scenario": scenario.name, "seeds": seeds, "tune": args.tune,

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from gpuslice.adapters import outputs
+from gpuslice.core.errors import ValidationError
 from gpuslice.core.planner import Plan, slice_share
 
 
@@ -85,19 +88,60 @@ def manifests(plan: Plan, namespace: str = "default",
     return docs
 
 
+EXPORT_FILES = ("plan.json", "mig-parted.yaml", "manifests.yaml")
+
+
+def check_export_dir(out: Path, field: str = "--export") -> None:
+    """Refuse, before any work, a folder where an export file's name is taken by something
+    that is not a file (a folder, say): it could not be replaced."""
+    for name in EXPORT_FILES:
+        path = out / name
+        if path.exists() and not path.is_file():
+            raise ValidationError(field, f"a folder where {name} can be written",
+                                  f"{path}: not a file")
+
+
 def write_exports(out: Path, plan: Plan, plan_json: dict[str, Any],
-                  gpus_per_node: int = 8) -> list[Path]:
-    out.mkdir(parents=True, exist_ok=True)
-    files = {
+                  gpus_per_node: int = 8, field: str = "--export") -> list[Path]:
+    """plan.json, mig-parted.yaml and manifests.yaml in ``out``: all three or none (see
+    :func:`write_texts`)."""
+    texts = {
         "plan.json": json.dumps(plan_json, indent=2),
         "mig-parted.yaml": yaml.safe_dump(mig_parted(plan, gpus_per_node), sort_keys=False),
         "manifests.yaml": yaml.safe_dump_all(manifests(plan), sort_keys=False),
     }
-    written = []
-    for name, text in files.items():
-        path = out / name
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        tmp.write_text(text)
-        tmp.replace(path)
-        written.append(path)
-    return written
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValidationError(field, "a folder that can be created and written",
+                              f"{out}: {exc.strerror or exc}") from None
+    check_export_dir(out, field)
+    return write_texts({out / name: text for name, text in texts.items()}, field)
+
+
+def write_texts(files: dict[Path, str], field: str) -> list[Path]:
+    """Each text to its file, all or none (:func:`gpuslice.adapters.outputs.write_files`)."""
+    return outputs.write_files(
+        {path: partial(Path.write_text, data=text, encoding="utf-8")
+         for path, text in files.items()}, field)
+
+
+def write_json(path: Path, doc: object, field: str = "--write-json") -> Path:
+    """``doc`` as indented JSON to ``path``, atomically (:func:`write_texts`); a path that is
+    not a regular file (``/dev/stdout``, a pipe) is written in place, as renaming over it
+    would replace it."""
+    text = json.dumps(doc, indent=2)
+    if path.exists() and not path.is_file() and not path.is_dir():
+        try:
+            with path.open("w", encoding="utf-8") as f:
+                f.write(text)
+        except OSError as exc:
+            raise ValidationError(field, "a file that can be written",
+                                  f"{path}: {exc.strerror or exc}") from None
+        return path
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValidationError(field, "a file in a folder that exists or can be created",
+                              f"{path}: {exc.strerror or exc}") from None
+    return write_texts({path: text}, field)[0]

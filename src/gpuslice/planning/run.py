@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -52,12 +53,7 @@ def read_services(path: Path, *, positive_rate: bool = True,
 
     ``rate`` must be > 0 req/s (>= 0 without ``positive_rate``: a re-plan may measure no
     traffic), ``slo_ms`` > 0, and ``model`` one of ``models`` when given (the profiled ones)."""
-    if not path.is_file():
-        raise InputError(path, None, None, "file not found")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise InputError(path, None, None, f"not valid YAML/JSON: {exc}") from None
+    data = _load(path)
     items = data.get("services") if isinstance(data, dict) else data
     if not isinstance(items, list) or not items:
         raise InputError(path, None, "services", "expected a non-empty list of services")
@@ -76,32 +72,77 @@ def read_services(path: Path, *, positive_rate: bool = True,
         if not slo > 0:
             raise InputError(path, i + 1, "slo_ms",
                              f"expected a latency SLO > 0 ms, got {item['slo_ms']!r}")
-        model = str(item["model"])
+        model = item["model"]
+        if not isinstance(model, str) or not model.strip():
+            raise InputError(path, i + 1, "model", f"expected a model name, got {model!r}")
         if models is not None and model not in models:
             raise InputError(path, i + 1, "model", f"no profile for model {model!r}; the "
                              f"profiles have {', '.join(sorted(models)) or 'no model'}")
-        out.append(Service(str(item.get("name", model)), model, rate, slo))
+        out.append(Service(_name(path, i + 1, item.get("name", model), "name" in item),
+                           model, rate, slo))
     return out
 
 
-def _number(path: Path, row: int, field: str, value: object) -> float:
+# a service's name names its Kubernetes objects (planning/export.py): the Deployment
+# NAME-gGPU-PROFILE-START, which is also the value of the gpuslice.io/replica label, and the
+# app.kubernetes.io/name and gpuslice.io/service labels. A label value has at most 63
+# characters, and the suffix takes up to 23 (-g9999-7g-141gb-6 and room to spare), so the
+# name is a DNS-1123 label of at most 40.
+NAME_MAX = 40
+_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+
+
+def _load(path: Path) -> object:
+    """The document of a YAML or JSON file; one line naming the file when it cannot be read."""
+    if not path.is_file():
+        raise InputError(path, None, None, "file not found")
     try:
-        x = float(value)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
+        return yaml.safe_load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise InputError(path, None, None, "not a UTF-8 text file (YAML or JSON)") from None
+    except OSError as exc:
+        raise InputError(path, None, None, f"cannot be read: {exc.strerror or exc}") from None
+    except (yaml.YAMLError, ValueError) as exc:
+        raise InputError(path, None, None, "not valid YAML/JSON: "
+                         f"{' '.join(str(exc).split())}") from None
+
+
+def _name(path: Path, row: int, value: object, given: bool) -> str:
+    """A service name: a DNS-1123 label (lowercase letters, digits and '-', starting and ending
+    with a letter or digit) of at most :data:`NAME_MAX` characters."""
+    if isinstance(value, str) and len(value) <= NAME_MAX and _DNS_LABEL.fullmatch(value):
+        return value
+    hint = "" if given else " (the model's name, as the service has none: give it a name)"
+    raise InputError(path, row, "name", f"expected a DNS-1123 label of at most {NAME_MAX} "
+                     "characters (lowercase letters, digits and '-', starting and ending with "
+                     f"a letter or digit: it names the service's Kubernetes objects), got "
+                     f"{value!r}{hint}")
+
+
+def _number(path: Path, row: int, field: str, value: object) -> float:
+    """A finite number (an int or a float; YAML's true/false are not numbers)."""
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        raise InputError(path, row, field, f"expected a number, got {value!r}")
+    try:
+        x = float(value)
+    except ValueError:
         raise InputError(path, row, field, f"expected a number, got {value!r}") from None
+    except OverflowError:  # an int of hundreds of digits
+        x = math.inf
     if not math.isfinite(x):
-        raise InputError(path, row, field, f"expected a finite number, got {value!r}")
+        raise InputError(path, row, field, f"expected a finite number, got {_short(value)}")
     return x
+
+
+def _short(value: object) -> str:
+    """``value`` for a message: a 400-digit number cut to its first digits and its length."""
+    text = repr(value) if not isinstance(value, int) else str(value)
+    return text if len(text) <= 40 else f"{text[:20]}... ({len(text)} characters)"
 
 
 def read_fleet(path: Path) -> list[FleetType]:
     """A fleet file: a list of ``{gpu, count (optional), cost_per_hour}``."""
-    if not path.is_file():
-        raise InputError(path, None, None, "file not found")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise InputError(path, None, None, f"not valid YAML/JSON: {exc}") from None
+    data = _load(path)
     items = data.get("fleet") if isinstance(data, dict) else data
     if not isinstance(items, list) or not items:
         raise InputError(path, None, "fleet", "expected a non-empty list of GPU types")

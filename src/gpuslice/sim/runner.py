@@ -11,13 +11,14 @@ import csv
 import json
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from gpuslice.adapters import outputs
 from gpuslice.adapters.traces.alibaba import PodTable, read_nodes, read_pods
 from gpuslice.core.errors import ValidationError
 from gpuslice.core.frag import TargetWorkload, typical_shapes
@@ -170,34 +171,45 @@ def _fmt(x: float) -> str:
     return "" if np.isnan(x) else f"{x:.2f}"
 
 
-def write_results(out: Path, workload: str, results: Sequence[JobResult]) -> list[Path]:
-    """Write allocation.csv, frag.csv, frag_ratio.csv and summary.json into ``out``."""
-    out.mkdir(parents=True, exist_ok=True)
+def write_results(out: Path, workload: str, results: Sequence[JobResult],
+                  also: Mapping[str, Callable[[Path], object]] | None = None,
+                  field: str = "--out") -> list[Path]:
+    """Write allocation.csv, frag.csv, frag_ratio.csv and summary.json into ``out``, and the
+    files of ``also`` (name -> a function writing that file at the path it is given: the
+    plot), all or none (:func:`gpuslice.adapters.outputs.write_files`)."""
     files: dict[str, Callable[[BinnedRun], np.ndarray]] = {
         "allocation.csv": lambda b: b.alloc,
         "frag.csv": lambda b: b.frag_amount,
         "frag_ratio.csv": lambda b: b.frag_ratio,
     }
-    written: list[Path] = []
-    for fname, column in files.items():
-        path = out / fname
-        tmp = path.with_suffix(".tmp")
-        with tmp.open("w", newline="") as fh:
-            w = csv.writer(fh)
-            w.writerow(HEADER)
-            for r in results:
-                b = r.binned
-                w.writerow([workload, r.job.policy, r.job.tune, r.job.seed, b.total_gpus,
-                            *[_fmt(float(v)) for v in column(b)]])
-        tmp.replace(path)
-        written.append(path)
-    summary = summarize(workload, results)
-    path = out / "summary.json"
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(summary, indent=2))
-    tmp.replace(path)
-    written.append(path)
-    return written
+
+    def table(column: Callable[[BinnedRun], np.ndarray]) -> Callable[[Path], object]:
+        def write(path: Path) -> None:
+            with path.open("w", newline="") as fh:
+                w = csv.writer(fh)
+                w.writerow(HEADER)
+                for r in results:
+                    b = r.binned
+                    w.writerow([workload, r.job.policy, r.job.tune, r.job.seed, b.total_gpus,
+                                *[_fmt(float(v)) for v in column(b)]])
+        return write
+
+    summary = json.dumps(summarize(workload, results), indent=2)
+    writers: dict[Path, Callable[[Path], object]] = {
+        out / name: table(column) for name, column in files.items()}
+    writers[out / "summary.json"] = lambda path: path.write_text(summary)
+    writers.update({out / name: write for name, write in (also or {}).items()})
+    return outputs.write_files(writers, field)
+
+
+def check_out_dir(out: Path, field: str = "--out") -> Path:
+    """Before the replays: ``out`` a folder the result files can be written in
+    (:func:`gpuslice.adapters.outputs.check_out_dir`)."""
+    return outputs.check_out_dir(out, RESULT_FILES, field)
+
+
+RESULT_FILES = ("allocation.csv", "frag.csv", "frag_ratio.csv", "summary.json",
+                "unallocated.png")
 
 
 def unallocated_at(results: Sequence[JobResult], policy: str, arrived: int = 100) -> list[float]:

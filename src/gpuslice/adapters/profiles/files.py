@@ -19,6 +19,7 @@ one row per scenario; ``N/A`` means the model is not deployed in that scenario.
 from __future__ import annotations
 
 import csv
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,30 +33,59 @@ OWN_COLUMNS = ("model", "gpu", "slice_kind", "slice_size", "batch", "procs", "th
 
 
 def _num(path: Path, row: int, field: str, raw: str | None, kind: type = float) -> float:
+    """A finite number (``kind`` int: a whole one); NaN and infinities are refused."""
     text = (raw or "").strip()
     try:
         value = float(text)
     except ValueError:
-        raise InputError(path, row, field, f"expected a number, got {text!r}") from None
+        raise InputError(path, row, field, f"expected a number, got {_cut(text)}") from None
+    if not math.isfinite(value):
+        raise InputError(path, row, field, f"expected a finite number, got {_cut(text)}")
     if kind is int and not value.is_integer():
-        raise InputError(path, row, field, f"expected an integer, got {text!r}")
+        raise InputError(path, row, field, f"expected an integer, got {_cut(text)}")
     return value
 
 
-def _csv(path: Path, required: tuple[str, ...]) -> list[tuple[int, dict[str, str]]]:
+def _cut(text: str) -> str:
+    """``text`` quoted for a message, a long one cut short."""
+    return repr(text) if len(text) <= 40 else f"{text[:20]!r}... ({len(text)} characters)"
+
+
+def _lines(path: Path) -> list[list[str]]:
+    """The rows of a CSV file; one line naming the file when it cannot be read."""
     if not path.is_file():
         raise InputError(path, None, None, "file not found")
-    with path.open(newline="", encoding="utf-8") as fh:
-        reader = csv.DictReader(fh)
-        cols = [c.strip() for c in (reader.fieldnames or [])]
-        if not cols:
-            raise InputError(path, None, None, "file is empty, expected a CSV header line")
-        missing = [c for c in required if c not in cols]
-        if missing:
-            raise InputError(path, 1, missing[0], f"missing column; the header has "
-                             f"{', '.join(cols)}")
-        reader.fieldnames = cols
-        rows = list(enumerate(reader, start=2))
+    try:
+        with path.open(newline="", encoding="utf-8") as fh:
+            return list(csv.reader(fh))
+    except UnicodeDecodeError:
+        raise InputError(path, None, None, "not a UTF-8 text CSV file") from None
+    except csv.Error as exc:
+        raise InputError(path, None, None, f"not a valid CSV file: {exc}") from None
+    except OSError as exc:
+        raise InputError(path, None, None, f"cannot be read: {exc.strerror or exc}") from None
+
+
+def _csv(path: Path, required: tuple[str, ...]) -> list[tuple[int, dict[str, str]]]:
+    lines = _lines(path)
+    cols = [c.strip() for c in lines[0]] if lines else []
+    if not cols:
+        raise InputError(path, None, None, "file is empty, expected a CSV header line")
+    missing = [c for c in required if c not in cols]
+    if missing:
+        raise InputError(path, 1, missing[0], f"missing column; the header has "
+                         f"{', '.join(cols)}")
+    rows: list[tuple[int, dict[str, str]]] = []
+    for row, values in enumerate(lines[1:], start=2):
+        if not values:  # a blank line
+            continue
+        # a short row may leave out optional columns at the end, not required ones; extra
+        # values past the header's columns must be empty (a trailing comma)
+        short = any(cols.index(c) >= len(values) for c in required)
+        if short or any(v.strip() for v in values[len(cols):]):
+            raise InputError(path, row, None, f"has {len(values)} values for the "
+                             f"{len(cols)} columns of the header ({', '.join(cols)})")
+        rows.append((row, dict(zip(cols, values, strict=False))))
     if not rows:
         raise InputError(path, None, None, "has a header but no rows")
     return rows
@@ -75,7 +105,7 @@ def read_parva_profiles(folder: Path | str, gpu: str = "A100-80GB") -> ProfileSe
             try:
                 points.append(ProfilePoint(
                     model=f.stem, gpu=gpu, slice_kind="mig",
-                    slice_size=int(_num(f, row, "Mig instance", rec["Mig instance"], int)),
+                    slice_size=_mig_instance(f, row, rec["Mig instance"]),
                     batch=int(_num(f, row, "Batch size", rec["Batch size"], int)),
                     procs=int(_num(f, row, "Workload Number", rec["Workload Number"], int)),
                     throughput=_num(f, row, "Throughput", rec["Throughput"]),
@@ -84,6 +114,15 @@ def read_parva_profiles(folder: Path | str, gpu: str = "A100-80GB") -> ProfileSe
             except ValidationError as exc:
                 raise InputError(f, row, exc.field, str(exc)) from None
     return ProfileSet.of(points)
+
+
+def _mig_instance(path: Path, row: int, raw: str | None) -> int:
+    size = int(_num(path, row, "Mig instance", raw, int))
+    lo, hi, what = SLICE_SIZES["mig"]
+    if not lo <= size <= hi:
+        raise InputError(path, row, "Mig instance", f"expected {what} of {lo} to {hi}, got "
+                         f"{size}")
+    return size
 
 
 def read_own_profiles(path: Path | str) -> ProfileSet:
@@ -95,10 +134,14 @@ def read_own_profiles(path: Path | str) -> ProfileSet:
         if kind not in ("mig", "mps", "whole"):
             raise InputError(p, row, "slice_kind", f"expected mig, mps or whole, got {kind!r}")
         p99 = (rec.get("latency_p99_ms") or "").strip()
+        for col in ("model", "gpu"):
+            if not rec[col].strip():
+                raise InputError(p, row, col, f"expected a {col} name, got ''")
+        size = _slice_size(p, row, kind, rec["slice_size"])
         try:
             points.append(ProfilePoint(
                 model=rec["model"].strip(), gpu=rec["gpu"].strip(), slice_kind=kind,
-                slice_size=int(_num(p, row, "slice_size", rec["slice_size"], int)),
+                slice_size=size,
                 batch=int(_num(p, row, "batch", rec["batch"], int)),
                 procs=int(_num(p, row, "procs", rec["procs"], int)),
                 throughput=_num(p, row, "throughput_rps", rec["throughput_rps"]),
@@ -108,6 +151,20 @@ def read_own_profiles(path: Path | str) -> ProfileSet:
         except ValidationError as exc:
             raise InputError(p, row, exc.field, str(exc)) from None
     return ProfileSet.of(points)
+
+
+# slice_size by slice_kind: MIG compute slices (7 on the largest GPUs), MPS thread %
+SLICE_SIZES = {"mig": (1, 7, "MIG compute slices"), "mps": (1, 100, "an MPS thread %"),
+               "whole": (1, 1000, "the GPU's compute slices")}
+
+
+def _slice_size(path: Path, row: int, kind: str, raw: str | None) -> int:
+    size = int(_num(path, row, "slice_size", raw, int))
+    lo, hi, what = SLICE_SIZES[kind]
+    if not lo <= size <= hi:
+        raise InputError(path, row, "slice_size", f"expected {what} of {lo} to {hi} for "
+                         f"slice_kind {kind}, got {size}")
+    return size
 
 
 def read_profiles(path: Path | str) -> ProfileSet:
@@ -147,10 +204,7 @@ def read_scenario(rate_csv: Path | str, latency_csv: Path | str,
 
 
 def _scenario_row(path: Path, scenario: int) -> dict[str, float | None]:
-    if not path.is_file():
-        raise InputError(path, None, None, "file not found")
-    with path.open(newline="", encoding="utf-8") as fh:
-        rows = list(csv.reader(fh))
+    rows = _lines(path)
     if not rows:
         raise InputError(path, None, None, "file is empty")
     header = [h.strip() for h in rows[0]]
@@ -161,9 +215,10 @@ def _scenario_row(path: Path, scenario: int) -> dict[str, float | None]:
         header = PARVA_MODELS
     if not 1 <= scenario <= len(body):
         raise InputError(path, None, "scenario", f"expected 1..{len(body)}, got {scenario}")
+    row = scenario + len(rows) - len(body)  # the line of the file
     line = body[scenario - 1]
     if len(line) != len(header):
-        raise InputError(path, scenario, None, f"has {len(line)} values for {len(header)} models")
+        raise InputError(path, row, None, f"has {len(line)} values for {len(header)} models")
     out: dict[str, float | None] = {}
     for model, raw in zip(header, line, strict=True):
         text = raw.strip()
@@ -171,10 +226,13 @@ def _scenario_row(path: Path, scenario: int) -> dict[str, float | None]:
             out[model] = None
             continue
         try:
-            out[model] = float(text)
+            value = float(text)
         except ValueError:
-            raise InputError(path, scenario, model, f"expected a number or N/A, got {text!r}") \
-                from None
+            value = math.nan
+        if not math.isfinite(value):  # NaN and infinities too: the planner needs numbers
+            raise InputError(path, row, model, f"expected a finite number or N/A, got "
+                             f"{_cut(text)}")
+        out[model] = value
     return out
 
 
