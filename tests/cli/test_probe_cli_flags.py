@@ -98,3 +98,13 @@ def test_a_binary_file_or_a_huge_number_is_bad_input_not_a_traceback(
     monkeypatch.setattr(cli, "_build_parser", Parser)
     code, err = run(["anything"], capsys)
     assert code == 2 and said in err and "Traceback" not in err
+
+
+def test_a_cdi_root_that_is_a_file_is_refused_before_anything_starts(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    key, root = tmp_path / "key", tmp_path / "cdi"
+    key.write_text("k" * 32)
+    root.write_text("not a folder")
+    code, err = run(["node-agent", "--node", "n1", "--key-file", str(key), "--socket-dir",
+                     str(tmp_path), "--fake-gpus", "1", "--cdi-root", str(root)], capsys)
+    assert code == 2 and "--cdi-root: expected a folder" in err, err

@@ -176,6 +176,9 @@ def _node_agent(args: argparse.Namespace, console: Console) -> int:
     if not args.socket_dir.is_dir():
         raise ValidationError("--socket-dir", "the kubelet's device plugin directory",
                               str(args.socket_dir))
+    if args.cdi_root.exists() and not args.cdi_root.is_dir():  # made when missing
+        raise ValidationError("--cdi-root", "a folder for the CDI specs (made if missing)",
+                              f"{args.cdi_root}: not a folder")
     nvml: NvmlPort = local_nvml(args, node)
     api: KubeClient | FakeApiServer = (load_fake_cluster(args.fake_cluster)
                                        if args.fake_cluster else KubeClient(args.kubeconfig))
