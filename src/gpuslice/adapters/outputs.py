@@ -12,10 +12,10 @@ from pathlib import Path
 from gpuslice.core.errors import ValidationError
 
 
-def check_out_dir(out: Path, names: Sequence[str], field: str = "--out") -> Path:
+def check_out_dir(out: Path, names: Sequence[str], field: str = "--out",
+                  expected: str = "a folder that can be created and written") -> Path:
     """Before the work: ``out`` is a folder (made if need be) a file can be written in, and
     none of ``names`` in it is taken by something other than a file."""
-    expected = "a folder that can be created and written"
     if out.exists() and not out.is_dir():
         raise ValidationError(field, expected, f"{out}: not a folder")
     try:

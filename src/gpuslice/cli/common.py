@@ -24,7 +24,6 @@ import math
 import os
 import re
 import sys
-import tempfile
 import textwrap
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -344,6 +343,7 @@ def read_yaml(path: Path, field: str) -> object:
     import yaml
 
     from gpuslice.adapters.http.config import read_text
+    from gpuslice.adapters.yamlfile import yaml_problem
 
     text = read_text(path, field)
     try:
@@ -352,31 +352,13 @@ def read_yaml(path: Path, field: str) -> object:
         raise ValidationError(str(path), "valid YAML", yaml_problem(exc)) from None
 
 
-def yaml_problem(exc: Exception) -> str:
-    """A YAML error in one line: what went wrong and where (PyYAML's own text spans several
-    lines and quotes the input)."""
-    import yaml
-
-    if isinstance(exc, yaml.MarkedYAMLError) and exc.problem_mark is not None:
-        mark = exc.problem_mark
-        text = f"{exc.problem} at line {mark.line + 1} column {mark.column + 1}"
-        if exc.context:
-            text = f"{exc.context}: {text}"
-        return " ".join(text.split())
-    return " ".join(str(exc).split())
-
-
 def writable_dir(path: Path, field: str,
                  expected: str = "a folder that can be created and written") -> Path:
     """Create the output folder ``path`` if need be and check a file can be written in it,
     before the work whose results go there."""
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=path):
-            pass
-    except OSError as exc:
-        raise ValidationError(field, expected, f"{path}: {exc.strerror or exc}") from None
-    return path
+    from gpuslice.adapters.outputs import check_out_dir
+
+    return check_out_dir(path, (), field, expected)
 
 
 def writable_file(path: Path, field: str) -> Path:

@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from gpuslice.adapters.kube.fake import KubePort
-from gpuslice.adapters.nvml.port import NvmlError, NvmlPort, read_yaml
+from gpuslice.adapters.nvml.port import NvmlError, NvmlPort
+from gpuslice.adapters.yamlfile import read_yaml
 from gpuslice.core import catalog
 from gpuslice.core.catalog import MigGeometry
 from gpuslice.core.errors import GpusliceError, ValidationError

@@ -75,7 +75,7 @@ def load_fake_cluster(path: Path) -> FakeApiServer:
     YAML file (the ``--fake-cluster`` option of ``gpuslice extender``, ``gpuslice reconfig``
     and ``kubectl gpuslice``)."""
     from gpuslice.adapters.kube.objects import node_inventory
-    from gpuslice.adapters.nvml.port import read_yaml
+    from gpuslice.adapters.yamlfile import read_yaml
 
     where = f"--fake-cluster {path}"
     doc = read_yaml(Path(path), where, "a readable YAML file") or {}
