@@ -31,14 +31,23 @@ def check_out_dir(out: Path, names: Sequence[str], field: str = "--out",
     return out
 
 
-def check_out_file(path: Path, field: str = "--out") -> Path:
-    """Before the work: ``path`` is a file (new or existing) whose folder exists or can be
-    made and can be written in."""
-    if path.exists() and not path.is_file():
-        raise ValidationError(field, "a file (new or existing)", f"{path}: not a file")
-    check_out_dir(path.parent, (), field)
+FILE_EXPECTED = "a file that can be written (in a folder that exists or can be created)"
+
+
+def check_out_file(path: Path, field: str = "--out", *, devices_ok: bool = False,
+                   folder_expected: str = "a folder that can be created and written") -> Path:
+    """Before the work: ``path`` can be written, as a new or existing file whose folder exists
+    or can be made (``folder_expected`` says what of the folder when it cannot); with
+    ``devices_ok`` also an existing path that is not a regular file (a device or a pipe such
+    as ``/dev/stdout``, written in place), never a folder."""
+    expected = FILE_EXPECTED
+    if path.is_dir():
+        raise ValidationError(field, expected, f"{path}: a folder")
+    if not devices_ok and path.exists() and not path.is_file():
+        raise ValidationError(field, expected, f"{path}: not a file")
+    check_out_dir(path.parent, (), field, folder_expected)
     if path.exists() and not os.access(path, os.W_OK):
-        raise ValidationError(field, "a file that can be written", f"{path}: not writable")
+        raise ValidationError(field, expected, f"{path}: not writable")
     return path
 
 

@@ -362,15 +362,11 @@ def writable_dir(path: Path, field: str,
 
 
 def writable_file(path: Path, field: str) -> Path:
-    """Check the output file ``path`` can be written (its folder created if need be), before
-    the work whose result goes there."""
-    expected = "a file that can be written (in a folder that exists or can be created)"
-    if path.is_dir():
-        raise ValidationError(field, expected, f"{path}: a folder")
-    writable_dir(path.parent, field, expected)
-    if path.exists() and not os.access(path, os.W_OK):
-        raise ValidationError(field, expected, f"{path}: not writable")
-    return path
+    """Check the output file ``path`` can be written (its folder created if need be; a device
+    such as ``/dev/stdout`` will do), before the work whose result goes there."""
+    from gpuslice.adapters.outputs import FILE_EXPECTED, check_out_file
+
+    return check_out_file(path, field, devices_ok=True, folder_expected=FILE_EXPECTED)
 
 
 FAKE_GPUS_HELP = ("N: N simulated A100-80GB GPUs (no CUDA and no MPS: the replicas run on "
