@@ -73,7 +73,7 @@ from cluster_scale_report import (  # noqa: E402
     window_line,
 )
 from first_seen import FirstSeen, burst_quantiles, burst_rate  # noqa: E402
-from go_profile import Capture, breakdown  # noqa: E402
+from go_profile import APISERVER_WHERE, Capture, breakdown  # noqa: E402
 from gpuslice.adapters.kube.objects import quantity  # noqa: E402
 from gpuslice.core.assignment import ANNOTATION  # noqa: E402
 from gpuslice.devcluster import DevCluster, find_bin_dir, gpu_node, wait_until  # noqa: E402
@@ -239,12 +239,16 @@ def run_once(dev: DevCluster, pods: int, fractional: bool, timeout_s: float,
                       lambda _: True, metadata_only=True).start()
     dev.start_scheduler(with_extender=fractional)
     t0 = time.monotonic()
-    cap = None
+    cap = capi = None
     if go_profile is not None:
         go_profile.mkdir(parents=True, exist_ok=True)
         cap = Capture(f"https://127.0.0.1:{dev.ports['scheduler']}", insecure(),
                       go_profile / f"kube-scheduler-{'ours' if fractional else 'alone'}.pb.gz",
                       delay_s=go_delay, seconds=go_seconds).start()
+        # kube-apiserver's over the same seconds (the cluster opens it with --go-profile)
+        capi = Capture(dev.server, dev._ssl(),
+                       go_profile / f"kube-apiserver-{'ours' if fractional else 'alone'}.pb.gz",
+                       delay_s=go_delay, seconds=go_seconds).start()
     wait_until(f"{pods} pods bound", lambda: unbound(dev) == 0, timeout_s, every_s=1.0)
     elapsed = time.monotonic() - t0
     after = cpu_now(dev, {"gpuslice extender": extender_pid})
@@ -255,6 +259,7 @@ def run_once(dev: DevCluster, pods: int, fractional: bool, timeout_s: float,
     if window_closed is not None:
         window_closed()
     got_profile = cap.finish() if cap is not None else None
+    got_api = capi.finish() if capi is not None else None
     time.sleep(0.5)  # the watch's last events
     binds.stop()
     bound_at = list(binds.seen.values())
@@ -289,6 +294,8 @@ def run_once(dev: DevCluster, pods: int, fractional: bool, timeout_s: float,
         "ext_threads": by_thread(threads0, threads1, thread_names(extender_pid), pods),
         "go_profile": breakdown(got_profile) if got_profile is not None else None,
         "go_profile_off": cap is None, "go_profile_error": cap.error if cap else "",
+        "api_profile": breakdown(got_api, APISERVER_WHERE) if got_api is not None else None,
+        "api_profile_error": capi.error if capi else "",
     }
     got = list_json(dev, "pods", "-n", NS)
     res["bound"] = sum(1 for p in got if p["spec"].get("nodeName"))
@@ -363,8 +370,10 @@ def main() -> int:
                     help="sample the extender with py-spy during run 1 (collapsed stacks to "
                          "FILE) and print its top functions")
     ap.add_argument("--go-profile", type=Path, metavar="DIR",
-                    help="kube-scheduler's CPU profile of each run (pprof, --go-seconds long, "
-                         "from --go-delay into the burst) into DIR, and where its CPU went")
+                    help="kube-scheduler's and kube-apiserver's CPU profiles of each run "
+                         "(pprof, --go-seconds long, from --go-delay into the burst) into DIR, "
+                         "and where their CPU went (kube-apiserver's /debug/pprof opened "
+                         "for it)")
     ap.add_argument("--go-seconds", type=int, default=None, help="length of --go-profile's "
                     "profiles (default 10 s: the 1000-node bursts last 25-60 s; 3 s with "
                     "--quick, whose bursts last 1.5-3.5 s)")
@@ -413,7 +422,8 @@ def main() -> int:
                     scheduler_qps=args.scheduler_qps,
                     nodes_to_score=args.nodes_to_score,
                     node_lease_s=args.node_lease_s,
-                    pod_lifecycle=args.pod_lifecycle) as dev:
+                    pod_lifecycle=args.pod_lifecycle,
+                    apiserver_profiling=args.go_profile is not None) as dev:
         console.print(f"control plane up in {dev.dir}")
         for f in ("namespace.yaml", "rbac.yaml"):
             dev.kubectl("apply", "--server-side", "-n", "gpuslice-system", "-f",

@@ -107,10 +107,14 @@ def go_lines(ours: dict[str, Any], base: dict[str, Any], seconds: int,
              delay: float) -> list[str]:
     if ours["go_profile_off"]:  # no --go-profile
         return []
-    errors = "; ".join(r["go_profile_error"] for r in (ours, base) if r["go_profile_error"])
-    return table_lines(ours["go_profile"], base["go_profile"],
-                       ours["cpu_ms"]["kube-scheduler"], base["cpu_ms"]["kube-scheduler"],
-                       seconds, delay, errors)
+    out = []
+    for who, key in (("kube-scheduler", "go_profile"), ("kube-apiserver", "api_profile")):
+        errors = "; ".join(r[f"{key}_error"] for r in (ours, base) if r[f"{key}_error"])
+        if out:
+            out.append("")
+        out += table_lines(ours[key], base[key], ours["cpu_ms"][who], base["cpu_ms"][who],
+                           seconds, delay, errors, who)
+    return out
 
 
 def threads_line(ours: dict[str, Any]) -> str:

@@ -1,12 +1,14 @@
-"""Where kube-scheduler's own CPU goes during a burst: a CPU profile from its
-``/debug/pprof/profile`` (the dev cluster opens it on its loopback port, as it does
-``/metrics``), read with ``go tool pprof`` (the Go toolchain that built the cluster; without it
-the raw profile is kept and the breakdown skipped).
+"""Where kube-scheduler's and kube-apiserver's own CPU goes during a burst: a CPU profile from
+each one's ``/debug/pprof/profile`` (the dev cluster opens kube-scheduler's on its loopback
+port, as it does ``/metrics``, and kube-apiserver's with ``apiserver_profiling``), read with
+``go tool pprof`` (the Go toolchain that built the cluster; without it the raw profile is kept
+and the breakdown skipped).
 
-Used by ``cluster_scale.py --go-profile DIR``: one profile per run, started ``delay_s`` after the
-scheduler is healthy and lasting ``seconds``; the breakdown gives, for a few places in
-pkg/scheduler (schedule_one.go, framework/plugins/noderesources/fit.go, extender.go), the share
-of the profile's samples spent there or below (pprof's cumulative share).
+Used by ``cluster_scale.py --go-profile DIR``: one profile of each per run, started ``delay_s``
+after the scheduler is healthy and lasting ``seconds``; the breakdown gives, for a few places
+(:data:`WHERE` in pkg/scheduler: schedule_one.go, framework/plugins/noderesources/fit.go,
+extender.go; :data:`APISERVER_WHERE` in k8s.io/apiserver and pkg/registry), the share of the
+profile's samples spent there or below (pprof's cumulative share).
 """
 
 from __future__ import annotations
@@ -32,6 +34,31 @@ WHERE: tuple[tuple[str, str], ...] = (
     ("extender filter calls (HTTPExtender.Filter)", r"\(\*HTTPExtender\)\.Filter$"),
     ("binding cycle (the Binding, or the extender's bind)",
      r"pkg/scheduler\.\(\*Scheduler\)\.bindingCycle$"),
+    ("Go garbage collector (gcBgMarkWorker)", r"^runtime\.gcBgMarkWorker$"),
+)
+
+# kube-apiserver's: rows are cumulative shares and may overlap (a Binding's etcd write is in
+# both its rows; the JSON encoding of watch events is in the watch's); indented rows are part
+# of the row above
+APISERVER_WHERE: tuple[tuple[str, str], ...] = (
+    ("Bindings (BindingREST.Create)", r"pod/storage\.\(\*BindingREST\)\.Create$"),
+    ("creates: Events, pods (CreateResource)",
+     r"endpoints/handlers\.CreateResource\.createHandler\.func1$"),
+    ("updates: Leases, node status (UpdateResource)",
+     r"endpoints/handlers\.UpdateResource\.func1$"),
+    ("writes to etcd (GuaranteedUpdate, Create)",
+     r"storage/etcd3\.\(\*store\)\.(GuaranteedUpdate|Create)$"),
+    ("request bodies decoded (versioning codec)",
+     r"serializer/versioning\.\(\*codec\)\.Decode$"),
+    ("  of which JSON", r"serializer/json\.\(\*Serializer\)\.Decode$"),
+    ("watches served (handleWatch)", r"^k8s\.io/apiserver/pkg/endpoints/handlers\.handleWatch$"),
+    ("  of which JSON encoding of the objects",
+     r"serializer/json\.\(\*Serializer\)\.Encode$"),
+    ("client certificates checked (x509, every request)",
+     r"request/x509\.\(\*Authenticator\)\.AuthenticateRequest$"),
+    ("bearer tokens checked (cached)",
+     r"request/bearertoken\.\(\*Authenticator\)\.AuthenticateRequest$"),
+    ("TLS handshakes (new connections)", r"crypto/tls\.\(\*Conn\)\.serverHandshake$"),
     ("Go garbage collector (gcBgMarkWorker)", r"^runtime\.gcBgMarkWorker$"),
 )
 
@@ -73,18 +100,21 @@ class Capture:
         return self.out if self.out.exists() and self.out.stat().st_size else None
 
 
-def breakdown(path: Path) -> list[tuple[str, float]] | None:
-    """(what, cumulative % of the samples) for each row of :data:`WHERE`; None without Go."""
+Rows = tuple[tuple[str, str], ...]
+
+
+def breakdown(path: Path, where: Rows = WHERE) -> list[tuple[str, float]] | None:
+    """(what, cumulative % of the samples) for each row of ``where``; None without Go."""
     go = go_tool()
     if go is None:
         return None
     return shares(subprocess.run([go, "tool", "pprof", "-top", "-cum", "-nodecount=100000",
                                   str(path)], check=True, capture_output=True, text=True,
-                                 timeout=120).stdout)
+                                 timeout=120).stdout, where)
 
 
-def shares(top: str) -> list[tuple[str, float]]:
-    """:data:`WHERE`'s rows from ``go tool pprof -top -cum``'s text (columns flat, flat%,
+def shares(top: str, where: Rows = WHERE) -> list[tuple[str, float]]:
+    """``where``'s rows from ``go tool pprof -top -cum``'s text (columns flat, flat%,
     sum%, cum, cum%, function); a function absent from the profile counts 0."""
     cum: dict[str, float] = {}
     for line in top.splitlines():
@@ -95,7 +125,7 @@ def shares(top: str) -> list[tuple[str, float]]:
             except ValueError:
                 continue
     out = []
-    for what, pattern in WHERE:
+    for what, pattern in where:
         rx = re.compile(pattern)
         out.append((what, max((v for name, v in cum.items() if rx.search(name)),
                               default=0.0)))
@@ -103,12 +133,12 @@ def shares(top: str) -> list[tuple[str, float]]:
 
 def table_lines(ours: list[tuple[str, float]] | None, alone: list[tuple[str, float]] | None,
                 ms_ours: float, ms_alone: float, seconds: int, delay: float,
-                errors: str) -> list[str]:
+                errors: str, who: str = "kube-scheduler") -> list[str]:
     """The two runs' breakdowns as markdown: share of the samples and ms of CPU per pod (the
-    share of the scheduler's CPU per pod)."""
+    share of ``who``'s CPU per pod)."""
     if ours is None or alone is None:
-        return [f"kube-scheduler profile: {errors or 'no Go toolchain to read it'}"]
-    out = [f"kube-scheduler's CPU by where it went (pprof CPU profile, {seconds} s from "
+        return [f"{who} profile: {errors or 'no Go toolchain to read it'}"]
+    out = [f"{who}'s CPU by where it went (pprof CPU profile, {seconds} s from "
            f"{delay:g} s into each burst; a row's share includes the rows indented under it; "
            "ms per pod = share x its CPU per pod):", "",
            "| where | with gpuslice % | ms per pod | alone % | ms per pod |",

@@ -53,3 +53,44 @@ def test_the_table_gives_ms_per_pod_from_the_share_and_says_why_when_a_profile_i
     assert "| 48.5 | 3.10 | 48.5 | 0.97 |" in fit
     assert table_lines(None, ours, 6.4, 2.0, 10, 2.0, "refused") == \
         ["kube-scheduler profile: refused"]
+
+
+# kube-apiserver 1.36's names, as `go tool pprof -top -cum` prints them
+A = "k8s.io/apiserver/pkg"
+API_TOP = f"""File: kube-apiserver
+Type: cpu
+      flat  flat%   sum%        cum   cum%
+         0     0%     0%      0.75s 13.30%  runtime.gcBgMarkWorker
+         0     0%     0%      0.65s 11.52%  {A}/storage/etcd3.(*store).GuaranteedUpdate
+         0     0%     0%      0.13s  2.30%  {A}/storage/etcd3.(*store).Create
+         0     0%     0%      0.41s  7.27%  k8s.io/apimachinery/pkg/runtime/serializer/\
+versioning.(*codec).Decode
+         0     0%     0%      0.41s  7.27%  {A}/endpoints/handlers.handleWatch
+         0     0%     0%      0.06s  1.06%  k8s.io/client-go/tools/cache.handleWatch
+         0     0%     0%      0.27s  4.79%  k8s.io/apimachinery/pkg/runtime/serializer/\
+json.(*Serializer).Encode
+         0     0%     0%      0.15s  2.66%  k8s.io/apimachinery/pkg/runtime/serializer/\
+json.(*Serializer).Decode
+         0     0%     0%      0.31s  5.50%  k8s.io/kubernetes/pkg/registry/core/pod/storage.\
+(*BindingREST).Create
+         0     0%     0%      0.27s  4.79%  {A}/authentication/request/x509.\
+(*Authenticator).AuthenticateRequest
+"""
+
+
+def test_the_apiserver_rows_take_their_own_functions_and_the_larger_of_two_alternatives(
+        ) -> None:
+    from go_profile import APISERVER_WHERE
+
+    got = {w.strip().split(" (")[0]: v for w, v in shares(API_TOP, APISERVER_WHERE)}
+    assert got["Bindings"] == 5.50
+    assert got["writes to etcd"] == 11.52  # GuaranteedUpdate, the larger of the two
+    assert got["watches served"] == 7.27  # the API server's handleWatch, not client-go's
+    assert got["of which JSON encoding of the objects"] == 4.79
+    assert got["of which JSON"] == 2.66  # the decoding row's: json Decode, not Encode
+    assert got["client certificates checked"] == 4.79
+    assert got["TLS handshakes"] == 0.0
+    lines = table_lines(shares(API_TOP, APISERVER_WHERE), shares(API_TOP, APISERVER_WHERE),
+                        4.0, 2.0, 10, 2.0, "", "kube-apiserver")
+    assert lines[0].startswith("kube-apiserver's CPU by where it went")
+    assert "| Bindings (BindingREST.Create) | 5.5 | 0.22 | 5.5 | 0.11 |" in lines

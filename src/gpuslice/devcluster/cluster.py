@@ -158,6 +158,9 @@ class DevCluster:
     # bound (the throughput benchmark's choice, as kube-scheduler's own scheduler_perf runs
     # no kubelet: the status writes a kubelet makes are not the scheduler's work)
     pod_lifecycle: bool = True
+    # kube-apiserver's /debug/pprof (for system:masters, as its /metrics): off, as a
+    # hardened control plane has it; the throughput benchmark's --go-profile turns it on
+    apiserver_profiling: bool = False
     procs: dict[str, Proc] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -315,7 +318,7 @@ class DevCluster:
             "--allow-privileged=true",
             "--runtime-config=resource.k8s.io/v1=true",
             f"--feature-gates={FEATURE_GATES}",
-            "--profiling=false",
+            f"--profiling={str(self.apiserver_profiling).lower()}",
             f"--cert-dir={self.dir / 'apiserver-certs'}",
         ]
 
