@@ -138,6 +138,21 @@ def test_demo_negative_seed_and_unwritable_out(
     assert str(out) in err
 
 
+@pytest.mark.parametrize(("option", "value"), [("--out", "report"), ("--seed", "7")])
+def test_demo_dra_refuses_the_scenario_demos_out_and_seed(
+        option: str, value: str, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch, keep_sigterm: None) -> None:
+    import gpuslice.demo.dra
+
+    def started(*a: object, **k: object) -> None:
+        raise AssertionError("the DRA demo started with an option it ignores")
+
+    monkeypatch.setattr(gpuslice.demo.dra, "run_dra_demo", started)
+    code, err = run(["demo", "--dra", option, value], capsys)
+    assert code == 2 and err.startswith(f"gpuslice: error: {option}: expected no --out or "
+                                        "--seed with --dra") and f"got '{value}'" in err
+
+
 @pytest.mark.parametrize(("argv", "option", "value"), [
     (["plan", "--profiles", "p.csv", "--services", "s.yaml", "--time-limit", "-3"],
      "--time-limit", "-3"),

@@ -76,6 +76,17 @@ FC_HUGE = ("nodes:\n- metadata:\n    name: n\n    annotations: {gpuslice.io/inve
     (b"nodes:\n- metadata: {name: [a]}\n", "nodes[0].metadata.name: expected a name"),
     (b"pods:\n- metadata: {name: p, namespace: [a]}\n", "pods[0].metadata.namespace"),
     (FC_HUGE.encode(), "node n: inventory[0].memoryMiB"),
+    (b"nodes:\n- metadata: {name: a}\n- metadata: {name: b}\n- metadata: {name: a}\n",
+     "nodes[2].metadata.name: expected a name no other node has (nodes[0] has it too), "
+     "got 'a'"),
+    (b"nodes:\n- metadata: {name: a, labels: [gpu, big]}\n",
+     "nodes[0].metadata.labels (node 'a'): expected a mapping (name: value), got "
+     "['gpu', 'big']"),
+    (b"nodes:\n- metadata: {name: a, labels: gpu}\n", "nodes[0].metadata.labels (node 'a')"),
+    (b"pods:\n- metadata: {name: p, namespace: x}\n- metadata: {name: p, namespace: x}\n",
+     "pods[1].metadata.name: expected a name no other pod of its namespace has"),
+    (b"pods:\n- metadata: {name: p, namespace: x, annotations: [a]}\n",
+     "pods[0].metadata.annotations (pod 'p')"),
 ])
 def test_a_bad_fake_cluster_names_the_file_and_field(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], content: bytes,

@@ -197,3 +197,90 @@ def test_write_json_to_a_device_that_fails_is_one_line(
     err = _error(capsys)  # no space on /dev/full, or (not root) no file can be made in /dev
     assert err.startswith("gpuslice: error: --write-json: expected") and "/dev" in err
     assert Path("/dev/full").is_char_device()
+
+
+@pytest.fixture
+def no_solving(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The planner's solvers fail the test if they start (a refused rate is refused first)."""
+    import gpuslice.core.planner
+
+    def started(*a: object, **k: object) -> None:
+        raise AssertionError("the solver started before the rate was refused")
+
+    monkeypatch.setattr(gpuslice.core.planner, "_build", started)
+    monkeypatch.setattr(gpuslice.core.planner, "_greedy", started)
+
+
+@pytest.mark.parametrize("rate", ["1e9", "1e300"])
+@pytest.mark.parametrize("command", ["plan", "replan"])
+def test_a_rate_that_needs_more_gpus_than_a_plan_may_take_is_refused_before_solving(
+        tmp_path: Path, rate: str, command: str, no_solving: None,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    svc = _svc(tmp_path, f"{{name: classify, model: resnet50, rate: {rate}, slo_ms: 150}}")
+    argv = ([*PLAN, "--services", str(svc)] if command == "plan" else
+            ["replan", "--example", "--services", str(svc)])
+    assert main(argv) == 2
+    err = _error(capsys)
+    assert err.count("\n") == 1 and err.startswith(
+        "gpuslice: error: service 'classify': rate: expected a request rate a plan of at most "
+        "10000 GPUs can serve (resnet50 within its SLO: at most "), err
+    assert f"got {float(rate)!r}" in err
+
+
+def test_the_gpu_bound_is_the_sum_of_each_services_least_gpus() -> None:
+    from gpuslice.cli.common import builtin_path
+    from gpuslice.core.planner import MAX_PLAN_GPUS, Service, best_configs, check_plan_size
+    from gpuslice.planning.run import load_profiles
+
+    profiles = load_profiles(builtin_path("profiles", "a100-80gb"))
+    per_gpu = {}
+    for model in ("resnet50", "vgg19"):
+        by_size = best_configs(profiles, Service(model, model, 1.0, 300), "A100-80GB", 0.45)
+        per_gpu[model] = max(c.throughput / c.size for c in by_size.values()) * 7
+
+    def services(resnet50: float, vgg19: float) -> list[Service]:
+        share = {"resnet50": resnet50, "vgg19": vgg19}
+        return [Service(m, m, share[m] * MAX_PLAN_GPUS * per_gpu[m], 300) for m in per_gpu]
+
+    check_plan_size(profiles, services(0.7, 0.299), [], 0.45)  # just within: no error
+    # just past: the service that needs the most is named, with its rate
+    over = services(0.7, 0.301)
+    with pytest.raises(ValidationError, match=r"service 'resnet50': rate: .*so at least 7000 "
+                       r"GPUs; 10010 for all 2 services\)") as exc:
+        check_plan_size(profiles, over, [], 0.45)
+    assert exc.value.got == over[0].rate
+    # the planner's headroom counts: within the bound at the rate, not at rate / 0.95
+    with pytest.raises(ValidationError, match=r"for 1.05 x the rate"):
+        check_plan_size(profiles, services(0.7, 0.28), [], 0.45, 1 / 0.95)
+
+
+@pytest.mark.parametrize("argv", [
+    ["plan", "--example", "--latency-factor", "nan"],
+    ["plan", "--example", "--latency-factor", "inf"],
+    ["plan", "--example", "--latency-factor", "0"],
+    ["plan", "--example", "--latency-factor", "1.5"],
+    ["replan", "--example", "--drain-s", "nan"],
+    ["replan", "--example", "--drain-s", "inf"],
+    ["replan", "--example", "--drain-s", "-1"],
+], ids=" ".join)
+def test_latency_factor_and_drain_s_must_be_finite_and_in_range(
+        argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    option, value = argv[-2:]
+    expected = {"--latency-factor": "a fraction, more than 0 and at most 1",
+                "--drain-s": "a number >= 0"}[option]
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    assert f"argument {option}: expected {expected}, got {value!r}" in _error(capsys)
+
+
+def test_a_profile_naming_an_unknown_gpu_names_the_file_row_and_field(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    svc = _svc(tmp_path, "{name: a, model: resnet50, rate: 5, slo_ms: 150}")
+    prof = _prof(tmp_path, "resnet50,Z9000,mig,3,8,1,500,20,")
+    assert main(["plan", "--services", str(svc), "--no-check", "--profiles", str(prof)]) == 2
+    err = _error(capsys)
+    assert err.startswith(f"gpuslice: error: {prof}, row 2, field 'gpu': expected a GPU model "
+                          "of the catalogue (") and err.rstrip().endswith("got 'Z9000'"), err
+    # the reader itself still takes any GPU (gpuslice profile writes the one it measured on)
+    assert read_own_profiles(prof).gpus() == ["Z9000"]

@@ -8,6 +8,7 @@ from pathlib import Path
 from rich.console import Console
 
 from gpuslice.cli.common import Sub, examples, non_negative_int, writable_dir
+from gpuslice.core.errors import ValidationError
 
 
 def register(sub: Sub) -> None:
@@ -18,12 +19,14 @@ def register(sub: Sub) -> None:
         "simulated; run a scripted scenario (plan, deploy, serve load, crash a replica, re-slice "
         "a GPU under load, add a node) and write a one-page HTML report.",
         epilog=examples("gpuslice demo --short --out demo-report", "gpuslice demo --dra"))
-    d.add_argument("--out", type=Path, default=Path("demo-report"),
+    # --out and --seed default to None so that --dra can refuse them when given
+    d.add_argument("--out", type=Path,
                    help="folder for index.html, summary.json and the plots (default "
-                   "demo-report)")
+                   "demo-report; not with --dra)")
     d.add_argument("--short", action="store_true", help="a shortened scenario (about 35 s)")
-    d.add_argument("--seed", type=non_negative_int, default=1,
-                   help="seed of the scenario's load (a whole number >= 0; default 1)")
+    d.add_argument("--seed", type=non_negative_int,
+                   help="seed of the scenario's load (a whole number >= 0; default 1; not "
+                   "with --dra)")
     d.add_argument("--no-live", action="store_true",
                    help="print events line by line instead of a live display")
     d.add_argument("--no-local-gpus", action="store_true",
@@ -83,17 +86,25 @@ def _demo(args: argparse.Namespace, console: Console) -> int:
     def on_term(signum: int, frame: object) -> None:
         raise KeyboardInterrupt
 
+    if args.dra:
+        for option, value in (("--out", args.out), ("--seed", args.seed)):
+            if value is not None:
+                raise ValidationError(option, "no --out or --seed with --dra: they are the "
+                                      "scenario demo's (without --dra); the DRA demo writes "
+                                      "no files and draws no random load", str(value))
     signal.signal(signal.SIGTERM, on_term)  # stop everything the demo started, as on Ctrl-C
     if args.dra:
         return _dra(console)
+    out = Path("demo-report") if args.out is None else args.out
 
     from gpuslice.adapters.optional import pyplot
     from gpuslice.demo.scenario import DemoOptions, run_demo
 
     # what the report needs is checked before the scenario runs, not after it
-    writable_dir(args.out, "--out")
+    writable_dir(out, "--out")
     pyplot()
-    result = run_demo(DemoOptions(out=args.out, short=args.short, seed=args.seed,
+    result = run_demo(DemoOptions(out=out, short=args.short,
+                                  seed=1 if args.seed is None else args.seed,
                                   live=False if args.no_live else None,
                                   local_gpus=not args.no_local_gpus))
     console.print(f"GPUs in use: {result['gpus_used']} (exclusive allocation: "

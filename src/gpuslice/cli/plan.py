@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -68,9 +69,10 @@ def register(sub: Sub) -> None:
     p.add_argument("--solver", choices=("auto", "milp", "greedy"), default="auto",
                    help="milp (exact, within --time-limit), greedy, or auto (default: milp up "
                    "to 60 services, greedy above)")
-    p.add_argument("--latency-factor", type=float, default=0.45,
+    p.add_argument("--latency-factor", type=fraction, default=0.45,
                    help="a configuration serves a model only if its batch latency <= this x "
-                   "SLO (default 0.45, ParvaGPU's rule)")
+                   "SLO: a fraction, more than 0 and at most 1 (default 0.45, ParvaGPU's "
+                   "rule)")
     p.add_argument("--no-mix", action="store_true",
                    help="one service per MIG instance (no MPS sharing between services)")
     p.add_argument("--no-check", action="store_true",
@@ -84,6 +86,19 @@ def register(sub: Sub) -> None:
                    help="seed of the replay, a whole number >= 0 (default 1)")
     add_output(p)
     p.set_defaults(handler=_plan)
+
+
+def fraction(text: str) -> float:
+    """argparse ``type=`` of ``--latency-factor``: a finite number in (0, 1] (the share of the
+    SLO a batch may take; PlanOptions' rule), refused at parse time with the option's name."""
+    try:
+        x = float(text)
+    except ValueError:
+        x = math.nan
+    if not (math.isfinite(x) and 0 < x <= 1):
+        raise argparse.ArgumentTypeError(f"expected a fraction, more than 0 and at most 1, "
+                                         f"got {text!r}")
+    return x
 
 
 def _plan(args: argparse.Namespace, console: Console) -> int:

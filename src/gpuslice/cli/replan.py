@@ -18,6 +18,7 @@ from gpuslice.cli.common import (
     builtin_path,
     examples,
     input_path,
+    non_negative_float,
     non_negative_int,
     positive_float,
     print_json,
@@ -73,9 +74,10 @@ def register(sub: Sub) -> None:
                    help="with --apply: the model server image of the Deployments")
     r.add_argument("--router-admin", help="with --apply: ask this router when the removed "
                    "pods have drained (default: wait --drain-s)")
-    r.add_argument("--drain-s", type=float, default=60.0,
+    r.add_argument("--drain-s", type=non_negative_float, default=60.0,
                    help="with --apply: seconds to wait for the removed pods to drain when "
-                   "there is no --router-admin to ask, and at most with one (default 60)")
+                   "there is no --router-admin to ask, and at most with one: a number >= 0, "
+                   "0 not to wait (default 60)")
     src = r.add_mutually_exclusive_group()
     src.add_argument("--kubeconfig", help="with --apply: " + KUBECONFIG_HELP)
     src.add_argument("--fake-cluster", type=Path,

@@ -28,6 +28,7 @@ from gpuslice.core.planner import (
     Service,
     Slot,
     add_capacity,
+    check_plan_size,
     plan,
 )
 from gpuslice.core.profiles import ProfilePoint, ProfileSet, batch_latency
@@ -145,6 +146,9 @@ def plan_and_check(
     if not 0 < utilisation <= 1:
         raise ValidationError("utilisation", "a fraction in (0, 1]", utilisation)
     o = opts or PlanOptions()
+    # the size check on the rates as given, so that a refusal names them (plan() checks the
+    # scaled ones again, to the same result)
+    check_plan_size(profiles, services, fleet, o.latency_factor, 1.0 / utilisation)
     factor = {s.name: 1.0 / utilisation for s in services}
     by_name = {s.name: s for s in services}
     scaled = [Service(s.name, s.model, s.rate * factor[s.name], s.slo_ms) for s in services]
@@ -178,7 +182,10 @@ def plan_and_check(
                       for s in services]
             # the two-process mixing model solves to optimality in well under a second:
             # give it the whole time limit, so the result does not hang on the machine's speed
-            again = plan(profiles, scaled, fleet, replace(o, full_stage=False))
+            try:
+                again = plan(profiles, scaled, fleet, replace(o, full_stage=False))
+            except ValidationError:  # the raised rates need more than MAX_PLAN_GPUS
+                again = p
             if again.n_gpus < p.n_gpus:
                 p = again
                 stale = {s.name for s in services}

@@ -225,10 +225,11 @@ def scenario_services(profiles_dir: Path, rate: Path | None, latency: Path | Non
 
 def load_profiles(path: Path) -> ProfileSet:
     """Profiles from a ParvaGPU folder or a gpuslice CSV; models measured only under MPS caps
-    (``gpuslice profile`` on a GPU without MIG) get MIG-sized stand-ins the planner can pack."""
+    (``gpuslice profile`` on a GPU without MIG) get MIG-sized stand-ins the planner can pack.
+    A GPU the catalogue does not know is refused, naming the file and row."""
     from gpuslice.core.profiles import mps_as_mig
 
-    return mps_as_mig(read_profiles(path))
+    return mps_as_mig(read_profiles(path, catalogue_gpus=True))
 
 
 def to_json(run: PlanRun) -> dict[str, Any]:

@@ -92,6 +92,7 @@ def load_fake_cluster(path: Path) -> FakeApiServer:
         items = doc.get(key) or []
         if not isinstance(items, list):
             raise ValidationError(f"{where}: {key}", "a list", type(items).__name__)
+        seen: dict[tuple[str, str], int] = {}  # (namespace, name) -> index
         for i, item in enumerate(items):
             meta = item.get("metadata") if isinstance(item, dict) else None
             if not isinstance(meta, dict):
@@ -104,6 +105,7 @@ def load_fake_cluster(path: Path) -> FakeApiServer:
                                   or not meta["namespace"]):
                 raise ValidationError(f"{where}: pods[{i}].metadata.namespace",
                                       "the pod's namespace (text)", _short(meta.get("namespace")))
+            _check_meta(where, key, i, meta, seen)
             if key == "nodes":
                 try:
                     node_inventory(item)  # a bad GPU inventory annotation is named here
@@ -122,6 +124,27 @@ def load_fake_cluster(path: Path) -> FakeApiServer:
 
 
 FAKE_CLUSTER_KEYS = ("nodes", "pods", "sliceschedules")
+
+_KIND = {"nodes": "node", "pods": "pod", "sliceschedules": "SliceSchedule"}
+
+
+def _check_meta(where: str, key: str, i: int, meta: dict[str, Any],
+                seen: dict[tuple[str, str], int]) -> None:
+    """``{key}[{i}]``'s metadata: a name no earlier object of ``key`` has (in its namespace,
+    for pods), and labels and annotations that are mappings, if given."""
+    name = meta["name"]
+    ident = (str(meta.get("namespace")) if key == "pods" else "", name)
+    if ident in seen:
+        raise ValidationError(f"{where}: {key}[{i}].metadata.name",
+                              f"a name no other {_KIND[key]}"
+                              f"{' of its namespace' if key == 'pods' else ''} has "
+                              f"({key}[{seen[ident]}] has it too)", "/".join(filter(None, ident)))
+    seen[ident] = i
+    for field in ("labels", "annotations"):
+        value = meta.get(field)
+        if value is not None and not isinstance(value, dict):
+            raise ValidationError(f"{where}: {key}[{i}].metadata.{field} ({_KIND[key]} "
+                                  f"{name!r})", "a mapping (name: value)", _short(value))
 
 
 def _short(value: object) -> object:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpuslice.adapters.traces.alibaba import InputError
+from gpuslice.core import catalog
 from gpuslice.core.errors import ValidationError
 from gpuslice.core.profiles import ProfilePoint, ProfileSet
 
@@ -125,8 +126,10 @@ def _mig_instance(path: Path, row: int, raw: str | None) -> int:
     return size
 
 
-def read_own_profiles(path: Path | str) -> ProfileSet:
-    """Read gpuslice's profile CSV (see the module docstring)."""
+def read_own_profiles(path: Path | str, *, catalogue_gpus: bool = False) -> ProfileSet:
+    """Read gpuslice's profile CSV (see the module docstring). ``catalogue_gpus``: refuse a
+    ``gpu`` the GPU catalogue does not know (the planner needs its MIG geometry; ``gpuslice
+    profile`` writes whatever GPU it measured on)."""
     p = Path(path)
     points: list[ProfilePoint] = []
     for row, rec in _csv(p, OWN_COLUMNS):
@@ -137,6 +140,10 @@ def read_own_profiles(path: Path | str) -> ProfileSet:
         for col in ("model", "gpu"):
             if not rec[col].strip():
                 raise InputError(p, row, col, f"expected a {col} name, got ''")
+        if catalogue_gpus and catalog.lookup(rec["gpu"]) is None:
+            known = ", ".join(m.name for m in catalog.known_models())
+            raise InputError(p, row, "gpu", f"expected a GPU model of the catalogue ({known}; "
+                             f"gpuslice gpus lists them), got {rec['gpu'].strip()!r}")
         size = _slice_size(p, row, kind, rec["slice_size"])
         try:
             points.append(ProfilePoint(
@@ -167,12 +174,13 @@ def _slice_size(path: Path, row: int, kind: str, raw: str | None) -> int:
     return size
 
 
-def read_profiles(path: Path | str) -> ProfileSet:
-    """A ParvaGPU folder, or a gpuslice profile CSV."""
+def read_profiles(path: Path | str, *, catalogue_gpus: bool = False) -> ProfileSet:
+    """A ParvaGPU folder, or a gpuslice profile CSV (``catalogue_gpus``: its GPUs must be
+    catalogue models, :func:`read_own_profiles`)."""
     p = Path(path)
     if p.is_dir():
         return read_parva_profiles(p)
-    return read_own_profiles(p)
+    return read_own_profiles(p, catalogue_gpus=catalogue_gpus)
 
 
 @dataclass(frozen=True)

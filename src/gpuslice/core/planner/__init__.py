@@ -40,9 +40,11 @@ from gpuslice.core import catalog
 from gpuslice.core.errors import ValidationError
 from gpuslice.core.mig import fitting_placements, is_valid_layout
 from gpuslice.core.planner.options import (
+    MAX_PLAN_GPUS,
     _check_services,
     _geometry,
     best_configs,
+    check_plan_size,
     slice_profiles,
 )
 from gpuslice.core.planner.solve import (
@@ -67,9 +69,9 @@ from gpuslice.core.planner.types import (
 )
 from gpuslice.core.profiles import ProfileSet
 
-__all__ = ["Config", "FleetType", "Plan", "PlanOptions", "PlannedGpu", "Problem", "Service",
-           "Slot", "_scipy_optimize", "add_capacity", "best_configs", "exclusive_gpus", "plan",
-           "slice_share", "validate"]
+__all__ = ["MAX_PLAN_GPUS", "Config", "FleetType", "Plan", "PlanOptions", "PlannedGpu",
+           "Problem", "Service", "Slot", "_scipy_optimize", "add_capacity", "best_configs",
+           "check_plan_size", "exclusive_gpus", "plan", "slice_share", "validate"]
 
 # ---- entry point ---------------------------------------------------------------------------
 
@@ -79,7 +81,8 @@ def plan(profiles: ProfileSet, services: Sequence[Service], fleet: Sequence[Flee
     """Plan ``services`` on ``fleet`` (default: unlimited GPUs of every profiled MIG type).
 
     Services that cannot be planned (no profile, no configuration fast enough, bad rate or SLO)
-    are reported in ``problems`` and left out; the rest are planned.
+    are reported in ``problems`` and left out; the rest are planned. Rates that need more than
+    :data:`MAX_PLAN_GPUS` GPUs are refused (:func:`check_plan_size`, a ``ValidationError``).
     """
     opts = opts or PlanOptions()
     fl = list(fleet) or [FleetType(g) for g in profiles.gpus()
@@ -91,6 +94,7 @@ def plan(profiles: ProfileSet, services: Sequence[Service], fleet: Sequence[Flee
     svcs, problems = _check_services(profiles, services, [ft.gpu for ft in fl], opts)
     if not svcs:
         return Plan((), opts.objective, 0.0, 0.0, "none", tuple(problems))
+    check_plan_size(profiles, svcs, fl, opts.latency_factor)
     use_exact = opts.solver == "milp" or (opts.solver == "auto" and len(svcs) <= opts.exact_limit)
     gpus: list[PlannedGpu] = []
     solver = "greedy"

@@ -17,6 +17,7 @@ from gpuslice.core.errors import ValidationError
 from gpuslice.core.mig import MigPlacement, maximal_layouts
 from gpuslice.core.planner.types import (
     Config,
+    FleetType,
     PlanOptions,
     Problem,
     Service,
@@ -216,3 +217,53 @@ def _check_services(profiles: ProfileSet, services: Sequence[Service], gpus: Seq
             continue
         ok.append(svc)
     return ok, problems
+
+
+# The most GPUs a plan may take. Planning, replaying and exporting a plan take time and memory
+# in proportion to its GPUs (every slot is an object: about a second per thousand GPUs to plan
+# and check, several with --export), and a replica's Deployment name leaves room for a GPU
+# number of four digits (planning/run.py, NAME_MAX). Rates that need more are refused before
+# any solving, rather than planned for hours.
+MAX_PLAN_GPUS = 10_000
+
+
+def check_plan_size(profiles: ProfileSet, services: Sequence[Service],
+                    fleet: Sequence[FleetType], latency_factor: float,
+                    scale: float = 1.0) -> None:
+    """Refuse services whose rates (x ``scale``) need more than :data:`MAX_PLAN_GPUS` GPUs
+    of the MIG types of ``fleet`` (empty: every profiled one) even at their best: a
+    ``ValidationError`` naming the service that needs the most, and its rate. A service's
+    least GPUs is its rate over the most req/s one GPU could give it: the GPU's compute slices
+    times the best throughput per compute slice of its configurations (a slot of any layout
+    takes at least its configuration's slices, and mixing two services in a slice gives each
+    no more than its own best configuration). Services that cannot be planned at all are left
+    to the planner's problems."""
+    gpus = [ft.gpu for ft in fleet] or profiles.gpus()
+    least: dict[str, tuple[float, float, str, Service]] = {}
+    for svc in services:
+        if not (svc.rate > 0 and math.isfinite(svc.rate) and svc.slo_ms > 0):
+            continue
+        best = (0.0, "")
+        for g in gpus:
+            model = catalog.lookup(g)
+            if model is None or model.mig is None:
+                continue
+            slices = model.mig.compute_slices
+            for size, cfg in best_configs(profiles, svc, g, latency_factor).items():
+                best = max(best, (cfg.throughput / size * slices, g))
+        if best[0] > 0:
+            least[svc.name] = (svc.rate * scale / best[0], best[0], best[1], svc)
+    total = sum(v[0] for v in least.values())
+    if total <= MAX_PLAN_GPUS:
+        return
+    need, per_gpu, gpu, svc = max(least.values(), key=lambda v: v[0])
+
+    def count(x: float) -> str:
+        return f"{x:.0f}" if x < 1e9 else f"{x:.3g}"
+
+    more = f"; {count(total)} for all {len(least)} services" if len(least) > 1 else ""
+    raise ValidationError(
+        f"service {svc.name!r}: rate",
+        f"a request rate a plan of at most {MAX_PLAN_GPUS} GPUs can serve ({svc.model} within "
+        f"its SLO: at most {per_gpu:.0f} req/s per {gpu} GPU, so at least {count(need)} "
+        f"GPUs{'' if scale == 1 else f' for {scale:.3g} x the rate'}{more})", svc.rate)
