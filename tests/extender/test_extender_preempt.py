@@ -208,3 +208,56 @@ def test_victims_offered_by_preempt_are_read_back_before_the_nomination_is_seen(
             assert res["NodeNames"] == []
 
     asyncio.run(serving(api, body))
+
+
+def test_no_preemption_while_the_pod_fits_a_node_outside_the_schedulers_window() -> None:
+    """kube-scheduler sends a window of at least 100 feasible nodes (percentageOfNodesToScore,
+    numFeasibleNodesToFind in schedule_one.go); where none of them has room on a GPU but a node
+    outside does, the refusals are unresolvable (no eviction), three times in a row at most."""
+    from gpuslice.services.extender.placement import OUTSIDE, WINDOW_MISSES
+
+    api = FakeApiServer()
+    names = [f"n{i:03d}" for i in range(101)]
+    for n in names:
+        api.add_node(node(n, "A100-80GB", 1))
+    for n in names[:100]:
+        api.add_pod(pod(f"full-{n}", 1000))
+    api.add_pod(pod("want", 600))
+
+    async def body(url: str, state: ExtenderState) -> None:
+        async with aiohttp.ClientSession() as s:
+            for n in names[:100]:
+                await bound(s, url, api, api.get_pod("default", f"full-{n}"), n)
+            want = api.get_pod("default", "want")
+
+            async def ask(window: list[str]) -> dict[str, object]:
+                st, res = await post(s, url + "/filter", {"Pod": want, "NodeNames": window})
+                assert st == 200, res
+                return res
+
+            for _ in range(WINDOW_MISSES):
+                res = await ask(names[:100])
+                assert res["NodeNames"] == [] and res["FailedNodes"] == {}
+                hopeless = res["FailedAndUnresolvableNodes"]
+                assert set(hopeless) == set(names[:100])
+                assert all(OUTSIDE in why for why in hopeless.values())
+            # the next lets kube-scheduler try preemption (n100 may be refused by its own
+            # filters), and the count starts again
+            res = await ask(names[:100])
+            assert set(res["FailedNodes"]) == set(names[:100])
+            assert not any(OUTSIDE in why for why in reasons(res).values())
+            assert set((await ask(names[:100]))["FailedAndUnresolvableNodes"]) == \
+                set(names[:100])
+            # fewer than 100 names: every feasible node was sent, preemption as before
+            res = await ask(names[:99])
+            assert set(res["FailedNodes"]) == set(names[:99])
+            # the window with room: chosen, and the misses forgotten
+            assert (await ask(names[1:]))["NodeNames"] == ["n100"]
+            assert want["metadata"]["uid"] not in state._window_misses
+            # once n100 is full too, nothing outside has room: preemption as before
+            api.add_pod(pod("last", 1000))
+            await bound(s, url, api, api.get_pod("default", "last"), "n100")
+            res = await ask(names[:100])
+            assert set(res["FailedNodes"]) == set(names[:100])
+
+    asyncio.run(serving(api, body))

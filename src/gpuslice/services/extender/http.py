@@ -27,6 +27,7 @@ from gpuslice.adapters.kube.ports import KubePort
 from gpuslice.core.errors import GpusliceError, ValidationError
 from gpuslice.services.extender.flow import BINDS_IN_FLIGHT, FLOW_WAIT_S, BindFlow
 from gpuslice.services.extender.metrics import ExtenderMetrics
+from gpuslice.services.extender.placement import OUTSIDE
 from gpuslice.services.extender.state import BindWrite, ExtenderState
 from gpuslice.services.extender.wire import (
     answer,
@@ -162,6 +163,11 @@ def make_app(state: ExtenderState, metrics: ExtenderMetrics | None = None, *,
             state.remember(pod)
             m.filtered(len(keep), failed)
             hopeless = state.unresolvable(pod, list(failed))
+            if keep:
+                state.window_hit(pod)
+            elif failed and state.outside_window(pod, names):
+                hopeless = set(failed)  # no eviction while another node has room
+                failed = {n: f"{r}; {OUTSIDE}" for n, r in failed.items()}
         except GpusliceError as exc:
             m.errors.labels("filter").inc()
             return answer({"Nodes": None, "NodeNames": None, "FailedNodes": {},

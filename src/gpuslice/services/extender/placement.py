@@ -35,6 +35,16 @@ from gpuslice.core.scorecache import ScoreCache
 from gpuslice.services.extender.view import ClusterView, _memory_wish, _mig_wish, _MigWish, _mode
 
 STALE_CHECKS = 32  # shares on a nominated node read back from the API server per filter call
+# kube-scheduler's smallest window of feasible nodes (minFeasibleNodesToFind in
+# pkg/scheduler/schedule_one.go): a filter asked about fewer nodes was sent every feasible one
+WINDOW_MIN = 100
+# filters in a row that spare a pod's preemption because it fits outside the window, before
+# the next one lets kube-scheduler try it after all (a node whose GPUs are free here may be one
+# kube-scheduler's own filters refuse: a taint, CPU, affinity)
+WINDOW_MISSES = 3
+WINDOW_PODS = 10_000  # pods whose misses are counted at most (the oldest forgotten)
+OUTSIDE = ("the pod fits a node outside the nodes kube-scheduler sent (its window of "
+           "feasible nodes): tried again with the next, no preemption")
 
 
 class PlacementVerbs(ClusterView):
@@ -63,6 +73,36 @@ class PlacementVerbs(ClusterView):
             keep = [self.best(req, keep)]
         return keep, failed
 
+    def outside_window(self, pod: dict[str, Any], names: list[str]) -> bool:
+        """For a filter that found no node among ``names``: whether to tell kube-scheduler
+        that preemption cannot help. ``names`` may be a window of the feasible nodes
+        (percentageOfNodesToScore: at least :data:`WINDOW_MIN` from a rotating start), and
+        where the pod's GPUs fit a node outside it as they are, evicting pods inside it would
+        be needless: the pod is tried again with the next window. Said at most
+        :data:`WINDOW_MISSES` times in a row for one pod; MIG requests are left to
+        preemption as before."""
+        uid = str((pod.get("metadata") or {}).get("uid") or "")
+        req = pod_request(pod)
+        if len(names) < WINDOW_MIN or not uid or req is None \
+                or req.isolation is Isolation.MIG:
+            return False
+        outside = feasible(self.inv.arrays, req, node_resources=False).copy()
+        outside[self._rows_of(names)] = False
+        outside[self._rows_of(sorted(self.cordoned))] = False
+        misses = self._window_misses
+        n = misses.pop(uid, 0) + 1
+        if not outside.any() or n > WINDOW_MISSES:
+            return False  # preemption may help now; the count starts again
+        misses[uid] = n
+        while len(misses) > WINDOW_PODS:
+            misses.pop(next(iter(misses)))
+        return True
+
+    def window_hit(self, pod: dict[str, Any]) -> None:
+        """A filter found the pod a node: its misses (:meth:`outside_window`) start again."""
+        if self._window_misses:
+            self._window_misses.pop(str((pod.get("metadata") or {}).get("uid") or ""), None)
+
     def _choose(self, req: SliceRequest, names: list[str]) -> str | None:
         """The policy's choice (:meth:`best`) among the nodes of ``names`` that fit ``req`` as
         a whole-GPU slice, or ``None`` when none does; arrays over the nodes, no per-node
@@ -80,7 +120,7 @@ class PlacementVerbs(ClusterView):
                 # cluster)
                 if best in names:
                     return best
-        # else (kube-scheduler's adaptive share: 42% of 1000 nodes, 10% of 5000) the pick
+        # else (a window: deploy/'s 100 nodes, or the adaptive share, 42% of 1000) the pick
         # among every node is mostly not among these: straight to their rows
         rows = self._rows_of(names)
         cached, at = self.cached_choice(req, rows)

@@ -169,6 +169,7 @@ class ClusterView:
         # victims the preempt verb last offered per preemptor UID (monotonic time, node ->
         # victim UIDs): filter reads them back while the ledger may lag their deletion
         self._offers: dict[str, tuple[float, dict[str, frozenset[str]]]] = {}
+        self._window_misses: dict[str, int] = {}  # placement.outside_window's, per pod UID
         self._mig_use_of: tuple[Ledger, dict[tuple[str, int], tuple[int, int, bool]]] | None = \
             None
         # the arrays with every pod gone, per inventory and cordon (placement.unresolvable)
