@@ -2,14 +2,15 @@
 server): for each node count, the same cluster shape as ``extender_speed.py`` (8 GPUs per node,
 four models, half the milli already held by signed assignments), then pods arriving one by one
 through what the extender does for each: filter (the policy's choice over the node names
-kube-scheduler sends with ``nodeCacheCapable``: by default its adaptive share, as deploy/'s
-``percentageOfNodesToScore: 0`` has it, from a start that moves on by the share each pod
-(``core.dra_default.nodes_to_find``: 100 of 100 nodes, 420 of 1000, 500 of 5000), every node
-with ``--nodes-to-score 100``; in another order for each pod, as its parallel filter finds
-them, and as new strings, as the JSON parser makes them; prepared outside the timing), the
-filter's unresolvable
-check, the bind's hold on the event loop, the Binding write's preparation and its completion
-(the API server fake's own write excluded from the timing). The heap is settled every second
+kube-scheduler sends with ``nodeCacheCapable``: by default the window deploy/'s
+``percentageOfNodesToScore`` gives (``sim.deployed.NODES_TO_SCORE``: 1, 100 names of any
+cluster up to 10,000 nodes), from a start that moves on by the window each pod
+(``core.dra_default.nodes_to_find``); its adaptive share with ``--nodes-to-score 0`` (100 of
+100 nodes, 420 of 1000, 500 of 5000), every node with ``--nodes-to-score 100``; in another
+order for each pod, as its parallel filter finds them, and as new strings, as the JSON
+parser makes them; prepared outside the timing), the filter's unresolvable check, the
+bind's hold on the event loop, the Binding write's preparation and its completion (the API
+server fake's own write excluded from the timing). The heap is settled every second
 as ``gpuslice extender`` settles it (``services/heap.py``: what it holds kept out of Python's
 full collections), that work timed with the rest.
 
@@ -18,7 +19,7 @@ same run; the gate (issue 28: "flat in the node count"): the largest count's cos
 smallest's.
 
     python benchmarks/extender_growth.py [--nodes 100 1000 5000] [--pods 400]
-        [--nodes-to-score 0|1-100]
+        [--nodes-to-score 0-100]
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from gpuslice.core.dra_default import nodes_to_find
 from gpuslice.services.extender import ExtenderState
 from gpuslice.services.extender.http import SETTLE_EVERY_S
 from gpuslice.services.heap import LongLivedHeap
+from gpuslice.sim.deployed import NODES_TO_SCORE
 
 GATE = 1.5
 
@@ -104,9 +106,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--nodes", type=int, nargs="+", default=[100, 1000, 5000])
     ap.add_argument("--pods", type=int, default=400, help="pods timed per node count")
-    ap.add_argument("--nodes-to-score", type=int, default=0, metavar="P",
-                    help="kube-scheduler's percentageOfNodesToScore: 0 its adaptive share, as "
-                    "deploy/ (default); 100 every node name in every filter")
+    ap.add_argument("--nodes-to-score", type=int, default=NODES_TO_SCORE, metavar="P",
+                    help="kube-scheduler's percentageOfNodesToScore (default deploy/'s, "
+                    f"{NODES_TO_SCORE}); 0 its adaptive share; 100 every node name in every "
+                    "filter")
     args = ap.parse_args()
     if not 0 <= args.nodes_to_score <= 100:
         ap.error("--nodes-to-score: expected 0 (adaptive) to 100")

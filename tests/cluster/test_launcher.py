@@ -42,7 +42,7 @@ def test_the_scheduler_config_keeps_deploys_extender_stanza_and_points_it_here(
     with pytest.raises(GpusliceError, match=r"qps: expected a rate of 1 or more"):
         scheduler_config(CONFIG, tmp_path / "kc", None, None, qps=0)
     ours = {p["schedulerName"]: p for p in cfg["profiles"]}["gpuslice-scheduler"]
-    assert ours["percentageOfNodesToScore"] == 0  # deployed: kube-scheduler's adaptive share
+    assert ours["percentageOfNodesToScore"] == 1  # deployed: kube-scheduler's smallest window
     every = scheduler_config(CONFIG, tmp_path / "kc", None, None, nodes_to_score=100)
     by_name = {p["schedulerName"]: p for p in every["profiles"]}
     assert by_name["gpuslice-scheduler"]["percentageOfNodesToScore"] == 100

@@ -48,15 +48,15 @@ def test_rbac_is_least_privilege(overlay: str) -> None:
 
 
 def packing_profile(profile: dict[str, Any]) -> None:
-    """The gpuslice-scheduler profile packs (issue 26): kube-scheduler's adaptive share of the
-    feasible nodes reaches the extender (issue 28: the simulator's model of this path,
-    sim/deployed.py, replays with the same share), the spreading scores are off (their
+    """The gpuslice-scheduler profile packs (issue 26): kube-scheduler's smallest window of
+    feasible nodes (100) reaches the extender (issue 28: the simulator's model of this path,
+    sim/deployed.py, replays with the same window), the spreading scores are off (their
     filters stay), and no system-default topology spreading; explicit constraints are kept
     (defaultingType List)."""
     from gpuslice.sim.deployed import NODES_TO_SCORE
 
     assert profile["schedulerName"] == "gpuslice-scheduler"
-    assert profile["percentageOfNodesToScore"] == NODES_TO_SCORE == 0
+    assert profile["percentageOfNodesToScore"] == NODES_TO_SCORE == 1
     off = {p["name"] for p in profile["plugins"]["score"]["disabled"]}
     assert off == {"NodeResourcesFit", "NodeResourcesBalancedAllocation", "ImageLocality"}
     assert "filter" not in profile["plugins"]

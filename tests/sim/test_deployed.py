@@ -67,14 +67,14 @@ def test_the_profiles_share_of_nodes_is_part_of_the_policy_name() -> None:
 
     from gpuslice.sim.deployed import nodes_to_score
 
-    assert nodes_to_score("deployed") == 0  # deploy/'s (tests/deploy)
+    assert nodes_to_score("deployed") == 1  # deploy/'s (tests/deploy)
     assert nodes_to_score("deployed:100") == 100 and nodes_to_score("deployed:35") == 35
     for bad in ("deployed:", "deployed:101", "deployed:-1", "deployed:x"):
         with pytest.raises(ValueError, match="deployed:P"):
             nodes_to_score(bad)
     sc = _uniform(200)  # 100 nodes or more: the share is a window, not every node
     as_deployed = run_job(sc, Job("deployed", 42, 1.3))
-    spelled = run_job(sc, Job("deployed:0", 42, 1.3))
+    spelled = run_job(sc, Job("deployed:1", 42, 1.3))
     every = run_job(sc, Job("deployed:100", 42, 1.3))
     assert (as_deployed.binned.alloc == spelled.binned.alloc).all()
     assert (as_deployed.binned.alloc != every.binned.alloc).any()

@@ -52,9 +52,10 @@ from gpuslice.sim.engine import Recorder, RunTrace, apply, columns
 
 MODE = "deployed"
 POLICY = "frag-strand"  # the extender's default
-# the gpuslice-scheduler profile's percentageOfNodesToScore in deploy/ (0: kube-scheduler's
-# adaptive share; tests/deploy checks that the two agree)
-NODES_TO_SCORE = 0
+# the gpuslice-scheduler profile's percentageOfNodesToScore in deploy/ (1: kube-scheduler's
+# smallest window, 100 feasible nodes; 0 would be its adaptive share; tests/deploy checks that
+# the two agree)
+NODES_TO_SCORE = 1
 
 
 def is_deployed(policy: str) -> bool:
