@@ -258,16 +258,27 @@ def read_key(path: Path) -> bytes:
 # ---- argparse types, inputs and outputs checked before the work ----------------------------
 
 
-def positive_float(text: str) -> float:
-    """argparse ``type=``: a finite number > 0 (seconds, a window, a limit), refused at parse
-    time with the option's name."""
+def _finite(text: str, ok: Callable[[float], bool], expected: str) -> float:
+    """A finite number for which ``ok`` holds, else argparse's error "expected ..."."""
     try:
         x = float(text)
     except ValueError:
         x = math.nan
-    if not (math.isfinite(x) and x > 0):
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    if not (math.isfinite(x) and ok(x)):
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
     return x
+
+
+def positive_float(text: str) -> float:
+    """argparse ``type=``: a finite number > 0 (seconds, a window, a limit), refused at parse
+    time with the option's name."""
+    return _finite(text, lambda x: x > 0, "a positive number")
+
+
+def fraction(text: str) -> float:
+    """argparse ``type=``: a finite number in (0, 1] (a share, as ``plan --latency-factor``'s
+    of the SLO)."""
+    return _finite(text, lambda x: 0 < x <= 1, "a fraction, more than 0 and at most 1")
 
 
 def non_negative_int(text: str) -> int:
@@ -283,13 +294,7 @@ def non_negative_int(text: str) -> int:
 
 def non_negative_float(text: str) -> float:
     """argparse ``type=``: a finite number >= 0 (0 where it means "at once" or "none")."""
-    try:
-        x = float(text)
-    except ValueError:
-        x = math.nan
-    if not (math.isfinite(x) and x >= 0):
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
-    return x
+    return _finite(text, lambda x: x >= 0, "a number >= 0")
 
 
 def parse_hostport(field_name: str, text: str) -> tuple[str, int]:

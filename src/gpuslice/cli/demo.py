@@ -95,18 +95,17 @@ def _demo(args: argparse.Namespace, console: Console) -> int:
     signal.signal(signal.SIGTERM, on_term)  # stop everything the demo started, as on Ctrl-C
     if args.dra:
         return _dra(console)
-    out = Path("demo-report") if args.out is None else args.out
 
     from gpuslice.adapters.optional import pyplot
     from gpuslice.demo.scenario import DemoOptions, run_demo
 
+    given = {k: v for k, v in (("out", args.out), ("seed", args.seed)) if v is not None}
+    opts = DemoOptions(short=args.short, live=False if args.no_live else None,
+                       local_gpus=not args.no_local_gpus, **given)
     # what the report needs is checked before the scenario runs, not after it
-    writable_dir(out, "--out")
+    writable_dir(opts.out, "--out")
     pyplot()
-    result = run_demo(DemoOptions(out=out, short=args.short,
-                                  seed=1 if args.seed is None else args.seed,
-                                  live=False if args.no_live else None,
-                                  local_gpus=not args.no_local_gpus))
+    result = run_demo(opts)
     console.print(f"GPUs in use: {result['gpus_used']} (exclusive allocation: "
                   f"{result['gpus_exclusive']})")
     for name, s in result["latency_total"].items():

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -20,6 +19,7 @@ from gpuslice.cli.common import (
     builtin_help,
     builtin_path,
     examples,
+    fraction,
     input_path,
     non_negative_int,
     positive_float,
@@ -86,19 +86,6 @@ def register(sub: Sub) -> None:
                    help="seed of the replay, a whole number >= 0 (default 1)")
     add_output(p)
     p.set_defaults(handler=_plan)
-
-
-def fraction(text: str) -> float:
-    """argparse ``type=`` of ``--latency-factor``: a finite number in (0, 1] (the share of the
-    SLO a batch may take; PlanOptions' rule), refused at parse time with the option's name."""
-    try:
-        x = float(text)
-    except ValueError:
-        x = math.nan
-    if not (math.isfinite(x) and 0 < x <= 1):
-        raise argparse.ArgumentTypeError(f"expected a fraction, more than 0 and at most 1, "
-                                         f"got {text!r}")
-    return x
 
 
 def _plan(args: argparse.Namespace, console: Console) -> int:

@@ -86,9 +86,8 @@ class PlacementVerbs(ClusterView):
         if len(names) < WINDOW_MIN or not uid or req is None \
                 or req.isolation is Isolation.MIG:
             return False
-        outside = feasible(self.inv.arrays, req, node_resources=False).copy()
+        outside = feasible(self.inv.arrays, req, node_resources=False)  # a fresh array
         outside[self._rows_of(names)] = False
-        outside[self._rows_of(sorted(self.cordoned))] = False
         misses = self._window_misses
         n = misses.pop(uid, 0) + 1
         if not outside.any() or n > WINDOW_MISSES:
