@@ -3,6 +3,13 @@
 from __future__ import annotations
 
 
+def note_once(problems: list[str] | None, text: str, window: int = 10) -> None:
+    """Add ``text`` to ``problems`` (when one is kept) unless it is among the last ``window``:
+    a fault that recurs every pass, an outage above all, must not grow the list."""
+    if problems is not None and text not in problems[-window:]:
+        problems.append(text)
+
+
 class GpusliceError(Exception):
     """Base of every error gpuslice raises on purpose (the CLI prints these in one line)."""
 

@@ -31,12 +31,11 @@ from gpuslice.adapters.kube.objects import GPU_MEMORY, GPU_MILLI
 from gpuslice.adapters.mps import Ceiling, MpsDaemon, ensure_ceiling
 from gpuslice.adapters.nvml.port import NvmlError, NvmlPort
 from gpuslice.core.devices import inventory, node_labels
-from gpuslice.core.errors import GpusliceError
+from gpuslice.core.errors import GpusliceError, note_once
 from gpuslice.services.device_plugin import (
     DevicePlugin,
     PluginConfig,
     PluginServer,
-    note_once,
     plugin_configs,
 )
 

@@ -37,7 +37,6 @@ from gpuslice.adapters.kube.dra_common import (
     _list,
     _memo,
     _name,
-    _note,
     _whole,
 )
 from gpuslice.adapters.kube.objects import node_allocatable as _allocatable_of
@@ -47,7 +46,7 @@ from gpuslice.core.dra_placement import (
     DraPlacement,
     Usage,
 )
-from gpuslice.core.errors import ValidationError
+from gpuslice.core.errors import ValidationError, note_once
 
 # our driver's names and the slices' devices, this module's too
 DRIVER = dra_common.DRIVER
@@ -95,7 +94,7 @@ def claim_took(c: Mapping[str, Any], driver: str = DRIVER,
         return ()
     took, problem = _memo("usage", c, partial(_claim_took, c, driver), driver)
     if problem is not None:
-        _note(problems, problem)
+        note_once(problems, problem)
     return took
 
 
@@ -261,7 +260,7 @@ def claim_request(claim: Mapping[str, Any], driver: str = DRIVER,
     req, problem = _memo("claim", claim, lambda: _claim_request(claim, driver, classes),
                          driver, kinds)
     if problem is not None:
-        _note(problems, problem)
+        note_once(problems, problem)
     return req
 
 

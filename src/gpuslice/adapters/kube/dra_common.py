@@ -102,9 +102,3 @@ def _name(name: str, driver: str) -> str:
     """A capacity or attribute name without our driver's domain (unprefixed names are the
     driver's own)."""
     return name[len(driver) + 1:] if name.startswith(driver + "/") else name
-
-
-def _note(problems: list[str] | None, text: str) -> None:
-    """Add ``text`` to ``problems`` (when kept) unless it is there already."""
-    if problems is not None and text not in problems:
-        problems.append(text)

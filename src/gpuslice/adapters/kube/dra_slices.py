@@ -17,12 +17,11 @@ from gpuslice.adapters.kube.dra_common import (
     _list,
     _memo,
     _name,
-    _note,
     _str,
     _whole,
 )
 from gpuslice.core.dra_placement import Capacity, DraDevice, RequestPolicy
-from gpuslice.core.errors import ValidationError
+from gpuslice.core.errors import ValidationError, note_once
 
 
 def _policy(doc: object, field: str) -> RequestPolicy | None:
@@ -108,13 +107,13 @@ def slice_devices(slices: Sequence[Mapping[str, Any]], driver: str = DRIVER, *,
             if pool:
                 bad.setdefault(pool, str(exc))
             else:
-                _note(problems, f"{exc}: slice left out")
+                note_once(problems, f"{exc}: slice left out")
             continue
         pools.setdefault(pool, []).append((s, gen, want))
     out: dict[str, list[DraDevice]] = {}
     for pool in sorted(pools.keys() | bad.keys()):
         if pool in bad:
-            _note(problems, f"{bad[pool]}: pool {pool} left out")
+            note_once(problems, f"{bad[pool]}: pool {pool} left out")
             continue
         group = pools[pool]
         gen = max(g for _, g, _ in group)
@@ -126,14 +125,14 @@ def slice_devices(slices: Sequence[Mapping[str, Any]], driver: str = DRIVER, *,
             got = _memo("slice", s, partial(_devices_of, s, pool, driver, require_taint),
                         pool, driver, require_taint)
             if got.problem is not None:
-                _note(problems, f"{got.problem}: pool {pool} left out")
+                note_once(problems, f"{got.problem}: pool {pool} left out")
                 break
             parsed.append((str(s["spec"]["nodeName"]), got))
         else:
             twice = parsed[0][1].twice if len(parsed) == 1 else _twice(
                 [got.names for _, got in parsed])
             if twice is not None:  # upstream: "pool is invalid": nothing allocated from it
-                _note(problems, f"pool {pool}: invalid: duplicate device name {twice!r}: "
+                note_once(problems, f"pool {pool}: invalid: duplicate device name {twice!r}: "
                                 "pool left out")
                 continue
             for node, got in parsed:

@@ -31,7 +31,6 @@ from gpuslice.services.device_plugin.config import (
     cdi_device_name,
     device_list_strategy,
     mig_resource_suffix,
-    note_once,
     plugin_configs,
     wait_for,
 )
@@ -61,7 +60,6 @@ __all__ = [
     "device_list_strategy",
     "log",
     "mig_resource_suffix",
-    "note_once",
     "plugin_configs",
     "wait_for",
 ]

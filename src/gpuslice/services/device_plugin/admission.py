@@ -9,8 +9,7 @@ from typing import Any
 from gpuslice.adapters.kube.annotation import AnnotationError, decode
 from gpuslice.adapters.kube.objects import PRIORITY_ANNOTATION
 from gpuslice.core.assignment import ANNOTATION, Assignment, ContainerAssignment, verify
-from gpuslice.core.errors import GpusliceError
-from gpuslice.services.device_plugin.config import note_once
+from gpuslice.core.errors import GpusliceError, note_once
 from gpuslice.services.device_plugin.state import PluginState, _Admission
 
 
@@ -119,7 +118,7 @@ class Admissions(PluginState):
             return None
         # the kubelet allocates devices while admitting a pod, never for one already running
         # or finished: after an agent restart those are not waiting for Allocate
-        if (p.get("status") or {}).get("phase") not in (None, "", "Pending"):
+        if not _admitting(p):
             return None
         key = (meta.get("namespace", "default"), meta.get("name"))
         if key in held:
@@ -176,10 +175,7 @@ class Admissions(PluginState):
         pending = set()
         for p in pods:
             meta = p.get("metadata") if isinstance(p, dict) else None
-            status = p.get("status") if isinstance(p, dict) else None
-            phase = status.get("phase") if isinstance(status, dict) else None
-            if isinstance(meta, dict) and isinstance(meta.get("uid"), str) \
-                    and phase in (None, "", "Pending"):
+            if isinstance(meta, dict) and isinstance(meta.get("uid"), str) and _admitting(p):
                 pending.add(meta["uid"])
         with self._claim_lock:
             self._forget(pending, seen)
@@ -264,3 +260,10 @@ class Admissions(PluginState):
             self._claimed.pop(a.pod_uid, None)
             self._executed = [x for x in self._executed if x.pod_uid != a.pod_uid]
             self._admitting = [w for w in self._admitting if w.a is not a]
+
+
+def _admitting(pod: object) -> bool:
+    """Whether the kubelet may still be admitting ``pod`` (its phase is Pending, or not yet
+    set): it allocates devices then, never for a pod running or finished."""
+    status = pod.get("status") if isinstance(pod, dict) else None
+    return (status.get("phase") if isinstance(status, dict) else None) in (None, "", "Pending")

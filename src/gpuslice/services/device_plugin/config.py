@@ -54,13 +54,6 @@ class PluginConfig:
     dev_dir: Path = Path("/dev")
 
 
-def note_once(problems: list[str], text: str, window: int = 10) -> None:
-    """Add ``text`` to ``problems`` unless it is among the last ``window`` (a fault that recurs
-    every pass, an outage above all, must not grow the list)."""
-    if text not in problems[-window:]:
-        problems.append(text)
-
-
 DEVICE_LIST_STRATEGIES = ("envvar", "volume-mounts", "cdi-annotations", "cdi-cri")
 VOLUME_MOUNTS_ROOT = "/var/run/nvidia-container-devices"
 CDI_KIND = "gpuslice.io/gpu"

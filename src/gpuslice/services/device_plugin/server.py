@@ -13,9 +13,8 @@ import grpc
 
 from gpuslice.adapters.kubelet import deviceplugin_pb2 as pb
 from gpuslice.adapters.kubelet import deviceplugin_pb2_grpc as pbg
-from gpuslice.core.errors import GpusliceError, ValidationError
+from gpuslice.core.errors import GpusliceError, ValidationError, note_once
 from gpuslice.core.resourcenames import check_extended_resource_name
-from gpuslice.services.device_plugin.config import note_once
 from gpuslice.services.device_plugin.servicer import DevicePlugin
 from gpuslice.services.grpc_limits import pool_size
 
