@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from gpuslice.adapters.kube.client import _Unreachable
-from gpuslice.cli.common import parse_hostport
+from gpuslice.cli.flagtypes import parse_hostport
 from gpuslice.core.errors import Unavailable
 from tests.cli.test_bad_input import run
 

@@ -35,9 +35,8 @@ from gpuslice.cli.common import (
     Parser,
     examples,
     make_console,
-    parse_policies,
-    parse_seeds,
 )
+from gpuslice.cli.flagtypes import parse_policies, parse_seeds
 from gpuslice.core.errors import GpusliceError, Unavailable
 
 __all__ = ["main", "parse_policies", "parse_seeds"]

@@ -7,7 +7,8 @@ from pathlib import Path
 
 from rich.console import Console
 
-from gpuslice.cli.common import Sub, examples, non_negative_int, writable_dir
+from gpuslice.cli.common import Sub, examples, writable_dir
+from gpuslice.cli.flagtypes import non_negative_int
 from gpuslice.core.errors import ValidationError
 
 
@@ -23,14 +24,18 @@ def register(sub: Sub) -> None:
     d.add_argument("--out", type=Path,
                    help="folder for index.html, summary.json and the plots (default "
                    "demo-report; not with --dra)")
-    d.add_argument("--short", action="store_true", help="a shortened scenario (about 35 s)")
+    d.add_argument("--short", action="store_true",
+                   help="a shortened scenario (about 35 s; not with --dra)")
     d.add_argument("--seed", type=non_negative_int,
                    help="seed of the scenario's load (a whole number >= 0; default 1; not "
                    "with --dra)")
     d.add_argument("--no-live", action="store_true",
-                   help="print events line by line instead of a live display")
+                   help="print events line by line instead of a live display (the DRA "
+                   "demo always does)")
     d.add_argument("--no-local-gpus", action="store_true",
-                   help="do not add this machine's NVIDIA GPUs (real NVML and MPS) as a node")
+                   help="do not add this machine's NVIDIA GPUs (real NVML and MPS) as a node "
+                   "(with --dra: the MPS stand-in even where nvidia-cuda-mps-control is on "
+                   "PATH)")
     d.add_argument("--dra", action="store_true",
                    help="instead: the DRA path end to end (the DRA driver over gRPC on unix "
                    "sockets, gpuslice's claim allocator, four claims prepared and unprepared "
@@ -39,7 +44,7 @@ def register(sub: Sub) -> None:
     d.set_defaults(handler=_demo)
 
 
-def _dra(console: Console) -> int:
+def _dra(console: Console, local_gpus: bool = True) -> int:
     import logging
 
     from rich.table import Table
@@ -60,7 +65,8 @@ def _dra(console: Console) -> int:
     console.print("[bold]gpuslice DRA demo[/bold]: the DRA driver, gpuslice's claim allocator "
                   "and a kubelet stand-in on fake GPUs", highlight=False)
     try:
-        result = run_dra_demo(say)
+        # no local GPUs: nothing of this machine's, so no real MPS either ("": the stand-in)
+        result = run_dra_demo(say, mps_binary=None if local_gpus else "")
     except DraDemoFailed as exc:
         console.print(f"[red]\u2717 DRA demo failed[/red] at {exc}", highlight=False,
                       soft_wrap=True)
@@ -92,9 +98,15 @@ def _demo(args: argparse.Namespace, console: Console) -> int:
                 raise ValidationError(option, "no --out or --seed with --dra: they are the "
                                       "scenario demo's (without --dra); the DRA demo writes "
                                       "no files and draws no random load", str(value))
+        # --no-live and --no-local-gpus hold here too (the DRA demo always prints lines, and
+        # _dra makes no local GPUs mean no real MPS); --short has nothing to shorten
+        if args.short:
+            raise ValidationError("--short", "no --short with --dra: it shortens the scenario "
+                                  "demo (without --dra); the DRA demo has no scenario and runs "
+                                  "in about a second", "--short")
     signal.signal(signal.SIGTERM, on_term)  # stop everything the demo started, as on Ctrl-C
     if args.dra:
-        return _dra(console)
+        return _dra(console, local_gpus=not args.no_local_gpus)
 
     from gpuslice.adapters.optional import pyplot
     from gpuslice.demo.scenario import DemoOptions, run_demo

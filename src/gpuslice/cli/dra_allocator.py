@@ -15,11 +15,9 @@ from gpuslice.cli.common import (
     add_log_format,
     deprecated_alias,
     examples,
-    non_negative_float,
-    parse_lease,
-    positive_float,
     setup_logging,
 )
+from gpuslice.cli.flagtypes import non_negative_float, parse_lease, positive_float
 from gpuslice.core.errors import ValidationError
 
 REPEATS_EVERY_S = 60.0  # an identical warning (a claim's refused write) at most this often

@@ -21,10 +21,9 @@ from gpuslice.cli.common import (
     deprecated_alias,
     examples,
     local_nvml,
-    parse_lease,
-    positive_float,
     setup_logging,
 )
+from gpuslice.cli.flagtypes import parse_lease, positive_float
 from gpuslice.core import dra
 from gpuslice.core.errors import ValidationError
 

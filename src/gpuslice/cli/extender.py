@@ -12,12 +12,10 @@ from gpuslice.cli.common import (
     Sub,
     add_log_format,
     examples,
-    non_negative_int,
-    parse_hostport,
-    positive_float,
     read_key,
     setup_logging,
 )
+from gpuslice.cli.flagtypes import non_negative_int, parse_hostport, positive_float
 from gpuslice.core.errors import ValidationError
 
 

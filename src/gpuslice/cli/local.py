@@ -18,11 +18,11 @@ from gpuslice.cli.common import (
     add_output,
     examples,
     local_gpus_or_fail,
-    positive_float,
     print_json,
     setup_logging,
     simulated_gpus,
 )
+from gpuslice.cli.flagtypes import positive_float
 from gpuslice.core.errors import GpusliceError, ValidationError
 
 

@@ -18,12 +18,10 @@ from gpuslice.cli.common import (
     add_log_format,
     examples,
     local_nvml,
-    non_negative_float,
-    parse_hostport,
-    positive_float,
     read_key,
     setup_logging,
 )
+from gpuslice.cli.flagtypes import non_negative_float, parse_hostport, positive_float
 from gpuslice.core.errors import ValidationError
 
 # virtual devices per GPU at most: a few per milli-GPU share is plenty, and the kubelet lists,

@@ -19,19 +19,19 @@ from gpuslice.cli.common import (
     builtin_help,
     builtin_path,
     examples,
-    fraction,
     input_path,
-    non_negative_int,
-    positive_float,
     print_json,
     read_yaml,
     writable_dir,
     writable_file,
 )
+from gpuslice.cli.flagtypes import fraction, non_negative_int, positive_float
+from gpuslice.core import catalog
 from gpuslice.core.errors import ValidationError
 
 if TYPE_CHECKING:
-    from gpuslice.core.planner import Plan
+    from gpuslice.core.planner import FleetType, Plan
+    from gpuslice.core.profiles import ProfileSet
 
 def register(sub: Sub) -> None:
     p = sub.add_parser(
@@ -89,11 +89,10 @@ def register(sub: Sub) -> None:
 
 
 def _plan(args: argparse.Namespace, console: Console) -> int:
-    from gpuslice.core.planner import FleetType, PlanOptions
+    from gpuslice.core.planner import PlanOptions
     from gpuslice.planning.run import (
         load_profiles,
         parva_baseline,
-        read_fleet,
         read_services,
         run_plan,
         scenario_services,
@@ -115,8 +114,8 @@ def _plan(args: argparse.Namespace, console: Console) -> int:
             baselines["parvagpu"] = parva_baseline(args.profiles, args.scenario)
     else:
         raise ValidationError("--scenario", "a scenario number, or --services FILE", None)
-    fleet = read_fleet(args.fleet) if args.fleet else [
-        FleetType(g) for g in profiles.gpus()]
+    fleet = read_checked_fleet(args.fleet) if args.fleet else default_fleet(args.profiles,
+                                                                             profiles)
     run = run_plan(profiles, services, fleet, opts, seed=args.seed, check=not args.no_check,
                    baselines=baselines)
     doc = to_json(run)
@@ -166,6 +165,48 @@ def example_defaults(args: argparse.Namespace) -> None:
     if args.profiles is None:
         raise ValidationError("--profiles", "a profile folder or CSV, "
                               f"{builtin.expected('profiles')}, or --example", None)
+
+
+def _no_mig(gpu: str) -> str | None:
+    """Why the planner, which packs MIG slices, cannot plan on ``gpu``; None if it can."""
+    model = catalog.lookup(gpu)
+    if model is None:
+        return "not in the catalogue"
+    return "a GPU without MIG" if model.mig is None else None
+
+
+def read_checked_fleet(path: Path) -> list[FleetType]:
+    """``--fleet FILE``, each GPU a MIG-capable model of the catalogue: one that is not is
+    refused naming the file, entry and field (the planner's own error cannot name them)."""
+    from gpuslice.adapters.traces.alibaba import InputError
+    from gpuslice.planning.run import read_fleet
+
+    fleet = read_fleet(path)
+    for row, ft in enumerate(fleet, start=1):
+        why = _no_mig(ft.gpu)
+        if why:
+            known = ", ".join(m.name for m in catalog.known_models() if m.mig is not None)
+            raise InputError(path, row, "gpu", f"expected a MIG-capable GPU model of the "
+                             f"catalogue ({known}; gpuslice gpus lists them), got {ft.gpu!r} "
+                             f"({why})")
+    return fleet
+
+
+def default_fleet(profiles_path: Path, profiles: ProfileSet) -> list[FleetType]:
+    """Without ``--fleet``: unlimited GPUs of every profiled type, each of which must have MIG;
+    one without is refused naming the profile file and the first row of it."""
+    from gpuslice.adapters.profiles.files import gpu_row
+    from gpuslice.adapters.traces.alibaba import InputError
+    from gpuslice.core.planner import FleetType
+
+    for gpu in profiles.gpus():
+        why = _no_mig(gpu)
+        if why:
+            raise InputError(profiles_path, gpu_row(profiles_path, gpu), "gpu",
+                             "expected a MIG-capable GPU (without --fleet the plan uses every "
+                             "GPU type profiled; --fleet FILE names the ones to plan on), got "
+                             f"{gpu!r} ({why})")
+    return [FleetType(g) for g in profiles.gpus()]
 
 
 def check_files(args: argparse.Namespace) -> None:

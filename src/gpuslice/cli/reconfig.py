@@ -15,11 +15,11 @@ from gpuslice.cli.common import (
     add_log_format,
     add_output,
     examples,
-    positive_float,
     print_json,
     read_yaml,
     setup_logging,
 )
+from gpuslice.cli.flagtypes import positive_float
 from gpuslice.core.errors import ValidationError
 
 if TYPE_CHECKING:

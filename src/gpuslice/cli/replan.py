@@ -18,11 +18,9 @@ from gpuslice.cli.common import (
     builtin_path,
     examples,
     input_path,
-    non_negative_float,
-    non_negative_int,
-    positive_float,
     print_json,
 )
+from gpuslice.cli.flagtypes import non_negative_float, non_negative_int, positive_float
 from gpuslice.core.errors import ValidationError
 
 
@@ -94,7 +92,7 @@ def _replan(args: argparse.Namespace, console: Console) -> int:
     import numpy as np
 
     from gpuslice.adapters.http.config import read_document
-    from gpuslice.cli.plan import check_files
+    from gpuslice.cli.plan import check_files, read_checked_fleet
     from gpuslice.core.planner import FleetType, PlanOptions, Service, validate
     from gpuslice.core.replay import plan_and_check, plan_diff, replan
     from gpuslice.planning.export import write_exports, write_json
@@ -102,7 +100,6 @@ def _replan(args: argparse.Namespace, console: Console) -> int:
         PlanRun,
         load_profiles,
         plan_from_json,
-        read_fleet,
         read_services,
         to_json,
     )
@@ -131,7 +128,7 @@ def _replan(args: argparse.Namespace, console: Console) -> int:
                                   f"{' '.join(str(exc).split()) or type(exc).__name__}") from None
         services = [Service(s.name, s.model, round(seen.get(s.name, 0.0), 3), s.slo_ms)
                     for s in services]
-    fleet = read_fleet(args.fleet) if args.fleet else [
+    fleet = read_checked_fleet(args.fleet) if args.fleet else [
         FleetType(g) for g in sorted({g.gpu for g in current.gpus})]
     opts = PlanOptions()
     inc = replan(profiles, current, services, opts, rng=np.random.default_rng(args.seed),

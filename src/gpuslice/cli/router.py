@@ -8,14 +8,8 @@ from pathlib import Path
 
 from rich.console import Console
 
-from gpuslice.cli.common import (
-    Sub,
-    add_log_format,
-    examples,
-    parse_hostport,
-    positive_float,
-    setup_logging,
-)
+from gpuslice.cli.common import Sub, add_log_format, examples, setup_logging
+from gpuslice.cli.flagtypes import parse_hostport, positive_float
 from gpuslice.core.errors import ValidationError
 
 

@@ -11,14 +11,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from gpuslice.cli.common import (
-    Sub,
-    add_output,
-    examples,
-    parse_policies,
-    parse_seeds,
-    print_json,
-)
+from gpuslice.cli.common import Sub, add_output, examples, print_json
+from gpuslice.cli.flagtypes import parse_policies, parse_seeds
 from gpuslice.core.errors import ValidationError
 from gpuslice.core.policies import policy_names
 

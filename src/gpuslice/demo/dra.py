@@ -377,7 +377,7 @@ def _step(what: str) -> Iterator[None]:
 def run_dra_demo(say: Callable[[str], None], mps_binary: str | None = None) -> DraDemoResult:
     """Run the DRA demo (see the module doc); ``say`` gets one line per step done.
     ``mps_binary``: the MPS control program (default: the real one on PATH, else the
-    stand-in). Raises :class:`DraDemoFailed`; leaves nothing behind either way."""
+    stand-in; ``""``: the stand-in). Raises :class:`DraDemoFailed`; leaves nothing behind."""
     result = DraDemoResult()
     stop = threading.Event()
     crashed: list[BaseException] = []
@@ -410,14 +410,15 @@ def run_dra_demo(say: Callable[[str], None], mps_binary: str | None = None) -> D
             say("in-memory API server (resource.k8s.io/v1) with the DeviceClasses of "
                 "deploy/dra")
         with _step("MPS"):
-            found = mps_binary or shutil.which(CONTROL)
+            found = shutil.which(CONTROL) if mps_binary is None else mps_binary
             if found:
                 result.mps = "real"
             else:
                 found = str(write_fake_control(root / "mps-control"))
                 result.mps = "stand-in"
+            why = f"{CONTROL} is not on PATH" if mps_binary is None else "this machine's unused"
             say(f"MPS control: {found} ({result.mps}"
-                f"{'' if result.mps == 'real' else f': {CONTROL} is not on PATH'})")
+                f"{'' if result.mps == 'real' else ': ' + why})")
         with _step("DRA driver start"):
             cfg = DraConfig(NODE, kubelet_dir=root / "kubelet", cdi_dir=root / "cdi",
                             mps_pipe_dir=str(root / "mps"), mps_binary=found,

@@ -174,6 +174,15 @@ def _slice_size(path: Path, row: int, kind: str, raw: str | None) -> int:
     return size
 
 
+def gpu_row(path: Path | str, gpu: str) -> int | None:
+    """The row of the profile CSV ``path`` where ``gpu`` first appears (None for a ParvaGPU
+    folder, or where it does not): to name the row of a GPU found wanting after reading."""
+    p = Path(path)
+    if p.is_dir():
+        return None
+    return next((row for row, rec in _csv(p, ("gpu",)) if rec["gpu"].strip() == gpu), None)
+
+
 def read_profiles(path: Path | str, *, catalogue_gpus: bool = False) -> ProfileSet:
     """A ParvaGPU folder, or a gpuslice profile CSV (``catalogue_gpus``: its GPUs must be
     catalogue models, :func:`read_own_profiles`)."""
