@@ -229,7 +229,13 @@ def test_a_rate_that_needs_more_gpus_than_a_plan_may_take_is_refused_before_solv
 
 def test_the_gpu_bound_is_the_sum_of_each_services_least_gpus() -> None:
     from gpuslice.cli.common import builtin_path
-    from gpuslice.core.planner import MAX_PLAN_GPUS, Service, best_configs, check_plan_size
+    from gpuslice.core.planner import (
+        MAX_PLAN_GPUS,
+        PlanTooLarge,
+        Service,
+        best_configs,
+        check_plan_size,
+    )
     from gpuslice.planning.run import load_profiles
 
     profiles = load_profiles(builtin_path("profiles", "a100-80gb"))
@@ -245,7 +251,7 @@ def test_the_gpu_bound_is_the_sum_of_each_services_least_gpus() -> None:
     check_plan_size(profiles, services(0.7, 0.299), [], 0.45)  # just within: no error
     # just past: the service that needs the most is named, with its rate
     over = services(0.7, 0.301)
-    with pytest.raises(ValidationError, match=r"service 'resnet50': rate: .*so at least 7000 "
+    with pytest.raises(PlanTooLarge, match=r"service 'resnet50': rate: .*so at least 7000 "
                        r"GPUs; 10010 for all 2 services\)") as exc:
         check_plan_size(profiles, over, [], 0.45)
     assert exc.value.got == over[0].rate

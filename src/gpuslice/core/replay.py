@@ -25,6 +25,7 @@ from gpuslice.core.planner import (
     Plan,
     PlannedGpu,
     PlanOptions,
+    PlanTooLarge,
     Service,
     Slot,
     add_capacity,
@@ -184,7 +185,7 @@ def plan_and_check(
             # give it the whole time limit, so the result does not hang on the machine's speed
             try:
                 again = plan(profiles, scaled, fleet, replace(o, full_stage=False))
-            except ValidationError:  # the raised rates need more than MAX_PLAN_GPUS
+            except PlanTooLarge:  # the raised rates need more than MAX_PLAN_GPUS
                 again = p
             if again.n_gpus < p.n_gpus:
                 p = again

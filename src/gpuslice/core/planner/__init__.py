@@ -41,6 +41,7 @@ from gpuslice.core.errors import ValidationError
 from gpuslice.core.mig import fitting_placements, is_valid_layout
 from gpuslice.core.planner.options import (
     MAX_PLAN_GPUS,
+    PlanTooLarge,
     _check_services,
     _geometry,
     best_configs,
@@ -69,9 +70,10 @@ from gpuslice.core.planner.types import (
 )
 from gpuslice.core.profiles import ProfileSet
 
-__all__ = ["MAX_PLAN_GPUS", "Config", "FleetType", "Plan", "PlanOptions", "PlannedGpu",
-           "Problem", "Service", "Slot", "_scipy_optimize", "add_capacity", "best_configs",
-           "check_plan_size", "exclusive_gpus", "plan", "slice_share", "validate"]
+__all__ = ["MAX_PLAN_GPUS", "Config", "FleetType", "Plan", "PlanOptions", "PlanTooLarge",
+           "PlannedGpu", "Problem", "Service", "Slot", "_scipy_optimize", "add_capacity",
+           "best_configs", "check_plan_size", "exclusive_gpus", "plan", "slice_share",
+           "validate"]
 
 # ---- entry point ---------------------------------------------------------------------------
 

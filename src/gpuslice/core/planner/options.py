@@ -227,12 +227,16 @@ def _check_services(profiles: ProfileSet, services: Sequence[Service], gpus: Seq
 MAX_PLAN_GPUS = 10_000
 
 
+class PlanTooLarge(ValidationError):
+    """Rates that need more than :data:`MAX_PLAN_GPUS` GPUs (:func:`check_plan_size`)."""
+
+
 def check_plan_size(profiles: ProfileSet, services: Sequence[Service],
                     fleet: Sequence[FleetType], latency_factor: float,
                     scale: float = 1.0) -> None:
     """Refuse services whose rates (x ``scale``) need more than :data:`MAX_PLAN_GPUS` GPUs
     of the MIG types of ``fleet`` (empty: every profiled one) even at their best: a
-    ``ValidationError`` naming the service that needs the most, and its rate. A service's
+    :class:`PlanTooLarge` naming the service that needs the most, and its rate. A service's
     least GPUs is its rate over the most req/s one GPU could give it: the GPU's compute slices
     times the best throughput per compute slice of its configurations (a slot of any layout
     takes at least its configuration's slices, and mixing two services in a slice gives each
@@ -262,7 +266,7 @@ def check_plan_size(profiles: ProfileSet, services: Sequence[Service],
         return f"{x:.0f}" if x < 1e9 else f"{x:.3g}"
 
     more = f"; {count(total)} for all {len(least)} services" if len(least) > 1 else ""
-    raise ValidationError(
+    raise PlanTooLarge(
         f"service {svc.name!r}: rate",
         f"a request rate a plan of at most {MAX_PLAN_GPUS} GPUs can serve ({svc.model} within "
         f"its SLO: at most {per_gpu:.0f} req/s per {gpu} GPU, so at least {count(need)} "
