@@ -346,6 +346,11 @@ def test_mixed_mig_strategy_serves_one_resource_per_profile(tmp_path: Path) -> N
             kubelet.stop()
     single = PluginConfig("n1", Path("/tmp"), KEY, mig_strategy="single")
     assert len(DevicePlugin(single, nvml, FakeApiServer()).devices()) == 5
+    # the count the metrics report, made without the devices, is the list's length in every
+    # strategy
+    for cfg in [single, *cfgs, PluginConfig("n1", Path("/tmp"), KEY, replicas=3)]:
+        plugin = DevicePlugin(cfg, nvml, FakeApiServer())
+        assert plugin.device_count() == len(plugin.devices()) > 0, cfg.mig_strategy
 
 
 def test_a_mig_assignment_sees_the_instance_it_names() -> None:

@@ -181,7 +181,7 @@ class NodeAgent:
             m.allocated.labels(*labels).set(held.get(g.uuid, (0, 0))[0])
             m.slices.labels(*labels).set(held.get(g.uuid, (0, 0))[1])
             m.memory.labels(*labels).set(g.memory_mib)
-        m.devices.labels(self.cfg.node).set(len(self.plugin.devices()))
+        m.devices.labels(self.cfg.node).set(self.plugin.device_count())
 
     def ensure_mps(self, uuid: str, thread_pct: int = 100, memory_mib: int | None = None) -> None:
         """The MPS control daemon of GPU ``uuid`` is running (started on first use, with its

@@ -20,6 +20,11 @@ from gpuslice.services.grpc_limits import pool_size
 
 log = logging.getLogger("gpuslice.device_plugin")
 
+# how often the registration watch looks at kubelet.sock: a restarted kubelet is registered
+# with again within this (NVIDIA's plugin watches the folder with inotify; two stats a
+# second cost next to nothing, and the kubelet itself takes seconds to come back)
+WATCH_S = 0.5
+
 
 class RegistrationRefused(GpusliceError):
     """The kubelet (or our own check) refused the registration; the message says why."""
@@ -144,10 +149,13 @@ class PluginServer:
             return None
         return (st.st_ino, st.st_ctime_ns)
 
-    def _watch(self, registered: bool, poll_s: float = 0.2) -> None:
+    def _watch(self, registered: bool, poll_s: float = WATCH_S) -> None:
+        """Register again when the kubelet restarts (a new kubelet.sock) or our socket is
+        gone, and retry a refused registration when its back-off ends: a look every
+        ``poll_s``, sooner when a retry is due before."""
         seen = self._identity() if registered else None
         tried_on = self._identity()
-        while not self._stop.wait(poll_s):
+        while not self._stop.wait(self._wait(poll_s)):
             now = self._identity()
             if now is None:
                 seen = None
@@ -160,6 +168,10 @@ class PluginServer:
                 continue
             if self._attempt():
                 seen = now
+
+    def _wait(self, poll_s: float) -> float:
+        due = self._next_try - time.monotonic()
+        return poll_s if due <= 0 else max(0.01, min(poll_s, due))
 
     def stop(self) -> None:
         self._stop.set()

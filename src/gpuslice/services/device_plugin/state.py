@@ -58,6 +58,13 @@ class PluginState:
 
     # -- devices ---------------------------------------------------------------------------
 
+    def device_count(self) -> int:
+        """How many devices :meth:`devices` lists (without making them)."""
+        if self.cfg.mig_strategy != "none":
+            return sum(1 for g in self.nvml.devices() for m in g.mig
+                       if self.cfg.mig_strategy == "single" or m.profile == self.cfg.mig_profile)
+        return len(self.nvml.devices()) * self.cfg.replicas
+
     def devices(self) -> list[pb.Device]:
         out: list[pb.Device] = []
         if self.cfg.mig_strategy != "none":
