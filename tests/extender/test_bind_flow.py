@@ -145,3 +145,18 @@ def test_binds_that_fail_free_their_place_too() -> None:
     asyncio.run(main())
     with pytest.raises(ValueError, match="limit"):
         BindFlow(-1, 1.0)
+
+
+def test_the_limit_is_on_by_default_and_the_help_says_which() -> None:
+    """Binds in flight are limited unless asked otherwise (0): the extender's default, which
+    deploy/ runs, is the one its --help quotes."""
+    import inspect
+
+    from gpuslice.cli import _build_parser
+    from gpuslice.services.extender.flow import BINDS_IN_FLIGHT
+
+    assert BINDS_IN_FLIGHT > 0
+    assert inspect.signature(make_app).parameters["binds_in_flight"].default == BINDS_IN_FLIGHT
+    sub = next(a for a in _build_parser()._actions if a.dest == "command")
+    help_text = sub.choices["extender"].format_help()  # type: ignore[attr-defined]
+    assert f"(default {BINDS_IN_FLIGHT}," in " ".join(help_text.split())

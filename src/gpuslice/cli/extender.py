@@ -69,8 +69,9 @@ def register(sub: Sub) -> None:
                    "(default 300)")
     e.add_argument("--binds-in-flight", type=non_negative_int, default=None,
                    help="binds under way past which a filter call waits for one to finish "
-                   "(at most 1 s), so binds do not queue for the API server in a burst; 0: "
-                   "never wait (the default; see docs/extender.md, 'Binds in flight')")
+                   "(at most 1 s), so binds do not queue for the API server in a burst "
+                   "(default 8, services/extender/flow.BINDS_IN_FLIGHT; 0: never wait; see "
+                   "docs/extender.md, 'Binds in flight')")
     add_log_format(e)
     e.set_defaults(handler=_extender)
 
