@@ -127,6 +127,20 @@ def test_sharing_values_become_node_agent_flags_the_cli_accepts(
     assert mps["hostPath"]["path"] == mount["mountPath"] == pipe
 
 
+def test_extender_extra_args_reach_its_command_line_and_the_cli_accepts_them() -> None:
+    from gpuslice.cli import _build_parser
+
+    docs = rendered("extender.extraArgs[0]=--binds-in-flight=0",
+                    "extender.extraArgs[1]=--policy=fgd")
+    dep = by_key(docs)[("Deployment", "gpuslice-extender")]
+    args: list[str] = dep["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[-2:] == ["--binds-in-flight=0", "--policy=fgd"]
+    parsed = _build_parser().parse_args(args)
+    assert (parsed.command, parsed.binds_in_flight, parsed.policy) == ("extender", 0, "fgd")
+    out = template("extender.extraArgs[0]=binds-in-flight=0")  # not an option
+    assert out.returncode != 0 and "extraArgs" in out.stderr, out.stderr
+
+
 def test_the_uninstall_hook_stops_the_agents_then_cleans_the_nodes() -> None:
     """helm uninstall runs the hook Job before it deletes anything (pre-delete): its command
     line parses, it deletes only the agents' DaemonSet (foreground) and patches nodes, its own
