@@ -10,6 +10,7 @@ from gpuslice.adapters.kube.fake import KubePort
 from gpuslice.adapters.kubelet import deviceplugin_pb2 as pb
 from gpuslice.adapters.nvml.port import NvmlPort
 from gpuslice.core.assignment import Assignment, ContainerAssignment, GpuShare
+from gpuslice.core.devices import GpuDevice
 from gpuslice.core.errors import GpusliceError
 from gpuslice.services.device_plugin.config import HEALTHY, UNHEALTHY, PluginConfig
 from gpuslice.services.grpc_limits import Slots, Streams
@@ -58,26 +59,23 @@ class PluginState:
 
     # -- devices ---------------------------------------------------------------------------
 
+    def _ids(self, g: GpuDevice) -> list[str]:
+        """The device IDs GPU ``g`` is listed as: its MIG instances the strategy serves, or
+        ``<UUID>::<k>`` for each of its virtual devices."""
+        if self.cfg.mig_strategy != "none":
+            return [m.uuid for m in g.mig
+                    if self.cfg.mig_strategy == "single" or m.profile == self.cfg.mig_profile]
+        return [f"{g.uuid}::{k}" for k in range(self.cfg.replicas)]
+
     def device_count(self) -> int:
         """How many devices :meth:`devices` lists (without making them)."""
-        if self.cfg.mig_strategy != "none":
-            return sum(1 for g in self.nvml.devices() for m in g.mig
-                       if self.cfg.mig_strategy == "single" or m.profile == self.cfg.mig_profile)
-        return len(self.nvml.devices()) * self.cfg.replicas
+        return sum(len(self._ids(g)) for g in self.nvml.devices())
 
     def devices(self) -> list[pb.Device]:
         out: list[pb.Device] = []
-        if self.cfg.mig_strategy != "none":
-            for g in self.nvml.devices():
-                health = HEALTHY if g.healthy and g.uuid not in self._unhealthy else UNHEALTHY
-                out.extend(pb.Device(ID=m.uuid, health=health) for m in g.mig
-                           if self.cfg.mig_strategy == "single"
-                           or m.profile == self.cfg.mig_profile)
-            return out
         for g in self.nvml.devices():
             health = HEALTHY if g.healthy and g.uuid not in self._unhealthy else UNHEALTHY
-            out.extend(pb.Device(ID=f"{g.uuid}::{k}", health=health)
-                       for k in range(self.cfg.replicas))
+            out.extend(pb.Device(ID=i, health=health) for i in self._ids(g))
         return out
 
     def set_health(self, uuid: str, healthy: bool) -> None:
