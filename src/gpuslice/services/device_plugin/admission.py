@@ -118,6 +118,9 @@ class Admissions(PluginState):
             return None
         # the kubelet allocates devices while admitting a pod, never for one already running
         # or finished: after an agent restart those are not waiting for Allocate
+        status = p.get("status")
+        if status and not isinstance(status, dict):  # passed over and noted by _waiting
+            raise TypeError(f"status: expected an object, got {type(status).__name__}")
         if not _admitting(p):
             return None
         key = (meta.get("namespace", "default"), meta.get("name"))
