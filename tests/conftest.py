@@ -9,6 +9,11 @@ import pytest
 
 from gpuslice.adapters.traces.data import TRACE_DIR, find_data_dir
 
+# the stand-in MPS control daemons (gpuslice.adapters.mps.standin) are long-lived processes, as
+# the real ones are: one a test leaves behind ends after this many idle seconds (or when its
+# pipe directory goes with the test's tmp_path)
+os.environ.setdefault("FAKE_MPS_IDLE_EXIT_S", "120")
+
 
 @pytest.fixture(scope="session")
 def shared_data() -> Path:

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from gpuslice.adapters.mps import MpsDaemon, MpsError
+from gpuslice.adapters.proc import running
 from tests.fake_mps import write_fake_mps
 
 
@@ -217,7 +218,9 @@ def test_quit_leaves_no_sockets_or_pid_file_and_start_passes_a_stale_pid_file(
     daemon.pipe_dir.mkdir(parents=True)
     (daemon.pipe_dir / "nvidia-cuda-mps-control.pid").write_text(f"{gone.pid}\n")
     daemon.start(timeout_s=5)
-    assert not (daemon.pipe_dir / "nvidia-cuda-mps-control.pid").exists()
+    # the stale file went; the one there now is the new daemon's own (as the real one writes)
+    pid = int((daemon.pipe_dir / "nvidia-cuda-mps-control.pid").read_text())
+    assert pid != gone.pid and running(pid)
     (daemon.pipe_dir / "control_privileged").touch()
     daemon.quit(timeout_s=5)
     assert not list(daemon.pipe_dir.glob("control*"))
