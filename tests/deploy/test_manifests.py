@@ -196,8 +196,34 @@ def test_every_gpuslice_container_runs_a_command_line_the_cli_accepts(overlay: s
                 continue
             args = _build_parser().parse_args(c["args"])
             seen.add(args.command)
-            assert spec.get("serviceAccountName") in accounts, d["metadata"]["name"]
-    assert {"extender", "node-agent", "reconfig"} <= seen
+            # one that talks to no API server (the MPS host) mounts no token instead
+            assert spec.get("serviceAccountName") in accounts or \
+                spec.get("automountServiceAccountToken") is False, d["metadata"]["name"]
+    assert {"extender", "node-agent", "reconfig", "mps-host"} <= seen
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_mps_daemons_live_in_a_daemonset_upgrades_do_not_roll(overlay: str) -> None:
+    """The node agent asks (--mps-host), the MPS host starts the daemons in its own pod:
+    rolled by no upgrade (OnDelete), with the agent's pipe directory, the shm directory the
+    clients get at /dev/shm, and the host's PIDs; the agent reads the host's /proc too."""
+    from gpuslice.cli import _build_parser
+
+    obj = {(d["kind"], d["metadata"]["name"]): d for d in render(overlay)}
+    host = obj[("DaemonSet", "gpuslice-mps-host")]
+    agent = obj[("DaemonSet", "gpuslice-node-agent")]
+    assert host["spec"]["updateStrategy"] == {"type": "OnDelete"}
+    hspec, aspec = host["spec"]["template"]["spec"], agent["spec"]["template"]["spec"]
+    assert hspec["hostPID"] is True and aspec["hostPID"] is True
+    assert hspec["nodeSelector"] == aspec["nodeSelector"]
+    (hc,), (ac,) = hspec["containers"], aspec["containers"]
+    hargs, aargs = _build_parser().parse_args(hc["args"]), _build_parser().parse_args(ac["args"])
+    assert aargs.mps_host and str(hargs.mps_pipe_dir) == aargs.mps_pipe_dir
+    assert "limits" not in hc.get("resources", {})  # an OOM kill would take every client
+    vols = {v["name"]: v["hostPath"]["path"] for v in hspec["volumes"]}
+    mounts = {m["mountPath"]: vols[m["name"]] for m in hc["volumeMounts"]}
+    assert mounts["/dev/shm"] == aargs.mps_shm_dir
+    assert mounts[aargs.mps_pipe_dir] == aargs.mps_pipe_dir
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)

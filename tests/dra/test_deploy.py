@@ -147,7 +147,8 @@ def test_the_drivers_dev_shm_is_the_directory_its_cdi_specs_mount() -> None:
     (daemon and clients exchange shared memory there)."""
     from gpuslice.cli import _build_parser
 
-    (ds,) = [d for d in render(DRA) if d["kind"] == "DaemonSet"]
+    (ds,) = [d for d in render(DRA) if d["kind"] == "DaemonSet"
+             and d["metadata"]["name"] == "gpuslice-dra-driver"]
     spec = ds["spec"]["template"]["spec"]
     (c,) = spec["containers"]
     assert c["command"][0] == "gpuslice"

@@ -101,6 +101,9 @@ class Rbac:
         kust = yaml.safe_load((base / "kustomization.yaml").read_text())
         default_ns = kust.get("namespace", "default")
         for res in kust["resources"]:
+            if (base / res).is_dir():  # a kustomization of its own (deploy/mps-host)
+                self._load(base / res)
+                continue
             for doc in yaml.safe_load_all((base / res).read_text()):
                 if doc:
                     self.add(doc, default_ns)

@@ -9,11 +9,15 @@ be as it was afterwards (:mod:`gpuslice.devcluster.host`)."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -85,6 +89,48 @@ def env(node_bins: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory,
     finally:
         if ext is not None:
             ext.stop()
+        dev.stop()
+    assert dev.host_left == [], "the real node left the host changed:\n" + "\n".join(
+        dev.host_left)
+
+
+@pytest.fixture(scope="module")
+def image() -> dict[str, Any]:
+    """The image scripts/build-image.sh built ($GPUSLICE_IMAGE_JSON, as CI sets it), else built
+    here (minutes; reused when its inputs are unchanged)."""
+    given = os.environ.get("GPUSLICE_IMAGE_JSON")
+    if given:
+        return dict(json.loads(Path(given).read_text()))
+    missing = [t for t in ("umoci", "skopeo", "mmdebstrap") if shutil.which(t) is None]
+    if missing:
+        _fail_or_skip(f"building the image needs {', '.join(missing)}")
+    out = REPO / "dist" / "image"
+    subprocess.run([str(REPO / "scripts" / "build-image.sh"), "--out", str(out)], check=True,
+                   timeout=3000)
+    return dict(json.loads((out / "image.json").read_text()))
+
+
+@pytest.fixture(scope="module")
+def helm() -> str:
+    found = shutil.which("helm") or str(Path.home() / ".cache/gpuslice-tools/bin/helm")
+    if not os.access(found, os.X_OK):
+        _fail_or_skip("helm is needed (.ci/run installs it: go install helm.sh/helm/v3/cmd/helm)")
+    return found
+
+
+@pytest.fixture(scope="module")
+def net(node_bins: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory,
+        ) -> Iterator[NodeEnv]:
+    """A control plane whose API server pods reach (default scheduler only: the chart brings
+    the gpuslice one) and the real node with kube-proxy and CoreDNS."""
+    bin_dir, node_dir = node_bins
+    dev = DevCluster(bin_dir, DEPLOY, scheduler="default", pod_network=True,
+                     folder=tmp_path_factory.mktemp("netcluster"))
+    dev.start()
+    try:
+        node = RealNode(dev, node_dir, network=True).start()
+        yield NodeEnv(dev, node, Path("/nonexistent"))
+    finally:
         dev.stop()
     assert dev.host_left == [], "the real node left the host changed:\n" + "\n".join(
         dev.host_left)

@@ -220,3 +220,26 @@ def busybox_pod(name: str, *, milli: int = 1000, memory: int | None = None, gpus
 
 def since(t0: float) -> float:
     return time.monotonic() - t0
+
+
+def kubectl_json(env: NodeEnv, *args: str) -> Any:
+    return json.loads(env.dev.kubectl(*args, "-o", "json").stdout)
+
+
+def wait_ready(env: NodeEnv, what: str, selector: str, count: int = 1,
+               timeout_s: float = 240, namespace: str = "gpuslice-system") -> None:
+    """Until ``count`` pods of ``selector`` in ``namespace`` are Ready; on time-out, their
+    description and logs in the error."""
+    def ready() -> bool:
+        pods = kubectl_json(env, "get", "pods", "-n", namespace, "-l", selector)["items"]
+        return sum(any(c["type"] == "Ready" and c["status"] == "True"
+                       for c in p["status"].get("conditions") or []) for p in pods) >= count
+
+    try:
+        wait_until(what, ready, timeout_s, every_s=1.0)
+    except Exception as exc:
+        out = env.dev.kubectl("describe", "pods", "-n", namespace, "-l", selector, check=False)
+        logs = env.dev.kubectl("logs", "-n", namespace, "-l", selector, "--tail=30",
+                               "--all-containers", check=False)
+        raise AssertionError(f"{exc}\n{out.stdout[-4000:]}\n{logs.stdout[-3000:]}"
+                             f"{logs.stderr[-500:]}") from None

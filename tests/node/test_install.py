@@ -10,89 +10,21 @@ the image, not in the test."""
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import subprocess
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
-import pytest
 import yaml
 
-from gpuslice.devcluster import DevCluster, wait_until
-from gpuslice.devcluster.realnode import BUSYBOX, KUBE_SCHEDULER, RealNode
-from tests.node.conftest import DEPLOY, REPO, _fail_or_skip
-from tests.node.helpers import END, REPORT, NodeEnv, Report
+from gpuslice.devcluster import wait_until
+from gpuslice.devcluster.realnode import BUSYBOX, KUBE_SCHEDULER
+from tests.node.conftest import DEPLOY
+from tests.node.helpers import END, REPORT, NodeEnv, Report, kubectl_json, wait_ready
 
 NS = "gpuslice-system"
 APP_NS = "inference"
 KEY = "node-tier-install-key-0123456789abcdef0123456789"
 # what the example asks for: T4 or L4 (gpuslice.io/gpu-model)
 FAKE_GPUS = "gpus:\n  - model: L4\n  - model: L4\n"
-
-
-@pytest.fixture(scope="module")
-def image() -> dict[str, Any]:
-    """The image scripts/build-image.sh built ($GPUSLICE_IMAGE_JSON, as CI sets it), else built
-    here (minutes; reused when its inputs are unchanged)."""
-    given = os.environ.get("GPUSLICE_IMAGE_JSON")
-    if given:
-        return dict(json.loads(Path(given).read_text()))
-    missing = [t for t in ("umoci", "skopeo", "mmdebstrap") if shutil.which(t) is None]
-    if missing:
-        _fail_or_skip(f"building the image needs {', '.join(missing)}")
-    out = REPO / "dist" / "image"
-    subprocess.run([str(REPO / "scripts" / "build-image.sh"), "--out", str(out)], check=True,
-                   timeout=3000)
-    return dict(json.loads((out / "image.json").read_text()))
-
-
-@pytest.fixture(scope="module")
-def helm() -> str:
-    found = shutil.which("helm") or str(Path.home() / ".cache/gpuslice-tools/bin/helm")
-    if not os.access(found, os.X_OK):
-        _fail_or_skip("helm is needed (.ci/run installs it: go install helm.sh/helm/v3/cmd/helm)")
-    return found
-
-
-@pytest.fixture(scope="module")
-def net(node_bins: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory,
-        ) -> Iterator[NodeEnv]:
-    """A control plane whose API server pods reach (default scheduler only: the chart brings
-    the gpuslice one) and the real node with kube-proxy and CoreDNS."""
-    bin_dir, node_dir = node_bins
-    dev = DevCluster(bin_dir, DEPLOY, scheduler="default", pod_network=True,
-                     folder=tmp_path_factory.mktemp("installcluster"))
-    dev.start()
-    try:
-        node = RealNode(dev, node_dir, network=True).start()
-        yield NodeEnv(dev, node, Path("/nonexistent"))
-    finally:
-        dev.stop()
-    assert dev.host_left == [], "the real node left the host changed:\n" + "\n".join(
-        dev.host_left)
-
-
-def kubectl_json(env: NodeEnv, *args: str) -> Any:
-    return json.loads(env.dev.kubectl(*args, "-o", "json").stdout)
-
-
-def wait_ready(env: NodeEnv, what: str, selector: str, count: int = 1,
-               timeout_s: float = 240) -> None:
-    def ready() -> bool:
-        pods = kubectl_json(env, "get", "pods", "-n", NS, "-l", selector)["items"]
-        return sum(any(c["type"] == "Ready" and c["status"] == "True"
-                       for c in p["status"].get("conditions") or []) for p in pods) >= count
-
-    try:
-        wait_until(what, ready, timeout_s, every_s=1.0)
-    except Exception as exc:
-        out = env.dev.kubectl("describe", "pods", "-n", NS, "-l", selector, check=False)
-        logs = env.dev.kubectl("logs", "-n", NS, "-l", selector, "--tail=30",
-                               "--all-containers", check=False)
-        raise AssertionError(f"{exc}\n{out.stdout[-4000:]}\n{logs.stdout[-3000:]}"
-                             f"{logs.stderr[-500:]}") from None
 
 
 def example_deployment() -> dict[str, Any]:

@@ -284,6 +284,10 @@ def writable_file(path: Path, field: str) -> Path:
     return check_out_file(path, field, devices_ok=True, folder_expected=FILE_EXPECTED)
 
 
+MPS_HOST_HELP = ("the MPS control daemons are started by `gpuslice mps-host` (its own "
+                 "DaemonSet, not rolled by upgrades) from the records this component writes "
+                 "in --mps-pipe-dir, so that they outlive this process's pod; without it this "
+                 "process starts them and they die with its container")
 FAKE_GPUS_HELP = ("N: N simulated A100-80GB GPUs (no CUDA and no MPS: the replicas run on "
                   "the CPU; to try local mode on a laptop), or a fake NVML inventory (YAML)")
 FAKE_INVENTORY_HELP = ("instead of NVML: FILE, a fake NVML inventory (YAML, with MIG "

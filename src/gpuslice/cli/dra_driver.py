@@ -14,6 +14,7 @@ from rich.console import Console
 from gpuslice.adapters.mps import CONTROL, PIPE_DIR, SHM_DIR
 from gpuslice.cli.common import (
     FAKE_INVENTORY_HELP,
+    MPS_HOST_HELP,
     Sub,
     add_fake_gpus,
     add_lease,
@@ -59,6 +60,7 @@ def register(sub: Sub) -> None:
     p.add_argument("--mps-shm-dir", default=SHM_DIR,
                    help="host directory that is the MPS daemons' /dev/shm, mounted at /dev/shm "
                    "in MPS clients ('' for none: then clients need hostIPC)")
+    p.add_argument("--mps-host", action="store_true", help=MPS_HOST_HELP)
     p.add_argument("--mps-binary", default=None,
                    help="the MPS control program (default nvidia-cuda-mps-control; with "
                    "--fake-gpus, the stand-in the demo and the tests use: a fake GPU has no "
@@ -122,7 +124,8 @@ def run(args: argparse.Namespace, console: Console) -> int:
     cfg = DraConfig(node, kubelet_dir=args.kubelet_dir, driver=args.driver,
                     cdi_dir=args.cdi_dir, state_dir=args.state_dir,
                     mps_pipe_dir=args.mps_pipe_dir, mps_shm_dir=args.mps_shm_dir,
-                    mps_binary=mps_binary, claim_read_timeout_s=args.claim_read_timeout,
+                    mps_binary=mps_binary, mps_host=args.mps_host,
+                    claim_read_timeout_s=args.claim_read_timeout,
                     max_prepares=args.max_prepares,
                     default_mode=args.mode, modes=parse_modes(args.gpu_mode),
                     taints=not args.no_taints, quiet_s=args.quiet, dev_dir=args.dev_dir,

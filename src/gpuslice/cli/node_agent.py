@@ -9,10 +9,11 @@ from typing import TYPE_CHECKING
 
 from rich.console import Console
 
-from gpuslice.adapters.mps import PIPE_DIR, SHM_DIR
+from gpuslice.adapters.mps import CONTROL, PIPE_DIR, SHM_DIR
 from gpuslice.cli.common import (
     FAKE_INVENTORY_HELP,
     KUBECONFIG_HELP,
+    MPS_HOST_HELP,
     Sub,
     add_fake_gpus,
     add_log_format,
@@ -89,6 +90,11 @@ def register(sub: Sub) -> None:
     na.add_argument("--no-mps", action="store_true",
                     help="do not start MPS control daemons (MPS slices then share the GPU "
                     "without caps)")
+    na.add_argument("--mps-host", action="store_true", help=MPS_HOST_HELP)
+    na.add_argument("--fake-mps", action="store_true",
+                    help="with --fake-gpus: MPS slices get stand-in MPS daemons "
+                    "(gpuslice.adapters.mps.standin: clients, caps and daemon lifetimes as the "
+                    "real ones; the same stand-in `gpuslice mps-host --fake` starts)")
     na.add_argument("--quit-mps-on-exit", action="store_true",
                     help="quit the MPS daemons when the agent stops (default: leave them to "
                     "the pods using them; a restarted agent adopts them)")
@@ -187,10 +193,27 @@ def _node_agent(args: argparse.Namespace, console: Console) -> int:
                        else Path(args.pod_resources_socket),
                        device_list_strategy=device_list_strategy(args.device_list_strategy),
                        cdi_root=args.cdi_root, dev_dir=args.dev_dir)
-    # a fake inventory has no real GPU behind it: no MPS daemons to start
+    if args.fake_mps and args.fake_gpus is None:
+        raise ValidationError("--fake-mps", "only with --fake-gpus (real GPUs get real MPS)",
+                              "without it")
+    # a fake inventory has no real GPU behind it: MPS daemons only as stand-ins (--fake-mps)
+    mps_binary = CONTROL
+    if args.fake_mps:
+        import tempfile
+
+        from gpuslice.adapters.mps.fake import write_fake_control
+
+        mps_binary = str(write_fake_control(Path(tempfile.mkdtemp(prefix="gpuslice-mps-"))
+                                            / "nvidia-cuda-mps-control"))
+        from gpuslice.adapters.mps.fake import standin_processes
+        from gpuslice.adapters.nvml.port import FakeNvml
+
+        if isinstance(nvml, FakeNvml):  # NVML lists a daemon's clients: the stand-in's
+            nvml.process_source = standin_processes(args.mps_pipe_dir)
     agent = NodeAgent(cfg, nvml, api, quiet_s=args.quiet,
-                      mps=not args.no_mps and args.fake_gpus is None,
-                      quit_mps_on_stop=args.quit_mps_on_exit)
+                      mps=not args.no_mps and (args.fake_gpus is None or args.fake_mps),
+                      mps_binary=mps_binary, quit_mps_on_stop=args.quit_mps_on_exit,
+                      mps_host=args.mps_host)
     with StopSignals(agent.stop) as signals:  # SIGTERM (the pod deleted) or Ctrl-C: stop, exit 0
         if args.metrics != "off":
             from prometheus_client import start_http_server

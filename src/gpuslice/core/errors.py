@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 
-def note_once(problems: list[str] | None, text: str, window: int = 10) -> None:
+def note_once(problems: list[str] | None, text: str, window: int = 10) -> bool:
     """Add ``text`` to ``problems`` (when one is kept) unless it is among the last ``window``:
-    a fault that recurs every pass, an outage above all, must not grow the list."""
+    a fault that recurs every pass, an outage above all, must not grow the list. Returns
+    whether it was added (so that a caller logs it once)."""
     if problems is not None and text not in problems[-window:]:
         problems.append(text)
+        return True
+    return False
 
 
 class GpusliceError(Exception):

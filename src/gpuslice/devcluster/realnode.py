@@ -356,6 +356,15 @@ state = '{STATE_DIR}/containerd'
         self.procs["kubelet"].stop()
         self._start_kubelet()
 
+    def restart_containerd(self) -> None:
+        """Stop containerd (SIGTERM) and start it again with the same configuration: the
+        containers keep running under their shims (separate processes, left alone), and the
+        kubelet reconnects to the runtime."""
+        self.procs["containerd"].stop()
+        self._start_containerd()
+        wait_until(f"node {self.name} Ready after containerd's restart", self.ready,
+                   self.ready_timeout_s, every_s=0.5)
+
     # -- stop ----------------------------------------------------------------------------
 
     def stop(self) -> list[str]:

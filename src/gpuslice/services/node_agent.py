@@ -28,7 +28,15 @@ from typing import Any
 
 from gpuslice.adapters.kube.fake import ApiNotFound, KubePort
 from gpuslice.adapters.kube.objects import GPU_MEMORY, GPU_MILLI
-from gpuslice.adapters.mps import Ceiling, MpsDaemon, ensure_ceiling
+from gpuslice.adapters.mps import MpsDaemon
+from gpuslice.adapters.mps.host import (
+    HEARTBEAT,
+    HEARTBEAT_STALE_S,
+    check_host,
+    read_heartbeat,
+    remove_want,
+)
+from gpuslice.adapters.mps.keeper import MpsDaemons
 from gpuslice.adapters.nvml.port import NvmlError, NvmlPort
 from gpuslice.core.devices import inventory, node_labels
 from gpuslice.core.errors import GpusliceError, note_once
@@ -38,6 +46,7 @@ from gpuslice.services.device_plugin import (
     PluginServer,
     plugin_configs,
 )
+from gpuslice.services.pod_usage import PodProcesses
 
 INVENTORY = "gpuslice.io/inventory"
 # the reconfiguration controller's wish, per GPU (JSON {uuid: "1g.10gb@0,..."}), and what the
@@ -89,6 +98,14 @@ class AgentMetrics:
                             registry=self.registry)
         self.devices = Gauge("gpuslice_virtual_devices", "virtual devices served", ["node"],
                              registry=self.registry)
+        self.mps_host_up = Gauge("gpuslice_mps_host_up",
+                                 "1 while the MPS host's heartbeat is fresh (its daemons are "
+                                 "kept), 0 when it is missing or stale", ["node"],
+                                 registry=self.registry)
+        self.mps_restarts = Gauge("gpuslice_mps_daemon_restarts",
+                                  "restarts of the GPU's MPS daemon by the MPS host since its "
+                                  "pod started (each one failed the daemon's clients)",
+                                  ["node", "gpu"], registry=self.registry)
         from prometheus_client import Counter
 
         self.registration_failures = Counter(
@@ -107,21 +124,25 @@ class NodeAgent:
     def __init__(self, cfg: PluginConfig, nvml: NvmlPort, api: KubePort, *,
                  quiet_s: float = 60.0, clock: Callable[[], float] = time.monotonic,
                  mps: bool = False, mps_binary: str = "nvidia-cuda-mps-control",
-                 poll_s: float = 1.0, quit_mps_on_stop: bool = True) -> None:
+                 poll_s: float = 1.0, quit_mps_on_stop: bool = True,
+                 mps_host: bool = False) -> None:
         self.poll_s = poll_s
         # in a cluster the MPS daemons outlive the agent: running pods are their clients, and
-        # a restarted agent adopts them (ensure_mps finds them healthy)
+        # a restarted agent adopts them from their records (adapters/mps/keeper.py); with
+        # mps_host they are started by `gpuslice mps-host`, in a pod of their own, so that
+        # they do not die with this one
         self.quit_mps_on_stop = quit_mps_on_stop
         self._layout_report: dict[str, dict[str, str]] = {}
         self.mps_binary = mps_binary
         self.cfg, self.nvml, self.api = cfg, nvml, api
         self.quiet_s, self.clock = quiet_s, clock
-        self._mps: dict[str, MpsDaemon] = {}
-        self._ceilings: dict[str, Ceiling] = {}  # per daemon: kept across its restarts
-        self._mps_lock = threading.Lock()
+        self.mps = MpsDaemons(cfg.mps_pipe_dir, "node-agent", binary=mps_binary, host=mps_host)
+        self.mps_enabled = mps
+        self._mps = self.mps.daemons  # started or adopted
+        self._ceilings = self.mps.ceilings  # per daemon: kept across its restarts
+        self._mps_lock = self.mps.lock
         self.mps_check_s = 5.0  # how often run() checks that its MPS daemons still answer
         self._mps_checked = 0.0
-        self.mps_restarts = 0
         ensure = self.ensure_mps if mps else None
         # one plugin (or, with the "mixed" MIG strategy, one per MIG profile)
         self.plugins = [DevicePlugin(c, nvml, api, ensure_mps=ensure)
@@ -134,6 +155,10 @@ class NodeAgent:
         self._stop = threading.Event()
         self.problems: list[str] = []
         self.metrics = AgentMetrics()
+        # each pod's CUDA processes on the MPS-shared GPUs against its declared count
+        self.pod_processes = PodProcesses(cfg.node, nvml, api, self.metrics.registry)
+        self.processes_check_s = 10.0
+        self._processes_checked = 0.0
         # the node labels and inventory to publish, until the API server takes them: retried
         # with backoff (an outage must not leave the extender without this node's GPUs)
         self._unpublished = False
@@ -189,46 +214,54 @@ class NodeAgent:
         previous agent left running there is adopted), and its server-side ceiling covers a
         client of ``thread_pct`` percent and ``memory_mib`` (None: uncapped): the largest
         share handed out on it, which a client cannot raise its own limits past."""
-        with self._mps_lock:
-            d = self._mps.get(uuid)
-            if d is None:
-                root = Path(self.cfg.mps_pipe_dir)
-                d = MpsDaemon(uuid, root / uuid, root / f"{uuid}.log", binary=self.mps_binary)
-                self._mps[uuid] = d
-            self._ceilings[uuid], _ = ensure_ceiling(d, self._ceilings.get(uuid), thread_pct,
-                                                     memory_mib)
+        self.mps.ensure(uuid, thread_pct, memory_mib)
+
+    @property
+    def mps_restarts(self) -> int:
+        return self.mps.restarts
+
+    def adopt_mps(self) -> list[str]:
+        """The MPS daemons an earlier agent on this node left for its pods, with their
+        ceilings (from their records); the GPUs and MIG instances adopted."""
+        found = self.mps.adopt()
+        if found:
+            log.info("adopted the MPS daemons of %s", ", ".join(found),
+                     extra={"event": "mps-adopted", "targets": found})
+        return found
 
     def watch_mps(self) -> list[str]:
-        """Restart each MPS daemon this agent started or adopted that stopped answering (its
-        running clients keep their server; new clients need the daemon), with its ceiling.
+        """Restart each MPS daemon this agent started or adopted that stopped answering, with
+        its ceiling (with an MPS host, the host does: its heartbeat goes to the metrics).
         Returns the UUIDs restarted."""
-        restarted = []
-        with self._mps_lock:
-            daemons = list(self._mps.items())
-        for uuid, d in daemons:
-            if d.healthy():
-                continue
-            with self._mps_lock:
-                try:
-                    d.start()
-                    ceiling = self._ceilings.get(uuid)
-                    if ceiling is not None:
-                        d.apply_ceiling(ceiling)
-                except GpusliceError as exc:
-                    note_once(self.problems, f"MPS daemon for {uuid} is down and did not "
-                                             f"restart: {exc}")
-                    continue
-            self.mps_restarts += 1
-            restarted.append(uuid)
-        return restarted
+        if self.mps.host:
+            beat = read_heartbeat(self.mps.root)
+            fresh = beat is not None and time.time() - beat.time <= HEARTBEAT_STALE_S
+            self.metrics.mps_host_up.labels(self.cfg.node).set(1 if fresh else 0)
+            for target, n in (beat.restarts if beat else {}).items():
+                self.metrics.mps_restarts.labels(self.cfg.node, target).set(n)
+            if not fresh:
+                note_once(self.problems, f"MPS daemons not kept: {check_host(self.mps.root)}")
+        try:
+            return self.mps.watch()
+        except GpusliceError as exc:
+            note_once(self.problems, f"MPS daemon down and not restarted: {exc}")
+            return []
+
+    def count_processes(self) -> dict[str, tuple[int, int]]:
+        """Each pod's CUDA processes on the GPUs and MIG instances with an MPS daemon here,
+        with what it declares (:mod:`gpuslice.services.pod_usage`); a pod running more gets
+        a Warning event and the metric."""
+        try:
+            return self.pod_processes.step(list(self._mps))
+        except GpusliceError as exc:
+            note_once(self.problems, f"counting the pods' CUDA processes: {exc}")
+            return {}
 
     def quit_mps(self) -> None:
-        with self._mps_lock:
-            for d in self._mps.values():
-                try:
-                    d.quit()
-                except GpusliceError as exc:
-                    self.problems.append(str(exc))
+        try:
+            self.mps.quit_all()
+        except GpusliceError as exc:
+            self.problems.append(str(exc))
 
     def publish(self) -> bool:
         """Inventory annotation (healthy GPUs) and GFD labels on this node. When the API server
@@ -408,6 +441,8 @@ class NodeAgent:
         """Serve until :meth:`stop`: the device plugin, the node's labels, health."""
         if not self.nvml.devices():
             self.problems.append(f"no GPU served: {self.nvml.why_empty()}")
+        if self.mps_enabled:  # before serving Allocate: the ceilings in force are known
+            self.adopt_mps()
         for server in self.servers:
             server.start()
             self.problems.extend(server.errors)
@@ -423,6 +458,10 @@ class NodeAgent:
             if self._mps and time.monotonic() - self._mps_checked >= self.mps_check_s:
                 self._mps_checked = time.monotonic()
                 self.watch_mps()
+            if self._mps and time.monotonic() - self._processes_checked >= \
+                    self.processes_check_s:
+                self._processes_checked = time.monotonic()
+                self.count_processes()
             try:
                 self.reconcile_layouts()
             except GpusliceError as exc:
@@ -458,6 +497,8 @@ class NodeAgent:
         daemons = [known.get(t) or MpsDaemon(t, root / t, root / f"{t}.log",
                                              binary=self.mps_binary)
                    for t in sorted(self.mps_targets()) if (root / t).is_dir()]
+        for d in daemons:  # first: no MPS host starts them again
+            remove_want(root, d.uuid)
 
         def quit_one(d: MpsDaemon) -> str | None:
             if not d.healthy():
@@ -479,8 +520,12 @@ class NodeAgent:
                     if path.exists():
                         shutil.rmtree(path, ignore_errors=True)
                         removed.append(str(path))
-        # the shared memory folder serves every daemon: emptied once none is left
-        others = list(root.iterdir()) if root.is_dir() else []
+        # the shared memory folder serves every daemon: emptied once none is left (the MPS
+        # host's heartbeat is no daemon's: it goes too)
+        others = [e for e in root.iterdir() if e.name != HEARTBEAT] if root.is_dir() else []
+        if not others:
+            with contextlib.suppress(OSError):
+                (root / HEARTBEAT).unlink()
         shm = Path(self.cfg.mps_shm_dir) if self.cfg.mps_shm_dir and not others else None
         if shm is not None and (os.path.realpath(shm) == "/dev/shm" or not shm.is_dir()):
             shm = None  # never the host's own /dev/shm (clients with hostIPC)

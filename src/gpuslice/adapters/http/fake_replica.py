@@ -152,6 +152,31 @@ async def serve(args: argparse.Namespace) -> None:
     await runner.cleanup()
 
 
+def hold_mps_client(name: str) -> None:
+    """Be an MPS client of the daemon in ``CUDA_MPS_PIPE_DIRECTORY`` (the stand-in's,
+    :mod:`gpuslice.adapters.mps.standin`) for the life of this process, and fail as a CUDA
+    process does when the daemon goes: what makes a replica on an MPS slice depend on its
+    daemon's lifetime (the node tier's upgrade test)."""
+    import os
+    import threading
+
+    from gpuslice.adapters.mps.standin import RPC_FAILURE, Client
+
+    try:
+        client = Client(name)
+    except ConnectionError as exc:
+        print(str(exc), file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
+    print(f"mps client: {json.dumps(client.limits)}", flush=True)
+
+    def watch() -> None:
+        client.wait()
+        print(RPC_FAILURE, file=sys.stderr, flush=True)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="fake model replica (tests and benchmarks)")
     ap.add_argument("--host", default="127.0.0.1")
@@ -166,7 +191,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--raw-noop", action="store_true",
                     help="minimal keep-alive HTTP server answering {} at once (overhead runs)")
     ap.add_argument("--uvloop", action="store_true")
+    ap.add_argument("--mps-client", action="store_true",
+                    help="be a stand-in MPS client for the process's life; exit 1 (as CUDA "
+                    "would fail) when the daemon goes")
     args = ap.parse_args(argv)
+    if args.mps_client:
+        hold_mps_client(args.name)
     if args.uvloop:
         try:
             import uvloop

@@ -35,6 +35,10 @@ MODEL_ANNOTATION = "gpuslice.io/gpu-model"
 ISOLATION_ANNOTATION = "gpuslice.io/isolation"
 # best-effort, latency-critical or normal (the default): see core.model.PRIORITIES
 PRIORITY_ANNOTATION = "gpuslice.io/priority"
+# CUDA processes a pod runs on its GPU share (vLLM's workers, Triton's Python stubs, torchrun):
+# MPS caps each client process, so the node divides the pod's memory among them
+PROCESSES_ANNOTATION = "gpuslice.io/processes"
+MAX_MPS_CLIENTS = 48  # client CUDA contexts per device under Volta+ MPS (protocols.md 3.3)
 # the MIG profile a planned slice was sized for (the planner's manifests): on a MIG-enabled GPU
 # the extender prefers an instance of that profile for the pod's MPS slice
 MIG_PROFILE_ANNOTATION = "gpuslice.io/mig-profile"
@@ -255,11 +259,24 @@ def pod_request(pod: dict[str, Any]) -> SliceRequest | None:
     if priority not in PRIORITIES:
         raise ValidationError(f"{where}: {PRIORITY_ANNOTATION}", f"one of {', '.join(PRIORITIES)}",
                               priority)
+    declared_processes(ann, where)
     # a pod that names no GPU memory takes milli/1000 of its GPU's (the contract's default)
     return SliceRequest(gpus=shape.gpus, milli=shape.milli, cpu_milli=cpu_milli,
                         memory_mib=memory_mib, gpu_memory_mib=shape.memory_mib,
                         models=models, isolation=iso, name=f"{ns}/{name}",
                         memory_share=shape.memory_mib == 0)
+
+
+def declared_processes(annotations: Any, where: str = "pod") -> int:
+    """The CUDA processes a pod declares (:data:`PROCESSES_ANNOTATION`, default 1); a
+    ValidationError naming the annotation for anything but an integer 1..48."""
+    raw = annotations.get(PROCESSES_ANNOTATION, "1") if isinstance(annotations, dict) else "1"
+    text = str(raw).strip()
+    if not (text.isascii() and text.isdigit() and 1 <= int(text) <= MAX_MPS_CLIENTS):
+        raise ValidationError(f"{where}: {PROCESSES_ANNOTATION}",
+                              f"an integer 1..{MAX_MPS_CLIENTS} (the CUDA processes the pod "
+                              "runs on its GPU share)", raw)
+    return int(text)
 
 
 @dataclass(frozen=True, slots=True)

@@ -59,6 +59,21 @@ def pinned_mem_limit(*mib: int) -> str:
     return ",".join(f"{i}={int(m)}M" for i, m in enumerate(mib))
 
 
+def parse_memory_mib(value: str) -> int | None:
+    """MiB of an MPS memory value as the control tool prints and takes it (``8192M``,
+    ``2G``, ``1.5G``; a bare number is bytes); None for anything else (no limit set)."""
+    v = value.strip().upper().removesuffix("B")
+    try:
+        if v.endswith("G"):
+            return int(float(v[:-1]) * 1024)
+        if v.endswith("M"):
+            return int(float(v[:-1]))
+        n = int(v)
+    except ValueError:
+        return None
+    return n // (1 << 20) if n > 0 else None
+
+
 class MpsError(GpusliceError):
     """An MPS control command failed; the message quotes the tool's output."""
 
@@ -164,6 +179,12 @@ class MpsDaemon:
             raise MpsError(f"MPS daemon for {self.uuid} answered {reply!r} to "
                            "get_default_active_thread_percentage") from None
 
+    def default_memory_mib(self, timeout_s: float = 2.0) -> int | None:
+        """The pinned memory limit the next server starts with (MiB; None when none is
+        set). The getter prints the value as set (``8192M``, ``2G``)."""
+        reply = self.command("get_default_device_pinned_mem_limit 0", timeout_s=timeout_s)
+        return parse_memory_mib(reply.split()[0] if reply.split() else "")
+
     def healthy(self) -> bool:
         """The daemon answers its health query with a percentage (as NVIDIA's plugin checks)."""
         try:
@@ -205,7 +226,7 @@ class MpsDaemon:
             if memory is not None:
                 self.command(f"set_device_pinned_mem_limit {pid} 0 {memory}M")
 
-    def _daemon_pid(self) -> int | None:
+    def pid(self) -> int | None:
         try:
             return int((self.pipe_dir / PID_FILE).read_text().strip())
         except (OSError, ValueError):
@@ -216,7 +237,7 @@ class MpsDaemon:
         its process (from its PID file) has exited, and its sockets and PID file are removed
         (whatever the daemon left of them: seen left behind on an H200 once its server had
         had clients)."""
-        pid = self._daemon_pid()
+        pid = self.pid()
         self.command("quit", timeout_s=timeout_s)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -241,7 +262,7 @@ def ensure_ceiling(d: MpsDaemon, was: Ceiling | None, thread_pct: int = 100,
     if started:
         d.start()
     if was is None and not started:  # adopted: keep what its last owner let in
-        was = Ceiling(d.default_thread_pct(), None)
+        was = Ceiling(d.default_thread_pct(), d.default_memory_mib())
     ceiling = (was or Ceiling(thread_pct, memory_mib)).widened(thread_pct, memory_mib)
     if started or ceiling != was:
         d.apply_ceiling(ceiling, was=None if started else was)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol
@@ -26,6 +27,15 @@ class HealthEvent:
     description: str
 
 
+@dataclass(frozen=True, slots=True)
+class GpuProcess:
+    """A process with a CUDA context on a GPU or MIG instance: its PID as NVML reports it
+    (the host's PID namespace) and the device memory it uses (None where NVML cannot say)."""
+
+    pid: int
+    used_mib: int | None = None
+
+
 class NvmlPort(Protocol):
     def driver_version(self) -> str: ...
     def devices(self) -> list[GpuDevice]: ...
@@ -36,6 +46,11 @@ class NvmlPort(Protocol):
 
     def clients(self, uuid: str) -> int:
         """Processes using the GPU now."""
+        ...
+
+    def processes(self, uuid: str) -> list[GpuProcess]:
+        """The processes with a compute context on the GPU or MIG instance ``uuid``, MPS
+        clients included (each client is a process of its own)."""
         ...
 
     def usage(self, uuid: str) -> tuple[int, int]:
@@ -93,6 +108,9 @@ class NullNvml:
 
     def clients(self, uuid: str) -> int:
         return 0
+
+    def processes(self, uuid: str) -> list[GpuProcess]:
+        return []
 
     def usage(self, uuid: str) -> tuple[int, int]:
         raise NvmlError(f"no GPU {uuid}: {self.reason}")
@@ -166,6 +184,11 @@ class FakeNvml:
         self._pending = list(faults or [])
         self._cond = threading.Condition()
         self._clients: dict[str, int] = {}
+        self._processes: dict[str, list[GpuProcess]] = {}
+        # where the processes of a device come from when no test set them: the stand-in MPS
+        # daemons' clients on a node with --fake-mps (adapters/mps/standin.py), as NVML
+        # lists a real daemon's clients
+        self.process_source: Callable[[str], list[GpuProcess]] | None = None
         self._usage: dict[str, tuple[int, int]] = dict(usage or {})
         self._create_failures: dict[str, int] = {}
         self._minors: dict[str, int] = {}
@@ -271,6 +294,14 @@ class FakeNvml:
 
     def set_clients(self, uuid: str, n: int) -> None:
         self._clients[uuid] = n
+
+    def processes(self, uuid: str) -> list[GpuProcess]:
+        if uuid in self._processes:
+            return list(self._processes[uuid])
+        return self.process_source(uuid) if self.process_source is not None else []
+
+    def set_processes(self, uuid: str, procs: list[GpuProcess]) -> None:
+        self._processes[uuid] = list(procs)
 
     def usage(self, uuid: str) -> tuple[int, int]:
         self._gpu(uuid)

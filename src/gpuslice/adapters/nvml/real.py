@@ -9,7 +9,7 @@ from collections.abc import Callable
 from ctypes import byref, c_uint
 from typing import Any, TypeVar
 
-from gpuslice.adapters.nvml.port import HealthEvent, NullNvml, NvmlError, NvmlPort
+from gpuslice.adapters.nvml.port import GpuProcess, HealthEvent, NullNvml, NvmlError, NvmlPort
 from gpuslice.core import catalog
 from gpuslice.core.catalog import MigProfile
 from gpuslice.core.devices import GpuDevice, MigInstance
@@ -159,6 +159,29 @@ class RealNvml:
         procs = self._call("nvmlDeviceGetComputeRunningProcesses",
                            lib.nvmlDeviceGetComputeRunningProcesses, self._handle(uuid))
         return len(procs)
+
+    def processes(self, uuid: str) -> list[GpuProcess]:
+        """nvmlDeviceGetComputeRunningProcesses and, where the driver has it,
+        nvmlDeviceGetMPSComputeRunningProcesses (MPS clients), one entry per PID."""
+        lib = self._lib()
+        h = self._handle(uuid)
+        found: dict[int, GpuProcess] = {}
+        for name in ("nvmlDeviceGetComputeRunningProcesses",
+                     "nvmlDeviceGetMPSComputeRunningProcesses"):
+            fn = getattr(lib, name, None)
+            if fn is None:
+                continue
+            try:
+                procs = fn(h)
+            except lib.NVMLError as exc:
+                if name == "nvmlDeviceGetComputeRunningProcesses":
+                    raise NvmlError(f"{name}({uuid}): {exc}") from None
+                continue  # an older driver without the MPS listing
+            for proc in procs:
+                used = getattr(proc, "usedGpuMemory", None)
+                found.setdefault(int(proc.pid), GpuProcess(
+                    int(proc.pid), int(used) // (1 << 20) if isinstance(used, int) else None))
+        return sorted(found.values(), key=lambda x: x.pid)
 
     def usage(self, uuid: str) -> tuple[int, int]:
         lib = self._lib()

@@ -14,10 +14,19 @@ from gpuslice.core.errors import ValidationError
 
 # -- the opaque configuration (gpuslice.io/v1alpha1) -----------------------------------------
 
+MAX_PROCESSES = 48  # client CUDA contexts per device under Volta+ MPS
+
+
 @dataclass(frozen=True)
 class MpsSettings:
     active_thread_percentage: int | None = None
     pinned_memory_mib: int | None = None
+    # the CUDA processes the claim's containers run on it (vLLM's workers, torchrun): MPS
+    # caps each client, so each gets 1/processes of the memory and the total stays within
+    processes: int = 1
+
+    def per_process_mib(self, mib: int) -> int:
+        return max(1, mib // self.processes)
 
 
 @dataclass(frozen=True)
@@ -61,7 +70,7 @@ def _only(obj: object, where: str, allowed: Sequence[str]) -> dict[str, Any]:
 
 
 def _mps(obj: object, where: str) -> MpsSettings:
-    d = _only(obj, where, ("activeThreadPercentage", "pinnedMemoryLimit"))
+    d = _only(obj, where, ("activeThreadPercentage", "pinnedMemoryLimit", "processes"))
     pct = d.get("activeThreadPercentage")
     if pct is not None and (isinstance(pct, bool) or not isinstance(pct, int)
                             or not 1 <= pct <= 100):
@@ -73,7 +82,11 @@ def _mps(obj: object, where: str) -> MpsSettings:
         if q < 2 ** 20:
             raise ValidationError(f"{where}.pinnedMemoryLimit", "at least 1Mi", mem)
         mib = int(q // 2 ** 20)
-    return MpsSettings(pct, mib)
+    procs = d.get("processes", 1)
+    if isinstance(procs, bool) or not isinstance(procs, int) or not 1 <= procs <= MAX_PROCESSES:
+        raise ValidationError(f"{where}.processes", f"an integer 1..{MAX_PROCESSES} (the CUDA "
+                              "processes sharing the caps)", procs)
+    return MpsSettings(pct, mib, procs)
 
 
 def decode_config(params: object, where: str = "parameters") -> Config:

@@ -7,7 +7,7 @@ import time
 from typing import Any
 
 from gpuslice.adapters.kube.annotation import AnnotationError, decode
-from gpuslice.adapters.kube.objects import PRIORITY_ANNOTATION
+from gpuslice.adapters.kube.objects import PRIORITY_ANNOTATION, PROCESSES_ANNOTATION
 from gpuslice.core.assignment import ANNOTATION, Assignment, ContainerAssignment, verify
 from gpuslice.core.errors import GpusliceError, note_once
 from gpuslice.services.device_plugin.state import PluginState, _Admission
@@ -144,7 +144,8 @@ class Admissions(PluginState):
         rv = str(meta.get("resourceVersion") or "")
         # a resourceVersion is a uint64 in every API server known (etcd's revision)
         return _Admission(a, self._plan(p, a), priority,
-                          int(rv) if rv.isascii() and rv.isdigit() and len(rv) <= 20 else None)
+                          int(rv) if rv.isascii() and rv.isdigit() and len(rv) <= 20 else None,
+                          processes=annotations.get(PROCESSES_ANNOTATION, "1"))
 
     def _fits_next(self, adm: _Admission, ids: list[str]) -> bool:
         """Whether the devices the kubelet chose can be ``adm``'s next container's: as many

@@ -83,9 +83,9 @@ class Responses(PluginState):
             share = shares[0]
             envs["CUDA_MPS_PIPE_DIRECTORY"] = PIPE_IN_CONTAINER
             envs["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(self._thread_pct(share))
-            if share.memory_mib:
+            if share.memory_mib:  # each of the pod's declared processes gets its part
                 envs["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = pinned_mem_limit(
-                    *(g.memory_mib for g in shares))
+                    *(adm.per_process(g.memory_mib) for g in shares))
             if priority not in PRIORITIES:
                 raise GpusliceError(f"{PRIORITY_ANNOTATION}: expected one of "
                                     f"{', '.join(PRIORITIES)}, got {priority!r}")

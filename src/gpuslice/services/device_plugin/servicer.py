@@ -116,7 +116,8 @@ class DevicePlugin(Admissions, Responses, pbg.DevicePluginServicer):
                     # with a server-side ceiling the client cannot raise its own caps past
                     share = c.gpus[0]
                     self.ensure_mps(self._visible(share), self._thread_pct(share),
-                                    share.memory_mib or None)
+                                    adm.per_process(share.memory_mib) if share.memory_mib
+                                    else None)
                 except GpusliceError as exc:
                     self._undo(adm)
                     context.abort(grpc.StatusCode.UNAVAILABLE,

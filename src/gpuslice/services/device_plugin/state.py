@@ -26,6 +26,17 @@ class _Admission:
     priority: str = "normal"
     resource_version: int | None = None  # the pod's, as bound: the kubelet's order
     done: int = 0
+    processes: object = "1"  # its gpuslice.io/processes annotation, as written
+
+    def per_process(self, mib: int) -> int:
+        """A share's memory divided among the CUDA processes the pod declares: MPS caps
+        each client process, so each gets its part and the pod's total stays within its
+        share (a ValidationError naming the annotation when it is not 1..48)."""
+        from gpuslice.adapters.kube.objects import declared_processes
+
+        n = declared_processes({"gpuslice.io/processes": self.processes},
+                               f"pod {self.a.namespace}/{self.a.pod}")
+        return max(1, mib // n)
 
 
 class PluginState:

@@ -35,6 +35,9 @@ class DraConfig:
     mps_pipe_dir: str = PIPE_DIR  # the node agent's: one daemon per GPU
     mps_shm_dir: str = SHM_DIR  # the daemons' /dev/shm, mounted there in clients ("": none)
     mps_binary: str = "nvidia-cuda-mps-control"
+    # the daemons are started by `gpuslice mps-host` (its own DaemonSet) from the records this
+    # driver writes, so that they outlive the driver's pod; False: the driver starts them
+    mps_host: bool = False
     default_mode: str = dra.WHOLE
     modes: dict[str, str] = field(default_factory=dict)  # GPU index or UUID -> mode
     taints: bool = True  # unhealthy devices tainted (else left out of the slices)

@@ -18,7 +18,7 @@ from gpuslice.core import dra
 from gpuslice.core.errors import GpusliceError
 from gpuslice.services.dra_driver.claims import ClaimReader
 from gpuslice.services.dra_driver.config import APPLICATION_XIDS, ClaimRef, DraConfig
-from gpuslice.services.dra_driver.effects import Effects
+from gpuslice.services.dra_driver.effects import Effects, mps_targets
 from gpuslice.services.dra_driver.plan import ClaimPlanner
 from gpuslice.services.dra_driver.slices import SlicePublisher, detect_features, pci_of
 
@@ -62,6 +62,11 @@ class DraDriver:
         gone = self.cdi.remove_stale(set(self.checkpoint.claims))
         if gone:
             log.info("removed %d stale CDI spec(s): %s", len(gone), ", ".join(gone))
+        devices = [e for entry in self.checkpoint.claims.values()
+                   for e in entry.get("devices") or []]
+        adopted = self.effects.adopt_mps(mps_targets(devices))
+        if adopted:
+            log.info("adopted the MPS daemons of %s", ", ".join(adopted))
         if self.features is None:
             self.features = detect_features(self.api, self.cfg.driver, self.cfg.node)
         self.allocator_fresh = self._lease_fresh()

@@ -5,18 +5,11 @@ partitionable devices, time-slices, and the CDI device the container runtime app
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Any
 
 from gpuslice.adapters.dra.cdi import CdiDevice, device_name
-from gpuslice.adapters.mps import (
-    PIPE_IN_CONTAINER,
-    Ceiling,
-    MpsDaemon,
-    ensure_ceiling,
-    ensure_client_mounts,
-    pinned_mem_limit,
-)
+from gpuslice.adapters.mps import PIPE_IN_CONTAINER, ensure_client_mounts, pinned_mem_limit
+from gpuslice.adapters.mps.keeper import MpsDaemons
 from gpuslice.adapters.nvml.port import NvmlError, NvmlPort
 from gpuslice.core import dra
 from gpuslice.services.dra_driver.config import ClaimError, ClaimRef, DraConfig
@@ -27,9 +20,13 @@ class Effects:
     def __init__(self, cfg: DraConfig, nvml: NvmlPort) -> None:
         self.cfg, self.nvml = cfg, nvml
         self.mig = MigExecutor(nvml)
-        self.mps: dict[str, MpsDaemon] = {}  # target (GPU or MIG instance) -> its daemon
-        self.ceilings: dict[str, Ceiling] = {}  # target -> the limits its servers hold
-        self.started: set[str] = set()  # targets whose daemon this driver started
+        # the MPS control daemons this driver keeps (their records name it: it quits them
+        # with their GPU's last share) or uses (the node agent's); with cfg.mps_host they are
+        # started by `gpuslice mps-host`, so that they outlive this driver's pod
+        self.keeper = MpsDaemons(cfg.mps_pipe_dir, "dra-driver", binary=cfg.mps_binary,
+                                 host=cfg.mps_host)
+        self.mps = self.keeper.daemons  # target (GPU or MIG instance) -> its daemon
+        self.ceilings = self.keeper.ceilings  # target -> the limits its servers hold
 
     def make(self, c: ClaimRef, e: dict[str, Any]) -> CdiDevice:
         """Make one planned device ready (idempotently) and return its CDI device."""
@@ -50,13 +47,15 @@ class Effects:
             return CdiDevice(device_name(c.uid, e["device"], e.get("shareID", "")), env,
                              nodes, mounts, dev_dir=self.cfg.dev_dir)
         if e["type"] == dra.TYPE_SHARE:
-            self.ensure_mps(e["gpu"], int(e["threadPct"]), int(e["memoryMiB"]))
+            # MPS caps each client process: the claim's declared processes share the memory
+            per_client = _per_process(int(e["memoryMiB"]), e)
+            self.ensure_mps(e["gpu"], int(e["threadPct"]), per_client)
             # CUDA_VISIBLE_DEVICES names the one GPU, so that the container's CUDA (and the
             # ordinal 0 of the memory limit) is that GPU whatever else the runtime exposes
             env.update(CUDA_VISIBLE_DEVICES=e["gpu"],
                        CUDA_MPS_PIPE_DIRECTORY=PIPE_IN_CONTAINER,
                        CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=str(e["threadPct"]),
-                       CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=pinned_mem_limit(e["memoryMiB"]),
+                       CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=pinned_mem_limit(per_client),
                        GPUSLICE_SHARE=e["shareID"])
             mounts = tuple(ensure_client_mounts(self.cfg.mps_pipe_dir, e["gpu"],
                                                     self.cfg.mps_shm_dir))
@@ -102,8 +101,8 @@ class Effects:
                                      f"{e['gpu']} not removed: {exc}") from None
         for gpu in {g for g in map(_gpu_mps, entry["devices"]) if g} - \
                 {g for g in map(_gpu_mps, others) if g}:
-            if gpu in self.started and gpu in self.mps:
-                self._quit(gpu)
+            if self.keeper.owns(gpu):
+                self.keeper.quit(gpu)
 
     def _minor(self, gpu: str) -> int:
         """The GPU's device minor from NVML (``/dev/nvidia<minor>``: not its index, which
@@ -138,13 +137,13 @@ class Effects:
 
     def _mps_env(self, target: str, e: dict[str, Any], env: dict[str, str]
                  ) -> tuple[tuple[str, str], ...]:
-        self.ensure_mps(target, int(e.get("mpsPct") or 100),
-                        int(e["mpsMiB"]) if e.get("mpsMiB") else None)
+        mib = _per_process(int(e["mpsMiB"]), e) if e.get("mpsMiB") else None
+        self.ensure_mps(target, int(e.get("mpsPct") or 100), mib)
         env["CUDA_MPS_PIPE_DIRECTORY"] = PIPE_IN_CONTAINER
         if e.get("mpsPct"):
             env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(e["mpsPct"])
-        if e.get("mpsMiB"):
-            env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = pinned_mem_limit(e["mpsMiB"])
+        if mib:
+            env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = pinned_mem_limit(mib)
         return tuple(ensure_client_mounts(self.cfg.mps_pipe_dir, target, self.cfg.mps_shm_dir))
 
     def _mig_uuid(self, gpu: str, profile: str, start: int, missing_ok: bool = False) -> str:
@@ -162,36 +161,45 @@ class Effects:
                    memory_mib: int | None = None) -> None:
         """The MPS control daemon of GPU (or MIG instance) ``target`` runs: one per GPU,
         shared by every share on it, in the node agent's pipe directory layout; one already
-        running there (the node agent's, or a previous driver's) is adopted. Its servers'
-        own limits cover a client of ``thread_pct`` percent and ``memory_mib`` (None:
-        uncapped) and no more than the largest share prepared on it: a client that rewrites
-        its CDI environment cannot rise past them (adapters.mps.ensure_ceiling)."""
-        d = self.mps.get(target)
-        if d is None:
-            root = Path(self.cfg.mps_pipe_dir)
-            d = MpsDaemon(target, root / target, root / f"{target}.log",
-                          binary=self.cfg.mps_binary)
-            self.mps[target] = d
-        self.ceilings[target], started = ensure_ceiling(d, self.ceilings.get(target),
-                                                        thread_pct, memory_mib)
-        if started:
-            self.started.add(target)
+        running there (the node agent's, or a previous driver's) is used. Its servers' own
+        limits cover a client of ``thread_pct`` percent and ``memory_mib`` (None: uncapped)
+        and no more than the largest share prepared on it: a client that rewrites its CDI
+        environment cannot rise past them (adapters.mps.keeper, shared with the node
+        agent)."""
+        self.keeper.ensure(target, thread_pct, memory_mib)
+
+    def adopt_mps(self, targets: set[str]) -> list[str]:
+        """At start: the daemons an earlier driver kept for the checkpointed claims' shares
+        (``targets``), with their ceilings; a record of a target no claim holds any more is
+        quit (the claim was unprepared while no driver ran)."""
+        adopted = self.keeper.adopt()
+        for target in [t for t in adopted if t not in targets]:
+            d = self.keeper.daemon(target)
+            if not d.healthy() or not d.servers():  # never one with clients
+                self.keeper.quit(target)
+                adopted.remove(target)
+        return adopted
 
     def stop_mps(self) -> list[str]:
         """Quit the MPS control daemons this driver started or adopted; their targets. For
         local runs (``gpuslice demo --dra``) only: the DaemonSet leaves them running for the
         containers that use them."""
-        return [target for target in list(self.mps) if self._quit(target)]
+        return [t for t in list(self.mps) if self.keeper.owns(t) and self.keeper.quit(t)]
 
-    def _quit(self, target: str) -> bool:
-        """Quit ``target``'s daemon if it answers and forget it; whether it was running."""
-        running = self.mps[target].healthy()
-        if running:
-            self.mps[target].quit()
-        del self.mps[target]
-        self.ceilings.pop(target, None)
-        self.started.discard(target)
-        return running
+
+def _per_process(mib: int, e: dict[str, Any]) -> int:
+    """A device's MPS memory cap per client: divided among its declared processes (the
+    opaque config's ``mps.processes``; checkpoints written before it: 1)."""
+    return max(1, mib // int(e.get("processes") or 1))
+
+
+def mps_targets(devices: list[dict[str, Any]]) -> set[str]:
+    """The GPUs and MIG instances whose MPS daemons checkpointed devices use."""
+    out = {g for g in map(_gpu_mps, devices) if g}
+    out.update(str(e["migUUID"]) for e in devices
+               if e.get("type") == dra.TYPE_MIG and e.get("strategy") == "MPS"
+               and e.get("migUUID"))
+    return out
 
 
 def _gpu_mps(e: dict[str, Any]) -> str | None:

@@ -102,13 +102,14 @@ class ClaimPlanner:
                 if problems:
                     raise ClaimError(f"share {share} of GPU {ref.gpu_index} refused: "
                                      f"{problems[0]}")
-                e.update(shareID=share, threadPct=caps.thread_pct, memoryMiB=caps.memory_mib)
+                e.update(shareID=share, threadPct=caps.thread_pct, memoryMiB=caps.memory_mib,
+                         processes=mps.processes)
             elif ref.type == dra.TYPE_MIG:
                 e.update(profile=ref.profile, start=ref.start, migUUID=ref.mig_uuid)
                 if isinstance(last, dra.MigConfig):
                     e.update(strategy=last.strategy,
                              mpsPct=last.mps.active_thread_percentage,
-                             mpsMiB=last.mps.pinned_memory_mib)
+                             mpsMiB=last.mps.pinned_memory_mib, processes=last.mps.processes)
                 clash = self._mig_clash(ref, others, mine)
                 if clash:
                     raise ClaimError(f"{where}.device {r['device']}: {clash}")
@@ -124,7 +125,7 @@ class ClaimPlanner:
                 if isinstance(last, dra.GpuConfig):
                     e.update(strategy=last.strategy, interval=last.interval,
                              mpsPct=last.mps.active_thread_percentage,
-                             mpsMiB=last.mps.pinned_memory_mib)
+                             mpsMiB=last.mps.pinned_memory_mib, processes=last.mps.processes)
             entries.append(e)
         targets = sorted({t for t in map(_mps_target, entries) if t})
         if len(targets) > 1:
