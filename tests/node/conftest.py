@@ -40,6 +40,18 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
                 item.add_marker(pytest.mark.timeout(600))
 
 
+# what tests measured (the upgrade test's per-step figures), printed at the end of the run so
+# that CI's log carries them (docs/testing.md quotes them)
+FIGURES: list[str] = []
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if FIGURES:
+        terminalreporter.section("node tier figures")
+        for line in FIGURES:
+            terminalreporter.write_line(line)
+
+
 def _fail_or_skip(reason: str) -> None:
     if os.environ.get("CI", "").lower() == "true":
         pytest.fail(reason + " -- required under CI=true")

@@ -25,7 +25,7 @@ import yaml
 
 from gpuslice.devcluster import wait_until
 from gpuslice.devcluster.realnode import KUBE_SCHEDULER
-from tests.node.conftest import DEPLOY
+from tests.node.conftest import DEPLOY, FIGURES
 from tests.node.helpers import NodeEnv, kubectl_json, wait_ready
 from tests.node.serving import MPS_ROOT, Load, Snapshot, kill_pod_process
 
@@ -262,12 +262,13 @@ def _report(env: NodeEnv, rows: list[dict[str, Any]], total: dict[str, int],
             name: str = "upgrade-figures.json") -> None:
     out = env.dev.dir / name
     out.write_text(json.dumps({"steps": rows, "total": total}, indent=2))
-    sys.stderr.write("\n[upgrade test] step: seconds, sent/failed/5xx, replica restarts, same "
-                     "daemons\n")
-    for r in rows:
-        sys.stderr.write(f"  {r['step']}: {r['seconds']} s, {r['sent']}/{r['failed']}/"
-                         f"{r['5xx']}, {r['replica restarts']}, {r['same daemons']}\n")
-    sys.stderr.write(f"  total: {total}\n")
+    lines = [f"{name.removesuffix('.json')}: step: seconds, requests sent/failed/5xx, replica "
+             "restarts, same daemon PIDs"]
+    lines += [f"  {r['step']}: {r['seconds']} s, {r['sent']}/{r['failed']}/{r['5xx']}, "
+              f"{r['replica restarts']}, {r['same daemons']}" for r in rows]
+    lines.append(f"  total: {total}")
+    FIGURES.extend(lines)
+    sys.stderr.write("\n" + "\n".join(lines) + "\n")
 
 
 def _uninstall(env: NodeEnv, helm_bin: str) -> None:
