@@ -180,3 +180,36 @@ def _try(fn):  # type: ignore[no-untyped-def]
         return fn()
     except Exception as exc:
         return exc
+
+
+def test_a_full_disk_fails_that_claim_only_and_memory_agrees_with_the_file(
+        node: Node, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A checkpoint write that fails (ENOSPC) fails the claim it was for, not the batch, and
+    leaves the checkpoint in memory as the file still holds it (before: memory changed first,
+    and the OSError escaped the prepare of every claim in the call)."""
+    import errno
+
+    from gpuslice.adapters.dra import checkpoint as ckpt
+
+    client = node.serve()
+    a, b = node.add(share("a", "s-a", "20", "4Gi")), node.add(share("b", "s-b", "20", "4Gi"))
+    real = ckpt.write_atomic
+    full = {"on": "", "all": ""}  # "b": writes that record claim b fail; "all": every write
+
+    def write(path: Path, data: bytes, mode: int = 0o644) -> None:
+        if full["on"] == "all" or (full["on"] == "b" and b'"b"' in data):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(path, data, mode)
+
+    monkeypatch.setattr(ckpt, "write_atomic", write)
+    full["on"] = "b"
+    got = client.prepare([a, b])
+    assert got[a[1]].error == "" and "No space left" in got[b[1]].error
+    on_disk = Checkpoint(node.driver.checkpoint.path).claims
+    assert on_disk == node.driver.checkpoint.claims and set(on_disk) == {a[1]}
+    full["on"] = ""
+    assert client.prepare([b])[b[1]].error == ""  # the kubelet's retry, with room again
+    full["on"] = "all"  # and a full disk again when the kubelet unprepares b
+    assert "No space left" in client.unprepare([b])[b[1]]
+    assert set(node.driver.checkpoint.claims) == {a[1], b[1]}  # still there, as on disk
+    assert Checkpoint(node.driver.checkpoint.path).claims == node.driver.checkpoint.claims

@@ -519,9 +519,25 @@ def test_after_an_agent_restart_a_pending_pod_the_kubelet_gave_devices_is_not_ta
         assert kubelet_side.calls >= 1 and fresh.problems == []
     finally:
         kubelet_side.server.stop(grace=None)
-    # no kubelet answering there: noted once, and the phase is all there is to go by
+
+
+
+def test_without_the_kubelets_answer_allocate_fails_closed(env, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """After an agent restart, with the PodResources API not answering, the pending pod the
+    kubelet admitted already looks like the oldest waiting one: executing it for the next
+    pod's Allocate would put two pods on one share. Allocate refuses (UNAVAILABLE, naming
+    the socket) instead, and the preferred allocation only does not steer."""
+    from dataclasses import replace
+
+    _, plugin, server, api, sock_dir = env
+    assign(api, "pulling", ["GPU-aaa"], milli=600, t="t1")  # allocated, image still pulling
+    assign(api, "next", ["GPU-aaa"], milli=200, t="t2")
     gone = DevicePlugin(replace(plugin.cfg, pod_resources=tmp_path / "none.sock"), plugin.nvml,
                         api)
-    assert [a.pod for a in gone._pending()] == ["pulling", "next"]
-    gone._pending()
+    with pytest.raises(grpc.RpcError) as exc:
+        allocate_after_restart(server, gone, sock_dir, "GPU-aaa::1")
+    assert exc.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "none.sock" in (exc.value.details() or "") and "no assignment is executed" in (
+        exc.value.details() or "")
+    assert gone.executed() == [] and gone._target(1) == []
     assert len(gone.problems) == 1 and "PodResources" in gone.problems[0]

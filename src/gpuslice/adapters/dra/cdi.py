@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gpuslice.adapters.dra.files import remove_durably, write_atomic
+from gpuslice.adapters.files import remove_durably, write_atomic
 from gpuslice.core.errors import ValidationError
 
 CDI_VERSION = "0.6.0"  # env, deviceNodes with hostPath, mounts, names starting with digits

@@ -21,7 +21,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from gpuslice.adapters.dra.files import write_atomic
+from gpuslice.adapters.files import write_atomic
 from gpuslice.core.errors import GpusliceError
 
 VERSION = 1
@@ -70,14 +70,26 @@ class Checkpoint:
         return copy.deepcopy(c) if c is not None else None
 
     def put(self, uid: str, entry: dict[str, Any]) -> None:
-        self.claims[uid] = copy.deepcopy(entry)
-        self._save()
+        """Record ``entry``: on disk first, then here, so that a failed write (a full disk)
+        leaves both as they were (a :class:`CheckpointError` naming the file)."""
+        claims = dict(self.claims)
+        claims[uid] = copy.deepcopy(entry)
+        self._save(claims)
+        self.claims = claims
 
     def drop(self, uid: str) -> None:
-        if self.claims.pop(uid, None) is not None:
-            self._save()
+        """Forget ``uid``, on disk first (as :meth:`put`)."""
+        if uid not in self.claims:
+            return
+        claims = {k: v for k, v in self.claims.items() if k != uid}
+        self._save(claims)
+        self.claims = claims
 
-    def _save(self) -> None:
-        data = {"claims": self.claims}
+    def _save(self, claims: dict[str, dict[str, Any]]) -> None:
+        data = {"claims": claims}
         doc = {"version": VERSION, "checksum": _digest(data), "data": data}
-        write_atomic(self.path, json.dumps(doc, sort_keys=True, indent=1).encode(), 0o600)
+        try:
+            write_atomic(self.path, json.dumps(doc, sort_keys=True, indent=1).encode(), 0o600)
+        except OSError as exc:
+            raise CheckpointError(f"checkpoint {self.path} not written ({exc}); it still "
+                                  "holds what it held before") from None

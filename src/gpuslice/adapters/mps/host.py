@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gpuslice.adapters.files import write_atomic
 from gpuslice.adapters.mps import Ceiling
 
 WANT_SUFFIX = ".want"
@@ -45,23 +46,12 @@ def _valid_target(target: str) -> bool:
         and target not in ("..",)
 
 
-def atomic_write(path: Path, text: str) -> None:
-    """Replace ``path`` with ``text``: a temporary file named for this write (not by PID,
-    which is 1 in every container), flushed to disk, renamed over it."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{time.monotonic_ns()}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def write_want(root: Path, want: Want) -> None:
     if not _valid_target(want.target):
         raise ValueError(f"MPS target: expected a GPU or MIG instance UUID, got "
                          f"{want.target!r}")
     root.mkdir(parents=True, exist_ok=True)
-    atomic_write(root / f"{want.target}{WANT_SUFFIX}", json.dumps(want.to_json()))
+    write_atomic(root / f"{want.target}{WANT_SUFFIX}", json.dumps(want.to_json()).encode())
 
 
 def remove_want(root: Path, target: str) -> None:
@@ -137,7 +127,7 @@ class Heartbeat:
 
 def write_heartbeat(root: Path, beat: Heartbeat) -> None:
     root.mkdir(parents=True, exist_ok=True)
-    atomic_write(root / HEARTBEAT, json.dumps(beat.to_json(), sort_keys=True))
+    write_atomic(root / HEARTBEAT, json.dumps(beat.to_json(), sort_keys=True).encode())
 
 
 def read_heartbeat(root: Path) -> Heartbeat | None:

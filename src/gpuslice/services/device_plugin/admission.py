@@ -54,17 +54,26 @@ class Admissions(PluginState):
                     wait_s = min(2.0, 2 * wait_s)
 
     def _held_by_kubelet(self) -> set[tuple[str, str]]:
-        """Pods holding this resource's devices, as the kubelet's PodResources API says; empty
-        (and noted once) when it is not configured or does not answer."""
+        """Pods holding this resource's devices, as the kubelet's PodResources API says (empty
+        when it is not configured). Read up to three times over about a second; when it
+        still does not answer, fail closed (a GpusliceError, and Allocate answers
+        UNAVAILABLE): after an agent restart a pod the kubelet admitted already may still be
+        Pending, and without this answer its assignment would look free for the next pod on
+        its GPU, two pods on one share."""
         if self.cfg.pod_resources is None:
             return set()
         from gpuslice.adapters.kubelet.podresources import pods_holding
 
-        try:
-            return set(pods_holding(self.cfg.resource, self.cfg.pod_resources))
-        except GpusliceError as exc:
-            note_once(self.problems, str(exc))
-            return set()
+        for attempt in range(3):
+            try:
+                return set(pods_holding(self.cfg.resource, self.cfg.pod_resources))
+            except GpusliceError as exc:
+                last = exc
+                if attempt < 2:
+                    time.sleep(0.25 * (attempt + 1))
+        note_once(self.problems, str(last))
+        raise GpusliceError(f"{last}: which pods hold devices already is unknown, so no "
+                            "assignment is executed (the kubelet's next try may succeed)")
 
     def _plan(self, pod: dict[str, Any], a: Assignment) -> tuple[ContainerAssignment, ...]:
         """The containers of ``a`` the kubelet will call Allocate for, in its order: the

@@ -4,11 +4,11 @@ configured device list strategies, and the CDI spec of the devices."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 from gpuslice.adapters.dra.cdi import device_node
+from gpuslice.adapters.files import write_atomic
 from gpuslice.adapters.kube.objects import PRIORITY_ANNOTATION
 from gpuslice.adapters.kubelet import deviceplugin_pb2 as pb
 from gpuslice.adapters.mps import PIPE_IN_CONTAINER, ensure_client_mounts, pinned_mem_limit
@@ -123,10 +123,6 @@ class Responses(PluginState):
         configured."""
         if not any(st.startswith("cdi-") for st in self.cfg.device_list_strategy):
             return None
-        root = Path(self.cfg.cdi_root)
-        root.mkdir(parents=True, exist_ok=True)
-        target = root / f"{CDI_KIND.replace('/', '-')}.json"
-        tmp = root / f".{target.name}.{os.getpid()}.tmp"
-        tmp.write_text(json.dumps(self.cdi_spec(), indent=2, sort_keys=True))
-        os.replace(tmp, target)
+        target = Path(self.cfg.cdi_root) / f"{CDI_KIND.replace('/', '-')}.json"
+        write_atomic(target, json.dumps(self.cdi_spec(), indent=2, sort_keys=True).encode())
         return target
