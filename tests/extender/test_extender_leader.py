@@ -160,3 +160,58 @@ def test_a_label_write_that_fails_is_tried_again_and_never_put_back_after_releas
     assert label.sync(True) is True and carries()
     assert label.release() is True and not carries()
     assert label.sync(True) is True and not carries()  # released: never labelled again
+
+
+def test_a_leader_whose_renewal_hangs_stops_binding_before_another_may_lead() -> None:
+    """A Lease read that hangs (a half-open connection: the client retries for minutes) must
+    not leave the old leader binding while another replica leads. Leadership ends on the
+    leader's monotonic clock a renew deadline (10 s of a 15 s lease) after the start of its
+    last successful renewal, before the other replica may take the Lease (15 s after that
+    renewal): between the two, nobody binds."""
+    import threading
+
+    from gpuslice.services.leader import LeaderElector
+
+    api = small_cluster()
+    wall, mono = [1000.0], [50.0]
+    gate, armed = threading.Event(), threading.Event()
+
+    class Hanging:
+        """a's view of the API server: its Lease reads hang once armed."""
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(api, name)
+
+        def get_lease(self, namespace: str, name: str) -> Any:
+            if armed.is_set():
+                gate.wait(30)
+            return api.get_lease(namespace, name)
+
+    a = ExtenderState(api, KEY, clock=clock)
+    b = ExtenderState(api, KEY, clock=clock)
+    a.elector = LeaderElector(Hanging(), "gpuslice-system", "ext", "a",  # type: ignore[arg-type]
+                              lambda: wall[0], 15, mono=lambda: mono[0])
+    b.elector = LeaderElector(api, "gpuslice-system", "ext", "b", lambda: wall[0], 15,
+                              mono=lambda: mono[0])
+    assert a.elector.step() is True
+    armed.set()
+    stuck = threading.Thread(target=a.elector.step, daemon=True)
+    stuck.start()  # the renewal hangs from here
+    p = api.get_pod("default", "big")
+
+    def advance(s: float) -> None:
+        wall[0] += s
+        mono[0] += s
+
+    advance(9)
+    assert a.elector.leader  # within its renew deadline: still binds
+    advance(2)
+    assert not a.elector.leader  # 11 s: no longer, though no step has answered
+    assert "not the leader" in a.bind("default", "big", p["metadata"]["uid"], "a")
+    assert b.elector.step() is False  # the Lease is a's for 15 s: nobody leads meanwhile
+    advance(5)
+    assert b.elector.step() is True and not a.elector.leader  # 16 s: b takes over, alone
+    assert b.bind("default", "big", p["metadata"]["uid"], "a") == ""
+    gate.set()
+    stuck.join(10)
+    assert not a.elector.leader  # its hung read answers: b holds the Lease

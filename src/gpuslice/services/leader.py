@@ -24,13 +24,31 @@ class LeaderElector:
     :meth:`release` on the way out hands the Lease over."""
 
     def __init__(self, api: KubePort, namespace: str, name: str, identity: str,
-                 clock: Callable[[], float], duration_s: float = 15.0) -> None:
+                 clock: Callable[[], float], duration_s: float = 15.0,
+                 mono: Callable[[], float] = time.monotonic) -> None:
         self.api, self.namespace, self.name, self.identity = api, namespace, name, identity
         self.clock, self.duration_s = clock, duration_s
-        self.leader = False
+        # leadership ends on this process's monotonic clock a renew deadline after the start
+        # of the last successful renewal (client-go's renewDeadline: 10 s of a 15 s lease),
+        # whatever the wall clock does and however long a Lease read hangs: another replica
+        # may take the Lease only duration_s after that renewal, so two never lead at once
+        self.mono = mono
+        self.renew_deadline_s = duration_s * 2 / 3
+        self._leader = False
+        self._valid_until = float("-inf")
         self.released = False  # set by release(): the Lease was given up on the way out
         self._lock = threading.Lock()  # a step and the release, one at a time
         self._stopped = False  # released: no step takes the lease again
+
+    @property
+    def leader(self) -> bool:
+        """Whether we lead now: the last renewal succeeded and its renew deadline, on the
+        monotonic clock, has not passed (a renewal that hangs ends leadership on time)."""
+        return self._leader and self.mono() < self._valid_until
+
+    @leader.setter
+    def leader(self, value: bool) -> None:
+        self._leader = value
 
     def step(self) -> bool:
         """One round: create, renew or take the lease, or wait. Returns whether we lead."""
@@ -43,6 +61,7 @@ class LeaderElector:
     def _step(self) -> bool:
         from datetime import UTC, datetime
 
+        started = self.mono()  # a renewal counts from before its read: the conservative end
         lease = self.api.get_lease(self.namespace, self.name)
         state = None
         rv = None
@@ -70,9 +89,9 @@ class LeaderElector:
             spec["acquireTime"] = stamp
         try:
             self.api.put_lease(self.namespace, self.name, spec, rv)
-            self.leader = True
+            self._leader, self._valid_until = True, started + self.renew_deadline_s
         except (ApiConflict, ApiNotFound):
-            self.leader = False  # someone else wrote it first
+            self._leader = False  # someone else wrote it first
         return self.leader
 
     def release(self, timeout_s: float = 2.0) -> bool:
