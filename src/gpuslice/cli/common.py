@@ -204,6 +204,23 @@ def add_lease(p: argparse.ArgumentParser, default: str, help: str, *,
                           help=f"{help} (default {default})")
 
 
+PREVIOUS_KEY_HELP = ("during a key rotation, a file holding the previous HMAC key: "
+                     "assignments it signed still verify (running pods keep their GPUs), new "
+                     "ones are signed with --key-file's; a path that does not exist is no "
+                     "previous key (the Secret's optional 'previous' entry)")
+
+
+def read_previous_keys(path: Path | None) -> tuple[bytes, ...]:
+    """The previous key of a rotation from ``path`` (none when the path is not given or the
+    file does not exist: the Secret's entry is optional)."""
+    if path is None or not path.exists():
+        return ()
+    try:
+        return (read_key(path),)
+    except ValidationError as exc:
+        raise ValidationError("--previous-key-file", exc.expected, exc.got) from None
+
+
 def read_key(path: Path) -> bytes:
     """The HMAC key shared by the extender and the node agents, from its file."""
     try:

@@ -9,10 +9,12 @@ from rich.console import Console
 
 from gpuslice.cli.common import (
     KUBECONFIG_HELP,
+    PREVIOUS_KEY_HELP,
     Sub,
     add_log_format,
     examples,
     read_key,
+    read_previous_keys,
     setup_logging,
 )
 from gpuslice.cli.flagtypes import non_negative_int, parse_hostport, positive_float
@@ -34,6 +36,7 @@ def register(sub: Sub) -> None:
     e.add_argument("--listen", default="0.0.0.0:8443", help="HOST:PORT (default 0.0.0.0:8443)")
     e.add_argument("--key-file", type=Path, required=True,
                    help="file holding the HMAC key shared with the node agents (>= 16 bytes)")
+    e.add_argument("--previous-key-file", type=Path, help=PREVIOUS_KEY_HELP)
     e.add_argument("--tls-cert", help="serve HTTPS with this certificate (PEM)")
     e.add_argument("--tls-key", help="the certificate's private key (PEM)")
     e.add_argument("--client-ca",
@@ -110,7 +113,8 @@ def _extender(args: argparse.Namespace, console: Console) -> int:
     api: KubePort = client
 
     state = ExtenderState(api, key, policy=args.policy, clock=bind_clock,
-                          narrow=args.filter_keeps == "best")
+                          narrow=args.filter_keeps == "best",
+                          previous_keys=read_previous_keys(args.previous_key_file))
     label: LeaderLabel | None = None
     if args.leader_elect:
         import os

@@ -14,12 +14,14 @@ from gpuslice.cli.common import (
     FAKE_INVENTORY_HELP,
     KUBECONFIG_HELP,
     MPS_HOST_HELP,
+    PREVIOUS_KEY_HELP,
     Sub,
     add_fake_gpus,
     add_log_format,
     examples,
     local_nvml,
     read_key,
+    read_previous_keys,
     setup_logging,
 )
 from gpuslice.cli.flagtypes import non_negative_float, parse_hostport, positive_float
@@ -54,6 +56,7 @@ def register(sub: Sub) -> None:
     na.add_argument("--key-file", type=Path,
                     help="file holding the HMAC key shared with the extender (required, "
                     "except with --cleanup)")
+    na.add_argument("--previous-key-file", type=Path, help=PREVIOUS_KEY_HELP)
     na.add_argument("--cleanup", action="store_true",
                     help="one-shot: remove from the node (--node) or from every node with a "
                     "GPU inventory (--all-nodes) the labels, annotations and gpu-milli / "
@@ -187,6 +190,7 @@ def _node_agent(args: argparse.Namespace, console: Console) -> int:
     api: KubeClient | FakeApiServer = (load_fake_cluster(args.fake_cluster)
                                        if args.fake_cluster else KubeClient(args.kubeconfig))
     cfg = PluginConfig(node, args.socket_dir, key, args.replicas,
+                       previous_keys=read_previous_keys(args.previous_key_file),
                        mps_pipe_dir=args.mps_pipe_dir, mps_shm_dir=args.mps_shm_dir,
                        mig_strategy=args.mig_strategy,
                        pod_resources=None if args.pod_resources_socket == "off"

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
@@ -146,6 +147,12 @@ def sign(a: Assignment, key: bytes) -> Assignment:
         raise ValidationError("assignment key", "at least 16 bytes", len(key))
     mac = hmac.new(key, canonical(a), hashlib.sha256).hexdigest()
     return replace(a, mac=f"{MAC_VERSION}:{mac}")
+
+
+def verify_any(a: Assignment, keys: Iterable[bytes]) -> bool:
+    """True when ``a`` verifies under one of ``keys``: the current key and, during a key
+    rotation, the previous one (running pods keep what the old key signed)."""
+    return any(verify(a, k) for k in keys)
 
 
 def verify(a: Assignment, key: bytes) -> bool:

@@ -8,7 +8,7 @@ from typing import Any
 
 from gpuslice.adapters.kube.annotation import AnnotationError, decode
 from gpuslice.adapters.kube.objects import PRIORITY_ANNOTATION, PROCESSES_ANNOTATION
-from gpuslice.core.assignment import ANNOTATION, Assignment, ContainerAssignment, verify
+from gpuslice.core.assignment import ANNOTATION, Assignment, ContainerAssignment, verify_any
 from gpuslice.core.errors import GpusliceError, note_once
 from gpuslice.services.device_plugin.state import PluginState, _Admission
 
@@ -139,7 +139,8 @@ class Admissions(PluginState):
             a = decode(text)
         except AnnotationError:
             return None
-        if a.node != self.cfg.node or not verify(a, self.cfg.key):
+        if a.node != self.cfg.node or not verify_any(a, (self.cfg.key,
+                                                         *self.cfg.previous_keys)):
             return None
         if (a.namespace, a.pod, a.pod_uid) != (*key, meta.get("uid")):
             # signed for another pod: a copy of a running pod's annotation must not get

@@ -52,6 +52,8 @@ class PluginConfig:
     # where the NVIDIA device nodes are on the host (the CDI spec's hostPath; they keep their
     # /dev names in the container): another folder for fake GPUs with stand-in nodes
     dev_dir: Path = Path("/dev")
+    # during an assignment-key rotation, the previous key: assignments it signed still verify
+    previous_keys: tuple[bytes, ...] = ()
 
 
 DEVICE_LIST_STRATEGIES = ("envvar", "volume-mounts", "cdi-annotations", "cdi-cri")

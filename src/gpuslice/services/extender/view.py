@@ -34,7 +34,7 @@ from gpuslice.core.assignment import (
     ANNOTATION,
     Assignment,
     Mode,
-    verify,
+    verify_any,
 )
 from gpuslice.core.errors import ValidationError
 from gpuslice.core.frag import Shape
@@ -139,9 +139,11 @@ class ClusterView:
     fragmentation against the learned workload)."""
 
     def __init__(self, api: KubePort, key: bytes, *, policy: str = DEFAULT_POLICY,
-                 clock: Callable[[], str], narrow: bool = True) -> None:
+                 clock: Callable[[], str], narrow: bool = True,
+                 previous_keys: tuple[bytes, ...] = ()) -> None:
         self.api = api
-        self.key = key
+        self.key = key  # signs; it and previous_keys (a rotation's old key) verify
+        self.previous_keys = previous_keys
         self.policy = make_policy(policy)
         self.narrow = narrow  # filter keeps only the best-ranked node (see placement)
         self.clock = clock
@@ -276,7 +278,7 @@ class ClusterView:
         except AnnotationError as exc:
             self.problems.append(f"pod {pod_key(pod)}: {exc}")
             return None
-        if not verify(a, self.key):
+        if not verify_any(a, (self.key, *self.previous_keys)):
             self.problems.append(f"pod {pod_key(pod)}: assignment signature does not verify")
             return None
         return a
