@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import tempfile
 import threading
 from collections.abc import Iterator
@@ -541,3 +542,48 @@ def test_without_the_kubelets_answer_allocate_fails_closed(env, tmp_path: Path) 
         exc.value.details() or "")
     assert gone.executed() == [] and gone._target(1) == []
     assert len(gone.problems) == 1 and "PodResources" in gone.problems[0]
+
+
+def test_the_cdi_spec_follows_a_mig_layout_change(tmp_path: Path) -> None:
+    """With a cdi-* strategy, Allocate names the MIG instance's CDI device; a layout change
+    (the reconfiguration controller's, or instances made again after a reboot) gives the
+    instance a new UUID, and the spec on disk must name it before the runtime reads it
+    (it was written once, at the plugin's start)."""
+    from gpuslice.core.devices import MigInstance
+
+    gpu = GpuDevice(0, "GPU-mig", "NVIDIA A100-80GB", "A100-80GB", 81920, mig_enabled=True,
+                    mig=(MigInstance("MIG-x-0", "4g.40gb", 0, 40192),
+                         MigInstance("MIG-x-4", "3g.40gb", 4, 40192)))
+    nvml = FakeNvml([gpu])
+    cdi = tmp_path / "cdi"
+    with tempfile.TemporaryDirectory(prefix="dp-") as d:
+        sock = Path(d)
+        api = FakeApiServer()
+        kubelet = Kubelet(sock).start()
+        server = PluginServer(DevicePlugin(PluginConfig(
+            "node-1", sock, KEY, replicas=2, device_list_strategy=("cdi-cri",),
+            cdi_root=cdi), nvml, api))
+        server.start()
+
+        def names() -> set[str]:
+            spec = json.loads((cdi / "gpuslice.io-gpu.json").read_text())
+            return {dev["name"] for dev in spec["devices"]}
+
+        try:
+            assert kubelet.registered.wait(5)
+            before = names()
+            nvml.destroy_instance("GPU-mig", "3g.40gb", 4)
+            nvml.create_instance("GPU-mig", "3g.40gb", 4)  # a new UUID: MIG-GPU-mig-4
+            assign(api, "m", ["GPU-mig"], 428, 40192, mode=Mode.MIG, mig=("3g.40gb", 4))
+            r = allocate(kubelet.stub(), "GPU-mig::0")
+            (device,) = [c.name for c in r.cdi_devices]
+            wanted = device.split("=", 1)[1]
+            assert wanted not in before and wanted in names()
+            (cdi / "gpuslice.io-gpu.json").unlink()  # /var/run/cdi emptied (a reboot's tmpfs)
+            assign(api, "m2", ["GPU-mig"], 571, 40192, t="t2", mode=Mode.MIG,
+                   mig=("4g.40gb", 0))
+            allocate(kubelet.stub(), "GPU-mig::1")
+            assert (cdi / "gpuslice.io-gpu.json").exists()
+        finally:
+            server.stop()
+            kubelet.stop()

@@ -403,6 +403,7 @@ class NodeAgent:
         if changed:
             for plugin in self.plugins:
                 plugin.changed()  # MIG strategies list instances: stream the new list
+                plugin.write_cdi_spec()  # the new instances' UUIDs, for cdi-* strategies
             # the new instances reach the extender's inventory before the controller reads
             # the layout report and reopens the GPU (MPS slices are placed inside instances):
             # no report while the inventory is not published

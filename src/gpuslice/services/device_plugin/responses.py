@@ -49,6 +49,7 @@ class Responses(PluginState):
         envs, mounts, annotations = dict(envs), list(mounts), dict(annotations)
         cdi: list[pb.CDIDevice] = []
         names = [f"{CDI_KIND}={cdi_device_name(d)}" for d in devices]
+        self.write_cdi_spec()  # the spec names these devices (none: no CDI strategy)
         for strategy in self.cfg.device_list_strategy:
             if strategy == "envvar":
                 envs["NVIDIA_VISIBLE_DEVICES"] = ",".join(devices)
@@ -118,11 +119,17 @@ class Responses(PluginState):
         return {"cdiVersion": CDI_VERSION, "kind": CDI_KIND, "devices": devices}
 
     def write_cdi_spec(self) -> Path | None:
-        """Write :meth:`cdi_spec` under ``cdi_root`` atomically (a temporary file renamed
-        over the old one: a runtime never reads half a spec); None when no CDI strategy is
-        configured."""
+        """Write :meth:`cdi_spec` under ``cdi_root`` atomically (a runtime never reads half a
+        spec) when it differs from what this plugin wrote last or the file is gone (a MIG
+        layout change gives instances new UUIDs; a reboot empties /var/run/cdi); None when
+        no CDI strategy is configured. Called at start, after each layout change and before
+        each Allocate's answer names its devices."""
         if not any(st.startswith("cdi-") for st in self.cfg.device_list_strategy):
             return None
         target = Path(self.cfg.cdi_root) / f"{CDI_KIND.replace('/', '-')}.json"
-        write_atomic(target, json.dumps(self.cdi_spec(), indent=2, sort_keys=True).encode())
+        spec = self.cdi_spec()
+        with self._cdi_lock:
+            if spec != self._cdi_written or not target.exists():
+                write_atomic(target, json.dumps(spec, indent=2, sort_keys=True).encode())
+                self._cdi_written = spec
         return target

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from gpuslice.adapters.kube.fake import KubePort
 from gpuslice.adapters.kubelet import deviceplugin_pb2 as pb
@@ -60,6 +61,8 @@ class PluginState:
         self._claim_lock = threading.Lock()
         self._admitting: list[_Admission] = []  # claimed, containers still to allocate
         self.problems: list[str] = []
+        self._cdi_written: dict[str, Any] | None = None  # the CDI spec last written
+        self._cdi_lock = threading.Lock()
         self.api_slots = Slots(cfg.api_calls)
         self.streams = Streams(cfg.streams)
 
