@@ -19,7 +19,7 @@ from gpuslice.cli.common import (
     add_fake_gpus,
     add_log_format,
     examples,
-    local_nvml,
+    fake_nvml,
     read_key,
     read_previous_keys,
     setup_logging,
@@ -186,7 +186,12 @@ def _node_agent(args: argparse.Namespace, console: Console) -> int:
     if args.cdi_root.exists() and not args.cdi_root.is_dir():  # made when missing
         raise ValidationError("--cdi-root", "a folder for the CDI specs (made if missing)",
                               f"{args.cdi_root}: not a folder")
-    nvml: NvmlPort = local_nvml(args, node)
+    from gpuslice.adapters.nvml.real import LateNvml
+
+    # without a stand-in inventory: NVML, tried again while the NVIDIA driver has not loaded
+    # (it may load after the agent, an operator-managed driver after a reboot)
+    fake = fake_nvml(args, node)
+    nvml: NvmlPort = fake if fake is not None else LateNvml()
     api: KubeClient | FakeApiServer = (load_fake_cluster(args.fake_cluster)
                                        if args.fake_cluster else KubeClient(args.kubeconfig))
     cfg = PluginConfig(node, args.socket_dir, key, args.replicas,
@@ -220,15 +225,17 @@ def _node_agent(args: argparse.Namespace, console: Console) -> int:
                       mps_host=args.mps_host)
     with StopSignals(agent.stop) as signals:  # SIGTERM (the pod deleted) or Ctrl-C: stop, exit 0
         if args.metrics != "off":
-            from prometheus_client import start_http_server
+            from gpuslice.adapters.http.probes import serve_metrics
 
             mhost, mport = parse_hostport("--metrics", args.metrics)
-            start_http_server(mport, mhost, registry=agent.metrics.registry)
+            serve_metrics(mhost, mport, agent.metrics.registry, agent.readiness)
         log.info("node agent for %s: %d GPU(s), %d virtual devices each; socket dir %s", node,
                  len(nvml.devices()), args.replicas, args.socket_dir,
                  extra={"event": "starting", "node": node, "gpus": len(nvml.devices())})
         if not nvml.devices():
-            log.warning("serving no device: %s", nvml.why_empty(), extra={"event": "no-device"})
+            log.warning("serving no device: %s%s", nvml.why_empty(),
+                        "; NVML is tried again every 10 s (the driver may load later)"
+                        if args.fake_gpus is None else "", extra={"event": "no-device"})
         for problem in agent.check_mig_tables():
             log.warning("%s", problem, extra={"event": "mig-table"})
         agent.run()
@@ -236,6 +243,10 @@ def _node_agent(args: argparse.Namespace, console: Console) -> int:
             _uninstall(agent, api, node, log)
         for problem in agent.problems:
             log.warning("%s", problem, extra={"event": "problem"})
+    if agent.restart_needed:
+        log.warning("stopping to be started again: %s", agent.restart_needed,
+                    extra={"event": "restart"})
+        return 1
     log.info("%s", signals.stopped_line(), extra={"event": "stopped"})
     return 0
 

@@ -168,6 +168,11 @@ class NodeAgent:
         # the labels this agent owns (AGENT_LABELS), and those the node had when first read
         self._owned: set[str] | None = None
         self._found_labels: dict[str, str] = {}
+        # NVML that had not answered at start (the driver loads after the agent after a
+        # reboot): tried again this often, and the GPUs served once it answers
+        self.nvml_retry_s = 10.0
+        self._nvml_tried = 0.0
+        self.restart_needed = ""  # why the agent stopped to be started again (exit 1)
 
     def registration_failed(self, resource: str, message: str) -> None:
         """A device plugin registration failed: count it, and tell the cluster with a
@@ -438,6 +443,44 @@ class NodeAgent:
         self.problems.extend(found)
         return found
 
+    def retry_nvml(self) -> bool:
+        """While NVML has not answered (:class:`~gpuslice.adapters.nvml.real.LateNvml`), try
+        it again; when it answers, serve its GPUs: ListAndWatch streams them, the CDI spec
+        and the node's inventory, labels and totals follow. With the ``mixed`` MIG strategy
+        the plugins are one per profile, known only now: the agent stops to be started
+        again (:attr:`restart_needed`). Returns whether the GPUs appeared."""
+        reload = getattr(self.nvml, "reload", None)
+        if reload is None or not getattr(self.nvml, "waiting", False) or not reload():
+            return False
+        gpus = self.nvml.devices()
+        log.info("NVML answers now: %d GPU(s), driver %s", len(gpus),
+                 self.nvml.driver_version(), extra={"event": "nvml-found", "gpus": len(gpus)})
+        if self.cfg.mig_strategy == "mixed":
+            self.restart_needed = ("NVML answered after the start: the mixed MIG strategy's "
+                                   "plugins (one per profile) are made at start")
+            self._stop.set()
+            return True
+        for plugin in self.plugins:
+            plugin.changed()
+            plugin.write_cdi_spec()
+        self.problems.extend(self.check_mig_tables())
+        self.publish()
+        return True
+
+    def readiness(self) -> tuple[bool, str]:
+        """Ready: GPUs served, every device plugin registered with the kubelet, the node's
+        inventory published. Else why not (``/readyz``)."""
+        gpus = self.nvml.devices()
+        if not gpus:
+            return False, f"no GPU served: {self.nvml.why_empty()}"
+        waiting = [s.plugin.cfg.resource for s in self.servers if not s.registrations]
+        if waiting or not self.servers:
+            return False, ("not registered with the kubelet: " + ", ".join(waiting)
+                           if waiting else "no device plugin")
+        if self._unpublished:
+            return False, "the node's GPU inventory is not published yet (API server)"
+        return True, f"ok: {len(gpus)} GPU(s) served"
+
     def run(self) -> None:
         """Serve until :meth:`stop`: the device plugin, the node's labels, health."""
         if not self.nvml.devices():
@@ -453,6 +496,9 @@ class NodeAgent:
             self.health_step(self.poll_s)
             # NVML without GPUs (or a failing event set) answers at once: no busy loop
             self._stop.wait(max(0.0, self.poll_s - (time.monotonic() - started)))
+            if time.monotonic() - self._nvml_tried >= self.nvml_retry_s:
+                self._nvml_tried = time.monotonic()
+                self.retry_nvml()
             if self._unpublished and time.monotonic() >= self._publish_at:
                 self.publish()
             self.update_metrics()

@@ -371,3 +371,78 @@ def load() -> NvmlPort:
     except NvmlError as exc:
         return NullNvml(str(exc))
     return real
+
+
+class LateNvml:
+    """The NVML of a node whose driver may load after the agent started (an operator-managed
+    driver after a reboot): the null NVML with its reason until :meth:`reload` finds the
+    driver answering, the real one from then on. The port's calls go to whichever it holds."""
+
+    def __init__(self, loader: Callable[[], NvmlPort] = load) -> None:
+        self._load = loader
+        self.inner: NvmlPort = loader()
+
+    @property
+    def waiting(self) -> bool:
+        """Whether NVML has not answered yet."""
+        return isinstance(self.inner, NullNvml)
+
+    def reload(self) -> bool:
+        """Try NVML again while it has not answered; whether it answers now (first time)."""
+        if not self.waiting:
+            return False
+        found = self._load()
+        if isinstance(found, NullNvml):
+            self.inner = found  # the latest reason
+            return False
+        self.inner = found
+        return True
+
+    def driver_version(self) -> str:
+        return self.inner.driver_version()
+
+    def devices(self) -> list[GpuDevice]:
+        return self.inner.devices()
+
+    def events(self, timeout_s: float) -> list[HealthEvent]:
+        return self.inner.events(timeout_s)
+
+    def why_empty(self) -> str:
+        return self.inner.why_empty()
+
+    def clients(self, uuid: str) -> int:
+        return self.inner.clients(uuid)
+
+    def processes(self, uuid: str) -> list[GpuProcess]:
+        return self.inner.processes(uuid)
+
+    def usage(self, uuid: str) -> tuple[int, int]:
+        return self.inner.usage(uuid)
+
+    def mig_layout(self, uuid: str) -> list[tuple[str, int]]:
+        return self.inner.mig_layout(uuid)
+
+    def mig_profiles(self, uuid: str) -> list[MigProfile]:
+        return self.inner.mig_profiles(uuid)
+
+    def destroy_instance(self, uuid: str, profile: str, start: int) -> None:
+        self.inner.destroy_instance(uuid, profile, start)
+
+    def create_instance(self, uuid: str, profile: str, start: int) -> None:
+        self.inner.create_instance(uuid, profile, start)
+
+    def minor_number(self, uuid: str) -> int:
+        return self.inner.minor_number(uuid)
+
+    def mig_cap_minors(self, gpu_uuid: str, mig_uuid: str) -> tuple[int, int]:
+        return self.inner.mig_cap_minors(gpu_uuid, mig_uuid)
+
+    def set_timeslice(self, uuid: str, level: int) -> None:
+        self.inner.set_timeslice(uuid, level)
+
+    def pci_info(self, index: int) -> tuple[str, str]:
+        pci = getattr(self.inner, "pci_info", None)
+        if pci is None:
+            raise NvmlError(f"no GPU {index}: {self.why_empty()}")
+        a, b = pci(index)
+        return str(a), str(b)
