@@ -27,9 +27,12 @@ REPORT = ("env | sort; echo '--- dev'; ls -ln /dev /var/run/nvidia-container-dev
 
 
 def fake_inventory(path: Path, gpus: int = 2, model: str = "A100-80GB",
-                   mig: str | None = None) -> Path:
-    doc: dict[str, Any] = {"gpus": [{"model": model, **({"mig": mig} if mig else {})}
-                                    for _ in range(gpus)]}
+                   mig: str | None = None, faults: dict[int, list[int]] | None = None) -> Path:
+    """A stand-in inventory; ``faults``: GPU index -> XIDs it reports at the agent's start."""
+    doc: dict[str, Any] = {"gpus": [{"model": model, **({"mig": mig} if mig else {}),
+                                     **({"faults": faults[i]} if faults and i in faults
+                                        else {})}
+                                    for i in range(gpus)]}
     path.write_text(yaml.safe_dump(doc))
     return path
 
@@ -80,12 +83,13 @@ class NodeEnv:
     # -- the node agent ------------------------------------------------------------------
 
     def start_agent(self, *args: str, gpus: int = 2, model: str = "A100-80GB",
-                    mig: str | None = None) -> subprocess.Popen[bytes]:
+                    mig: str | None = None,
+                    faults: dict[int, list[int]] | None = None) -> subprocess.Popen[bytes]:
         """``gpuslice node-agent --fake`` on the real kubelet's device plugin folder and
         PodResources socket, as its service account; returns once the node's allocatable
         carries the GPUs."""
         inv = fake_inventory(self.dev.dir / f"inventory-{len(self.agents)}.yaml", gpus, model,
-                             mig)
+                             mig, faults)
         make_dev_dir()
         MPS_PIPE.mkdir(parents=True, exist_ok=True)
         kubeconfig = self.dev.service_account_kubeconfig("gpuslice-system",

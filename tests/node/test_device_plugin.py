@@ -9,8 +9,11 @@ container_create_linux.go, ``WithCDI``)."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
+from gpuslice.devcluster import wait_until
 from tests.node.helpers import MPS_PIPE, NodeEnv, busybox_pod
 
 UUID_PREFIX = "GPU-"
@@ -137,6 +140,39 @@ def test_kubelet_restart_keeps_pods_and_takes_the_plugin_back(env: NodeEnv) -> N
         assert "register" in env.agent_log().lower()
     finally:
         env.delete("before", "after")
+        env.stop_agent(agent)
+
+
+def test_a_faulty_gpus_pods_and_a_kubelet_restart_reject_no_running_pod(
+        env: NodeEnv) -> None:
+    """Two pods of 900 milli, one per GPU; the agent restarts and finds GPU 0 faulty (XID
+    79): the GPU leaves the inventory, but the node's gpu-milli total keeps the 900 its pod
+    holds (1900, not 1000). A kubelet restart then admits both running pods again against
+    allocatable (the kubelet re-runs admission on restart; an extended resource present but
+    too small is "OutOf..."): both keep their containers."""
+    agent = env.start_agent()
+    try:
+        env.create(busybox_pod("left", milli=900))
+        env.create(busybox_pod("right", milli=900))
+        ids = {}
+        for n in ("left", "right"):
+            env.report(n)
+            ids[n] = env.pod(n)["status"]["containerStatuses"][0]["containerID"]
+        env.stop_agent(agent, kill=True)
+        agent = env.start_agent(faults={0: [79]})
+        wait_until("the faulty GPU's share kept in the node's total", lambda: env.allocatable()
+                   .get("gpuslice.io/gpu-milli") == "1900", 60)
+        env.node.restart_kubelet()
+        wait_until("the plugin registered again", lambda: int(
+            env.allocatable().get("gpuslice.io/gpu", "0")) > 0, 60)
+        time.sleep(5)  # the kubelet's admission of the running pods has run
+        for n, cid in ids.items():
+            st = env.pod(n)["status"]
+            assert st.get("phase") == "Running", (n, st.get("reason"), st.get("message"))
+            c = st["containerStatuses"][0]
+            assert c["containerID"] == cid and c["restartCount"] == 0, (n, c)
+    finally:
+        env.delete("left", "right")
         env.stop_agent(agent)
 
 

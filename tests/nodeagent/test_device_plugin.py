@@ -587,3 +587,32 @@ def test_the_cdi_spec_follows_a_mig_layout_change(tmp_path: Path) -> None:
         finally:
             server.stop()
             kubelet.stop()
+
+
+def test_the_node_totals_keep_what_running_pods_hold_on_a_faulty_gpu() -> None:
+    """A GPU with an XID leaves the inventory, but its pods still run: the node's gpu-milli
+    and gpu-memory totals drop by what is free on it, not by the whole GPU, so that a kubelet
+    that restarts and admits its running pods again (against allocatable) rejects none."""
+    import json
+
+    from gpuslice.services.node_agent import NodeAgent
+
+    api = FakeApiServer()
+    api.add_node({"metadata": {"name": "node-1"}})
+    nvml = FakeNvml(list(GPUS))
+    agent = NodeAgent(PluginConfig("node-1", Path("/nonexistent"), KEY, replicas=2), nvml, api,
+                      quiet_s=30, clock=lambda: 0.0)
+    assign(api, "on-a", ["GPU-aaa"], milli=900, mem=20000, node="node-1")
+    assign(api, "on-b", ["GPU-bbb"], milli=900, mem=20000, node="node-1", t="t2")
+    assign(api, "forged", ["GPU-aaa"], milli=100, node="node-1", key=b"x" * 24, t="t3")
+    agent.publish()
+    nvml.inject("GPU-aaa", 79)
+    agent.health_step(0.1)
+    node = api.list_nodes()[0]
+    assert len(json.loads(node["metadata"]["annotations"]["gpuslice.io/inventory"])) == 1
+    # 1000 for the healthy GPU, and the 900 the running pod holds on the faulty one
+    assert node["status"]["allocatable"]["gpuslice.io/gpu-milli"] == "1900"
+    assert node["status"]["allocatable"]["gpuslice.io/gpu-memory"] == str(81920 + 20000)
+    api.set_pod_status("ml", "on-a", {"phase": "Succeeded"})  # it ends: the total follows
+    agent.publish()
+    assert api.list_nodes()[0]["status"]["allocatable"]["gpuslice.io/gpu-milli"] == "1000"

@@ -290,9 +290,10 @@ class NodeAgent:
             # DynamicResources plugin refuses a node lacking any extended resource the pod asks
             # for ("cannot fit resource", filterExtendedResources in kube-scheduler's
             # dynamicresources/extendeddynamicresources.go), whatever the extender config says
+            held_milli, held_mib = self.held_on_unhealthy()
             self.api.patch_node_capacity(self.cfg.node, {
-                GPU_MILLI: str(1000 * len(gpus)),
-                GPU_MEMORY: str(sum(g.memory_mib for g in gpus))})
+                GPU_MILLI: str(1000 * len(gpus) + held_milli),
+                GPU_MEMORY: str(sum(g.memory_mib for g in gpus) + held_mib)})
         except GpusliceError as exc:
             self._unpublished = True
             self._publish_backoff_s = min(self.max_backoff_s,
@@ -304,6 +305,40 @@ class NodeAgent:
         self._unpublished = False
         self._publish_backoff_s = 0.0
         return True
+
+    def held_on_unhealthy(self) -> tuple[int, int]:
+        """(milli, MiB) that live pods hold on this node's unhealthy GPUs (verified
+        assignments of pods not finished). The node's totals keep them: a GPU with an XID
+        leaves the inventory (no new pod goes there) but its pods still run, and a kubelet
+        that restarts admits every running pod again against allocatable (its
+        predicateAdmitHandler; an extended resource present but too small is "OutOf..."):
+        totals that dropped by the whole GPU would get pods on healthy GPUs rejected.
+        Reads the node's pods only while some GPU is unhealthy."""
+        sick = {g.uuid for g in self.nvml.devices() if g.uuid in self._last_error}
+        if not sick:
+            return 0, 0
+        from gpuslice.adapters.kube.annotation import AnnotationError, decode
+        from gpuslice.adapters.kube.objects import pod_finished
+        from gpuslice.core.assignment import ANNOTATION, verify_any
+
+        milli = mib = 0
+        keys = (self.cfg.key, *self.cfg.previous_keys)
+        for p in self.api.list_pods(node=self.cfg.node):
+            text = ((p.get("metadata") or {}).get("annotations") or {}).get(ANNOTATION)
+            if not text or pod_finished(p):
+                continue
+            try:
+                a = decode(str(text))
+            except AnnotationError:
+                continue
+            if a.node != self.cfg.node or not verify_any(a, keys):
+                continue
+            for c in a.containers:
+                for share in c.gpus:
+                    if share.uuid in sick:
+                        milli += share.milli
+                        mib += share.memory_mib
+        return milli, mib
 
     def health_step(self, timeout_s: float) -> None:
         """Take NVML events for up to ``timeout_s``; recover GPUs that stayed quiet."""
