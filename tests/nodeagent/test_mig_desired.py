@@ -15,7 +15,8 @@ from gpuslice.adapters.kube.fake import FakeApiServer
 from gpuslice.adapters.nvml.port import FakeNvml
 from gpuslice.core.devices import GpuDevice, MigInstance
 from gpuslice.services.device_plugin import PluginConfig
-from gpuslice.services.node_agent import MIG_DESIRED, NodeAgent
+from gpuslice.services.node_agent import NodeAgent
+from gpuslice.services.node_layouts import MIG_DESIRED
 
 KEY = b"node-agent-key-0123456789"
 START = [("3g.40gb", 4), ("4g.40gb", 0)]

@@ -17,7 +17,8 @@ from gpuslice.adapters.kube.objects import CORDONED_ANNOTATION
 from gpuslice.adapters.nvml.port import FakeNvml
 from gpuslice.core.devices import GpuDevice, MigInstance
 from gpuslice.services.device_plugin import PluginConfig
-from gpuslice.services.node_agent import MIG_DESIRED, NodeAgent
+from gpuslice.services.node_agent import NodeAgent
+from gpuslice.services.node_layouts import MIG_DESIRED
 from gpuslice.services.reconfig import PLURAL, ReconfigController
 
 KEY = b"node-agent-key-0123456789"

@@ -39,13 +39,8 @@ from gpuslice.adapters.kube.fake import (
 )
 from gpuslice.adapters.kube.objects import CORDONED_ANNOTATION, GPU_MEMORY, GPU_MILLI
 from gpuslice.core.errors import GpusliceError
-from gpuslice.services.node_agent import (
-    AGENT_LABELS,
-    INVENTORY,
-    MIG_DESIRED,
-    MIG_LAYOUTS,
-    label_keys,
-)
+from gpuslice.services.node_agent import AGENT_LABELS, INVENTORY, label_keys
+from gpuslice.services.node_layouts import MIG_DESIRED, MIG_LAYOUTS
 
 MODEL_LABEL = "gpuslice.io/gpu-model"  # core.devices.node_labels: the agent's in any version
 RECONFIG_LABELS = "gpuslice.io/reconfig."  # the reconfiguration controller's, one per GPU

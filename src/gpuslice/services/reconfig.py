@@ -62,7 +62,7 @@ from gpuslice.core.reconfig import (
     room_for,
     target_layout,
 )
-from gpuslice.services.node_agent import MIG_DESIRED, MIG_LAYOUTS
+from gpuslice.services.node_layouts import MIG_DESIRED, MIG_LAYOUTS
 
 PLURAL = "sliceschedules"
 log = logging.getLogger("gpuslice.reconfig")
