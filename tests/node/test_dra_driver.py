@@ -231,3 +231,51 @@ def test_a_frozen_api_server_bounds_prepare_and_never_starves_unprepare(
     assert env.report("dra-f2", timeout_s=120).env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "50"
     env.delete("dra-f1", "dra-f2")
     wait_until("CDI specs removed after the outage", lambda: not cdi_specs(), 60)
+
+
+def test_after_a_reboot_the_driver_restores_its_claims_and_the_pod_runs_again(
+        env: NodeEnv, driver: Driver) -> None:
+    """A reboot on the real node: the kubelet, containerd and the driver stop, every
+    container dies, and what a tmpfs and the GPU lose goes (the claims' CDI specs in
+    /var/run/cdi, the MPS daemons and their folders; the stand-in GPUs' state lives in the
+    driver's process). The driver's checkpoint survives. When all start again, the kubelet
+    starts the pod anew with the CDI devices it holds for its claim: the driver restores them
+    at start, and the container sees its caps again (before, it never started: the CDI
+    devices did not resolve)."""
+    import contextlib
+    import os
+    import shutil
+    import signal
+
+    env.create(claim_pod("dra-reboot", {"gpu": "gpu-quarter"}))
+    assert env.report("dra-reboot").env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "25"
+    [uid] = claim_uids(env, "dra-reboot")
+
+    def erase() -> None:
+        assert driver.proc is not None
+        driver.proc.kill()  # a reboot gives no SIGTERM
+        driver.proc.wait(20)
+        for spec in CDI_DIR.glob(f"k8s.{DRIVER}-claim_*.json"):
+            spec.unlink()
+        for pidfile in MPS_PIPE.glob("*/nvidia-cuda-mps-control.pid"):
+            with contextlib.suppress(OSError, ValueError):
+                os.kill(int(pidfile.read_text()), signal.SIGKILL)
+        shutil.rmtree(MPS_PIPE, ignore_errors=True)
+
+    env.node.simulate_reboot(erase)
+    driver.start()
+    assert any(uid in name for name in cdi_specs())
+
+    def restarted() -> bool:
+        st = (env.pod("dra-reboot")["status"].get("containerStatuses") or [{}])[0]
+        return st.get("restartCount", 0) >= 1 and "running" in (st.get("state") or {})
+
+    try:
+        wait_until("the pod running again after the reboot", restarted, 180, every_s=1.0)
+    except Exception as exc:
+        raise AssertionError(f"{exc}\n{env.describe('dra-reboot')}\n{driver.text()[-3000:]}"
+                             ) from None
+    assert env.report("dra-reboot").env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "25"
+    assert "restored the effects of" in driver.text()
+    env.delete("dra-reboot")
+    wait_until("its CDI spec removed", lambda: not any(uid in n for n in cdi_specs()), 60)

@@ -365,6 +365,24 @@ state = '{STATE_DIR}/containerd'
         wait_until(f"node {self.name} Ready after containerd's restart", self.ready,
                    self.ready_timeout_s, every_s=0.5)
 
+    def simulate_reboot(self, while_down: Callable[[], None] | None = None) -> None:
+        """What a reboot does to the node's workloads: the kubelet stops, every container
+        dies at once (SIGKILL), containerd and its shims stop; ``while_down`` then erases
+        what a reboot erases besides (a tmpfs's files, GPU state); containerd and the kubelet
+        start again, and the kubelet starts the node's pods anew. (The host's own state, its
+        network namespaces and mounts, is left to the kubelet and containerd to clean.)"""
+        self.procs["kubelet"].stop()
+        for task in self.ctr("tasks", "ls", "-q", check=False).stdout.split():
+            self.ctr("tasks", "kill", "-s", "SIGKILL", task, check=False)
+        time.sleep(0.5)
+        self.procs["containerd"].stop()
+        for pid in _pids_of(self.bin("containerd-shim-runc-v2")):
+            _kill(pid, 5.0)
+        if while_down is not None:
+            while_down()
+        self._start_containerd()
+        self._start_kubelet()
+
     # -- stop ----------------------------------------------------------------------------
 
     def stop(self) -> list[str]:

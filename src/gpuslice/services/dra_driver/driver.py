@@ -8,6 +8,7 @@ import threading
 import time
 import uuid as uuidlib
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 from gpuslice.adapters.dra.cdi import CdiSpecs
@@ -67,10 +68,65 @@ class DraDriver:
         adopted = self.effects.adopt_mps(mps_targets(devices))
         if adopted:
             log.info("adopted the MPS daemons of %s", ", ".join(adopted))
+        self.restore()
         if self.features is None:
             self.features = detect_features(self.api, self.cfg.driver, self.cfg.node)
         self.allocator_fresh = self._lease_fresh()
         self.publish()
+
+    def restore(self) -> dict[str, str]:
+        """At start, make what every prepared claim (its checkpoint entry COMPLETED) needs
+        exist again: its CDI spec, MIG instances it made, the MPS daemons of its shares with
+        their ceilings, a time-slice it set. A reboot erases all of them (/var/run/cdi is a
+        tmpfs, the GPU loses its instances and daemons) while the checkpoint survives, and
+        the kubelet, whose own checkpoint says the claims are prepared, may not ask again:
+        its pods would then fail on CDI devices that do not resolve. Each effect is
+        idempotent, so a restart without a reboot changes nothing. A claim whose effects
+        cannot be made again is said loudly (a log line and a Warning Event on the node);
+        its entry stays for the kubelet's unprepare. Returns claim UID -> error."""
+        failed: dict[str, str] = {}
+        restored = 0
+        if self.cfg.mps_host and any(
+                mps_targets(e.get("devices") or []) for e in self.checkpoint.claims.values()):
+            self._wait_for_mps_host()
+        with self._lock:
+            for uid, entry in sorted(self.checkpoint.claims.items()):
+                if entry.get("state") != COMPLETED:
+                    continue  # a prepare cut short: the kubelet retries it
+                c = ClaimRef(str(entry.get("namespace")), uid, str(entry.get("name")))
+                try:
+                    devices = [self.effects.make(c, e) for e in entry["devices"]]
+                    if devices:
+                        self.cdi.write(uid, devices)
+                    restored += 1
+                except (GpusliceError, ValueError, KeyError, TypeError, OSError) as exc:
+                    failed[uid] = str(exc)
+        if restored:
+            log.info("restored the effects of %d prepared claim(s) (CDI specs, MIG instances, "
+                     "MPS daemons)", restored)
+        for uid, why in failed.items():
+            entry = self.checkpoint.claims[uid]
+            msg = (f"claim {entry.get('namespace')}/{entry.get('name')} ({uid}) was prepared "
+                   f"before this start but cannot be restored: {why}; its pods' containers "
+                   "cannot start until it is unprepared and prepared again")
+            log.error("%s", msg)
+            self.problems.append(msg)
+            self.event("ClaimNotRestored", msg)
+        return failed
+
+    def _wait_for_mps_host(self, timeout_s: float = 60.0) -> None:
+        """After a reboot the MPS host's pod starts beside this one: give it time to answer
+        (its heartbeat) before the shares' daemons are asked of it."""
+        from gpuslice.adapters.mps.host import HEARTBEAT_STALE_S, read_heartbeat
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            beat = read_heartbeat(Path(self.cfg.mps_pipe_dir))
+            if beat is not None and self.wall() - beat.time <= HEARTBEAT_STALE_S:
+                return
+            time.sleep(0.5)
+        log.warning("no MPS host answered within %g s: the shares' daemons may not start",
+                    timeout_s)
 
     def modes(self) -> dict[str, str]:
         out = {}
