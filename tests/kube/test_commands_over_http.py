@@ -63,7 +63,8 @@ def test_node_agent_and_leader_elected_extenders_as_deployed(rest: RestApiServer
             time.sleep(1.0)
             run("node-agent", "--node", "n1", "--key-file", str(tmp_path / "key"), "--fake-gpus",
                 str(tmp_path / "inv.yaml"), "--socket-dir", d, "--replicas", "4",
-                "--metrics", "off", "--no-mps", token="sa:gpuslice-system:gpuslice-node-agent")
+                "--metrics", "off", "--no-mps", "--pod-resources-socket", "off",
+                token="sa:gpuslice-system:gpuslice-node-agent")  # no kubelet's PodResources here
             assert kubelet.registered.wait(30)
             labels = rest.get_node("n1")["metadata"].get("labels") or {}
             assert wait_for(lambda: (rest.get_node("n1")["metadata"].get("labels") or {})

@@ -186,3 +186,42 @@ def test_an_mps_daemon_that_does_not_quit_keeps_its_folders(tmp_path: Path) -> N
     assert sorted(removed) == [str(pipe / "GPU-bbb"), str(pipe / "GPU-bbb.log")]
     assert (pipe / "GPU-aaa").is_dir() and (shm / "cuda.shm.1").exists()
     assert any("MPS daemon for GPU-aaa left running" in p for p in agent.problems)
+
+
+def test_a_migration_between_installs_leaves_the_node_served(tmp_path: Path) -> None:
+    """Moving from one install to another (kustomize to Helm): the old DaemonSet is deleted
+    while the new one's agent already serves the node. The old agent does not take the
+    node's labels, inventory and totals off (the new agent serves it), and an agent whose
+    publication is gone anyway (an old version's cleanup) publishes it again."""
+    from gpuslice.services.node_cleanup import check_uninstall, clean_node, other_agent
+
+    api = FakeApiServer()
+    api.add_node({"metadata": {"name": "n1"}})
+    old = api.add_pod({"metadata": {
+        "name": "agent-old", "namespace": "gpuslice-system",
+        "labels": {"app.kubernetes.io/name": "gpuslice-node-agent"},
+        "ownerReferences": [{"apiVersion": "apps/v1", "kind": "DaemonSet",
+                             "name": "gpuslice-node-agent", "uid": "u-old",
+                             "controller": True}]}, "spec": {"nodeName": "n1"}})
+    agent = NodeAgent(PluginConfig("n1", tmp_path, KEY, replicas=2), FakeNvml([GPU]), api)
+    assert agent.publish()
+    # alone on the node, its DaemonSet gone: an uninstall
+    assert check_uninstall(api, "gpuslice-system", "agent-old")[0] is True
+    api.add_pod({"metadata": {
+        "name": "agent-new", "namespace": "gpuslice", "labels": {
+            "app.kubernetes.io/name": "gpuslice-node-agent"},
+        "ownerReferences": [{"apiVersion": "apps/v1", "kind": "DaemonSet",
+                             "name": "gpuslice-node-agent", "uid": "u-new",
+                             "controller": True}]}, "spec": {"nodeName": "n1"},
+        "status": {"phase": "Running"}})
+    assert other_agent(old, api.list_pods(node="n1")) == "gpuslice/agent-new"
+    verdict, why = check_uninstall(api, "gpuslice-system", "agent-old")
+    assert verdict is False and "gpuslice/agent-new serves this node" in why
+    # an old version's agent cleaned the node anyway: the serving agent publishes again
+    clean_node(api, "n1")
+    assert "gpuslice.io/inventory" not in (api.get_node("n1")["metadata"].get("annotations")
+                                           or {})
+    assert agent.check_published() is True and agent.check_published() is False
+    node = api.get_node("n1")
+    assert "gpuslice.io/inventory" in node["metadata"]["annotations"]
+    assert node["status"]["capacity"]["gpuslice.io/gpu-milli"] == "1000"

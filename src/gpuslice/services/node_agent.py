@@ -168,6 +168,10 @@ class NodeAgent(MigLayouts):
         # reboot): tried again this often, and the GPUs served once it answers
         self.nvml_retry_s = 10.0
         self._nvml_tried = 0.0
+        # what it published, checked this often: another install's agent cleaning the node
+        # on its way out (a migration) removes it, and nothing else would publish it again
+        self.recheck_s = 60.0
+        self._rechecked = time.monotonic()
         self.restart_needed = ""  # why the agent stopped to be started again (exit 1)
 
     def registration_failed(self, resource: str, message: str) -> None:
@@ -336,6 +340,22 @@ class NodeAgent(MigLayouts):
                         mib += share.memory_mib
         return milli, mib
 
+    def check_published(self) -> bool:
+        """Publish again when the node lacks the inventory or the totals this agent put there
+        (another install's agent took them off on its way out: a migration from kustomize to
+        Helm); whether it did. An API error is left to the next check."""
+        try:
+            node = self.api.get_node(self.cfg.node)
+        except GpusliceError:
+            return False
+        ann = (node.get("metadata") or {}).get("annotations") or {}
+        capacity = (node.get("status") or {}).get("capacity") or {}
+        if INVENTORY in ann and GPU_MILLI in capacity:
+            return False
+        log.warning("the node lacks what this agent published (another agent's cleanup?): "
+                    "publishing it again", extra={"event": "republish"})
+        return self.publish()
+
     def health_step(self, timeout_s: float) -> None:
         """Take NVML events for up to ``timeout_s``; recover GPUs that stayed quiet."""
         try:
@@ -416,6 +436,9 @@ class NodeAgent(MigLayouts):
             self.health_step(self.poll_s)
             # NVML without GPUs (or a failing event set) answers at once: no busy loop
             self._stop.wait(max(0.0, self.poll_s - (time.monotonic() - started)))
+            if time.monotonic() - self._rechecked >= self.recheck_s:
+                self._rechecked = time.monotonic()
+                self.check_published()
             if time.monotonic() - self._nvml_tried >= self.nvml_retry_s:
                 self._nvml_tried = time.monotonic()
                 self.retry_nvml()

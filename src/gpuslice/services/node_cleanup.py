@@ -146,9 +146,32 @@ def uninstall_verdict(pod: dict[str, Any],
     return False, f"{what} is still there (a rolling update or a restart)"
 
 
+AGENT_POD_LABEL = ("app.kubernetes.io/name", "gpuslice-node-agent")  # every install path's
+
+
+def other_agent(pod: dict[str, Any], pods: list[dict[str, Any]]) -> str:
+    """Another node agent serving the node of ``pod`` (``namespace/name``), or "": a live
+    pod of any install's agent DaemonSet there (a migration from kustomize to Helm, a
+    renamed DaemonSet) that is not this one and not being deleted."""
+    me = (pod.get("metadata") or {}).get("uid")
+    key, value = AGENT_POD_LABEL
+    for p in pods:
+        meta = p.get("metadata") or {}
+        if meta.get("uid") == me or meta.get("deletionTimestamp"):
+            continue
+        if (meta.get("labels") or {}).get(key) != value or owner_daemonset(p) is None:
+            continue
+        if (p.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
+            continue
+        return f"{meta.get('namespace')}/{meta.get('name')}"
+    return ""
+
+
 def check_uninstall(api: NodeCleanupPort, namespace: str, pod_name: str) -> tuple[bool, str]:
-    """:func:`uninstall_verdict` for the pod ``namespace/pod_name``, read from the API server.
-    An error (the pod already gone, RBAC) is a no: the node keeps everything."""
+    """:func:`uninstall_verdict` for the pod ``namespace/pod_name``, read from the API server;
+    an uninstall while another agent serves the node (:func:`other_agent`) is not one for
+    the node: that agent keeps what it published. An error (the pod already gone, RBAC) is a
+    no: the node keeps everything."""
     try:
         pod = api.get_pod(namespace, pod_name)
         owner = owner_daemonset(pod)
@@ -158,9 +181,16 @@ def check_uninstall(api: NodeCleanupPort, namespace: str, pod_name: str) -> tupl
                 daemonset = api.get_daemonset(namespace, owner[0])
             except ApiNotFound:
                 daemonset = None
+        verdict, why = uninstall_verdict(pod, daemonset)
+        if verdict:
+            node = str((pod.get("spec") or {}).get("nodeName") or "")
+            other = other_agent(pod, api.list_pods(node=node)) if node else ""
+            if other:
+                return False, (f"{why}, but the node agent {other} serves this node: it keeps "
+                               "what it published")
     except GpusliceError as exc:
         return False, f"cannot tell whether the agent is being uninstalled: {exc}"
-    return uninstall_verdict(pod, daemonset)
+    return verdict, why
 
 
 def clean_nodes(api: NodeCleanupPort, names: list[str] | None) -> list[NodeCleanup]:
