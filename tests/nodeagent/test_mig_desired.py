@@ -71,3 +71,27 @@ def test_the_agents_loop_goes_on_past_whatever_a_layout_step_raises(
     assert not done.is_alive() and len(calls) == 2
     assert any("MIG layouts: AttributeError" in p for p in a.problems)
     assert json.dumps(a.problems)  # plain strings
+
+
+def test_a_pod_holding_an_assignment_on_the_gpu_holds_the_layout_back(tmp_path: Path) -> None:
+    """The gate counts pods, not only processes: a pod bound to the GPU's 3g instance while
+    the controller's cordon was reaching the extender, or one still loading its model, has
+    no CUDA context yet; the new layout waits until it is gone, instead of taking its
+    instance away (before, with no process on the GPU, the layout changed under it)."""
+    from gpuslice.adapters.kube.annotation import encode
+    from gpuslice.core.assignment import Assignment, ContainerAssignment, GpuShare, Mode, sign
+
+    api, a = agent(tmp_path)
+    p = api.add_pod({"metadata": {"name": "loading", "namespace": "ml"},
+                     "spec": {"nodeName": "n1", "containers": [{"name": "main"}]}})
+    held = Assignment("ml", "loading", p["metadata"]["uid"], "n1", (ContainerAssignment(
+        "main", Mode.MIG, (GpuShare("GPU-n1", 428, 40192, "3g.40gb", 4),)),), "t1")
+    api.patch_pod_annotations("ml", "loading", {"gpuslice.io/assignment": encode(
+        sign(held, KEY))}, p["metadata"]["resourceVersion"])
+    api.patch_node("n1", {}, {MIG_DESIRED: json.dumps({"GPU-n1": "7g.80gb@0"})})
+    report = a.reconcile_layouts()["GPU-n1"]
+    assert report["state"] == "pending" and "ml/loading" in report["message"]
+    assert sorted(a.nvml.mig_layout("GPU-n1")) == START  # untouched
+    api.set_pod_status("ml", "loading", {"phase": "Succeeded"})  # gone: the layout follows
+    assert a.reconcile_layouts()["GPU-n1"]["state"] == "success"
+    assert a.nvml.mig_layout("GPU-n1") == [("7g.80gb", 0)]

@@ -37,6 +37,7 @@ from gpuslice.adapters.mps.host import (
 )
 from gpuslice.adapters.mps.keeper import MpsDaemons
 from gpuslice.adapters.nvml.port import NvmlError, NvmlPort
+from gpuslice.core.assignment import Assignment
 from gpuslice.core.devices import inventory, node_labels
 from gpuslice.core.errors import GpusliceError, note_once
 from gpuslice.services.device_plugin import (
@@ -317,11 +318,23 @@ class NodeAgent(MigLayouts):
         sick = {g.uuid for g in self.nvml.devices() if g.uuid in self._last_error}
         if not sick:
             return 0, 0
+        milli = mib = 0
+        for a in self.live_assignments():
+            for c in a.containers:
+                for share in c.gpus:
+                    if share.uuid in sick:
+                        milli += share.milli
+                        mib += share.memory_mib
+        return milli, mib
+
+    def live_assignments(self) -> list[Assignment]:
+        """The verified assignments of this node's pods that have not finished, as the API
+        server has them now (pods bound but not started, still pulling or loading, count)."""
         from gpuslice.adapters.kube.annotation import AnnotationError, decode
         from gpuslice.adapters.kube.objects import pod_finished
         from gpuslice.core.assignment import ANNOTATION, verify_any
 
-        milli = mib = 0
+        out = []
         keys = (self.cfg.key, *self.cfg.previous_keys)
         for p in self.api.list_pods(node=self.cfg.node):
             text = ((p.get("metadata") or {}).get("annotations") or {}).get(ANNOTATION)
@@ -331,14 +344,9 @@ class NodeAgent(MigLayouts):
                 a = decode(str(text))
             except AnnotationError:
                 continue
-            if a.node != self.cfg.node or not verify_any(a, keys):
-                continue
-            for c in a.containers:
-                for share in c.gpus:
-                    if share.uuid in sick:
-                        milli += share.milli
-                        mib += share.memory_mib
-        return milli, mib
+            if a.node == self.cfg.node and verify_any(a, keys):
+                out.append(a)
+        return out
 
     def check_published(self) -> bool:
         """Publish again when the node lacks the inventory or the totals this agent put there

@@ -11,6 +11,7 @@ from typing import Any
 
 from gpuslice.adapters.kube.fake import ApiNotFound, KubePort
 from gpuslice.adapters.nvml.port import NvmlError, NvmlPort
+from gpuslice.core.assignment import Assignment
 from gpuslice.core.errors import GpusliceError, note_once
 from gpuslice.services.device_plugin import DevicePlugin, PluginConfig
 
@@ -33,6 +34,21 @@ class MigLayouts:
 
     def publish(self) -> bool:
         raise NotImplementedError  # the agent's
+
+    def live_assignments(self) -> list[Assignment]:
+        raise NotImplementedError  # the agent's
+
+    def _holders(self, gpu: str) -> list[str]:
+        """The pods (``ns/name``) whose live assignment is on GPU ``gpu``: a pod bound while
+        the controller's cordon was reaching the extender, or one still pulling its image or
+        loading a model (no CUDA context yet), is not among NVML's processes, and changing
+        the layout under it would take its instance away. An unreadable API counts as
+        busy."""
+        try:
+            return [f"{a.namespace}/{a.pod}" for a in self.live_assignments()
+                    if gpu in a.gpu_uuids()]
+        except GpusliceError as exc:
+            return [f"(the node's pods cannot be read: {exc})"]
 
     def _desired_layouts(self, node: dict[str, Any]) -> dict[str, str]:
         """The layouts the reconfiguration controller asks of this node's GPUs (its
@@ -90,9 +106,12 @@ class MigLayouts:
             want = desired.get(g.uuid)
             if want is not None and want != text:
                 busy = self.nvml.clients(g.uuid)
-                if busy:
+                holders = self._holders(g.uuid)
+                if busy or holders:
                     state = "pending"
-                    message = f"{busy} process(es) use the GPU; waiting until it is idle"
+                    message = (f"{busy} process(es) use the GPU; waiting until it is idle"
+                               if busy else f"{len(holders)} pod(s) hold assignments on the "
+                               f"GPU ({', '.join(holders[:3])}); waiting until they are gone")
                 else:
                     try:
                         for ch in layout_changes(current, parse_layout(geo, want)):
