@@ -1,8 +1,11 @@
 #!/usr/bin/env python3
-"""Write docs/index.md, the site's front page, from README.md (links made relative to docs/).
+"""Write the site's pages that mirror files outside docs/: docs/index.md, the front page, from
+README.md, and docs/install.md, the install guide, from deploy/README.md (links made relative
+to docs/).
 
-README.md is the one to edit; tests/cli/test_readme_commands.py checks that docs/index.md is
-what this script writes. Run it after changing README.md: ``python scripts/sync-docs-index.py``.
+README.md and deploy/README.md are the ones to edit; tests/cli/test_readme_commands.py checks
+that both pages are what this script writes. Run it after changing either:
+``python scripts/sync-docs-index.py``.
 """
 
 from __future__ import annotations
@@ -12,19 +15,29 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTE = "<!-- written from README.md by scripts/sync-docs-index.py: edit README.md -->\n"
+INSTALL_NOTE = ("<!-- written from deploy/README.md by scripts/sync-docs-index.py: edit "
+                "deploy/README.md -->\n")
 
 
 def index_from_readme(readme: str) -> str:
     text = readme.replace("](docs/", "](").replace("[docs/", "[")
-    # outside docs/ there is no page to link to: name the file instead
-    text = text.replace("[deploy/README.md](deploy/README.md)", "`deploy/README.md`")
+    # the install guide is on the site as install.md
+    text = text.replace("[deploy/README.md](deploy/README.md)", "[deploy/README.md](install.md)")
     return NOTE + text
 
 
+def install_from_deploy_readme(guide: str) -> str:
+    """deploy/README.md as docs/install.md: its links to ../docs/PAGE become PAGE."""
+    return INSTALL_NOTE + guide.replace("](../docs/", "](")
+
+
 def main() -> int:
-    out = ROOT / "docs" / "index.md"
-    out.write_text(index_from_readme((ROOT / "README.md").read_text()))
-    print(f"wrote {out.relative_to(ROOT)}", file=sys.stderr)
+    pages = {ROOT / "docs" / "index.md": index_from_readme((ROOT / "README.md").read_text()),
+             ROOT / "docs" / "install.md": install_from_deploy_readme(
+                 (ROOT / "deploy" / "README.md").read_text())}
+    for out, text in pages.items():
+        out.write_text(text)
+        print(f"wrote {out.relative_to(ROOT)}", file=sys.stderr)
     return 0
 
 

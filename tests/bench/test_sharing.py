@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from gpuslice.cli import main
+from gpuslice.core import catalog
 from gpuslice.core.errors import ValidationError
 
 FAKE = ["--fake-timer", "resnet50@H100-SXM", "--workload", "tiny", "--warmup-s", "0.2",
@@ -148,7 +149,7 @@ def test_each_mode_runs_as_often_as_asked_and_gpuslice_slices_are_capped(
     for mode, envs in calls:
         if mode == "gpuslice":
             assert [e["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] for e in envs] == ["25"] * 4
-            mib = sharing.FAKE_GPU_MIB // 4
+            mib = catalog.resolve("H200").memory_mib // 4  # the named GPU's memory
             assert {e["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] for e in envs} == {f"0={mib}M"}
         else:
             assert not any("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT" in e for e in envs)

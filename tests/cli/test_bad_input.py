@@ -93,8 +93,8 @@ def test_plan_malformed_yaml_names_the_file_and_line(
 def test_plan_unwritable_export_is_refused_before_planning(
         files: dict[str, Path], capsys: pytest.CaptureFixture[str], no_work: None) -> None:
     base = ["plan", "--profiles", str(files["prof"]), "--services", str(files["svc"])]
-    code, err = run([*base, "--export", str(files["file"] / "x")], capsys)
-    assert code == 2 and "--export: expected a folder that can be created and written" in err
+    code, err = run([*base, "--out", str(files["file"] / "x")], capsys)
+    assert code == 2 and "--out: expected a folder that can be created and written" in err
     assert str(files["file"] / "x") in err
     code, err = run([*base, "--write-json", str(files["file"] / "plan.json")], capsys)
     assert code == 2 and "--write-json: expected a file that can be written" in err

@@ -67,19 +67,32 @@ def test_help_lists_the_builtin_names(capsys: pytest.CaptureFixture[str]) -> Non
 def test_missing_inputs_name_the_option_and_the_example(
         capsys: pytest.CaptureFixture[str]) -> None:
     code, err = run(["plan", "--scenario", "1"], capsys)
-    assert code == 2 and "--profiles: expected a profile folder or CSV, builtin:a100-80gb" \
-        in err and "or --example" in err
+    assert code == 2 and "--profiles is missing: expected a profile folder or CSV, " \
+        "builtin:a100-80gb" in err and "or --example" in err
     code, err = run(["replan", "--profiles", "builtin:a100-80gb"], capsys)
-    assert code == 2 and "--current: expected the plan in force" in err
+    assert code == 2 and "--current is missing: expected the plan in force" in err
 
 
 def test_simulate_unknown_variant_without_data_names_embedded(
         capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 54: without the trace, the error names its public source, the exact files, the
+    terms, and a command that fetches them."""
     code, err = run(["simulate", "--variant", "default", "--no-plot"], capsys)
     assert code == 2
-    assert err.startswith("gpuslice: error: --variant: expected embedded (shipped with "
-                          "gpuslice) or a trace variant of the shared data folder")
-    assert err.endswith("got 'default'")
+    assert err.startswith("gpuslice: error: --variant default: the Alibaba GPU-sharing trace")
+    assert "https://github.com/alibaba/clusterdata/tree/HEAD/cluster-trace-gpu-v2023" in err
+    assert "csv/openb_node_list_gpu_node.csv and csv/openb_pod_list_default.csv" in err
+    assert "research and study use" in err and "curl -fsSLo" in err
+    assert "export GPUSLICE_DATA=" in err and "--variant embedded" in err
+
+
+def test_the_help_examples_compare_says_where_its_files_come_from(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    code, err = run(["simulate", "--variant", "embedded", "--seeds", "42", "--policy", "fgd",
+                     "--compare", "--no-plot"], capsys)
+    assert code == 2
+    assert "kubernetes-scheduler-simulator" in err and "analysis_allo_discrete.csv" in err
+    assert "Apache-2.0" in err and "curl -fsSLo" in err
 
 
 def test_simulate_variant_embedded_runs(tmp_path: Path,

@@ -153,10 +153,17 @@ def parse(argv: list[str]) -> argparse.Namespace:
      ["dra-allocator", "--lease", "ns/l"], "lease", "ns/l"),
     (["dra-allocator", "--lease-name", "l"],
      ["dra-allocator", "--lease", "gpuslice-system/l"], "lease", "gpuslice-system/l"),
+    # issue 54: an output folder is --out, a listening address --listen/--admin HOST:PORT
+    (["plan", "--export", "d"], ["plan", "--out", "d"], "out", Path("d")),
+    (["replan", "--export", "d"], ["replan", "--out", "d"], "out", Path("d")),
+    (["up", "s.yaml", "--port", "9000", "--admin-port", "9001"],
+     ["up", "s.yaml", "--listen", "127.0.0.1:9000", "--admin", "127.0.0.1:9001"], "listen",
+     "127.0.0.1:9000"),
 ], ids=["status --json", "reconfig plan --json", "plan --json", "replan --json",
         "node-agent --fake", "dra-driver --fake", "mig-apply --fake",
         "dra-driver --allocator-lease", "dra-allocator --lease-namespace/--lease-name",
-        "dra-allocator --lease-name"])
+        "dra-allocator --lease-name", "plan --export", "replan --export",
+        "up --port/--admin-port"])
 def test_old_spellings_work_with_a_deprecation_note(
         old: list[str], new: list[str], attr: str, value: object,
         capsys: pytest.CaptureFixture[str]) -> None:
@@ -181,6 +188,17 @@ def test_old_spellings_are_not_in_the_help(path: tuple[str, ...]) -> None:
     for old in ("--json ", "--json\n", "--fake ", "--fake\n", "--allocator-lease",
                 "--lease-name", "--lease-namespace"):
         assert old not in text, (path, old)
+
+
+@pytest.mark.parametrize(("path", "olds"), [
+    (("plan",), ("--export",)), (("replan",), ("--export",)),
+    (("up",), ("--port", "--admin-port")), (("router",), ("--kube-api",))],
+    ids=["plan", "replan", "up", "router"])
+def test_issue_54_old_spellings_are_hidden(path: tuple[str, ...], olds: tuple[str, ...],
+                                           ) -> None:
+    usage = dict(ALL)[path].format_help()
+    for old in olds:
+        assert re.search(rf"{old}\b(?!-)", usage) is None, (path, old)
 
 
 def test_plan_write_json_and_the_old_json(tmp_path: Path,

@@ -131,7 +131,7 @@ def mig_config(entries: str, version: str = "v1") -> str:
      "mig-configs.c[0].mig-devices[1g.10gb]", "at most 7"),
     (mig_config("  - devices: all\n    mig-devices: {1g.10gb: 1}\n", "v2"),
      "version", "v1"),
-    ("mig-configs:\n  c: []\n", "version", "v1"),
+    ("mig-configs:\n  c: []\n", "version is missing:", "v1"),  # said in words, no None
     ("version: v1\nmig-configs:\n  c: abc\n", "mig-configs.c", "a list of entries"),
     ("- 1\n", "", "a mig-parted config"),
 ])
@@ -144,7 +144,8 @@ def test_a_bad_mig_parted_config_names_the_file_and_field(
     assert main(["mig-apply", str(mp), "--config", "c", "--dry-run", "--fake-gpus",
                  str(tmp_path / "inv.yaml")]) == 2
     line = error_line(capsys)
-    assert f"{mp}: {field}: expected {expected}" in line if field else \
+    sep = " " if field.endswith(":") else ": "
+    assert f"{mp}: {field}{sep}expected {expected}" in line if field else \
         f"{mp}: expected {expected}" in line, line
 
 

@@ -64,7 +64,7 @@ def test_a_number_that_is_not_one_is_refused_naming_the_field(
 def test_a_service_name_must_be_a_dns_label_that_fits_its_deployments(
         tmp_path: Path, name: str, capsys: pytest.CaptureFixture[str]) -> None:
     svc = _svc(tmp_path, f"{{name: {name}, model: resnet50, rate: 5, slo_ms: 150}}")
-    assert main([*PLAN, "--services", str(svc), "--export", str(tmp_path / "out")]) == 2
+    assert main([*PLAN, "--services", str(svc), "--out", str(tmp_path / "out")]) == 2
     assert "field 'name': expected a DNS-1123 label of at most 40 characters" in \
         _error(capsys)
     assert not (tmp_path / "out" / "manifests.yaml").exists()
@@ -76,7 +76,7 @@ def test_good_names_pass_and_name_the_deployments(tmp_path: Path) -> None:
     svc.write_text(f"- {{name: {longest}, model: resnet50, rate: 5, slo_ms: 150}}\n"
                    "- {model: vgg19, rate: 5, slo_ms: 300}\n")  # no name: the model's
     assert [s.name for s in read_services(svc)] == [longest, "vgg19"]
-    assert main([*PLAN, "--services", str(svc), "--export", str(tmp_path / "out")]) == 0
+    assert main([*PLAN, "--services", str(svc), "--out", str(tmp_path / "out")]) == 0
     names = [line.split()[-1] for line in
              (tmp_path / "out" / "manifests.yaml").read_text().splitlines()
              if line.startswith("  name: ")]
@@ -148,9 +148,9 @@ def test_an_export_that_cannot_be_written_writes_nothing(
         tmp_path: Path, command: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "exp"
     (out / "manifests.yaml").mkdir(parents=True)
-    assert main([*command, "--export", str(out)]) == 2
+    assert main([*command, "--out", str(out)]) == 2
     err = _error(capsys)
-    assert "--export: expected a folder where manifests.yaml can be written" in err
+    assert "--out: expected a folder where manifests.yaml can be written" in err
     assert sorted(p.name for p in out.iterdir()) == ["manifests.yaml"]
 
 

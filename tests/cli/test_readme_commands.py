@@ -71,8 +71,10 @@ EXPECTED: dict[str, list[str]] = {
 
 
 def documents() -> list[Path]:
-    """README.md, then the docs/ pages by name (not index.md, README's mirror)."""
-    return [README, *sorted(p for p in DOCS.glob("*.md") if p.name != "index.md")]
+    """README.md, then the docs/ pages by name (not index.md and install.md, README's and
+    deploy/README.md's mirrors: the install guide's commands need a cluster)."""
+    return [README, *sorted(p for p in DOCS.glob("*.md")
+                            if p.name not in ("index.md", "install.md"))]
 
 
 def shell_blocks(text: str) -> list[tuple[int, str]]:
@@ -205,6 +207,29 @@ def test_docs_index_is_the_readme_with_its_links_for_docs() -> None:
         "docs/index.md is stale: run python scripts/sync-docs-index.py"
     links = re.findall(r"\]\(([^)#]+)", want)
     assert all((DOCS / link).is_file() for link in links if "://" not in link), links
+
+
+def test_the_install_guide_is_on_the_site() -> None:
+    """Issue 54: deploy/README.md is the site's install.md (what scripts/sync-docs-index.py
+    writes, its links to the docs pages made relative to docs/), in mkdocs.yml's nav, and the
+    front page links to it."""
+    import importlib.util
+
+    import yaml
+
+    spec = importlib.util.spec_from_file_location("sync_docs_index",
+                                                  ROOT / "scripts" / "sync-docs-index.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    want = module.install_from_deploy_readme((ROOT / "deploy" / "README.md").read_text())
+    assert (DOCS / "install.md").read_text() == want, \
+        "docs/install.md is stale: run python scripts/sync-docs-index.py"
+    links = re.findall(r"\]\(([^)#]+)", want)
+    assert all((DOCS / link).is_file() for link in links if "://" not in link), links
+    nav = yaml.safe_load((ROOT / "mkdocs.yml").read_text())["nav"]
+    assert any(isinstance(item, dict) and "install.md" in item.values() for item in nav), nav
+    assert "[deploy/README.md](install.md)" in (DOCS / "index.md").read_text()
 
 
 @pytest.mark.slow

@@ -33,3 +33,20 @@ def test_an_event_added_while_printing_is_printed_at_the_next_tick(
     out = capsys.readouterr().out
     assert out.count("killed demo/r-0") == 1, out
     assert out.count("container of demo/r-0 exited") == 1, out
+
+
+def test_an_install_hint_keeps_its_extra_on_the_terminal(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 54: ``pip install '/src/gpuslice[gpu]'`` in an event is printed as written (rich
+    took ``[gpu]`` for markup and dropped it), by the line printer and by the live view."""
+    from rich.console import Console
+
+    log = EventLog()
+    text = "nvidia-ml-py is not installed: pip install '/src/gpuslice[gpu]'"
+    log.add("node", text)
+    display = Display(SimpleNamespace(log=log, phases=[], samples=[]), live=False)  # type: ignore[arg-type]
+    display.tick()
+    assert text in capsys.readouterr().out
+    console = Console(width=200, record=True)
+    console.print(display.render())
+    assert text in console.export_text()

@@ -51,3 +51,29 @@ def test_without_gpus_the_demo_says_every_gpu_is_simulated(monkeypatch) -> None:
     assert local_nvml(log) is None
     assert "libnvidia-ml.so is not on this node" in log.events[-1].text
     assert "every GPU is simulated" in log.events[-1].text
+
+
+def test_a_node_has_joined_once_its_gpus_are_published(tmp_path: Path,
+                                                        monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Issue 54: "h100-1 joined" was followed by the extender's "h100-1: node has no GPU", as
+    the agent had not yet written the node's inventory; the demo says a node joined once it
+    has (here the API server is slow to take the agent's write)."""
+    from gpuslice.adapters.kube.fake import FakeApiServer
+
+    slow = FakeApiServer.patch_node
+
+    def patch_node(self, name, labels, annotations):  # type: ignore[no-untyped-def]
+        if "gpuslice.io/inventory" in annotations:
+            time.sleep(0.5)
+        slow(self, name, labels, annotations)
+
+    monkeypatch.setattr(FakeApiServer, "patch_node", patch_node)
+    c = Cluster(tmp_path / "c", uuid.uuid4().hex[:8], b"local-node-test-key-0123456",
+                EventLog(), runtime=InProcessRuntime(), agent_poll_s=0.1)
+    (tmp_path / "c").mkdir()
+    try:
+        c.add_node(NodeSpec("late", ("H100-SXM",) * 2))
+        ann = c.api.get_node("late")["metadata"].get("annotations") or {}
+        assert ann.get("gpuslice.io/inventory"), ann
+    finally:
+        c.stop()

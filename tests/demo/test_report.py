@@ -79,3 +79,19 @@ def test_the_page_has_no_python_reprs(tmp_path: Path) -> None:
     assert "Measured window: 11.7 s to 48.4 s after the start (37 s" in text
     assert "|yes|" in text and "|200|" in text
     assert Image.open(tmp_path / "latency.png").size[0] > 1000
+
+
+def test_minor_ticks_of_a_narrow_latency_axis_are_plain_numbers() -> None:
+    """Issue 54: p99 between 60 and 200 ms spans less than a decade, so matplotlib labels minor
+    ticks, which its own log formatter writes as 2x10^2 and 6x10^1."""
+    rng = np.random.default_rng(2)
+    samples = [Sample(s.name, float(t), float(rng.uniform(0.06, 0.2)), 200)
+               for s in SERVICES for t in np.arange(11.7, 48.4, 0.05)]
+    fig = _latency_plot(_result(), samples, SERVICES)
+    fig.canvas.draw()
+    top = fig.axes[0]
+    shown = [t.get_text() for t in [*top.get_yticklabels(), *top.get_yticklabels(minor=True)]
+             if t.get_text()]
+    assert len(shown) >= 3, shown
+    for text in shown:
+        assert re.fullmatch(r"\d+(\.\d+)?", text), shown

@@ -111,8 +111,12 @@ def test_https_with_mutual_tls(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("args", "expect"),
-    [(["--tls-cert", "x.pem"], "--tls-cert/--tls-key"), (["--client-ca", "ca.pem"], "--client-ca"),
+    [(["--tls-cert", "x.pem"], "--tls-key is missing: expected a PEM file to go with "
+      "--tls-cert"), (["--client-ca", "ca.pem"], "--client-ca"),
      (["--listen", "nope"], "--listen"),
+     # issue 54: the file that is not there is named, with the option that named it
+     (["--tls-cert", "nofile.crt", "--tls-key", "nokey.key"],
+      "--tls-cert: expected a readable PEM file, got 'nofile.crt: No such file or directory'"),
      ([], "--insecure-no-client-auth")],  # no plain HTTP unless asked for by name
 )
 def test_bad_options(tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str],

@@ -117,7 +117,7 @@ def test_filter_keeps_only_the_policys_choice_and_ties_go_to_a_fixed_node_order(
     want = names[int(np.argmin(tie_order(names)))]
     for asked in (["n3", "n2", "n1"], ["n1", "n3", "n2"]):  # whatever order is asked
         keep, failed = state.filter(first, asked)
-        assert keep == [want] and failed == {}  # every node ties (empty)
+        assert keep == [want] and failed == {}  # every node ties (empty): none is refused
     assert ExtenderState(api, KEY, clock=clock).filter(first, names)[0] == [want]  # restarts
     assert state.bind("default", "first", first["metadata"]["uid"], want) == ""
     # the next share packs next to the first (frag-strand), whatever the order asked in
@@ -133,7 +133,8 @@ def test_filter_keeps_only_the_policys_choice_and_ties_go_to_a_fixed_node_order(
 
 
 def test_the_narrow_filters_one_pass_choice_is_best_over_every_node_that_fits() -> None:
-    """The narrow filter answers in one vectorised pass (``_choose``) with no reasons; it must
+    """The narrow filter answers in one vectorised pass (``_choose``), with reasons for the
+    nodes that do not fit only; it must
     pick what ``best`` picks among the nodes the full per-node filter keeps, whatever the
     fill, the request, the order the names come in and whether they are every node or a few
     (with most nodes asked, the pick among every node is taken when it is a candidate; with
@@ -156,13 +157,16 @@ def test_the_narrow_filters_one_pass_choice_is_best_over_every_node_that_fits() 
         asked = order[: int(rng.integers(2, 10))] if few else order
         asked.append("unknown-node")
         keep, failed = state.filter(p, asked)
-        fit, _ = wide.filter(p, asked)
+        fit, refused = wide.filter(p, asked)
         if not fit:  # nothing fits: the per-node reasons, as without narrowing
             assert keep == [] and set(failed) == set(asked)
             if few:
                 continue
             break
-        assert failed == {} and keep == [state.best(pod_req(p), fit)]
+        # the nodes that cannot hold the pod are refused with the same reasons as without
+        # narrowing (issue 54); only the feasible ones passed over are left out
+        assert failed == refused and "unknown-node" in failed
+        assert keep == [state.best(pod_req(p), fit)]
         every, _ = wide.filter(p, names)
         elsewhere += keep[0] != state.best(pod_req(p), every)
         assert state.bind("default", f"p{k}", p["metadata"]["uid"], keep[0]) == ""
@@ -294,3 +298,33 @@ def test_a_bind_to_a_node_the_pod_no_longer_fits_answers_why_and_does_not_hang()
     assert not t.is_alive(), "the bind hung"
     assert "200 milli free, pod needs 800" in out[0]
     assert state.filter(late, ["a"])[0] == []  # and the state still answers
+
+
+def test_narrow_filter_gives_the_reason_for_every_node_that_cannot_hold_the_pod() -> None:
+    """Issue 54 (kube-scheduler's extender rules): with ``--filter-keeps best`` a node without
+    GPUs, one of another model, one whose agent has not published its GPUs yet and one full
+    are each in the failed nodes with a reason; only the feasible node passed over for the
+    best one is left out of both lists."""
+    api = FakeApiServer()
+    for n in ("a", "b"):
+        api.add_node(node(n))
+    api.add_node(node("cpu-only", gpus=0))
+    api.add_node(node("t4", model="T4"))
+    api.add_node(node("full", gpus=1))
+    fresh = node("fresh")
+    del fresh["metadata"]["annotations"]["gpuslice.io/inventory"]  # joined a moment ago
+    api.add_node(fresh)
+    state = ExtenderState(api, KEY, clock=clock)
+    filler = api.add_pod(pod("filler", milli=1000))
+    assert state.filter(filler, ["full"])[0] == ["full"]
+    assert state.bind("default", "filler", filler["metadata"]["uid"], "full") == ""
+    p = api.add_pod(pod("p", milli=500))
+    p["metadata"]["annotations"]["gpuslice.io/gpu-model"] = "A100-80GB"
+    keep, failed = state.filter(p, ["a", "b", "cpu-only", "t4", "full", "fresh"])
+    assert len(keep) == 1 and keep[0] in ("a", "b")
+    assert set(failed) == {"cpu-only", "t4", "full", "fresh"}
+    assert failed["cpu-only"] == "node has no GPU"
+    assert failed["t4"].startswith("node has T4 GPUs, pod accepts A100-80GB")
+    assert "milli free" in failed["full"]
+    assert failed["fresh"].startswith("node unknown to gpuslice (its node agent has not "
+                                      "published its GPUs yet)")

@@ -175,7 +175,7 @@ SLICE_CASES: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
     "devices a dict": (_set(["spec", "devices"], {"a": 1}),
                        "spec.devices: expected a list, got 'dict'"),
     "a device without a name": (lambda s: s["spec"]["devices"][0].pop("name"),
-                                "device[0] name: expected a non-empty string, got None"),
+                                "device[0] name is missing: expected a non-empty string"),
     "a device that is a string": (_set(["spec", "devices", 1], "gpu-1"),
                                   "device[1]: expected an object, got 'str'"),
     "taints holding a string": (_set(["spec", "devices", 0, "taints"], ["x"]),

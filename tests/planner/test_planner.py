@@ -193,7 +193,7 @@ def test_cli_plan_with_own_files(tmp_path: Path, capsys: pytest.CaptureFixture[s
     ]))
     out = tmp_path / "plan.json"
     code = main(["plan", "--profiles", str(prof), "--services", str(services), "--write-json",
-                 str(out), "--export", str(tmp_path / "exp")])
+                 str(out), "--out", str(tmp_path / "exp")])
     assert code == 1  # a service could not be planned; the rest is, and the files are written
     doc = json.loads(out.read_text())
     assert doc["gpus"] >= 1 and doc["valid"]

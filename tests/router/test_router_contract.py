@@ -414,7 +414,7 @@ def test_cli_router_exports_and_errors(tmp_path: Path, capsys) -> None:  # type:
     assert eps[0]["endpoint"]["address"]["socket_address"] == {"address": "10.0.0.1",
                                                                "port_value": 8000}
     assert main(["router"]) == 2
-    assert "--config: expected a router config" in capsys.readouterr().err
+    assert "--config is missing: expected a router config" in capsys.readouterr().err
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"services": [{"name": "m", "replicas": [{"url": "nope"}]}]}))
     assert main(["router", "--config", str(bad)]) == 2

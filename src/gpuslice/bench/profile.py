@@ -27,6 +27,7 @@ from gpuslice.bench.runner import WorkerSpec, check_seconds, find_gpu, run_toget
 from gpuslice.bench.workloads import check_workload
 from gpuslice.core.errors import GpusliceError, ValidationError
 from gpuslice.core.profiles import ProfilePoint
+from gpuslice.core.speedmodel import parse_fake_timer
 
 COLUMNS = ("model", "gpu", "slice_kind", "slice_size", "batch", "procs", "throughput_rps",
            "latency_ms", "latency_p99_ms")
@@ -60,6 +61,8 @@ class ProfileOptions:
         if self.out.exists() and not self.out.is_file():
             raise ValidationError("--out", "a CSV file (new or one to resume)", str(self.out))
         check_workload(self.workload)
+        if self.fake_timer is not None:
+            parse_fake_timer(self.fake_timer)
 
 
 @dataclass(frozen=True)
@@ -73,8 +76,7 @@ class Slice:
 def _gpu(opts: ProfileOptions) -> tuple[str, str, bool, list[Slice]]:
     """(GPU model name, UUID, MIG enabled, MIG slices that exist) of the GPU to profile."""
     if opts.fake_timer:
-        _, _, gpu = opts.fake_timer.partition("@")
-        return gpu or "H100-SXM", "GPU-fake", False, []
+        return parse_fake_timer(opts.fake_timer)[1], "GPU-fake", False, []
     g = find_gpu(opts.device_index)
     migs = []
     if g.mig_enabled and opts.mig:

@@ -35,12 +35,12 @@ import numpy as np
 
 from gpuslice.adapters.mps import pinned_mem_limit
 from gpuslice.bench.runner import WorkerSpec, check_seconds, find_gpu, run_together
+from gpuslice.core import catalog
 from gpuslice.core.errors import ValidationError
 from gpuslice.core.model import PRIORITIES
 from gpuslice.core.profiles import ProfileSet
 from gpuslice.core.sizing import Tenant, Unsizable, size_slices
-
-FAKE_GPU_MIB = 81_559  # the fake timer's GPU: an H100 80GB's memory as NVML reports it
+from gpuslice.core.speedmodel import parse_fake_timer
 
 
 @dataclass(frozen=True)
@@ -93,6 +93,8 @@ class SharingOptions:
             raise ValidationError("--alloc-mib", "more than --mem-cap-mib", self.alloc_mib)
         if self.device_index < 0:
             raise ValidationError("--device", "a GPU index >= 0", self.device_index)
+        if self.fake_timer is not None:
+            parse_fake_timer(self.fake_timer)
         for p in self.parts:
             if p not in ("throughput", "noisy", "memory"):
                 raise ValidationError("--parts", "throughput, noisy and/or memory", p)
@@ -179,13 +181,14 @@ def run_sharing(opts: SharingOptions,
     run_id = uuid.uuid4().hex[:12]
     res: dict[str, Any] = {"workload": opts.workload, "replicas": opts.replicas,
                            "batch": opts.batch, "fake_timer": bool(opts.fake_timer)}
-    if opts.fake_timer:
-        gpu, gpu_mib = "GPU-fake", FAKE_GPU_MIB
+    if opts.fake_timer:  # the named GPU's model and memory, as the catalogue has them
+        model = catalog.resolve(parse_fake_timer(opts.fake_timer)[1])
+        gpu, gpu_mib, res["gpu_name"] = "GPU-fake", model.memory_mib, model.name
     else:
         dev = find_gpu(opts.device_index)
         gpu, gpu_mib = dev.uuid, dev.memory_mib
         res["gpu_name"] = dev.name
-    res["gpu"] = gpu
+    res["gpu"], res["gpu_memory_mib"] = gpu, gpu_mib
     base = {} if opts.fake_timer else {"CUDA_VISIBLE_DEVICES": gpu}  # every mode, one GPU
     timeslice = {"GPUSLICE_FAKE_MODE": "timeslice"} if opts.fake_timer else base
     with tempfile.TemporaryDirectory(prefix="gsb-") as tmp:
@@ -209,7 +212,7 @@ def run_sharing(opts: SharingOptions,
                 with _Mps(opts, root, f"mps-{k}", gpu) as env:
                     runs["mps"].append(
                         run_together([_spec(opts, opts.batch, env, n)] * n, run_id))
-                say(f"gpuslice slices: {n} replicas at {caps}% threads, {mem_mib} MiB "
+                say(f"gpuslice slices: {n} replicas at {caps[0]}% of the threads, {mem_mib} MiB "
                     f"each{run}")
                 with _Mps(opts, root, f"gpuslice-{k}", gpu) as env:
                     runs["gpuslice"].append(run_together([_spec(opts, opts.batch, {

@@ -69,7 +69,9 @@ def register(sub: Sub) -> None:
                    help="folder for sharing.json and sharing.png (default bench-out)")
     s.add_argument("--fake-timer", metavar="MODEL@GPU",
                    help="no GPU: run the tiny workload timed by the speed model as if on GPU "
-                   "(e.g. resnet50@A100-80GB); stand-in numbers, for trying it and for CI")
+                   "(e.g. resnet50@A100-80GB; MODEL: bert-base, embedder, mobilenet-v3 or "
+                   "resnet50; the slices' memory is GPU's); stand-in numbers, for trying it "
+                   "and for CI")
     s.add_argument("--mps-binary", default="nvidia-cuda-mps-control",
                    help="the MPS control program (default nvidia-cuda-mps-control; tests give "
                    "a stand-in)")
@@ -77,6 +79,7 @@ def register(sub: Sub) -> None:
 
 
 def _bench(args: argparse.Namespace, console: Console) -> int:
+    import contextlib
     import json
 
     from gpuslice.adapters.outputs import check_out_dir, write_files
@@ -101,8 +104,15 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
         alloc_mib=args.alloc_mib, parts=tuple(p.strip() for p in args.parts.split(",")),
         device_index=args.device, repeats=args.repeats,
         noisy_splits=_splits(args.noisy_splits))
+    created = not args.out.exists()
     check_out_dir(args.out, ("sharing.json", "sharing.png"), "--out")  # before the runs
-    res = run_sharing(opts, lambda text: console.print(f"[dim]{text}[/]"))
+    try:
+        res = run_sharing(opts, lambda text: console.print(text, style="dim", markup=False))
+    except BaseException:  # no result: leave no empty folder behind
+        if created:
+            with contextlib.suppress(OSError):
+                args.out.rmdir()
+        raise
     text = json.dumps(res, indent=1)
     write_files({args.out / "sharing.json": lambda path: path.write_text(text),
                  args.out / "sharing.png": lambda path: plot_sharing(res, path)}, "--out")
@@ -111,7 +121,7 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
         thr = res["throughput"]
         g = thr["gpuslice"]
         t = Table(title=f"{args.replicas} x {args.workload} batch {args.batch}, "
-                  f"{args.repeats} run(s) each; gpuslice slices {g['caps']}% threads, "
+                  f"{args.repeats} run(s) each; gpuslice slices {_pcts(g['caps'])} threads, "
                   f"{g['mem_cap_mib']} MiB")
         for col in ("mode", "req/s", "each run", "x one replica", "x time-slicing",
                     "run spread", "per-replica CV", "worst p99 ms"):
@@ -126,7 +136,7 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
                   ("per-replica CV <= 5%", g["cv"] <= 0.05)]
     if "noisy" in res:
         t = Table(title=f"noisy neighbour (solo p99 {res['noisy']['solo_p99_ms']:.2f} ms, "
-                  f"gpuslice caps {res['noisy']['caps']})")
+                  f"gpuslice caps {_pcts(res['noisy']['caps'])})")
         for col in ("mode", "LC p99 ms", "x solo", "BE req/s", "BE x MPS"):
             t.add_column(col, justify="right")
         for m in ("time-slicing", "mps", "gpuslice-caps", "gpuslice"):
@@ -186,3 +196,8 @@ def _splits(text: str) -> tuple[tuple[int, int], ...]:
             raise ValidationError("--noisy-splits", "LC/BE thread percentages such as 50/30",
                                   item)
     return tuple(out)
+
+
+def _pcts(caps: list[int]) -> str:
+    """Thread caps for a title: ``14%`` when they are all alike, ``50%/30%`` else."""
+    return f"{caps[0]}%" if len(set(caps)) == 1 else "/".join(f"{c}%" for c in caps)

@@ -10,7 +10,7 @@ Exit codes, the same for every command (docs/cli.md, "Exit codes"):
       a layout is invalid, a benchmark gate failed, no GPU to act on
 2     usage error or bad input: unknown option, bad value, unreadable or invalid file
       (the message names the option or the file and field, and what was expected)
-3     not running: ``gpuslice status`` with no local mode running
+3     not running: ``gpuslice status`` or ``switch`` with no local mode running
 130   interrupted (Ctrl-C)
 ====  =====================================================================================
 """
@@ -82,6 +82,7 @@ class Parser(argparse.ArgumentParser):
     def parse_known_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
                          namespace: argparse.Namespace | None = None,
                          ) -> tuple[argparse.Namespace, list[str]]:
+        self._given = list(sys.argv[1:] if args is None else args)
         ns, extra = super().parse_known_args(args, namespace)
         if extra:
             self.error(unknown_arguments(self, extra))
@@ -92,7 +93,17 @@ class Parser(argparse.ArgumentParser):
         commands = self._commands()
         if missing and commands is not None and {commands.dest, commands.metavar} & set(
                 missing.group(1).split(", ")):
+            # `gpuslice --nonsense`: the option is named, then the commands
+            unknown = [t for t in getattr(self, "_given", []) if t.startswith("-") and
+                       t.split("=", 1)[0] not in self._option_string_actions]
             message = missing_command(self.prog, commands)
+            if unknown:
+                message = f"{unknown_arguments(self, unknown)}; {message}"
+        choice = re.match(r"argument (\S+): invalid choice: '?([^'\s]*)'?", message)
+        if choice:  # the action it names: "argument --objective" or "argument COMMAND"
+            named = [a for a in self._actions if choice.group(1) in
+                     (*a.option_strings, "/".join(a.option_strings), a.metavar, a.dest)]
+            message += did_you_mean(choice.group(2), named)
         super().error(message)
 
     def _commands(self) -> argparse._SubParsersAction[argparse.ArgumentParser] | None:
@@ -116,6 +127,19 @@ def unknown_arguments(parser: argparse.ArgumentParser, extra: list[str]) -> str:
                 hints.append(f"{text}: did you mean {close[0]}?")
     return f"unrecognized arguments: {' '.join(extra)}" + (f" ({'; '.join(hints)})"
                                                            if hints else "")
+
+
+def did_you_mean(text: str, actions: Sequence[argparse.Action]) -> str:
+    """`` (did you mean simulate?)`` for an invalid choice (a command, or an option's value)
+    close to one of the choices of ``actions``; empty when none is close."""
+    for action in actions:
+        if action.choices is None:
+            continue
+        close = difflib.get_close_matches(text, [str(c) for c in action.choices], n=1,
+                                          cutoff=0.75)
+        if close and text not in action.choices:
+            return f" (did you mean {close[0]}?)"
+    return ""
 
 
 def missing_command(prog: str, commands: argparse._SubParsersAction[argparse.ArgumentParser],
@@ -193,6 +217,16 @@ def add_write_json(p: argparse.ArgumentParser, what: str) -> None:
     new = p.add_argument("--write-json", type=Path, metavar="FILE",
                          help=f"write {what} as JSON to FILE (-o json prints it instead)")
     deprecated_alias(p, "--json", new)
+
+
+def add_export_dir(p: argparse.ArgumentParser, what: str) -> None:
+    """``--out DIR``, where the plan's files go: the one spelling of an output folder
+    (simulate, demo, bench); ``--export DIR``, its former spelling (``--export`` is a format
+    in ``router``), still works, hidden."""
+    new = p.add_argument("--out", type=Path, metavar="DIR",
+                         help=f"write plan.json, mig-parted.yaml and manifests.yaml{what} into "
+                         "this folder")
+    deprecated_alias(p, "--export", new)
 
 
 def add_lease(p: argparse.ArgumentParser, default: str, help: str, *,

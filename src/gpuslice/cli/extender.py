@@ -53,9 +53,10 @@ def register(sub: Sub) -> None:
                    "scoring against the workload learned from the pods it sees)")
     e.add_argument("--filter-keeps", choices=("best", "all"), default="best",
                    help="best (default): filter keeps only the policy's choice, so "
-                   "kube-scheduler's own scores cannot spread the pods; all: every node that "
-                   "fits, ranked by prioritize (0..10 x the extender's weight, added to the "
-                   "scheduler's scores)")
+                   "kube-scheduler's own scores cannot spread the pods (the nodes that cannot "
+                   "hold the pod are refused with a reason either way; only the feasible ones "
+                   "passed over go unnamed); all: every node that fits, ranked by prioritize "
+                   "(0..10 x the extender's weight, added to the scheduler's scores)")
     src = e.add_mutually_exclusive_group()
     src.add_argument("--kubeconfig", help=KUBECONFIG_HELP)
     src.add_argument("--fake-cluster", type=Path,

@@ -10,7 +10,7 @@ import math
 from collections.abc import Callable
 
 from gpuslice.core.errors import ValidationError
-from gpuslice.core.policies import make_policy, policy_names
+from gpuslice.core.policies import ALIASES, make_policy, policy_names
 
 
 def parse_lease(text: str, expected: str = "NAMESPACE/NAME") -> tuple[str, str]:
@@ -45,12 +45,19 @@ def parse_seeds(text: str) -> list[int]:
 
 
 def parse_policies(text: str) -> list[str]:
+    """``--policy a,b``: the policies, each once: a name and its alias (``ours`` is
+    ``frag-strand``) are one policy, so one row, under the spelling given first."""
     names = [p.strip() for p in text.split(",") if p.strip()]
     if not names:
         raise ValidationError("--policy", f"policy names from {', '.join(policy_names())}", text)
+    out: dict[str, str] = {}  # the policy -> the spelling kept
     for n in names:
-        make_policy(n)
-    return names
+        try:
+            make_policy(n)
+        except ValidationError as exc:
+            raise ValidationError("--policy", exc.expected, n) from None
+        out.setdefault(ALIASES.get(n, n), n)
+    return list(out.values())
 
 
 def _finite(text: str, ok: Callable[[float], bool], expected: str) -> float:

@@ -16,13 +16,14 @@ from gpuslice.cli.common import (
     add_fake_gpus,
     add_log_format,
     add_output,
+    deprecated_alias,
     examples,
     local_gpus_or_fail,
     print_json,
     setup_logging,
     simulated_gpus,
 )
-from gpuslice.cli.flagtypes import positive_float
+from gpuslice.cli.flagtypes import parse_hostport, positive_float
 from gpuslice.core.errors import GpusliceError, ValidationError
 
 
@@ -40,13 +41,11 @@ def register(sub: Sub) -> None:
         "each replica's command with its slice's environment, and serve them all through the "
         "router on one port, restarting replicas that crash. Ctrl-C (or gpuslice down) stops "
         "everything.",
-        epilog=examples("gpuslice up examples/local/services.yaml --port 8080",
+        epilog=examples("gpuslice up examples/local/services.yaml --listen 127.0.0.1:8080",
                         "gpuslice up examples/local/tiny.yaml --fake-gpus 1 --detach"))
     up.add_argument("services", type=Path, help="services file (the planner's format plus "
                     "command, replicas, compute, memory)")
-    up.add_argument("--port", type=int, default=8080, help="router port (default 8080)")
-    up.add_argument("--admin-port", type=int, default=0,
-                    help="router admin port for /metrics (default: any free port)")
+    _listen_options(up)
     up.add_argument("--no-mps", action="store_true",
                     help="no MPS daemons: replicas time-slice the GPU (no caps enforced)")
     up.add_argument("--mps-binary", default="nvidia-cuda-mps-control",
@@ -70,7 +69,8 @@ def register(sub: Sub) -> None:
     sw = sub.add_parser("switch", help="local mode: switch to a slice profile (layout) now",
                         description="Ask the running local mode for one of its services file's "
                         "layouts now (replicas move one at a time without dropping requests), "
-                        "or with --auto go back to following the file's windows.",
+                        "or with --auto go back to following the file's windows. Exit 3 when "
+                        "local mode is not running.",
                         epilog=examples("gpuslice switch night", "gpuslice switch --auto"))
     sw.add_argument("layout", nargs="?",
                     help="the name of a layout in the services file (unless --auto)")
@@ -101,6 +101,21 @@ def register(sub: Sub) -> None:
     se.set_defaults(handler=_select)
 
 
+def _listen_options(up: argparse.ArgumentParser) -> None:
+    """``--listen`` and ``--admin HOST:PORT``, as ``gpuslice router`` spells them; the former
+    ``--port``/``--admin-port PORT`` (on 127.0.0.1) still work, hidden."""
+    listen = up.add_argument("--listen", default="127.0.0.1:8080", metavar="HOST:PORT",
+                             help="the router's address (default 127.0.0.1:8080; a bare PORT "
+                             "listens on every interface, as gpuslice router's --listen)")
+    admin = up.add_argument("--admin", default="127.0.0.1:0", metavar="HOST:PORT",
+                            help="the router's admin address, /metrics (default 127.0.0.1:0: "
+                            "any free port)")
+    deprecated_alias(up, "--port", listen, apply=lambda ns, text: setattr(
+        ns, "listen", f"127.0.0.1:{text}"), metavar="PORT")
+    deprecated_alias(up, "--admin-port", admin, apply=lambda ns, text: setattr(
+        ns, "admin", f"127.0.0.1:{text}"), metavar="PORT")
+
+
 def _up(args: argparse.Namespace, console: Console) -> int:
     import asyncio
 
@@ -114,8 +129,10 @@ def _up(args: argparse.Namespace, console: Console) -> int:
     if old is not None and up_running(old):
         raise ValidationError("--state-dir", "no local mode already running there (gpuslice "
                               "down first)", f"{state_dir}: pid {old.get('pid')}")
-    if not 0 <= args.port <= 65535:
-        raise ValidationError("--port", "a port from 0 to 65535", args.port)
+    host, port = parse_hostport("--listen", args.listen)
+    admin_host, admin_port = parse_hostport("--admin", args.admin)
+    if port == admin_port != 0:
+        raise ValidationError("--admin", "a port other than --listen's", args.admin)
     simulated = simulated_gpus(args)
     nvml = local_gpus_or_fail(args)  # a bad --fake-gpus, or no GPU, stops here, before
     # anything starts
@@ -123,8 +140,8 @@ def _up(args: argparse.Namespace, console: Console) -> int:
         return _up_detached(args, state_dir, console)
     setup_logging(args.log_format, "local")
     # simulated GPUs have no MPS: the replicas share the CPU
-    rt = LocalRuntime(cfg, nvml, state_dir, port=args.port,
-                      admin_port=args.admin_port, mps=not args.no_mps and simulated is None,
+    rt = LocalRuntime(cfg, nvml, state_dir, host=host, port=port, admin_host=admin_host,
+                      admin_port=admin_port, mps=not args.no_mps and simulated is None,
                       mps_binary=args.mps_binary, simulated=simulated)
     asyncio.run(run_local(rt))
     return 0
@@ -138,8 +155,8 @@ def _up_detached(args: argparse.Namespace, state_dir: Path, console: Console) ->
 
     argv = [a for a in sys.argv[1:] if a != "--detach"] if sys.argv[1:2] == ["up"] else None
     if argv is None:
-        argv = ["up", str(args.services), "--port", str(args.port), "--admin-port",
-                str(args.admin_port), "--state-dir", str(state_dir)]
+        argv = ["up", str(args.services), "--listen", args.listen, "--admin", args.admin,
+                "--state-dir", str(state_dir)]
         argv += ["--no-mps"] if args.no_mps else []
         argv += ["--fake-gpus", str(args.fake_gpus)] if args.fake_gpus else []
         argv += ["--log-format", args.log_format]
@@ -183,7 +200,9 @@ def _status(args: argparse.Namespace, console: Console) -> int:
         return EXIT_NOT_RUNNING
     rates: dict[str, float] = {}
     if st.get("router"):
-        admin = f"http://127.0.0.1:{st['router']['admin_port']}"
+        host = st["router"].get("admin_host") or "127.0.0.1"
+        host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+        admin = f"http://{host}:{st['router']['admin_port']}"
         rates = asyncio.run(replica_throughput(admin, args.window))
     for r in st["replicas"]:
         r["throughput_rps"] = round(rates.get(r.get("router_name", r["name"]), 0.0), 2)
@@ -222,8 +241,11 @@ def _switch(args: argparse.Namespace, console: Console) -> int:
 
     state_dir = args.state_dir or default_state_dir()
     st = read_state(state_dir)
-    if st is None or not up_running(st):
-        raise ValidationError("--state-dir", "a running local mode", str(state_dir))
+    if st is None or not up_running(st):  # as gpuslice status says it, with its exit code
+        Console(stderr=True).print(f"gpuslice: error: local mode is not running (state: "
+                                   f"{state_dir}); gpuslice up starts it", highlight=False,
+                                   soft_wrap=True)
+        return EXIT_NOT_RUNNING
     layouts = (st.get("layout") or {}).get("layouts") or []
     target = state_dir / OVERRIDE_FILE
     if args.auto:
@@ -231,7 +253,8 @@ def _switch(args: argparse.Namespace, console: Console) -> int:
         console.print("following the services file's windows again")
         return 0
     if args.layout not in layouts:
-        raise ValidationError("layout", f"one of {layouts} (or --auto)", args.layout)
+        have = ", ".join(layouts) or "none: the services file names no slice profiles"
+        raise ValidationError("layout", f"one of {have} (or --auto)", args.layout)
     tmp = target.with_suffix(".tmp")
     tmp.write_text(args.layout)
     tmp.replace(target)

@@ -125,12 +125,18 @@ def _mig_apply(args: argparse.Namespace, console: Console) -> int:
                                                           dry_run=args.dry_run,
                                                           source=str(args.file))
     for uuid, changes in report.changes.items():
-        note = f" (skipped: {report.skipped[uuid]})" if uuid in report.skipped else ""
-        console.print(f"{uuid}: {', '.join(str(c) for c in changes)}{note}", highlight=False)
+        what = ", ".join(str(c) for c in changes)
+        if uuid in report.skipped:
+            console.print(f"{uuid}: not applied: {report.skipped[uuid]}; then: {what}",
+                          highlight=False, soft_wrap=True)
+        else:
+            verb = "would" if args.dry_run else "changed:"
+            console.print(f"{uuid}: {verb} {what}", highlight=False, soft_wrap=True)
     for uuid, why in report.skipped.items():
         if uuid not in report.changes:
-            console.print(f"{uuid}: skipped: {why}", highlight=False)
-    if not report.changes:
-        console.print("nothing to change", highlight=False)
+            console.print(f"{uuid}: not applied: {why}", highlight=False, soft_wrap=True)
+    if not report.changes and not report.skipped:
+        console.print("nothing to change: every GPU has the layout already", highlight=False)
     console.print(f"state: {report.state}", highlight=False)
-    return 0 if report.state in ("success", "dry-run") else 1
+    # a GPU the config cannot be applied to (as it stands) is a failure, dry run or not
+    return 0 if report.state in ("success", "dry-run") and not report.skipped else 1

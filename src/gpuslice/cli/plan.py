@@ -14,6 +14,7 @@ from gpuslice.cli.common import (
     EXIT_FAILED,
     EXIT_OK,
     Sub,
+    add_export_dir,
     add_output,
     add_write_json,
     builtin_help,
@@ -39,7 +40,7 @@ def register(sub: Sub) -> None:
         description="Plan MIG slices (with MPS processes inside) for services with request "
         "rates and latency SLOs, from measured profiles; check the plan by replaying Poisson "
         "arrivals through it; optionally export mig-parted configs and Kubernetes manifests.",
-        epilog=examples("gpuslice plan --example --objective cost --export out/",
+        epilog=examples("gpuslice plan --example --objective cost --out out/",
                         "gpuslice plan --profiles profiles.csv --services services.yaml "
                         "--write-json plan.json"))
     p.add_argument("--profiles", type=input_path("profiles"),
@@ -56,8 +57,9 @@ def register(sub: Sub) -> None:
                    help="services YAML/JSON: [{name, model, rate, slo_ms}] (instead of SLO "
                    "files), " + builtin_help("services"))
     p.add_argument("--fleet", type=input_path("fleet"),
-                   help="fleet YAML/JSON: [{gpu, count, cost_per_hour}] (default: unlimited "
-                   "GPUs of every profiled type), " + builtin_help("fleet"))
+                   help="fleet YAML/JSON: [{gpu, count, cost_per_hour (dollars),"
+                   " profiles_from (a profiled GPU standing in for an unprofiled one)}] "
+                   "(default: unlimited GPUs of every profiled type), " + builtin_help("fleet"))
     p.add_argument("--example", action="store_true",
                    help=f"plan the example that ships with gpuslice: --profiles "
                    f"builtin:{builtin.EXAMPLE_PROFILES} --services builtin:"
@@ -65,7 +67,8 @@ def register(sub: Sub) -> None:
                    "(options given beside it take their place)")
     p.add_argument("--objective", choices=("gpus", "cost"), default="gpus",
                    help="minimise the number of GPUs (default) or their cost per hour (the "
-                   "fleet's cost_per_hour)")
+                   "fleet's cost_per_hour); the report gives the cost and the lower bound in "
+                   "$/h")
     p.add_argument("--solver", choices=("auto", "milp", "greedy"), default="auto",
                    help="milp (exact, within --time-limit), greedy, or auto (default: milp up "
                    "to 60 services, greedy above)")
@@ -80,8 +83,7 @@ def register(sub: Sub) -> None:
     p.add_argument("--time-limit", type=positive_float, default=1.0,
                    help="solver seconds per planning round (default 1.0)")
     add_write_json(p, "the plan")
-    p.add_argument("--export", type=Path,
-                   help="write plan.json, mig-parted.yaml and manifests.yaml into this folder")
+    add_export_dir(p, "")
     p.add_argument("--seed", type=non_negative_int, default=1,
                    help="seed of the replay, a whole number >= 0 (default 1)")
     add_output(p)
@@ -97,6 +99,7 @@ def _plan(args: argparse.Namespace, console: Console) -> int:
         run_plan,
         scenario_services,
         to_json,
+        with_derived,
     )
 
     example_defaults(args)
@@ -114,18 +117,47 @@ def _plan(args: argparse.Namespace, console: Console) -> int:
             baselines["parvagpu"] = parva_baseline(args.profiles, args.scenario)
     else:
         raise ValidationError("--scenario", "a scenario number, or --services FILE", None)
-    fleet = read_checked_fleet(args.fleet) if args.fleet else default_fleet(args.profiles,
-                                                                             profiles)
+    if args.fleet:
+        fleet = read_checked_fleet(args.fleet)
+        profiles = with_derived(profiles, fleet, args.fleet)
+    else:
+        fleet = default_fleet(args.profiles, profiles)
     run = run_plan(profiles, services, fleet, opts, seed=args.seed, check=not args.no_check,
-                   baselines=baselines)
+                   baselines=baselines, priced=args.fleet is not None)
     doc = to_json(run)
     status = EXIT_OK if not doc["errors"] and not doc["problems"] else EXIT_FAILED
     if args.output == "json":
         _write(args, run.plan, doc, console)
         print_json(doc)
         return status
-    table = Table(title=f"plan: {doc['gpus']} GPUs ({doc['solver']}, lower bound "
-                  f"{doc['lower_bound']:.2f}, planned in {doc['seconds']['plan']:.2f} s)")
+    _print_plan(doc, console)
+    _write(args, run.plan, doc, console)
+    return status
+
+
+def money(x: float) -> str:
+    """A cost per hour as the report prints it: ``$4.10/h``."""
+    return f"${x:,.2f}/h"
+
+
+def headline(doc: dict[str, Any]) -> str:
+    """The title of the plan's table: the GPUs by type, their cost per hour at the fleet's
+    prices, the solver and its bound in the objective's own unit (GPUs, or $/h)."""
+    n = doc["gpus"]
+    what = f"{n} GPU{'' if n == 1 else 's'}"
+    parts = [f"{k} x {g}" for g, k in sorted(doc["gpus_by_type"].items())]
+    if doc.get("cost_per_hour") is not None:
+        parts.append(money(doc["cost_per_hour"]))
+    if parts:
+        what += f" ({', '.join(parts)})"
+    bound = doc["lower_bound"]
+    floor = money(bound) if doc["objective"] == "cost" else f"{bound:.2f} GPUs"
+    return (f"plan: {what}; {doc['solver']}, lower bound {floor}, planned in "
+            f"{doc['seconds']['plan']:.2f} s")
+
+
+def _print_plan(doc: dict[str, Any], console: Console) -> None:
+    table = Table(title=headline(doc))
     for col in ("service", "rate", "SLO ms", "capacity", "slices", "replayed p99 ms", "SLO met"):
         table.add_column(col, justify="right")
     for s in doc["services"]:
@@ -137,19 +169,27 @@ def _plan(args: argparse.Namespace, console: Console) -> int:
                       "-" if s["slo_met"] is None else ("yes" if s["slo_met"] else "NO"))
     console.print(table)
     base = doc["baselines"]
+    gpus_bound = "" if doc["objective"] == "cost" else \
+        f" | lower bound {doc['lower_bound']:.2f}"
     console.print(
         f"GPUs: gpuslice {doc['gpus']} | ParvaGPU {base.get('parvagpu') or '-'} | exclusive "
-        f"{base.get('exclusive')} | lower bound {doc['lower_bound']:.2f}", highlight=False)
-    if doc["single_type_cost"]:
-        best_single = min(doc["single_type_cost"].values())
-        console.print(f"cost {doc['cost']:.2f} vs best single GPU type {best_single:.2f} "
-                      f"(saving {100 * (1 - doc['cost'] / best_single):.1f}%)", highlight=False)
+        f"{base.get('exclusive')}{gpus_bound}", highlight=False)
+    if doc.get("cost_per_hour") is not None:
+        line = f"cost: {money(doc['cost_per_hour'])} at the fleet's prices"
+        if doc["objective"] == "cost":
+            line += f" (lower bound {money(doc['lower_bound'])})"
+        else:
+            line += " (--objective cost minimises it)"
+        if doc["single_type_cost"] and len(doc["gpus_by_type"]) > 1:
+            best = min(doc["single_type_cost"].items(), key=lambda kv: kv[1])
+            if best[1] > 0:
+                line += (f"; the cheapest single GPU type, {best[0]}, costs {money(best[1])}: "
+                         f"{100 * (1 - doc['cost_per_hour'] / best[1]):.1f}% saved")
+        console.print(line, highlight=False)
     for pr in doc["problems"]:
         console.print(f"[yellow]not planned[/] {pr['service']}: {pr['reason']}")
     for e in doc["errors"]:
         console.print(f"[red]invalid[/] {e}")
-    _write(args, run.plan, doc, console)
-    return status
 
 
 def example_defaults(args: argparse.Namespace) -> None:
@@ -214,18 +254,18 @@ def check_files(args: argparse.Namespace) -> None:
     parse (one line naming the file and the line, not PyYAML's several)."""
     if args.write_json is not None:
         writable_file(args.write_json, "--write-json")
-    if args.export is not None:
+    if args.out is not None:
         from gpuslice.planning.export import check_export_dir
 
-        writable_dir(args.export, "--export")
-        check_export_dir(args.export, "--export")
+        writable_dir(args.out, "--out")
+        check_export_dir(args.out, "--out")
     for path, field in ((args.services, "--services"), (args.fleet, "--fleet")):
         if path is not None and path.is_file():
             read_yaml(path, field)
 
 
 def _write(args: argparse.Namespace, plan: Plan, doc: dict[str, Any], console: Console) -> None:
-    """--write-json and --export files (each written whole or not at all); with -o json
+    """--write-json and --out files (each written whole or not at all); with -o json
     their names go to stderr."""
     from gpuslice.planning.export import write_exports, write_json
 
@@ -233,7 +273,7 @@ def _write(args: argparse.Namespace, plan: Plan, doc: dict[str, Any], console: C
     if args.write_json:
         write_json(args.write_json, doc, "--write-json")
         say.print(f"wrote {args.write_json}", highlight=False)
-    if args.export:
-        for path in write_exports(args.export, plan, doc):
+    if args.out:
+        for path in write_exports(args.out, plan, doc, field="--out"):
             say.print(f"wrote {path}", highlight=False)
 

@@ -12,6 +12,7 @@ from gpuslice.adapters.profiles import builtin
 from gpuslice.cli.common import (
     KUBECONFIG_HELP,
     Sub,
+    add_export_dir,
     add_output,
     add_write_json,
     builtin_help,
@@ -31,7 +32,7 @@ def register(sub: Sub) -> None:
         "request rate from the router's metrics (or the services file), and propose the "
         "fewest slice changes that restore every SLO or free GPUs, checked by replay; a full "
         "re-plan is shown beside it for comparison. Without --apply nothing changes: "
-        "--write-json/--export write the new plan for the usual path (manifests, "
+        "--write-json/--out write the new plan for the usual path (manifests, "
         "SliceSchedule layouts). With "
         "--apply the change is made on the cluster, the safe way: the added slices' "
         "Deployments first, running and ready, then the removed slices' pods drained through "
@@ -62,8 +63,7 @@ def register(sub: Sub) -> None:
     r.add_argument("--seed", type=non_negative_int, default=1,
                    help="seed of the replays, a whole number >= 0 (default 1)")
     add_write_json(r, "the new plan")
-    r.add_argument("--export", type=Path, help="write plan.json, mig-parted.yaml and "
-                   "manifests.yaml of the new plan into this folder")
+    add_export_dir(r, " of the new plan")
     r.add_argument("--apply", action="store_true",
                    help="apply the change to the cluster: added slices' Deployments first, "
                    "ready, then the removed slices' pods drained and their Deployments deleted")
@@ -98,10 +98,12 @@ def _replan(args: argparse.Namespace, console: Console) -> int:
     from gpuslice.planning.export import write_exports, write_json
     from gpuslice.planning.run import (
         PlanRun,
+        fleet_from_json,
         load_profiles,
         plan_from_json,
         read_services,
         to_json,
+        with_derived,
     )
 
     example_defaults(args)
@@ -111,7 +113,8 @@ def _replan(args: argparse.Namespace, console: Console) -> int:
             raise ValidationError("--rates-from", "the router's admin URL, like "
                                   "http://HOST:PORT", args.rates_from)
     check_files(args)
-    current = plan_from_json(read_document(args.current, "--current"), str(args.current))
+    current_doc = read_document(args.current, "--current")
+    current = plan_from_json(current_doc, str(args.current))
     profiles = load_profiles(args.profiles)
     services = read_services(args.services, positive_rate=False, models=profiles.models())
     if args.rates_from:
@@ -128,8 +131,13 @@ def _replan(args: argparse.Namespace, console: Console) -> int:
                                   f"{' '.join(str(exc).split()) or type(exc).__name__}") from None
         services = [Service(s.name, s.model, round(seen.get(s.name, 0.0), 3), s.slo_ms)
                     for s in services]
-    fleet = read_checked_fleet(args.fleet) if args.fleet else [
-        FleetType(g) for g in sorted({g.gpu for g in current.gpus})]
+    if args.fleet:
+        fleet = read_checked_fleet(args.fleet)
+        profiles = with_derived(profiles, fleet, args.fleet)
+    else:  # the fleet the plan was made on, or the types of its GPUs
+        fleet = fleet_from_json(current_doc) or [
+            FleetType(g) for g in sorted({g.gpu for g in current.gpus})]
+        profiles = with_derived(profiles, fleet, args.current)
     opts = PlanOptions()
     inc = replan(profiles, current, services, opts, rng=np.random.default_rng(args.seed),
                  fleet=fleet)
@@ -183,14 +191,14 @@ def _replan(args: argparse.Namespace, console: Console) -> int:
                                router=HttpRouter(args.router_admin) if args.router_admin
                                else None):
             say.print(line, highlight=False)
-    if args.write_json or args.export:
+    if args.write_json or args.out:
         doc = to_json(PlanRun(inc.plan, list(services), list(inc.replay), 0.0, 0.0, 1, {},
                               validate(inc.plan, services, opts.latency_factor), {}))
         if args.write_json:
             write_json(args.write_json, doc, "--write-json")
             say.print(f"wrote {args.write_json}", highlight=False)
-        if args.export:
-            for path in write_exports(args.export, inc.plan, doc):
+        if args.out:
+            for path in write_exports(args.out, inc.plan, doc, field="--out"):
                 say.print(f"wrote {path}", highlight=False)
     return 0 if all(r.ok for r in inc.replay) else 1
 

@@ -8,7 +8,14 @@ from pathlib import Path
 
 from rich.console import Console
 
-from gpuslice.cli.common import Sub, add_log_format, examples, setup_logging
+from gpuslice.cli.common import (
+    KUBECONFIG_HELP,
+    Sub,
+    add_log_format,
+    deprecated_alias,
+    examples,
+    setup_logging,
+)
 from gpuslice.cli.flagtypes import parse_hostport, positive_float
 from gpuslice.core.errors import ValidationError
 
@@ -34,7 +41,9 @@ def register(sub: Sub) -> None:
     r.add_argument("--models", metavar="M1,M2",
                    help="with --endpointslices alone: the model names this router serves "
                    "(others get 404; default: any model)")
-    r.add_argument("--kube-api", help="API server URL (default: in-cluster)")
+    kubeconfig = r.add_argument("--kubeconfig", help="with --endpointslices: "
+                                + KUBECONFIG_HELP)
+    deprecated_alias(r, "--kube-api", kubeconfig, apply=_kube_api, metavar="URL")
     r.add_argument("--port-name", help="EndpointSlice port name (default: the first port)")
     r.add_argument("--listen", default="0.0.0.0:8080", help="HOST:PORT (default 0.0.0.0:8080)")
     r.add_argument("--admin", default="0.0.0.0:9901",
@@ -48,8 +57,10 @@ def register(sub: Sub) -> None:
                    help="never answer 429: queue every request")
     r.add_argument("--access-log", default="-", help="'-' stdout (default), a file, or 'off'")
     r.add_argument("--export", choices=("istio", "envoy"),
-                   help="print Istio DestinationRule/VirtualService or Envoy endpoint weights "
-                   "for the plan or config and exit")
+                   help="print mesh weights and exit: istio (DestinationRule/VirtualService, "
+                   "from --plan or --config) or envoy (endpoint weights; needs a url per "
+                   "replica, so --config: Envoy's endpoints are addresses, and a plan names "
+                   "slices, not addresses)")
     r.add_argument("--namespace", default="default", help="namespace of exported Istio objects")
     add_log_format(r)
     r.set_defaults(handler=_router)
@@ -62,28 +73,46 @@ def _router(args: argparse.Namespace, console: Console) -> int:
     from gpuslice.services import mesh_export
     from gpuslice.services.router import ServeOptions, run
 
+    if args.policy is not None:  # checked whatever the command does with it
+        from gpuslice.core.routing import make_routing_policy
+
+        try:
+            make_routing_policy(args.policy)
+        except ValidationError as exc:
+            raise ValidationError("--policy", exc.expected, exc.got) from None
     if args.export:
         path = args.plan or args.config
         if path is None:
-            raise ValidationError("--plan", "a plan or config to export weights from", None)
-        cfg = read_config(path, need_urls=args.export == "envoy",
-                          field="--plan" if args.plan else "--config")
+            raise ValidationError("--export", "--plan or --config: the replicas to weigh",
+                                  None)
+        cfg = read_config(path, need_urls=False, field="--plan" if args.plan else "--config")
+        missing = [f"{s.name}/{r.name}" for s in cfg.services for r in s.replicas
+                   if r.url is None]
+        if args.export == "envoy" and missing:
+            raise ValidationError("--export envoy", "a url per replica (Envoy's endpoints are "
+                                  "addresses, and a plan names slices, not addresses): "
+                                  "--config with a url per replica, or urls written into "
+                                  "the plan; --export istio works from the plan as it is",
+                                  f"{len(missing)} replica(s) of {path} without a url "
+                                  f"({', '.join(missing[:2])}"
+                                  f"{', ...' if len(missing) > 2 else ''})")
         doc = mesh_export.istio(cfg, args.namespace) if args.export == "istio" \
             else mesh_export.envoy(cfg)
         sys.stdout.write(json.dumps(doc, indent=2) + "\n")
         return 0
     if args.slo_ms is not None and not args.slo_ms > 0:
         raise ValidationError("--slo-ms", "a positive number of milliseconds", args.slo_ms)
-    if args.policy is not None:
-        from gpuslice.core.routing import make_routing_policy
-
-        make_routing_policy(args.policy)
+    listen = parse_hostport("--listen", args.listen)
+    admin = None if args.admin == "off" else parse_hostport("--admin", args.admin)
+    if admin is not None and _same_address(listen, admin):
+        raise ValidationError("--admin", "an address other than --listen's (the proxy and the "
+                              "admin endpoints each need a port of their own)", args.admin)
     opts = ServeOptions(
-        listen=parse_hostport("--listen", args.listen),
-        admin=None if args.admin == "off" else parse_hostport("--admin", args.admin),
+        listen=listen, admin=admin,
         policy=args.policy, slo_ms=args.slo_ms, admission=not args.no_admission,
         access_log=args.access_log, config=args.config, plan=args.plan,
-        endpointslices=args.endpointslices, kube_api=args.kube_api, port_name=args.port_name,
+        endpointslices=args.endpointslices, kube_api=getattr(args, "kube_api", None),
+        kubeconfig=args.kubeconfig, port_name=args.port_name,
         models=tuple(m.strip() for m in (args.models or "").split(",") if m.strip()),
     )
     if opts.config is None and opts.plan is None and opts.endpointslices is None:
@@ -116,3 +145,16 @@ def _plan_has_urls(path: Path) -> None:
             "the plan, or give --config with a url per replica",
             f"{len(missing)} replica(s) without a url ({', '.join(missing[:3])}"
             f"{', ...' if len(missing) > 3 else ''})")
+
+
+def _same_address(a: tuple[str, int], b: tuple[str, int]) -> bool:
+    """Whether two HOST:PORT would take the same port (port 0 picks a free one each time;
+    0.0.0.0 and :: take the port on every address, so they clash with any host)."""
+    wildcard = ("0.0.0.0", "::", "")
+    return a[1] == b[1] != 0 and (a[0] == b[0] or a[0] in wildcard or b[0] in wildcard)
+
+
+def _kube_api(ns: argparse.Namespace, url: str) -> None:
+    """The former ``--kube-api URL``: an API server answering without credentials (a
+    ``kubectl proxy``), still read as before."""
+    ns.kube_api = url

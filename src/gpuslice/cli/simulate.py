@@ -6,6 +6,7 @@ import argparse
 import math
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -13,8 +14,11 @@ from rich.table import Table
 
 from gpuslice.cli.common import Sub, add_output, examples, print_json
 from gpuslice.cli.flagtypes import parse_policies, parse_seeds
-from gpuslice.core.errors import ValidationError
-from gpuslice.core.policies import policy_names
+from gpuslice.core.errors import GpusliceError, ValidationError
+from gpuslice.core.policies import ALIASES, policy_names
+
+if TYPE_CHECKING:
+    from gpuslice.sim.runner import Scenario
 
 EMBEDDED = "embedded"  # --variant: the scenario of sim/default.py, which ships in the package
 DEFAULT_POLICIES = ("random", "dotprod", "gpu-clustering", "gpu-packing", "bestfit", "fgd",
@@ -33,12 +37,17 @@ def register(sub: Sub) -> None:
     src = sim.add_mutually_exclusive_group()
     src.add_argument("--trace", type=Path, help="pod list CSV (Alibaba openb format)")
     src.add_argument("--variant", help=f"{EMBEDDED} (the generated scenario shipped with "
-                     "gpuslice, as with no --trace) or a trace variant from the shared data "
-                     "folder (default, gpushare40, ...; needs GPUSLICE_DATA or ../shared)")
+                     "gpuslice, as with no --trace) or a variant of the Alibaba GPU trace "
+                     "(default, gpushare40, ...: csv/openb_pod_list_VARIANT.csv of "
+                     "github.com/alibaba/clusterdata, cluster-trace-gpu-v2023, fetched into "
+                     "$GPUSLICE_DATA/traces/alibaba-gpu-v2023/csv; without it the error says "
+                     "how)")
     sim.add_argument("--nodes", type=Path, help="node list CSV (with --trace)")
     sim.add_argument("--policy", default=",".join(DEFAULT_POLICIES),
                      help=f"comma-separated policies (default: all); known: "
-                     f"{', '.join(policy_names())}")
+                     f"{', '.join(n for n in policy_names() if n not in ALIASES)} "
+                     f"(and {', '.join(f'{a} = {b}' for a, b in ALIASES.items())}: one policy, "
+                     "one row)")
     sim.add_argument("--dra", default=None, metavar="MODES",
                      help="also replay the DRA path: comma-separated default (kube-scheduler's "
                      "allocator, first fit in slice order), ours (our claim allocator), ours-all "
@@ -60,8 +69,9 @@ def register(sub: Sub) -> None:
                      help="break score ties by a fixed random node order per seed (as the FGD "
                      "simulator does; default) or uniformly per decision")
     sim.add_argument("--compare", nargs="?", const="auto", default=None, metavar="CSV",
-                     help="print the published FGD results beside ours (default file from "
-                     "the shared data folder)")
+                     help="print the published FGD results beside ours (default: "
+                     "analysis_allo_discrete.csv of hkust-adsl/kubernetes-scheduler-simulator "
+                     "in $GPUSLICE_DATA/traces/fgd-atc23-expected-results)")
     sim.add_argument("--no-plot", action="store_true", help="skip the PNG plot")
     add_output(sim)
 
@@ -97,17 +107,14 @@ def seeds_of(text: str) -> list[int]:
 
 
 def _simulate(args: argparse.Namespace, console: Console) -> int:
-    from gpuslice.adapters.traces.data import published_results, trace_variants, variant_paths
+    from gpuslice.adapters.traces.data import published_results
     from gpuslice.adapters.traces.fgd_results import read_published
     from gpuslice.sim.compare import compare
-    from gpuslice.sim.default import default_nodes, default_tasks
     from gpuslice.sim.runner import (
         Experiment,
         JobResult,
         check_out_dir,
-        load_scenario,
         run_experiment,
-        scenario_of,
         write_results,
     )
 
@@ -131,26 +138,7 @@ def _simulate(args: argparse.Namespace, console: Console) -> int:
     if args.workers < 0:
         raise ValidationError("--workers", "0 (CPU count) or more", args.workers)
     embedded = args.variant in (EMBEDDED, f"builtin:{EMBEDDED}")
-    if args.variant and not embedded:
-        have = trace_variants()
-        if args.variant not in have:
-            where = (f"the data folder's {', '.join(have)}" if have else "a trace variant "
-                     "of the shared data folder (none found in GPUSLICE_DATA or ../shared)")
-            raise ValidationError("--variant", f"{EMBEDDED} (shipped with gpuslice) or {where}",
-                                  args.variant)
-        pods, nodes = variant_paths(args.variant)
-        scenario = load_scenario(pods, args.nodes or nodes)
-    elif args.trace:
-        if args.nodes is None:
-            raise ValidationError("--nodes", "a node list CSV to go with --trace", None)
-        scenario = load_scenario(args.trace, args.nodes)
-    else:
-        if args.nodes is not None and embedded:
-            raise ValidationError("--nodes", f"no node list with --variant {EMBEDDED} (its "
-                                  "cluster is generated)", str(args.nodes))
-        if args.nodes is not None:
-            raise ValidationError("--trace", "a pod list CSV to go with --nodes", None)
-        scenario = scenario_of("embedded-default", default_nodes(), default_tasks())
+    scenario = _scenario(args, embedded)
     from_trace = bool(args.trace or (args.variant and not embedded))
     seeds = seeds_of(args.seeds or ("42-51" if from_trace else "42-44"))
     check_out_dir(args.out, "--out")  # before the replays, not after them
@@ -222,3 +210,36 @@ def _simulate(args: argparse.Namespace, console: Console) -> int:
     for path in written:
         console.print(f"wrote {path}", highlight=False)
     return 0
+
+
+def _scenario(args: argparse.Namespace, embedded: bool) -> Scenario:
+    """What ``--variant``, ``--trace``/``--nodes`` or neither ask to replay; the files given
+    are checked in the order a reader gives them (a missing trace before a missing node list),
+    and a variant with no trace here says where the trace comes from."""
+    from gpuslice.adapters.traces.data import fetch_hint, trace_variants, variant_paths
+    from gpuslice.sim.default import default_nodes, default_tasks
+    from gpuslice.sim.runner import load_scenario, scenario_of
+
+    if args.variant and not embedded:
+        have = trace_variants()
+        if not have:  # no trace here: where it comes from, and how to fetch it
+            raise GpusliceError(f"--variant {args.variant}: {fetch_hint(args.variant)} (or "
+                                f"--variant {EMBEDDED}: the generated scenario that ships)")
+        if args.variant not in have:
+            raise ValidationError("--variant", f"{EMBEDDED} (shipped with gpuslice) or the "
+                                  f"data folder's {', '.join(have)}", args.variant)
+        pods, nodes = variant_paths(args.variant)
+        return load_scenario(pods, args.nodes or nodes)
+    if args.trace:
+        if not args.trace.is_file():  # the file given first, then the one missing
+            raise ValidationError("--trace", "a pod list CSV file (Alibaba openb format)",
+                                  f"{args.trace}: no such file")
+        if args.nodes is None:
+            raise ValidationError("--nodes", "a node list CSV to go with --trace", None)
+        return load_scenario(args.trace, args.nodes)
+    if args.nodes is not None and embedded:
+        raise ValidationError("--nodes", f"no node list with --variant {EMBEDDED} (its "
+                              "cluster is generated)", str(args.nodes))
+    if args.nodes is not None:
+        raise ValidationError("--trace", "a pod list CSV to go with --nodes", None)
+    return scenario_of("embedded-default", default_nodes(), default_tasks())

@@ -18,13 +18,16 @@ class GpusliceError(Exception):
 
 
 class ValidationError(GpusliceError, ValueError):
-    """A value that breaks a contract: ``field`` names it, ``expected`` says what would do."""
+    """A value that breaks a contract: ``field`` names it, ``expected`` says what would do.
+    ``got`` None is a value not given at all, said in words ("--nodes is missing: expected
+    ..."), not as Python's ``None``."""
 
     def __init__(self, field: str, expected: str, got: object) -> None:
         self.field = field
         self.expected = expected
         self.got = got
-        super().__init__(f"{field}: expected {expected}, got {got!r}")
+        super().__init__(f"{field} is missing: expected {expected}" if got is None else
+                         f"{field}: expected {expected}, got {got!r}")
 
 
 class Unavailable(GpusliceError):

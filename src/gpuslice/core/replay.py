@@ -55,8 +55,8 @@ def _family(profiles: ProfileSet, c: Config) -> list[ProfilePoint]:
            if p.model == c.model and p.gpu == c.gpu and p.slice_kind == "mig"
            and p.slice_size == c.size and p.procs == k and p.ran and p.batch <= c.batch]
     if not fam:
-        raise ValidationError("replay", f"profiles for {c.model} on {c.profile} with {k} procs",
-                              None)
+        raise ValidationError("profiles", f"a profile of {c.model} on {c.gpu} {c.profile} with "
+                              f"{k} process(es), which the plan uses", "none there")
     return fam
 
 

@@ -45,6 +45,24 @@ BATCHES = (1, 2, 4, 8)
 MIG_SIZES = (1, 2, 3, 4, 7)
 
 
+FAKE_TIMER_GPU = "H100-SXM"  # the GPU of a --fake-timer that names none
+
+
+def parse_fake_timer(text: str, field: str = "--fake-timer") -> tuple[str, str]:
+    """``MODEL@GPU`` of a ``--fake-timer`` (``MODEL`` alone: on :data:`FAKE_TIMER_GPU`): the
+    model of :data:`MODELS` and the catalogue's name of a GPU with a known FP16 rate; anything
+    else is a :class:`ValidationError` of ``field`` listing what would do."""
+    model, _, gpu = text.strip().partition("@")
+    if model not in MODELS:
+        raise ValidationError(field, f"MODEL@GPU with MODEL one of {', '.join(sorted(MODELS))}",
+                              text)
+    found = catalog.lookup(gpu.strip() or FAKE_TIMER_GPU)
+    if found is None or found.fp16_tflops is None:
+        known = ", ".join(m.name for m in catalog.known_models() if m.fp16_tflops is not None)
+        raise ValidationError(field, f"MODEL@GPU with GPU a catalogue model ({known})", text)
+    return model, found.name
+
+
 def gpu_speed(gpu: str) -> float:
     model = catalog.lookup(gpu)
     if model is None or model.fp16_tflops is None:
@@ -56,13 +74,38 @@ def service_time_s(model: str, gpu: str, fraction: float, batch: int = 1) -> flo
     """Seconds for one batch of ``batch`` of ``model`` on ``fraction`` (0..1] of a ``gpu``."""
     shape = MODELS.get(model)
     if shape is None:
-        raise ValidationError("model", f"one of {sorted(MODELS)}", model)
+        raise ValidationError("model", f"one of {', '.join(sorted(MODELS))}", model)
     if not 0 < fraction <= 1:
         raise ValidationError("fraction", "a share of the GPU in (0, 1]", fraction)
     if batch < 1:
         raise ValidationError("batch", "a batch size >= 1", batch)
     work = shape.base_ms * (1 + shape.growth * (batch - 1)) / 1000.0
     return work / (gpu_speed(gpu) * math.pow(fraction, 0.8))
+
+
+def rescale(measured: ProfileSet, source: str, target: str) -> ProfileSet:
+    """MIG profiles of ``target`` drawn from those measured on ``source`` by this model, for a
+    fleet that names a GPU type nobody profiled (``profiles_from`` in a fleet file): a slice
+    of ``s`` of the ``C`` compute slices runs at ``gpu_speed * (s / C) ** 0.8``, so each point
+    of a size ``target`` has keeps its batch and processes, its latency divided and its
+    throughput multiplied by the ratio of the two speeds. Illustrative, as the model is."""
+    src, dst = catalog.lookup(source), catalog.lookup(target)
+    if src is None or src.mig is None:
+        raise ValidationError("profiles_from", "a MIG-capable GPU model of the catalogue",
+                              source)
+    if dst is None or dst.mig is None:
+        raise ValidationError("gpu", "a MIG-capable GPU model of the catalogue", target)
+    sizes = {p.compute_slices for p in dst.mig.profiles}
+    points = []
+    for p in measured.points:
+        if p.gpu != src.name or p.slice_kind != "mig" or p.slice_size not in sizes:
+            continue
+        f = (gpu_speed(dst.name) * math.pow(p.slice_size / dst.mig.compute_slices, 0.8)) / (
+            gpu_speed(src.name) * math.pow(p.slice_size / src.mig.compute_slices, 0.8))
+        p99 = None if p.latency_p99_s is None else p.latency_p99_s / f
+        points.append(ProfilePoint(p.model, dst.name, "mig", p.slice_size, p.batch, p.procs,
+                                   p.throughput * f, p.latency_s / f, p99))
+    return ProfileSet.of(points)
 
 
 def profiles(gpus: list[str], models: list[str] | None = None) -> ProfileSet:

@@ -31,7 +31,7 @@ import grpc
 
 from gpuslice.adapters.kube.annotation import decode
 from gpuslice.adapters.kube.fake import FakeApiServer, KubePort
-from gpuslice.adapters.kube.objects import GPU, pod_request
+from gpuslice.adapters.kube.objects import GPU, INVENTORY_ANNOTATION, pod_request
 from gpuslice.adapters.kubelet import deviceplugin_pb2 as pb
 from gpuslice.adapters.kubelet import deviceplugin_pb2_grpc as pbg
 from gpuslice.adapters.nvml.port import FakeNvml, NvmlPort
@@ -451,12 +451,23 @@ class Cluster:
         if not kubelet.registered.wait(10):
             raise GpusliceError(f"the node agent of {spec.name} did not register: "
                                 f"{agent.problems}")
+        self._wait_inventory(spec.name)  # "joined" once the extender can know its GPUs
         node = DemoNode(spec, nvml, agent, kubelet, thread)
         self.nodes[spec.name] = node
         kind = "real NVML and MPS" if fake is None else "simulated"
         self.log.add("node", f"{spec.name} joined: {len(gpus)} x "
                      f"{gpus[0].model if gpus else '-'} ({kind})")
         return node
+
+    def _wait_inventory(self, node: str, timeout_s: float = 10.0) -> None:
+        """Until the node agent has published ``node``'s GPU inventory (a node said to have
+        joined is one the extender can place on)."""
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end:
+            ann = self.api.get_node(node)["metadata"].get("annotations") or {}
+            if ann.get(INVENTORY_ANNOTATION):
+                return
+            time.sleep(0.02)
 
     def container_of(self, pod: str) -> tuple[DemoNode, Container] | None:
         for n in self.nodes.values():

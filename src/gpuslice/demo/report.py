@@ -78,7 +78,10 @@ def _latency_plot(result: dict[str, Any], samples: Sequence[Any],
         ax.set_xlim(window[0] - 0.5, window[1] + 0.5)
     ax.set_ylabel("p99 latency of answered\nrequests, ms (log scale)")
     ax.set_yscale("log")
+    # plain numbers (200, 60), not 2x10^2, on the major ticks and on the minor ticks that
+    # matplotlib labels when the axis spans less than a few decades
     ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.yaxis.set_minor_formatter(_plain_log_minor())
     ax.grid(alpha=0.3, which="major")
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     ax2.set_ylabel("answered requests/s")
@@ -94,6 +97,18 @@ def _latency_plot(result: dict[str, Any], samples: Sequence[Any],
     fig.suptitle(title, fontsize=11)
     fig.tight_layout()
     return fig
+
+
+def _plain_log_minor() -> Any:
+    """matplotlib's choice of which minor ticks of a log axis to label, written as plain
+    numbers (its own formatter writes them as 2x10^2)."""
+    from matplotlib.ticker import LogFormatterSciNotation
+
+    class Plain(LogFormatterSciNotation):
+        def __call__(self, x: float, pos: int | None = None) -> str:
+            return f"{x:g}" if super().__call__(x, pos) else ""
+
+    return Plain(labelOnlyBase=False)
 
 
 def _gpu_plot(result: dict[str, Any]) -> Any:

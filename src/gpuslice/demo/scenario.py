@@ -327,9 +327,11 @@ class Display:
                       str(sum(s.status == 200 for s in mine)),
                       str(sum(s.status == 429 for s in mine)),
                       str(sum(s.status not in (200, 429) for s in mine)), p99)
+        from rich.text import Text
+
         ev = Table.grid(padding=(0, 1))
-        for e in st.log.tail(10):
-            ev.add_row(f"{e.t:6.1f}", f"[bold]{e.kind}[/]", e.text)
+        for e in st.log.tail(10):  # an event's text as written: "gpuslice[gpu]" is no markup
+            ev.add_row(f"{e.t:6.1f}", Text(e.kind, style="bold"), Text(e.text))
         return Group(t, ev)
 
     def __enter__(self) -> Display:
@@ -357,7 +359,7 @@ class Display:
         new = self.state.log.since(self._printed)
         for e in new:
             self.console.print(f"{e.t:6.1f}s  {e.kind:9s} {e.text}", highlight=False,
-                               soft_wrap=True)
+                               soft_wrap=True, markup=False)
         self._printed += len(new)
 
 

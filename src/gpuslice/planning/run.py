@@ -30,7 +30,7 @@ from gpuslice.core.planner import (
     plan,
     validate,
 )
-from gpuslice.core.profiles import ProfileSet
+from gpuslice.core.profiles import ProfilePoint, ProfileSet
 from gpuslice.core.replay import ReplayResult, plan_and_check, replay_plan
 
 
@@ -45,6 +45,9 @@ class PlanRun:
     baselines: dict[str, int | None]
     errors: list[str]
     single_type_costs: dict[str, float]
+    # the fleet's cost_per_hour by GPU type; None when the fleet gives no prices
+    prices: dict[str, float] | None = None
+    fleet: tuple[FleetType, ...] = ()  # what the plan was made on (replan reads it back)
 
 
 def read_services(path: Path, *, positive_rate: bool = True,
@@ -153,9 +156,37 @@ def read_fleet(path: Path) -> list[FleetType]:
         count = item.get("count")
         if count is not None:
             count = _count(path, i + 1, count)
+        source = item.get("profiles_from")
+        if source is not None and not (isinstance(source, str) and source.strip()):
+            raise InputError(path, i + 1, "profiles_from", "expected the GPU model whose "
+                             f"profiles stand in for this one's, got {source!r}")
         out.append(FleetType(str(item["gpu"]), count,
-                             _cost(path, i + 1, item.get("cost_per_hour", 1.0))))
+                             _cost(path, i + 1, item.get("cost_per_hour", 1.0)),
+                             source.strip() if source else None))
     return out
+
+
+def with_derived(profiles: ProfileSet, fleet: Sequence[FleetType], path: Path) -> ProfileSet:
+    """``profiles`` and, for each fleet type with ``profiles_from`` and no profile of its
+    own, that GPU's profiles rescaled by the speed model (``core.speedmodel.rescale``); a
+    source with no MIG profile is refused naming the fleet file, row and field."""
+    from gpuslice.core import catalog
+    from gpuslice.core.speedmodel import rescale
+
+    have = set(profiles.gpus())
+    extra: list[ProfilePoint] = []
+    for row, ft in enumerate(fleet, start=1):
+        if ft.profiles_from is None or ft.gpu in have:
+            continue
+        model = catalog.lookup(ft.profiles_from)
+        name = model.name if model is not None else ft.profiles_from
+        derived = rescale(profiles, name, ft.gpu).points if name in have else ()
+        if not derived:
+            raise InputError(path, row, "profiles_from", "expected a GPU model with MIG "
+                             f"profiles in --profiles ({', '.join(sorted(have)) or 'none'}), "
+                             f"got {ft.profiles_from!r}")
+        extra.extend(derived)
+    return ProfileSet.of([*profiles.points, *extra]) if extra else profiles
 
 
 def _cost(path: Path, row: int, value: object) -> float:
@@ -181,7 +212,9 @@ def _count(path: Path, row: int, value: object) -> int:
 
 def run_plan(profiles: ProfileSet, services: Sequence[Service], fleet: Sequence[FleetType],
              opts: PlanOptions, *, seed: int = 1, check: bool = True,
-             baselines: dict[str, int | None] | None = None) -> PlanRun:
+             baselines: dict[str, int | None] | None = None, priced: bool = False) -> PlanRun:
+    """Plan, check by replay and compare; ``priced``: the fleet's cost_per_hour are prices
+    (a fleet file's), so the report gives the plan's cost per hour."""
     svcs = list(services)
     rng = np.random.default_rng(seed)
     start = time.perf_counter()
@@ -199,7 +232,7 @@ def run_plan(profiles: ProfileSet, services: Sequence[Service], fleet: Sequence[
     base = dict(baselines or {})
     base["exclusive"] = exclusive_gpus(profiles, svcs, gpu_types[0], opts.latency_factor)
     singles: dict[str, float] = {}
-    if len(gpu_types) > 1:
+    if len(gpu_types) > 1 and opts.objective == "cost":
         for g in gpu_types:
             only = [ft for ft in fleet if ft.gpu == g] or [FleetType(g)]
             try:
@@ -207,7 +240,8 @@ def run_plan(profiles: ProfileSet, services: Sequence[Service], fleet: Sequence[
             except GpusliceError:
                 continue
     return PlanRun(p, svcs, replayed, plan_s, check_s, rounds, base,
-                   validate(p, svcs, opts.latency_factor), singles)
+                   validate(p, svcs, opts.latency_factor), singles,
+                   {ft.gpu: ft.cost_per_hour for ft in fleet} if priced else None, tuple(fleet))
 
 
 def parva_baseline(profiles_dir: Path, scenario: int) -> int | None:
@@ -263,10 +297,18 @@ def to_json(run: PlanRun) -> dict[str, Any]:
         "gpus_by_type": dict(Counter(g.gpu for g in p.gpus)),
         "objective": p.objective,
         "cost": p.cost,
+        # what the plan's GPUs cost per hour at the fleet's prices (None: no prices given)
+        "cost_per_hour": None if run.prices is None else
+        round(sum(run.prices.get(g.gpu, 0.0) for g in p.gpus), 6),
         "lower_bound": p.lower_bound,
+        # the bound is on what the objective minimises: GPUs, or cost per hour
+        "lower_bound_unit": "cost_per_hour" if p.objective == "cost" else "gpus",
         "solver": p.solver,
         "seconds": {"plan": round(run.plan_seconds, 3), "replay": round(run.check_seconds, 3)},
         "replan_rounds": run.rounds,
+        # the GPU types it was planned on (profiles_from: whose profiles stand in for one's)
+        "fleet": [{"gpu": ft.gpu, "count": ft.count, "cost_per_hour": ft.cost_per_hour,
+                   "profiles_from": ft.profiles_from} for ft in run.fleet],
         "baselines": run.baselines,
         "single_type_cost": run.single_type_costs,
         "valid": not run.errors,
@@ -283,6 +325,21 @@ def _part(c: Any) -> dict[str, Any]:
             "thread_pct": c.thread_pct, "colocated_procs": c.colocated,
             "throughput_rps": round(c.throughput, 3),
             "batch_latency_ms": round(c.latency_s * 1000, 3)}
+
+
+def fleet_from_json(doc: Any) -> list[FleetType]:
+    """The fleet a plan written by :func:`to_json` was made on (empty for a plan written
+    before plans recorded it, or by hand); entries that are not well formed are left out."""
+    items = doc.get("fleet") if isinstance(doc, dict) else None
+    out = []
+    for f in items if isinstance(items, list) else []:
+        if not (isinstance(f, dict) and isinstance(f.get("gpu"), str)):
+            continue
+        count, cost, source = f.get("count"), f.get("cost_per_hour", 1.0), f.get("profiles_from")
+        out.append(FleetType(f["gpu"], count if isinstance(count, int) else None,
+                             float(cost) if isinstance(cost, int | float) else 1.0,
+                             source if isinstance(source, str) else None))
+    return out
 
 
 def plan_from_json(doc: Any, where: str = "plan") -> Plan:

@@ -141,10 +141,11 @@ class LocalRuntime:
     def __init__(self, cfg: LocalConfig, nvml: NvmlPort, state_dir: Path, *, port: int = 8080,
                  admin_port: int = 0, host: str = "127.0.0.1", mps: bool = True,
                  mps_binary: str = "nvidia-cuda-mps-control", run_id: str = "",
-                 simulated: int | None = None) -> None:
+                 simulated: int | None = None, admin_host: str | None = None) -> None:
         self.cfg, self.nvml, self.dir = cfg, nvml, state_dir
         self.simulated = simulated  # --fake-gpus N: N simulated GPUs, said everywhere
         self.port, self.admin_port, self.host = port, admin_port, host
+        self.admin_host = admin_host or host
         self.mps, self.mps_binary = mps, mps_binary
         self.run_id = run_id or os.urandom(6).hex()
         # with the pid, which process wrote the state: `down` signals only that one
@@ -168,7 +169,8 @@ class LocalRuntime:
             "simulated": self.simulated,
             "router": None if self.router is None else {
                 "url": f"http://{self.host}:{self.router.port}",
-                "port": self.router.port, "admin_port": self.router.admin_port},
+                "port": self.router.port, "admin_port": self.router.admin_port,
+                "admin_host": self.admin_host},
             "replicas": [{**asdict(r.slice), "name": r.slice.replica, "port": r.port,
                           "router_name": r.router_name,
                           "pid": None if r.proc is None else r.proc.pid,
@@ -294,6 +296,7 @@ class LocalRuntime:
                                     f"see {self.dir / 'logs' / (r.slice.replica + '.log')}")
             await asyncio.sleep(0.2)
         self.router = await start_router(self.router_config(), host=self.host, port=self.port,
+                                         admin_host=self.admin_host,
                                          admin_port=self.admin_port)
         self.note(f"router on http://{self.host}:{self.router.port} (admin port "
                   f"{self.router.admin_port})")

@@ -9,8 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from gpuslice.adapters.yamlfile import read_yaml
 from gpuslice.core.errors import ValidationError
 from gpuslice.core.local import (
     SliceWant,
@@ -71,12 +70,10 @@ class LocalConfig:
 
 def read_local_services(path: Path) -> LocalConfig:
     """The services file (YAML or JSON); every error names the file and the field."""
-    try:
-        doc = yaml.safe_load(path.read_text())
-    except FileNotFoundError:
-        raise ValidationError("services file", "an existing file", str(path)) from None
-    except (OSError, yaml.YAMLError) as exc:
-        raise ValidationError(str(path), "valid YAML or JSON", str(exc)) from None
+    if not path.exists():
+        raise ValidationError("services file", "an existing file", str(path))
+    # the reader of every YAML input: its problem in one line, with line and column
+    doc = read_yaml(path, str(path), "valid YAML")
     items = doc.get("services") if isinstance(doc, dict) else doc
     if not isinstance(items, list) or not items:
         raise ValidationError(f"{path}: services", "a non-empty list of services", items)

@@ -187,6 +187,13 @@ class MigExecutor:
         for uuid, layout in want.items():
             model = catalog.lookup(by_uuid[uuid].model)
             assert model is not None and model.mig is not None
+            if not by_uuid[uuid].mig_enabled:  # what it would take, and what to do first
+                report.changes[uuid] = layout_changes([], layout)
+                report.skipped[uuid] = (
+                    "MIG mode is disabled on this GPU and the config asks for MIG: enable it "
+                    f"first (sudo nvidia-smi -i {by_uuid[uuid].index} -mig 1, with no process "
+                    "on the GPU; some GPUs need a reset after it), then apply again")
+                continue
             try:
                 current = [MigPlacement(s, model.mig.profile(p))
                            for p, s in self.nvml.mig_layout(uuid)]

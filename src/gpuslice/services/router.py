@@ -368,22 +368,11 @@ async def start_router(config: RouterConfig, *, host: str = "127.0.0.1", port: i
     # would reach the replica still labelled gzip; undecodable, it failed the request)
     server = web.Server(proxy.handle, access_log=None, request_factory=request_factory,
                         auto_decompress=False)
-    runner = web.ServerRunner(server, handle_signals=False)
-    await runner.setup()
-    await web.TCPSite(runner, host, port, backlog=4096).start()
-    app.runners.append(runner)
-    app.port = runner.addresses[0][1]
-    if admin_port is not None:
-        admin = web.Application()
-        admin.router.add_get("/metrics", _metrics_handler(metrics))
-        admin.router.add_get("/healthz", _healthz)
-        admin.router.add_get("/replicas", _replicas_handler(router))
-        admin.router.add_post("/reload", _reload_handler(app))
-        arunner = web.AppRunner(admin, access_log=None, handle_signals=False)
-        await arunner.setup()
-        await web.TCPSite(arunner, admin_host or host, admin_port).start()
-        app.runners.append(arunner)
-        app.admin_port = arunner.addresses[0][1]
+    try:
+        await _listen(app, server, host, port, admin_host, admin_port)
+    except BaseException:  # a port taken: close what was opened (the proxy's client session)
+        await app.close()
+        raise
     assert proxy.session is not None
     if health:
         app.tasks.append(asyncio.create_task(health_loop(router, proxy.session)))
@@ -392,6 +381,27 @@ async def start_router(config: RouterConfig, *, host: str = "127.0.0.1", port: i
     if watch is not None or reload_every_s is not None:
         app.tasks.append(asyncio.create_task(_watch_loop(app, reload_every_s or 1.0)))
     return app
+
+
+async def _listen(app: RouterApp, server: web.Server, host: str, port: int,
+                  admin_host: str | None, admin_port: int | None) -> None:
+    """Bind the proxy's port and, unless ``admin_port`` is None, the admin port."""
+    runner = web.ServerRunner(server, handle_signals=False)
+    await runner.setup()
+    app.runners.append(runner)
+    await web.TCPSite(runner, host, port, backlog=4096).start()
+    app.port = runner.addresses[0][1]
+    if admin_port is not None:
+        admin = web.Application()
+        admin.router.add_get("/metrics", _metrics_handler(app.metrics))
+        admin.router.add_get("/healthz", _healthz)
+        admin.router.add_get("/replicas", _replicas_handler(app.router))
+        admin.router.add_post("/reload", _reload_handler(app))
+        arunner = web.AppRunner(admin, access_log=None, handle_signals=False)
+        await arunner.setup()
+        app.runners.append(arunner)
+        await web.TCPSite(arunner, admin_host or host, admin_port).start()
+        app.admin_port = arunner.addresses[0][1]
 
 
 async def _flush_loop(log: AccessLog) -> None:
@@ -453,7 +463,8 @@ class ServeOptions:
     config: Path | None = None
     plan: Path | None = None
     endpointslices: str | None = None
-    kube_api: str | None = None
+    kube_api: str | None = None  # an API server URL without credentials (kubectl proxy)
+    kubeconfig: str | None = None
     port_name: str | None = None
     poll_s: float = 5.0
     models: tuple[str, ...] = ()  # EndpointSlices alone: the models served (none: any)
@@ -481,12 +492,13 @@ def make_loader(opts: ServeOptions) -> tuple[ConfigLoader, Path | None]:
     if opts.endpointslices is not None:
         from gpuslice.adapters.http.endpointslices import (
             SliceSource,
-            fetch_slices,
             replicas_from_slices,
+            slice_fetcher,
         )
         from gpuslice.core.routing_config import parse_router_config
 
         src = SliceSource.parse(opts.endpointslices, opts.kube_api, opts.port_name)
+        fetch_slices = slice_fetcher(src, opts.kubeconfig)
         base = opts.config or opts.plan
         template = read_config(base, need_urls=False, field="--config" if opts.config
                                else "--plan") if base is not None else None
@@ -498,7 +510,7 @@ def make_loader(opts: ServeOptions) -> tuple[ConfigLoader, Path | None]:
 
         async def load_slices() -> RouterConfig:
             async with aiohttp.ClientSession() as session:
-                doc = await fetch_slices(session, src)
+                doc = await fetch_slices(session)
             reps = replicas_from_slices(doc, src.port_name, by_name)
             if not reps:
                 raise ValidationError(f"EndpointSlices of {src.namespace}/{src.service}",

@@ -1,14 +1,16 @@
-"""Replicas from Kubernetes EndpointSlices (``discovery.k8s.io/v1``), read over the API server's
-HTTP API: in cluster with the pod's service-account token, or against any URL (tests, a
-``kubectl proxy``). Ready endpoints become replicas; a replica's weight comes from the plan
-(matched by pod name) when one is given, else 1 (SED learns the rest online)."""
+"""Replicas from Kubernetes EndpointSlices (``discovery.k8s.io/v1``), read over the API
+server's HTTP API: in cluster with the pod's service-account token, from a kubeconfig, or
+against any URL (tests, a ``kubectl proxy``). Ready endpoints become replicas; a replica's
+weight comes from the plan (matched by pod name) when one is given, else 1 (SED learns the
+rest online)."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import ssl
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -106,6 +108,25 @@ def _match(pod: str, weights: Mapping[str, ReplicaSpec]) -> ReplicaSpec | None:
     return None if best is None else best[1]
 
 
+def slice_fetcher(src: SliceSource, kubeconfig: str | None,
+                  ) -> Callable[[aiohttp.ClientSession], Awaitable[object]]:
+    """How the router reads ``src``'s EndpointSlices: from ``--kube-api URL`` (no
+    credentials, as ``kubectl proxy`` serves), or from the API server that the pod's service
+    account (in a pod, without ``--kubeconfig``) or the kubeconfig names, as every other
+    component finds it (``adapters/kube/client.KubeClient``, in a thread: it blocks)."""
+    if src.api is not None or (kubeconfig is None and os.environ.get("KUBERNETES_SERVICE_HOST")):
+        return lambda session: fetch_slices(session, src)
+    from gpuslice.adapters.kube.client import KubeClient
+
+    kube = KubeClient(kubeconfig, timeout_s=10.0)
+
+    async def fetch(_: aiohttp.ClientSession) -> object:
+        return await asyncio.get_running_loop().run_in_executor(
+            None, kube.list_endpoint_slices, src.namespace, src.service)
+
+    return fetch
+
+
 async def fetch_slices(session: aiohttp.ClientSession, src: SliceSource) -> object:
     path = (f"/apis/discovery.k8s.io/v1/namespaces/{src.namespace}/endpointslices"
             f"?labelSelector=kubernetes.io/service-name%3D{src.service}")
@@ -116,7 +137,7 @@ async def fetch_slices(session: aiohttp.ClientSession, src: SliceSource) -> obje
         port = os.environ.get("KUBERNETES_SERVICE_PORT", "443")
         if not host:
             raise ValidationError("--endpointslices", "running in a cluster "
-                                  "(KUBERNETES_SERVICE_HOST) or --kube-api URL", None)
+                                  "(KUBERNETES_SERVICE_HOST) or --kubeconfig FILE", None)
         base = f"https://{host}:{port}"
         headers["Authorization"] = "Bearer " + (SA_DIR / "token").read_text().strip()
         ssl_ctx = ssl.create_default_context(cafile=str(SA_DIR / "ca.crt"))

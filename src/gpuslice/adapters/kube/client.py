@@ -372,6 +372,12 @@ class KubeClient:
             return None
         return self._json(send, _request_timeout=timeout or self.timeout_s)
 
+    def list_endpoint_slices(self, namespace: str, service: str) -> Any:
+        """The EndpointSliceList of ``service`` (the router's replicas), as JSON."""
+        return self._rest("GET", f"/apis/discovery.k8s.io/v1/namespaces/{namespace}/"
+                          "endpointslices", {"labelSelector": f"kubernetes.io/service-name="
+                                                              f"{service}"})
+
     def get_resource_claim(self, namespace: str, name: str,
                            timeout_s: float | None = None) -> dict[str, Any]:
         """``timeout_s``: the whole read's deadline (see the class)."""

@@ -217,7 +217,8 @@ def _pack(gpu: str, items: Sequence[Config], cost: float = 1.0) -> list[PlannedG
                                                     np.array(need, float), np.inf),
                    bounds=opt.Bounds(0, np.inf), options={"time_limit": 5.0, "disp": False})
     if res.x is None:
-        raise ValidationError("packing", f"a packing of {len(items)} slices on {gpu}", None)
+        raise ValidationError("packing", f"a packing of {len(items)} slices on {gpu}",
+                              "none found")
     free: list[tuple[int, int, MigPlacement]] = []  # (slot size, gpu number, placement)
     n_gpu = 0
     for p, count in zip(pats, np.round(res.x).astype(int), strict=True):

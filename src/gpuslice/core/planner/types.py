@@ -32,11 +32,14 @@ class Service:
 
 @dataclass(frozen=True, slots=True)
 class FleetType:
-    """A GPU type the plan may use: how many (None: unlimited) and the hourly cost."""
+    """A GPU type the plan may use: how many (None: unlimited) and the hourly cost;
+    ``profiles_from``: a GPU type whose profiles stand in for this one's, rescaled by the speed
+    model (``core.speedmodel.rescale``), where this one was never profiled."""
 
     gpu: str
     count: int | None = None
     cost_per_hour: float = 1.0
+    profiles_from: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

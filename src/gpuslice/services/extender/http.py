@@ -20,6 +20,7 @@ from gpuslice.adapters.http.h2 import (
     Dispatch,
     H2Answer,
     H2Request,
+    H2Server,
     aiohttp_answer,
     answer_error,
 )
@@ -56,6 +57,9 @@ TLS_RELOAD_S = 60.0
 # the label the leader puts on its own pod (value "leader"); deploy/'s Service selects it, so
 # kube-scheduler's calls reach the replica that binds while both replicas are Ready
 LEADER_LABEL = "gpuslice.io/extender-role"
+# a follower that refused a bind sends the client away from its connection (send_away): the
+# answers under way on it get this long to finish before the GOAWAY
+SEND_AWAY_S = 30.0
 
 log = logging.getLogger("gpuslice.extender")
 
@@ -234,7 +238,32 @@ def make_app(state: ExtenderState, metrics: ExtenderMetrics | None = None, *,
         finally:
             flow.finished()
         m.binds.labels("refused" if error else "bound").inc()
-        return answer({"Error": error})
+        resp = answer({"Error": error})
+        if state.elector is not None and not state.elector.leader:
+            send_away(request, resp)
+        return resp
+
+    sent_away: set[asyncio.Task[None]] = set()
+
+    def send_away(request: web.Request, resp: web.Response) -> None:
+        """A follower has refused a bind: the client is told to connect again, so that its
+        next calls go through the Service to the leader. Without it, kube-scheduler keeps
+        its kept-alive connection (one HTTP/2 connection carries all its calls) on the replica
+        the Service chose when it connected, kube-proxy keeps an established connection on
+        its backend whatever the Service selects later, and every bind is refused for as
+        long as the connection lives once leadership has moved (found by the chaos soak:
+        benchmarks/chaos.py). HTTP/1.1: ``Connection: close`` on this answer; HTTP/2: new
+        streams refused (the client retries them on a new connection), then a GOAWAY once
+        the answers under way on the connection are sent."""
+        resp.force_close()
+        get_protocol = getattr(request.transport, "get_protocol", None)
+        conn = get_protocol() if callable(get_protocol) else None
+        if isinstance(conn, H2Server) and not conn.draining and not conn.closed:
+            task = asyncio.get_running_loop().create_task(conn.shutdown(SEND_AWAY_S))
+            sent_away.add(task)
+            task.add_done_callback(sent_away.discard)
+            log.info("bind refused as a follower: the client is sent to connect again",
+                     extra={"event": "sent-away"})
 
     async def write_held(w: BindWrite) -> str | None:
         t0 = time.perf_counter()
@@ -330,17 +359,31 @@ def tls_context(cert: str | None, key: str | None, client_ca: str | None) -> Any
             raise ValidationError("--client-ca", "--tls-cert and --tls-key as well", client_ca)
         return None
     if cert is None or key is None:
-        raise ValidationError("--tls-cert/--tls-key", "both a certificate and its key",
-                              (cert, key))
+        given, other = ("--tls-cert", "--tls-key") if key is None else ("--tls-key",
+                                                                        "--tls-cert")
+        raise ValidationError(other, f"a PEM file to go with {given}", None)
+    for flag, path in (("--tls-cert", cert), ("--tls-key", key), ("--client-ca", client_ca)):
+        if path is None:
+            continue
+        try:
+            with open(path, "rb"):
+                pass
+        except OSError as exc:
+            raise ValidationError(flag, "a readable PEM file", f"{path}: "
+                                  f"{exc.strerror or exc}") from None
     ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     try:
         ctx.load_cert_chain(cert, key)
-        if client_ca is not None:
-            ctx.load_verify_locations(client_ca)
-            ctx.verify_mode = ssl.CERT_OPTIONAL
     except (OSError, ssl.SSLError) as exc:
-        raise ValidationError("--tls-cert/--tls-key/--client-ca", "readable PEM files",
-                              str(exc)) from None
+        raise ValidationError("--tls-cert/--tls-key", "a PEM certificate and its private key",
+                              f"{cert}, {key}: {exc}") from None
+    if client_ca is not None:
+        try:
+            ctx.load_verify_locations(client_ca)
+        except (OSError, ssl.SSLError) as exc:
+            raise ValidationError("--client-ca", "a PEM file of CA certificates",
+                                  f"{client_ca}: {exc}") from None
+        ctx.verify_mode = ssl.CERT_OPTIONAL
     if client_ca is not None and not ctx.get_ca_certs():
         raise ValidationError("--client-ca", "a PEM file holding at least one CA certificate",
                               client_ca)

@@ -32,8 +32,16 @@ from gpuslice.core.model import ClusterArrays, IntArray, Isolation, SliceRequest
 from gpuslice.core.podrequest import GpuWant
 from gpuslice.core.policies import best_fit_gpu, exclusive_gpus, top_ranked
 from gpuslice.core.scorecache import ScoreCache
-from gpuslice.services.extender.view import ClusterView, _memory_wish, _mig_wish, _MigWish, _mode
+from gpuslice.services.extender.view import (
+    ClusterView,
+    _memory_wish,
+    _mig_wish,
+    _MigWish,
+    _mode,
+)
 
+# a node whose node agent has not written its GPU inventory yet (one that joined a moment ago)
+NOT_PUBLISHED = "node unknown to gpuslice (its node agent has not published its GPUs yet)"
 STALE_CHECKS = 32  # shares on a nominated node read back from the API server per filter call
 # kube-scheduler's smallest window of feasible nodes (minFeasibleNodesToFind in
 # pkg/scheduler/schedule_one.go): a filter asked about fewer nodes was sent every feasible one
@@ -54,20 +62,23 @@ class PlacementVerbs(ClusterView):
         the policy's choice, as the simulator makes it (the highest score, ties to a fixed
         node order by the names' hash, core.policies.tie_order), which kube-scheduler then
         takes without scoring (one feasible node).
-        The nodes dropped that way are in neither list: the pod is schedulable, so no
-        preemption follows."""
+        Only the feasible nodes passed over for that choice are in neither list (the pod is
+        schedulable, so no preemption follows); a node that cannot hold the pod is in the
+        failed ones with its reason, as without ``narrow``: kube-scheduler keeps a status
+        only for the nodes an extender names (findNodesThatPassExtenders in schedule_one.go),
+        so a node dropped silently would be missing from the pod's diagnosis."""
         req = pod_request(pod)
         if req is None:
             return names, {}
         self.learn(pod)
         if self.narrow and req.isolation is not Isolation.MIG:
             # the common case in one vectorised pass: where some node fits a whole-GPU slice,
-            # the policy's choice among them is the answer, and no reason is written for the
-            # nodes refused (kube-scheduler reads them only when no node is left:
-            # findNodesThatPassExtenders and the FitError of schedule_one.go)
+            # the policy's choice among them is the answer; the reasons are written only for
+            # the nodes that do not fit (usually few: kube-scheduler sends the nodes whose
+            # gpuslice.io/gpu and gpuslice.io/gpu-milli have room)
             chosen = self._choose(req, names)
             if chosen is not None:
-                return [chosen], {}
+                return [chosen], self._refusals(pod, req, names)
         keep, failed = self._fit(pod, req, names)
         if self.narrow and len(keep) > 1:
             keep = [self.best(req, keep)]
@@ -132,6 +143,19 @@ class PlacementVerbs(ClusterView):
         raw = np.asarray(self.scores(req, rows).scores, dtype=np.float64)
         return self.inv.names[int(rows[top_ranked(raw, self._rank[rows])])]
 
+    def _refusals(self, pod: dict[str, Any], req: SliceRequest,
+                  names: list[str]) -> dict[str, str]:
+        """Why each node of ``names`` where ``req`` does not fit is refused (the feasible ones,
+        a whole-GPU slice or inside a MIG instance, are left out)."""
+        ok = feasible(self.inv.arrays, req, node_resources=False)
+        rows = self._rows_of(names)
+        if len(rows) == len(names):  # every name known (the common case): in arrays
+            unfit = [names[j] for j in np.flatnonzero(~ok[rows]).tolist()]
+        else:
+            index = self.inv.index
+            unfit = [n for n in names if (i := index.get(n)) is None or not ok[i]]
+        return self._fit(pod, req, unfit)[1] if unfit else {}
+
     def _rows_of(self, names: list[str]) -> IntArray:
         """The inventory rows of the known nodes among ``names`` (in their order)."""
         index = self.inv.index
@@ -165,7 +189,7 @@ class PlacementVerbs(ClusterView):
             elif ok[i]:
                 keep.append(n)
             elif a.gpu_count[i] == 0:
-                failed[n] = "node has no GPU"
+                failed[n] = NOT_PUBLISHED if i in self.inv.unpublished else "node has no GPU"
             elif not allowed[i]:
                 failed[n] = (f"node has {a.models[a.model_id[i]]} GPUs, pod accepts "
                              f"{'|'.join(sorted(g.models))}")

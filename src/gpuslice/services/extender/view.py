@@ -115,6 +115,7 @@ class _Inventory:
     # MIG-enabled GPUs: no whole-GPU slice; MPS slices go inside their instances
     mig_gpus: frozenset[str] = frozenset()
     mig_rows: frozenset[int] = frozenset()  # nodes with a MIG-enabled GPU
+    unpublished: frozenset[int] = frozenset()  # nodes whose agent has published no inventory
 
 
 @dataclass(frozen=True)
@@ -198,9 +199,12 @@ class ClusterView:
         mig_gpus: set[str] = set()
         mig_rows: set[int] = set()
         marks: dict[str, tuple[str, str, str, str]] = {}
+        unpublished: set[int] = set()
         for n in self.api.list_nodes():
             name = n["metadata"]["name"]
             marks[name] = _node_mark(n)
+            if not marks[name][0]:  # no inventory annotation yet: not a node without GPUs
+                unpublished.add(len(names))
             raw = ((n["metadata"].get("annotations") or {}).get(CORDONED) or "")
             cordoned.update(u.strip() for u in raw.split(",") if u.strip())
             try:
@@ -233,7 +237,7 @@ class ClusterView:
         self.problems.extend(problems)
         arrays = build_arrays(nodes)
         inv_ = _Inventory(names, {n: i for i, n in enumerate(names)}, uuids, arrays, migs,
-                          frozenset(mig_gpus), frozenset(mig_rows))
+                          frozenset(mig_gpus), frozenset(mig_rows), frozenset(unpublished))
         with self._lock:
             recent = getattr(self, "_recent", {})
             for key in [k for k, (_, seq) in recent.items() if seq <= seen_up_to]:
