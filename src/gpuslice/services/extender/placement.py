@@ -147,13 +147,16 @@ class PlacementVerbs(ClusterView):
                   names: list[str]) -> dict[str, str]:
         """Why each node of ``names`` where ``req`` does not fit is refused (the feasible ones,
         a whole-GPU slice or inside a MIG instance, are left out)."""
-        ok = feasible(self.inv.arrays, req, node_resources=False)
         rows = self._rows_of(names)
+        # judged on the window's rows alone: the whole cluster's arrays would make every
+        # filter's cost grow with the node count
+        ok = feasible(self.inv.arrays, req, node_resources=False, rows=rows)
         if len(rows) == len(names):  # every name known (the common case): in arrays
-            unfit = [names[j] for j in np.flatnonzero(~ok[rows]).tolist()]
+            unfit = [names[j] for j in np.flatnonzero(~ok).tolist()]
         else:
             index = self.inv.index
-            unfit = [n for n in names if (i := index.get(n)) is None or not ok[i]]
+            fits = {int(r) for r, f in zip(rows.tolist(), ok.tolist(), strict=True) if f}
+            unfit = [n for n in names if (i := index.get(n)) is None or i not in fits]
         return self._fit(pod, req, unfit)[1] if unfit else {}
 
     def _rows_of(self, names: list[str]) -> IntArray:
@@ -173,30 +176,35 @@ class PlacementVerbs(ClusterView):
             return self._filter_mig(_mig_wish(req), names)
         g = self._gpu_only(req)
         a = self.inv.arrays
-        ok = feasible(a, g, node_resources=False)
-        # one vectorised pass for the reasons: the best GPU of each node and why it falls short
-        fits = gpu_ok(a, g)
-        n_fit = fits.sum(axis=1)
-        best = np.argmax(np.where(a.gpu_present, a.gpu_free, -1), axis=1)
-        allowed = a.model_mask(g.models)
+        # one vectorised pass over the rows of ``names`` alone (not the whole cluster's: the
+        # cost stays flat in the node count) for the verdicts and the reasons: the best GPU
+        # of each node and why it falls short
+        index = self.inv.index
+        rows = self._rows_of(names)
+        pos = {r: k for k, r in enumerate(rows.tolist())}  # row -> its place in ``rows``
+        ok = feasible(a, g, node_resources=False, rows=rows)
+        n_fit = gpu_ok(a, g, rows).sum(axis=1)
+        best = np.argmax(np.where(a.gpu_present[rows], a.gpu_free[rows], -1), axis=1)
+        allowed = a.model_mask(g.models, rows)
         mode = _mode(req)
         keep: list[str] = []
         failed: dict[str, str] = {}
         for n in names:
-            i = self.inv.index.get(n)
+            i = index.get(n)
+            k = -1 if i is None else pos[i]
             if i is None:
                 failed[n] = "node unknown to gpuslice (no GPU inventory yet)"
-            elif ok[i]:
+            elif ok[k]:
                 keep.append(n)
             elif a.gpu_count[i] == 0:
                 failed[n] = NOT_PUBLISHED if i in self.inv.unpublished else "node has no GPU"
-            elif not allowed[i]:
+            elif not allowed[k]:
                 failed[n] = (f"node has {a.models[a.model_id[i]]} GPUs, pod accepts "
                              f"{'|'.join(sorted(g.models))}")
             elif g.gpus > 1:
-                failed[n] = f"{n_fit[i]} of {a.gpu_count[i]} GPUs free enough, pod needs {g.gpus}"
+                failed[n] = f"{n_fit[k]} of {a.gpu_count[i]} GPUs free enough, pod needs {g.gpus}"
             else:
-                j = int(best[i])
+                j = int(best[k])
                 if a.gpu_free[i, j] >= g.milli:
                     failed[n] = (f"GPU {j} has {a.gpu_mem_free[i, j]} MiB free, pod needs "
                                  f"{g.memory_on(int(a.gpu_mem_cap[i, j]))}")
