@@ -143,6 +143,8 @@ def test_unprepare_quits_the_daemon_it_started_when_the_gpus_last_share_goes(
     assert control.exists() and node.driver._mps["GPU-node-a-00"].healthy()  # b is on it
     assert client.unprepare([b]) == {b[1]: ""}
     assert not control.exists() and "GPU-node-a-00" not in node.driver._mps
+    # its folders go with it (no share is left on the GPU; issue 57 found them left behind)
+    assert not control.parent.exists() and not (node.root / "mps" / "GPU-node-a-00.log").exists()
     c = node.add(share("tenth", "5f0a-cccc", "10", "8Gi"))
     assert client.prepare([c])[c[1]].error == ""
     state = json.loads((control.parent / "fake-state.json").read_text())

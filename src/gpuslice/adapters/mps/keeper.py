@@ -20,6 +20,7 @@ client containers, which must not be able to raise their own ceiling.
 
 from __future__ import annotations
 
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -122,13 +123,16 @@ class MpsDaemons:
 
     def quit(self, target: str) -> bool:
         """Forget ``target``'s daemon and quit it if it answers (its record goes first, so
-        that no host starts it again); whether it was running."""
+        that no host starts it again), then remove its pipe and log folders: no client is
+        left (a daemon with clients does not quit, and keeps them); whether it was running."""
         with self.lock:
             d = self.daemon(target)
             remove_want(self.root, target)
             running = d.healthy()
             if running:
                 d.quit()
+            for folder in (d.pipe_dir, d.log_dir):
+                shutil.rmtree(folder, ignore_errors=True)
             self.daemons.pop(target, None)
             self.ceilings.pop(target, None)
             return running
