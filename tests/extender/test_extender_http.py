@@ -357,3 +357,54 @@ def test_serving_moves_the_heap_out_of_full_collections_on_schedule() -> None:
         assert heap.settles == after  # the settling task ended with the server
 
     eventloop.run(main())
+
+
+def test_an_extender_that_cannot_reach_the_api_server_says_so_and_when_it_is_back(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Not Ready until it has read the cluster, and silent about why: an extender whose API
+    server does not answer now logs that it waits, for what, and since when (at once and
+    every 30 s), and when it answers again (issue 57: the log was empty until the liveness
+    probe restarted it)."""
+    import logging
+
+    from gpuslice.core.errors import GpusliceError
+    from gpuslice.services.extender.http import serve
+
+    api = small_cluster()
+    real_watch = api.watch
+    down = {"on": True}
+
+    def watch(since: str, timeout_s: float) -> Any:
+        if down["on"]:
+            raise GpusliceError("the API server at https://10.96.0.1:443 did not answer: "
+                                "timed out")
+        return real_watch(since, timeout_s)
+
+    api.watch = watch  # type: ignore[method-assign]
+
+    async def main() -> None:
+        state = ExtenderState(api, KEY, clock=clock, narrow=False)
+        started: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        stop = asyncio.Event()
+        server = asyncio.create_task(serve(state, "127.0.0.1", 0, ready=started.set_result,
+                                           stop=stop))
+        await asyncio.wait_for(started, 10)
+        for _ in range(100):
+            if any("waiting for the API server" in r.getMessage() for r in caplog.records):
+                break
+            await asyncio.sleep(0.05)
+        down["on"] = False
+        for _ in range(100):
+            if any("answers again" in r.getMessage() for r in caplog.records):
+                break
+            await asyncio.sleep(0.05)
+        stop.set()
+        await asyncio.wait_for(server, 10)
+
+    with caplog.at_level(logging.INFO, logger="gpuslice.extender"):
+        eventloop.run(main())
+    said = [r.getMessage() for r in caplog.records]
+    waiting = [m for m in said if "waiting for the API server" in m]
+    assert waiting and "until it answers" in waiting[0]
+    assert "10.96.0.1:443 did not answer" in waiting[0]
+    assert any("the API server answers again" in m for m in said)

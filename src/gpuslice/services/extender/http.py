@@ -419,6 +419,10 @@ def reload_certificate(ssl_context: Any, cert: str, key: str, seen: bytes) -> by
     return now
 
 
+API_WAIT_LOG_S = 30.0  # how often an outage of the API server is logged while it lasts
+STANDBY_S = 1.0  # how often a standby replica reads the Lease (one GET)
+
+
 async def serve(state: ExtenderState, host: str, port: int, ssl_context: Any = None,
                 resync_s: float = 300.0, ready: Callable[[int], None] | None = None,
                 stop: asyncio.Event | None = None, tls_files: tuple[str, str] | None = None,
@@ -466,7 +470,10 @@ async def serve(state: ExtenderState, host: str, port: int, ssl_context: Any = N
                 state.elector.leader = False
                 state.problems.append(f"leader election: {exc}")
             stepped.set()
-            await asyncio.sleep(state.elector.duration_s / 3)
+            # the leader renews every third of the lease; a standby looks every STANDBY_S,
+            # so that a Lease given up on SIGTERM (a rolling update) is taken within seconds
+            await asyncio.sleep(state.elector.duration_s / 3 if state.elector.leader
+                                else min(STANDBY_S, state.elector.duration_s / 3))
 
     async def mark(label: LeaderLabel) -> None:
         el = state.elector
@@ -495,6 +502,8 @@ async def serve(state: ExtenderState, host: str, port: int, ssl_context: Any = N
         stale = False  # events were missed (a broken watch): re-read before following again
         last = time.monotonic()
         backoff_s = 1.0
+        failing: float | None = None  # since when the API server has not answered
+        said = 0.0  # when that was last logged
         while True:
             # an outage of the API server leaves filter and prioritize answering from the
             # last view (binds fail on their own); the loop retries with backoff, never exits
@@ -504,8 +513,22 @@ async def serve(state: ExtenderState, host: str, port: int, ssl_context: Any = N
                 if reread:
                     stale, last = False, time.monotonic()
                 backoff_s = 1.0
+                if failing is not None:
+                    log.info("the API server answers again after %.0f s",
+                             time.monotonic() - failing, extra={"event": "api-back"})
+                    failing = None
             except GpusliceError as exc:  # start the watch again, then re-read everything
                 state.problems.append(f"watch: {exc}")
+                now = time.monotonic()
+                if failing is None or now - said >= API_WAIT_LOG_S:
+                    # said at once and every API_WAIT_LOG_S while it lasts: an extender that
+                    # cannot reach the API server is not Ready, and its log says why
+                    failing = now if failing is None else failing
+                    said = now
+                    log.warning("waiting for the API server (%.0f s so far; %s until it "
+                                "answers): %s", now - failing, "not ready" if not
+                                state.synced else "serving from the last view", exc,
+                                extra={"event": "api-waiting"})
                 since, stale = "", True
                 await asyncio.sleep(backoff_s)
                 backoff_s = min(30.0, 2 * backoff_s)
