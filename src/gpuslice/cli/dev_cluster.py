@@ -60,6 +60,15 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    "restores the host as it was")
     d.add_argument("--node-dir", type=Path, help="folder of tools/node/build.sh's output "
                    "(default $GPUSLICE_NODE_DIR, else what tools/node/build.sh --dir names)")
+    d.add_argument("--bare", action="store_true",
+                   help="up: Kubernetes alone, to install gpuslice into (the Helm chart or "
+                   "deploy/): no deploy/base, no extender, no node agent, kube-scheduler's "
+                   "default profile, the API server reachable from pods; with --real-node, "
+                   "the node gets pod networking (kube-proxy for Services, CoreDNS for their "
+                   "names), which the chart's own pods need")
+    d.add_argument("--network", action="store_true",
+                   help="up --real-node: pod networking on the real node (kube-proxy, CoreDNS; "
+                   "implied by --bare)")
     d.set_defaults(handler=_dev_cluster)
 
 
@@ -91,18 +100,21 @@ def _up(args: argparse.Namespace, console: Console) -> int:
         raise ValidationError("--repo", "the gpuslice checkout (with deploy/base)", args.repo)
     bin_dir = args.bin_dir or find_bin_dir(args.repo)
     t0 = time.monotonic()
-    dev = DevCluster(bin_dir, deploy, folder=folder)
+    network = args.bare or args.network
+    dev = DevCluster(bin_dir, deploy, folder=folder, pod_network=network,
+                     **({"scheduler": "default"} if args.bare else {}))
     dev.start()
     try:
-        dev.apply(deploy / "base")
         key = folder / "assignment.key"
-        key.write_text(DEV_KEY)
-        dev.start_extender(key)
+        if not args.bare:
+            dev.apply(deploy / "base")
+            key.write_text(DEV_KEY)
+            dev.start_extender(key)
         if args.nodes:
             dev.add_nodes([gpu_node(f"gpu-node-{i}", args.model, args.gpus)
                            for i in range(args.nodes)])
         if args.real_node:
-            _up_real_node(args, dev, key, console)
+            _up_real_node(args, dev, None if args.bare else key, console, network)
         dev.write_state()
     except BaseException:
         dev.stop()
@@ -110,7 +122,12 @@ def _up(args: argparse.Namespace, console: Console) -> int:
         raise
     console.print(f"dev cluster up in {time.monotonic() - t0:.0f} s: API server {dev.server}, "
                   f"{args.nodes} kwok node(s) x {args.gpus} {args.model}", highlight=False)
-    if args.real_node:
+    if args.bare:
+        console.print("bare: no gpuslice installed (no deploy/base, extender or node agent); "
+                      "install the chart (deploy/README.md, 'Try it on this machine')"
+                      + (f"; node {NODE_NAME} has pod networking" if args.real_node else ""),
+                      highlight=False)
+    if args.real_node and not args.bare:
         console.print(f"real node {NODE_NAME}: containerd + kubelet, node agent on "
                       f"{args.gpus} fake {args.model}; pods select it with nodeSelector "
                       f"{NODE_LABEL}=real (image {BUSYBOX}, imagePullPolicy: Never)",
@@ -121,10 +138,11 @@ def _up(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
-def _up_real_node(args: argparse.Namespace, dev: DevCluster, key: Path,
-                  console: Console) -> None:
-    """containerd + the kubelet (RealNode) and the node agent on fake GPUs with stand-in
-    device nodes, on the node agent's service account."""
+def _up_real_node(args: argparse.Namespace, dev: DevCluster, key: Path | None,
+                  console: Console, network: bool = False) -> None:
+    """containerd + the kubelet (RealNode, with pod networking when ``network``) and, with a
+    ``key``, the node agent on fake GPUs with stand-in device nodes, on the node agent's
+    service account."""
     import sys
 
     from gpuslice.devcluster import wait_until
@@ -137,7 +155,9 @@ def _up_real_node(args: argparse.Namespace, dev: DevCluster, key: Path,
 
     node_dir = args.node_dir or find_node_dir(args.repo)
     console.print("starting containerd and the kubelet ...")
-    node = RealNode(dev, node_dir).start()
+    node = RealNode(dev, node_dir, network=network).start()
+    if key is None:
+        return  # bare: what runs on the node is what the user installs
     dev_dir = make_stand_in_devices(STATE_DIR / "dev", args.gpus)
     inv = node.folder / "inventory.yaml"
     inv.write_text("gpus:\n" + "".join(f"  - model: {args.model}\n" for _ in range(args.gpus)))
@@ -228,6 +248,9 @@ def _status(folder: Path, console: Console) -> int:
 
 
 def _validate(args: argparse.Namespace) -> None:
+    if args.network and not args.real_node:
+        raise ValidationError("--network", "with --real-node (pod networking is the real "
+                              "node's)", "without it")
     if args.nodes < 0:
         raise ValidationError("--nodes", "a number of nodes >= 0", args.nodes)
     if args.gpus < 1:
