@@ -150,6 +150,11 @@ def test_upgrades_kills_and_restarts_while_replicas_serve_drop_nothing(
         rev2 = {**values, "image": {**values["image"], "tag": f"{tag}-rev2"},
                 "scheduler": {"image": f"{KUBE_SCHEDULER}-rev2"}}
         helm_run(helm, env, "upgrade", rev2)
+        t_wait = time.monotonic()  # helm --wait returned: how long until a leader is labelled
+        wait_ready(env, "the extender leader", "app.kubernetes.io/name=gpuslice-extender,"
+                   "gpuslice.io/extender-role=leader", timeout_s=120)
+        FIGURES.append(f"  after helm upgrade --wait: a labelled extender leader in "
+                       f"{time.monotonic() - t_wait:.1f} s")
         for sel in ("gpuslice-node-agent", "gpuslice-extender", "gpuslice-reconfig"):
             wait_until(f"{sel} on the new image", lambda s=sel: images_of(
                 env, f"app.kubernetes.io/name={s}") == {f"{repo}:{tag}-rev2"}, 240)
