@@ -77,6 +77,8 @@ class FakeGpu:
     used_mib: int = 0
     util: int = 0
     pids: list[int] = field(default_factory=list)
+    # per-process utilization samples: (pid, timestamp in us, SM %); served newer than asked
+    samples: list[tuple[int, int, int]] = field(default_factory=list)
     events: list[int] = field(default_factory=list)  # pending XIDs
 
     def mig_devices(self) -> list[tuple[GpuInstance, int]]:
@@ -485,6 +487,24 @@ class FakeLibNvml:
         for k, pid in enumerate(g.pids):
             arr[k].pid, arr[k].usedGpuMemory = pid, 100 * MIB
         _set(count, len(g.pids))
+        return SUCCESS
+
+    def nvmlDeviceGetProcessUtilization(self, h: Any, arr: Any, count: Any, since: Any) -> int:
+        """The samples newer than ``since`` (NVML: NOT_FOUND when there is none; a first
+        call without a buffer asks for the count)."""
+        g = self._gpu(h)
+        if g is None:
+            return INVALID
+        ts = since.value if hasattr(since, "value") else int(since)
+        new = [x for x in g.samples if x[1] > ts]
+        if not new:
+            return NOT_FOUND
+        if arr is None or count._obj.value < len(new):
+            _set(count, len(new))
+            return INSUFFICIENT_SIZE
+        for k, (pid, stamp, sm) in enumerate(new):
+            arr[k].pid, arr[k].timeStamp, arr[k].smUtil, arr[k].memUtil = pid, stamp, sm, 0
+        _set(count, len(new))
         return SUCCESS
 
     def nvmlDeviceGetUtilizationRates(self, h: Any, util: Any) -> int:

@@ -129,6 +129,24 @@ def test_clients_usage_and_xid_events(node: FakeLibNvml) -> None:
     assert (ev.uuid, ev.xid) == (a.uuid, 79)
 
 
+def test_processes_with_their_memory_and_sm_utilization(node: FakeLibNvml) -> None:
+    """nvmlDeviceGetComputeRunningProcesses (each one's used memory) with the SM utilization
+    of nvmlDeviceGetProcessUtilization's samples since the last read (pynvml's two-call
+    convention); a driver without the MPS listing (a missing symbol) is no error."""
+    from gpuslice.adapters.nvml.port import GpuProcess
+
+    nv = RealNvml()
+    h, a, _ = node.gpus
+    h.pids = [11, 12]
+    h.samples = [(11, 1_000, 30), (12, 1_000, 5)]
+    assert nv.processes(h.uuid) == [GpuProcess(11, 100, 30.0), GpuProcess(12, 100, 5.0)]
+    # nothing newer: the processes, without a figure (not a stale one)
+    assert nv.processes(h.uuid) == [GpuProcess(11, 100, None), GpuProcess(12, 100, None)]
+    h.samples.append((11, 2_000, 60))
+    assert nv.processes(h.uuid)[0] == GpuProcess(11, 100, 60.0)
+    assert nv.processes(a.uuid) == []
+
+
 def test_no_driver_gives_the_null_port_with_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
     FakeLibNvml([], init_error=9).install(monkeypatch)  # NVML_ERROR_DRIVER_NOT_LOADED
     nv = load()

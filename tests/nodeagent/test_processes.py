@@ -24,7 +24,7 @@ from gpuslice.adapters.nvml.port import FakeNvml, GpuProcess
 from gpuslice.adapters.proc.pods import PodProcess, pod_of
 from gpuslice.core.errors import ValidationError
 from gpuslice.services.node_agent import NodeAgent
-from gpuslice.services.pod_usage import OVER_DECLARED, PodProcesses
+from gpuslice.services.pod_usage import OVER_DECLARED, PodUsage
 from tests.fake_mps import write_fake_mps
 from tests.nodeagent.test_device_plugin import allocate, assign, env
 
@@ -118,19 +118,78 @@ def test_each_pods_processes_are_counted_and_one_over_its_declared_count_reporte
         name = owner.get(pid)
         return PodProcess(pid, pods[name]["metadata"]["uid"], "c1") if name else None
 
-    counter = PodProcesses("n1", nvml, api, registry, pod_of_pid=pod_of_pid)
-    assert counter.step([gpu]) == {"ml/one": (2, 1), "ml/four": (3, 4)}
+    usage = PodUsage("n1", nvml, api, registry, pod_of_pid=pod_of_pid)
+    assert usage.step() == {"ml/one": (2, 1), "ml/four": (3, 4)}
     events = [e for e in api.events if e.get("reason") == OVER_DECLARED]
     assert [e["involvedObject"]["name"] for e in events] == ["one"]
     assert "2 CUDA processes on its GPU share, 1 declared" in events[0]["message"]
     text = generate_latest(registry).decode()
-    assert 'gpuslice_pod_gpu_processes{namespace="ml",pod="one"} 2.0' in text
-    assert 'gpuslice_pod_gpu_processes_over_declared{namespace="ml",pod="one"} 1.0' in text
-    counter.step([gpu])  # the same count again: no second event
+    assert 'gpuslice_pod_gpu_processes_over_declared{namespace="ml",node="n1",pod="one"} 1.0' \
+        in text
+    assert f'gpuslice_gpu_unattributed_processes{{gpu="{gpu}",node="n1"}} 1.0' in text
+    usage.step()  # the same count again: no second event
     assert len([e for e in api.events if e.get("reason") == OVER_DECLARED]) == 1
     nvml.set_processes(gpu, [GpuProcess(103)])  # "one" is gone: its series go with it
-    assert counter.step([gpu]) == {"ml/four": (1, 4)}
+    assert usage.step() == {"ml/four": (1, 4)}
     assert 'pod="one"' not in generate_latest(registry).decode()
+
+
+def test_each_containers_memory_and_sms_are_measured_against_its_share() -> None:
+    """Per pod, container and GPU: the memory its processes use (NVML), its share's memory
+    (the signed assignment), the headroom, the SMs kept busy and the share of SMs given;
+    with the key, an assignment that does not verify gives no cap."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from gpuslice.adapters.kube.annotation import encode
+    from gpuslice.core.assignment import Assignment, ContainerAssignment, GpuShare, Mode, sign
+
+    key = b"k" * 24
+    api = FakeApiServer()
+    nvml = FakeNvml.simulated(1)
+    gpu = nvml.devices()[0].uuid
+    p = api.add_pod({"metadata": {"name": "llm", "namespace": "ml"},
+                     "spec": {"nodeName": "n1", "containers": [{"name": "server"}]},
+                     "status": {"containerStatuses": [
+                         {"name": "server", "containerID": "containerd://abc123"}]}})
+    a = Assignment("ml", "llm", p["metadata"]["uid"], "n1", (ContainerAssignment(
+        "server", Mode.MPS, (GpuShare(gpu, 250, 8192),)),), "t1")
+    api.patch_pod_annotations("ml", "llm", {"gpuslice.io/assignment": encode(sign(a, key))},
+                              p["metadata"]["resourceVersion"])
+    nvml.set_processes(gpu, [GpuProcess(7, 3000, 12.0), GpuProcess(8, 1000, 8.0),
+                             GpuProcess(9, 500, None)])
+    owner = {7: "abc123", 8: "abc123"}
+
+    def pod_of_pid(pid: int) -> PodProcess | None:
+        return PodProcess(pid, p["metadata"]["uid"], owner[pid]) if pid in owner else None
+
+    registry = CollectorRegistry()
+    PodUsage("n1", nvml, api, registry, keys=(key,), pod_of_pid=pod_of_pid).step()
+    got = _samples(generate_latest(registry).decode())
+    labels = {"container": "server", "gpu": gpu, "namespace": "ml", "node": "n1", "pod": "llm"}
+
+    def value(name: str) -> float:
+        return got[(name, frozenset(labels.items()))]
+
+    assert value("gpuslice_pod_gpu_memory_used_bytes") == 4000 * 2**20
+    assert value("gpuslice_pod_gpu_memory_cap_bytes") == 8192 * 2**20
+    assert value("gpuslice_pod_gpu_memory_headroom_bytes") == 4192 * 2**20
+    assert value("gpuslice_pod_gpu_sm_utilization_ratio") == 0.2
+    assert value("gpuslice_pod_gpu_sm_share_ratio") == 0.25
+    assert value("gpuslice_pod_gpu_processes") == 2
+    assert got[("gpuslice_gpu_unattributed_memory_used_bytes",
+                frozenset({"gpu": gpu, "node": "n1"}.items()))] == 500 * 2**20
+    other = CollectorRegistry()  # another key: the share is not taken on its word
+    PodUsage("n1", nvml, api, other, keys=(b"x" * 24,), pod_of_pid=pod_of_pid).step()
+    names = {n for n, _ in _samples(generate_latest(other).decode())}
+    assert "gpuslice_pod_gpu_memory_used_bytes" in names
+    assert "gpuslice_pod_gpu_memory_cap_bytes" not in names
+
+
+def _samples(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
 
 
 def test_a_process_is_mapped_to_its_pod_by_its_cgroup(tmp_path: Path) -> None:

@@ -102,7 +102,7 @@ def _up(args: argparse.Namespace, console: Console) -> int:
     t0 = time.monotonic()
     network = args.bare or args.network
     dev = DevCluster(bin_dir, deploy, folder=folder, pod_network=network,
-                     **({"scheduler": "default"} if args.bare else {}))
+                     scheduler="default" if args.bare else "extender")
     dev.start()
     try:
         key = folder / "assignment.key"

@@ -106,6 +106,10 @@ def register(sub: Sub) -> None:
     na.add_argument("--mps-shm-dir", default=SHM_DIR,
                     help="host directory that is the MPS daemons' /dev/shm, mounted at /dev/shm "
                     "in MPS clients ('' for none: then clients need hostIPC)")
+    na.add_argument("--proc-root", type=Path, default=Path("/proc"),
+                    help="the host's /proc as the agent sees it, where each GPU process's "
+                    "cgroup names its pod (default /proc: the agent runs with hostPID; "
+                    "/host/proc where the host's is mounted there instead)")
     na.add_argument("--pod-resources-socket",
                     default="/var/lib/kubelet/pod-resources/kubelet.sock",
                     help="the kubelet's PodResources API ('off' not to ask): pods it gave "
@@ -222,7 +226,7 @@ def _node_agent(args: argparse.Namespace, console: Console) -> int:
     agent = NodeAgent(cfg, nvml, api, quiet_s=args.quiet,
                       mps=not args.no_mps and (args.fake_gpus is None or args.fake_mps),
                       mps_binary=mps_binary, quit_mps_on_stop=args.quit_mps_on_exit,
-                      mps_host=args.mps_host)
+                      mps_host=args.mps_host, proc_root=args.proc_root)
     with StopSignals(agent.stop) as signals:  # SIGTERM (the pod deleted) or Ctrl-C: stop, exit 0
         if args.metrics != "off":
             from gpuslice.adapters.http.probes import serve_metrics

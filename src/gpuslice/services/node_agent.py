@@ -47,7 +47,7 @@ from gpuslice.services.device_plugin import (
     plugin_configs,
 )
 from gpuslice.services.node_layouts import MigLayouts
-from gpuslice.services.pod_usage import PodProcesses
+from gpuslice.services.pod_usage import PodUsage
 
 INVENTORY = "gpuslice.io/inventory"
 # the node labels this agent added (comma-separated keys): what it removes on uninstall
@@ -122,7 +122,7 @@ class NodeAgent(MigLayouts):
                  quiet_s: float = 60.0, clock: Callable[[], float] = time.monotonic,
                  mps: bool = False, mps_binary: str = "nvidia-cuda-mps-control",
                  poll_s: float = 1.0, quit_mps_on_stop: bool = True,
-                 mps_host: bool = False) -> None:
+                 mps_host: bool = False, proc_root: Path = Path("/proc")) -> None:
         self.poll_s = poll_s
         # in a cluster the MPS daemons outlive the agent: running pods are their clients, and
         # a restarted agent adopts them from their records (adapters/mps/keeper.py); with
@@ -152,10 +152,11 @@ class NodeAgent(MigLayouts):
         self._stop = threading.Event()
         self.problems: list[str] = []
         self.metrics = AgentMetrics()
-        # each pod's CUDA processes on the MPS-shared GPUs against its declared count
-        self.pod_processes = PodProcesses(cfg.node, nvml, api, self.metrics.registry)
-        self.processes_check_s = 10.0
-        self._processes_checked = 0.0
+        # what each pod uses of its share (memory, SMs, processes against its declared count)
+        self.pod_usage = PodUsage(cfg.node, nvml, api, self.metrics.registry,
+                                  keys=(cfg.key, *cfg.previous_keys), proc=proc_root)
+        self.usage_every_s = 10.0
+        self._usage_at = 0.0
         # the node labels and inventory to publish, until the API server takes them: retried
         # with backoff (an outage must not leave the extender without this node's GPUs)
         self._unpublished = False
@@ -254,13 +255,14 @@ class NodeAgent(MigLayouts):
             return []
 
     def count_processes(self) -> dict[str, tuple[int, int]]:
-        """Each pod's CUDA processes on the GPUs and MIG instances with an MPS daemon here,
-        with what it declares (:mod:`gpuslice.services.pod_usage`); a pod running more gets
-        a Warning event and the metric."""
+        """What each pod uses of its share on this node's GPUs and MIG instances (memory, SMs,
+        processes: :mod:`gpuslice.services.pod_usage`, into the metrics); per pod, its most
+        CUDA processes on one GPU and what it declares (a pod running more gets a Warning
+        event)."""
         try:
-            return self.pod_processes.step(list(self._mps))
+            return self.pod_usage.step()
         except GpusliceError as exc:
-            note_once(self.problems, f"counting the pods' CUDA processes: {exc}")
+            note_once(self.problems, f"measuring the pods' GPU use: {exc}")
             return {}
 
     def quit_mps(self) -> None:
@@ -456,9 +458,8 @@ class NodeAgent(MigLayouts):
             if self._mps and time.monotonic() - self._mps_checked >= self.mps_check_s:
                 self._mps_checked = time.monotonic()
                 self.watch_mps()
-            if self._mps and time.monotonic() - self._processes_checked >= \
-                    self.processes_check_s:
-                self._processes_checked = time.monotonic()
+            if time.monotonic() - self._usage_at >= self.usage_every_s:
+                self._usage_at = time.monotonic()
                 self.count_processes()
             try:
                 self.reconcile_layouts()

@@ -1,104 +1,272 @@
-"""Each pod's CUDA processes on the node's MPS-shared GPUs, against what it declared.
+"""What each pod uses of its GPU share, measured: memory in use, SM utilization and CUDA
+processes per pod, container and GPU (or MIG instance), against the share it was given.
 
-MPS caps every client process on its own, so a pod's share holds only when the pod runs the
-processes it declared (``gpuslice.io/processes``: the node divides the memory cap among them).
-The node agent counts them: NVML's processes on each GPU or MIG instance with an MPS daemon
-(MPS clients are processes of their own), each mapped to its pod through its cgroup
-(:func:`gpuslice.adapters.proc.pods.pod_of`). A pod running more than it declared gets a
-Warning event (once per count) and shows in the metrics; pods that are gone leave them."""
+The node agent reads NVML's processes on every GPU and MIG instance of the node (compute
+processes and MPS clients, each with its used memory and, where the driver samples it, its
+SM utilization), maps each to its pod and container through its cgroup
+(:func:`gpuslice.adapters.proc.pods.pod_of`: the one process-to-pod mapping of the node
+side) and the pod's container statuses, and sets them beside the caps of the pod's signed
+assignment. A process that belongs to no pod (a host process, the MPS server itself) is
+counted per GPU, not dropped. Pods that are gone leave their series (bounded cardinality).
+
+MPS caps each client process, so a pod's share holds only when the pod runs the processes
+it declared (``gpuslice.io/processes``: the node divides the memory cap among them); a pod
+running more on one GPU gets a Warning event (once per count) and shows in the metrics.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from gpuslice.adapters.kube.annotation import AnnotationError, decode
 from gpuslice.adapters.kube.fake import KubePort
 from gpuslice.adapters.kube.objects import PROCESSES_ANNOTATION, declared_processes
-from gpuslice.adapters.nvml.port import NvmlError, NvmlPort
+from gpuslice.adapters.nvml.port import GpuProcess, NvmlError, NvmlPort
 from gpuslice.adapters.proc.pods import PodProcess, pod_of
+from gpuslice.core.assignment import ANNOTATION, Assignment, GpuShare, verify_any
 from gpuslice.core.errors import GpusliceError, ValidationError, note_once
 
 log = logging.getLogger(__name__)
 OVER_DECLARED = "GpuProcessesOverDeclared"
+MIB = 1 << 20
+PODS_REREAD_S = 60.0  # the node's pods read again at least this often (else only when new)
 
 
-class PodProcesses:
-    """Counts, reports and exports each pod's CUDA processes."""
+@dataclass(frozen=True)
+class UseKey:
+    namespace: str
+    pod: str
+    container: str
+    gpu: str  # the GPU's UUID, or the MIG instance's
+
+
+@dataclass
+class Use:
+    """One container's use of one GPU or MIG instance, summed over its processes."""
+
+    processes: int = 0
+    used_mib: int = 0
+    sm_pct: float | None = None  # None: no sample from the driver
+    cap_mib: int | None = None  # its share's memory (None: no assignment names it)
+    share_milli: int | None = None
+
+
+class PodUsage:
+    """Measures, reports and exports each pod's use of its GPU share (:meth:`step`)."""
 
     def __init__(self, node: str, nvml: NvmlPort, api: KubePort, registry: Any,
-                 proc: Path = Path("/proc"),
-                 pod_of_pid: Callable[[int], PodProcess | None] | None = None) -> None:
-        from prometheus_client import Gauge
-
-        self.node, self.nvml, self.api = node, nvml, api
+                 keys: tuple[bytes, ...] = (), proc: Path = Path("/proc"),
+                 pod_of_pid: Callable[[int], PodProcess | None] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.node, self.nvml, self.api, self.keys = node, nvml, api, keys
         self.pod_of = pod_of_pid or (lambda pid: pod_of(pid, proc))
-        labels = ["namespace", "pod"]
-        self.counted = Gauge("gpuslice_pod_gpu_processes",
-                             "CUDA processes of the pod on its MPS-shared GPUs (NVML)", labels,
-                             registry=registry)
-        self.declared = Gauge("gpuslice_pod_gpu_processes_declared",
-                              f"CUDA processes the pod declares ({PROCESSES_ANNOTATION})",
-                              labels, registry=registry)
-        self.over = Gauge("gpuslice_pod_gpu_processes_over_declared",
-                          "1 while the pod runs more CUDA processes than it declares: each "
-                          "gets the per-process memory cap, their total exceeds its share",
-                          labels, registry=registry)
-        self._series: set[tuple[str, str]] = set()
+        self.clock = clock
+        self._gauges(registry)
+        self._series: set[UseKey] = set()
+        self._pod_series: set[tuple[str, str]] = set()
+        self._free_series: set[str] = set()
         self._reported: dict[str, int] = {}  # pod UID -> the count last reported
+        self._pods: dict[str, dict[str, Any]] = {}  # UID -> pod, as last read
+        self._pods_at = float("-inf")
         self.problems: list[str] = []
 
-    def _pids_by_pod(self, targets: Iterable[str]) -> dict[str, set[int]]:
-        out: dict[str, set[int]] = {}
-        for target in targets:
-            try:
-                procs = self.nvml.processes(target)
-            except (NvmlError, GpusliceError) as exc:
-                note_once(self.problems, f"processes of {target}: {exc}")
-                continue
-            for p in procs:
-                found = self.pod_of(p.pid)
-                if found is not None:
-                    out.setdefault(found.pod_uid, set()).add(p.pid)
+    def _gauges(self, registry: Any) -> None:
+        from prometheus_client import Gauge
+
+        use = ["node", "namespace", "pod", "container", "gpu"]
+        pod = ["node", "namespace", "pod"]
+
+        def gauge(name: str, text: str, labels: list[str]) -> Any:
+            return Gauge(name, text, labels, registry=registry)
+
+        self.used = gauge("gpuslice_pod_gpu_memory_used_bytes",
+                          "device memory the container's processes use on the GPU (NVML)", use)
+        self.cap = gauge("gpuslice_pod_gpu_memory_cap_bytes",
+                         "the memory of the container's share of the GPU (its assignment)", use)
+        self.headroom = gauge("gpuslice_pod_gpu_memory_headroom_bytes",
+                              "its share's memory minus what it uses (negative: over it)", use)
+        self.sm = gauge("gpuslice_pod_gpu_sm_utilization_ratio",
+                        "fraction of the GPU's SMs the container's processes kept busy over "
+                        "the last sample period (NVML's per-process samples)", use)
+        self.share = gauge("gpuslice_pod_gpu_sm_share_ratio",
+                           "the fraction of the GPU the container's share gives it (milli/1000)",
+                           use)
+        self.counted = gauge("gpuslice_pod_gpu_processes",
+                             "CUDA processes of the container on the GPU (NVML)", use)
+        self.declared = gauge("gpuslice_pod_gpu_processes_declared",
+                              f"CUDA processes the pod declares per GPU ({PROCESSES_ANNOTATION})",
+                              pod)
+        self.over = gauge("gpuslice_pod_gpu_processes_over_declared",
+                          "1 while the pod runs more CUDA processes on a GPU than it declares: "
+                          "each gets the per-process memory cap, their total exceeds its "
+                          "share", pod)
+        self.free_procs = gauge("gpuslice_gpu_unattributed_processes",
+                                "processes on the GPU that belong to no pod (host processes, "
+                                "an MPS server)", ["node", "gpu"])
+        self.free_mem = gauge("gpuslice_gpu_unattributed_memory_used_bytes",
+                              "device memory those processes use", ["node", "gpu"])
+
+    # -- measuring ------------------------------------------------------------------------
+
+    def devices(self) -> dict[str, tuple[str, str, int]]:
+        """Every GPU and MIG instance of the node: UUID -> (its GPU, MIG profile, start)."""
+        out: dict[str, tuple[str, str, int]] = {}
+        for g in self.nvml.devices():
+            out[g.uuid] = (g.uuid, "", -1)
+            for m in g.mig:
+                out[m.uuid] = (g.uuid, m.profile, m.start)
         return out
 
-    def step(self, targets: Iterable[str]) -> dict[str, tuple[int, int]]:
-        """One count over the GPUs and MIG instances ``targets``: per pod (``ns/name``) its
-        (processes, declared). Reads the API only when some process belongs to a pod."""
-        pids = self._pids_by_pod(targets)
+    def _processes(self, devices: Iterable[str]) -> dict[str, list[GpuProcess]]:
+        out = {}
+        for dev in devices:
+            try:
+                out[dev] = self.nvml.processes(dev)
+            except (NvmlError, GpusliceError) as exc:
+                note_once(self.problems, f"processes of {dev}: {exc}")
+        return out
+
+    def _pods_for(self, uids: set[str]) -> dict[str, dict[str, Any]]:
+        """The node's pods by UID: read again when one of ``uids`` is unknown, or every
+        :data:`PODS_REREAD_S` (a pod's container restarted: its container IDs changed)."""
+        if not uids <= set(self._pods) or self.clock() - self._pods_at >= PODS_REREAD_S:
+            self._pods = {str((p.get("metadata") or {}).get("uid")): p
+                          for p in self.api.list_pods(node=self.node)}
+            self._pods_at = self.clock()
+        return self._pods
+
+    def step(self, devices: Iterable[str] | None = None) -> dict[str, tuple[int, int]]:
+        """One measurement over ``devices`` (default: every GPU and MIG instance): the
+        metrics set, the over-declared pods warned. Returns, per pod (``ns/name``), (its
+        most CUDA processes on one GPU, the count it declares). Reads the API only when some
+        process belongs to a pod it does not know yet."""
+        where = self.devices()
+        procs = self._processes(where if devices is None else devices)
+        owned: dict[tuple[str, str, str], list[GpuProcess]] = {}  # (uid, container, dev)
+        free: dict[str, list[GpuProcess]] = {}
+        for dev, found in procs.items():
+            for p in found:
+                hit = self.pod_of(p.pid)
+                if hit is None:
+                    free.setdefault(dev, []).append(p)
+                else:
+                    owned.setdefault((hit.pod_uid, hit.container_id, dev), []).append(p)
+        self._set_free(free, procs)
+        pods = self._pods_for({uid for uid, _, _ in owned}) if owned else {}
+        uses: dict[UseKey, Use] = {}
+        per_pod: dict[str, dict[str, int]] = {}  # uid -> device -> processes
+        for (uid, cid, dev), found in owned.items():
+            pod = pods.get(uid)
+            if pod is None:
+                continue  # a pod the API no longer lists (ending): not counted
+            key, use = self._use(pod, cid, dev, found, where)
+            uses[key] = use
+            mine = per_pod.setdefault(uid, {})
+            mine[dev] = mine.get(dev, 0) + use.processes
+        self._set_uses(uses)
+        return self._check_declared(per_pod, pods)
+
+    def _use(self, pod: dict[str, Any], cid: str, dev: str, found: list[GpuProcess],
+             where: dict[str, tuple[str, str, int]]) -> tuple[UseKey, Use]:
+        meta = pod.get("metadata") or {}
+        ns, name = str(meta.get("namespace", "default")), str(meta.get("name"))
+        container = _container_of(pod, cid)
+        samples = [p.sm_pct for p in found if p.sm_pct is not None]
+        use = Use(len(found), sum(p.used_mib or 0 for p in found),
+                  sum(samples) if samples else None)
+        share = self._share_of(pod, container, where.get(dev, (dev, "", -1)))
+        if share is not None:
+            use.cap_mib, use.share_milli = share.memory_mib or None, share.milli
+        return UseKey(ns, name, container, dev), use
+
+    def _share_of(self, pod: dict[str, Any], container: str,
+                  dev: tuple[str, str, int]) -> GpuShare | None:
+        """The share of the pod's signed assignment that gave ``container`` the device."""
+        text = ((pod.get("metadata") or {}).get("annotations") or {}).get(ANNOTATION)
+        if not text:
+            return None
+        try:
+            a: Assignment = decode(str(text))
+        except AnnotationError:
+            return None
+        if self.keys and not verify_any(a, self.keys):
+            return None
+        gpu, profile, start = dev
+        for c in a.containers:
+            if c.name != container:
+                continue
+            for s in c.gpus:
+                if s.uuid == gpu and (not profile or (s.mig_profile, s.mig_start) ==
+                                      (profile, start)):
+                    return s
+        return None
+
+    # -- reporting ------------------------------------------------------------------------
+
+    def _set_free(self, free: dict[str, list[GpuProcess]],
+                  seen: dict[str, list[GpuProcess]]) -> None:
+        for dev in seen:
+            found = free.get(dev, [])
+            self.free_procs.labels(self.node, dev).set(len(found))
+            self.free_mem.labels(self.node, dev).set(sum(p.used_mib or 0 for p in found) * MIB)
+        for dev in self._free_series - set(seen):
+            for g in (self.free_procs, self.free_mem):
+                g.remove(self.node, dev)
+        self._free_series = set(seen)
+
+    def _set_uses(self, uses: dict[UseKey, Use]) -> None:
+        for k, u in uses.items():
+            labels = (self.node, k.namespace, k.pod, k.container, k.gpu)
+            self.used.labels(*labels).set(u.used_mib * MIB)
+            self.counted.labels(*labels).set(u.processes)
+            if u.sm_pct is not None:
+                self.sm.labels(*labels).set(u.sm_pct / 100)
+            if u.cap_mib is not None:
+                self.cap.labels(*labels).set(u.cap_mib * MIB)
+                self.headroom.labels(*labels).set((u.cap_mib - u.used_mib) * MIB)
+            if u.share_milli is not None:
+                self.share.labels(*labels).set(u.share_milli / 1000)
+        for k in self._series - set(uses):  # bounded: what is gone leaves no series
+            labels = (self.node, k.namespace, k.pod, k.container, k.gpu)
+            for g in (self.used, self.counted, self.sm, self.cap, self.headroom, self.share):
+                with contextlib.suppress(KeyError):  # one it never had (no sample, no share)
+                    g.remove(*labels)
+        self._series = set(uses)
+
+    def _check_declared(self, per_pod: dict[str, dict[str, int]],
+                        pods: dict[str, dict[str, Any]]) -> dict[str, tuple[int, int]]:
         out: dict[str, tuple[int, int]] = {}
         series: set[tuple[str, str]] = set()
-        if pids:
-            pods = {str((p.get("metadata") or {}).get("uid")): p
-                    for p in self.api.list_pods(node=self.node)}
-            for uid, mine in pids.items():
-                pod = pods.get(uid)
-                if pod is None:
-                    continue  # a pod the API no longer lists (ending): not counted
-                meta = pod.get("metadata") or {}
-                ns, name = str(meta.get("namespace", "default")), str(meta.get("name"))
-                try:
-                    declared = declared_processes(meta.get("annotations") or {},
-                                                  f"pod {ns}/{name}")
-                except ValidationError as exc:
-                    note_once(self.problems, str(exc))
-                    declared = 1
-                counted = len(mine)
-                out[f"{ns}/{name}"] = (counted, declared)
-                series.add((ns, name))
-                self.counted.labels(ns, name).set(counted)
-                self.declared.labels(ns, name).set(declared)
-                self.over.labels(ns, name).set(1 if counted > declared else 0)
-                if counted > declared and self._reported.get(uid) != counted:
-                    self._reported[uid] = counted
-                    self._warn(pod, counted, declared)
-            self._reported = {u: n for u, n in self._reported.items() if u in pids}
-        for ns, name in self._series - series:  # bounded: gone pods leave no series
-            for g in (self.counted, self.declared, self.over):
-                g.remove(ns, name)
-        self._series = series
+        for uid, by_dev in per_pod.items():
+            pod = pods[uid]
+            meta = pod.get("metadata") or {}
+            ns, name = str(meta.get("namespace", "default")), str(meta.get("name"))
+            try:
+                declared = declared_processes(meta.get("annotations") or {},
+                                              f"pod {ns}/{name}")
+            except ValidationError as exc:
+                note_once(self.problems, str(exc))
+                declared = 1
+            counted = max(by_dev.values())  # the count is per GPU the pod touches
+            out[f"{ns}/{name}"] = (counted, declared)
+            series.add((ns, name))
+            self.declared.labels(self.node, ns, name).set(declared)
+            self.over.labels(self.node, ns, name).set(1 if counted > declared else 0)
+            if counted > declared and self._reported.get(uid) != counted:
+                self._reported[uid] = counted
+                self._warn(pod, counted, declared)
+        self._reported = {u: n for u, n in self._reported.items() if u in per_pod}
+        for ns, name in self._pod_series - series:
+            for g in (self.declared, self.over):
+                g.remove(self.node, ns, name)
+        self._pod_series = series
         return out
 
     def _warn(self, pod: dict[str, Any], counted: int, declared: int) -> None:
@@ -126,3 +294,14 @@ class PodProcesses:
             create(ns, event)
         except GpusliceError as exc:
             note_once(self.problems, f"could not report {ns}/{name}'s processes: {exc}")
+
+
+def _container_of(pod: dict[str, Any], container_id: str) -> str:
+    """The name of the pod's container whose runtime ID is ``container_id`` (its status's
+    ``containerID`` is ``<runtime>://<id>``); "" when none says so (not started yet)."""
+    status = pod.get("status") or {}
+    for key in ("containerStatuses", "initContainerStatuses"):
+        for c in status.get(key) or []:
+            if container_id and str(c.get("containerID", "")).endswith(container_id):
+                return str(c.get("name", ""))
+    return ""

@@ -44,7 +44,9 @@ def standin_processes(pipe_root: str | Path) -> Callable[[str], list[GpuProcess]
             return []
         if not running(pid):
             return []
-        return [GpuProcess(int(c["pid"])) for c in state.get("clients") or []
+        return [GpuProcess(int(c["pid"]), int(c.get("use_mib") or 0),
+                           float(c.get("sm_pct") or 0.0))
+                for c in state.get("clients") or []
                 if isinstance(c, dict) and isinstance(c.get("pid"), int)]
 
     return source

@@ -56,6 +56,7 @@ PID_FILE = "nvidia-cuda-mps-control.pid"
 RPC_FAILURE = ("cudaErrorMpsRpcFailure (805): the MPS client failed to communicate with the "
                "MPS control daemon or server")
 NOT_FOUND = "Cannot find MPS control daemon process"
+OUT_OF_MEMORY = "cudaErrorMemoryAllocation (2): out of memory"
 
 
 def pipe_dir() -> Path:
@@ -171,7 +172,15 @@ class Daemon:
             pct = min(server_pct, float(hello.get("pct") or 100.0))
             mems = [m for m in (server_mem, parse_mib(hello.get("mem"))) if m is not None]
             rec = {"pid": pid, "server": sid, "pct": pct,
-                   "mem_mib": min(mems) if mems else None, "name": hello.get("name", "")}
+                   "mem_mib": min(mems) if mems else None, "name": hello.get("name", ""),
+                   # what the stand-in "CUDA process" says it uses: memory (at most its
+                   # cap: a client asking more fails as cudaMalloc would) and SMs (at most
+                   # its thread percentage)
+                   "use_mib": int(hello.get("use_mib") or 0),
+                   "sm_pct": min(pct, float(hello.get("sm_pct") or 0))}
+            cap = rec["mem_mib"]
+            if cap is not None and rec["use_mib"] > cap:
+                return -1, rec
             self._next += 1
             conn = self._next
             self.clients[conn] = rec
@@ -253,6 +262,9 @@ def _handler(daemon: Daemon) -> type[socketserver.StreamRequestHandler]:
             except ValueError:
                 hello = {}
             conn, rec = daemon.join(_peer_pid(self.connection), hello)
+            if conn < 0:  # more memory than its cap
+                self.wfile.write(("OOM " + json.dumps(rec) + "\n").encode())
+                return
             try:
                 self.wfile.write(("OK " + json.dumps(rec) + "\n").encode())
                 self.wfile.flush()
@@ -350,16 +362,23 @@ class Client:
     """A connected stand-in MPS client: ``limits`` are what it is held to; :meth:`wait`
     returns when its daemon is gone."""
 
-    def __init__(self, name: str = "", pipe: Path | None = None) -> None:
+    def __init__(self, name: str = "", pipe: Path | None = None, use_mib: int = 0,
+                 sm_pct: float = 0.0) -> None:
         where = pipe or pipe_dir()
         sock = _connect(where / CONTROL, None)
         if sock is None:
             raise ConnectionError(f"{RPC_FAILURE}: no MPS control daemon at {where}")
         hello = {"pct": os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"),
-                 "mem": os.environ.get("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"), "name": name}
+                 "mem": os.environ.get("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"), "name": name,
+                 "use_mib": use_mib, "sm_pct": sm_pct}
         sock.sendall(("CLIENT " + json.dumps(hello) + "\n").encode())
         self.sock = sock
         line = self._readline()
+        if line.startswith("OOM "):
+            sock.close()
+            got = json.loads(line[4:])
+            raise MemoryError(f"{OUT_OF_MEMORY}: {use_mib} MiB asked, {got['mem_mib']} MiB "
+                              "is this client's pinned memory limit")
         if not line.startswith("OK "):
             sock.close()
             raise ConnectionError(f"{RPC_FAILURE}: the daemon at {where} refused the client")
@@ -396,6 +415,10 @@ def client_main(argv: Sequence[str]) -> int:
     ap = argparse.ArgumentParser(prog="standin client")
     ap.add_argument("--processes", type=int, default=1)
     ap.add_argument("--name", default=os.environ.get("HOSTNAME", ""))
+    ap.add_argument("--use-mib", type=int, default=0,
+                    help="device memory each process says it uses (more than its cap fails)")
+    ap.add_argument("--sm", type=float, default=0.0,
+                    help="percent of the GPU's SMs each process says it keeps busy")
     args = ap.parse_args(list(argv))
     import signal
 
@@ -407,7 +430,7 @@ def client_main(argv: Sequence[str]) -> int:
     for i in range(1, max(1, args.processes)):
         pid = os.fork()
         if pid == 0:
-            return _one_client(f"{args.name}/{i}")
+            return _one_client(f"{args.name}/{i}", args.use_mib, args.sm)
         children.append(pid)
 
     def stop(signum: int, _frame: object) -> None:
@@ -418,17 +441,17 @@ def client_main(argv: Sequence[str]) -> int:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
-    code = _one_client(f"{args.name}/0")
+    code = _one_client(f"{args.name}/0", args.use_mib, args.sm)
     for pid in children:
         _, status = os.waitpid(pid, 0)
         code = code or (os.waitstatus_to_exitcode(status) if status else 0)
     return code
 
 
-def _one_client(name: str) -> int:
+def _one_client(name: str, use_mib: int = 0, sm_pct: float = 0.0) -> int:
     try:
-        c = Client(name)
-    except ConnectionError as exc:
+        c = Client(name, use_mib=use_mib, sm_pct=sm_pct)
+    except (ConnectionError, MemoryError) as exc:
         print(str(exc), file=sys.stderr, flush=True)
         return 1
     print(json.dumps({"client": name, "pid": os.getpid(), **c.limits}), flush=True)

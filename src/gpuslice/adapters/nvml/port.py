@@ -30,10 +30,13 @@ class HealthEvent:
 @dataclass(frozen=True, slots=True)
 class GpuProcess:
     """A process with a CUDA context on a GPU or MIG instance: its PID as NVML reports it
-    (the host's PID namespace) and the device memory it uses (None where NVML cannot say)."""
+    (the host's PID namespace), the device memory it uses and its share of the GPU's SMs
+    over the last sample period, in percent (None where NVML cannot say: utilization
+    samples are not given on every GPU, MIG instance or driver)."""
 
     pid: int
     used_mib: int | None = None
+    sm_pct: float | None = None
 
 
 class NvmlPort(Protocol):
@@ -156,6 +159,22 @@ def _whole(value: object, field: str, *, low: int = 0, high: int | None = None) 
     return value
 
 
+def _processes(items: object, where: str) -> list[GpuProcess]:
+    """An inventory's ``processes: [{pid, used_mib, sm}]`` of one GPU."""
+    if not isinstance(items, list):
+        raise ValidationError(where, "a list of {pid, used_mib, sm}", _short(items))
+    out = []
+    for j, x in enumerate(items):
+        if not isinstance(x, dict) or "pid" not in x:
+            raise ValidationError(f"{where}[{j}].pid", "a process ID", _short(x))
+        sm = x.get("sm")
+        out.append(GpuProcess(_whole(x["pid"], f"{where}[{j}].pid", low=1),
+                              _whole(x.get("used_mib", 0), f"{where}[{j}].used_mib"),
+                              None if sm is None else float(_whole(sm, f"{where}[{j}].sm",
+                                                                   high=100))))
+    return out
+
+
 class FakeNvml:
     """GPUs from a YAML inventory, with faults injected by tests or listed in the file::
 
@@ -169,6 +188,8 @@ class FakeNvml:
             faults: [79]                # XID errors reported at start
             used_mib: 4096              # optional: memory in use and utilisation % (select)
             utilization: 35
+            processes:                  # optional: CUDA processes (pid, MiB, SM %)
+              - {pid: 4242, used_mib: 2000, sm: 20}
             minor: 4                    # optional: device minor (/dev/nvidia4), default index
 
     A MIG device's capability minors (``mig_cap_minors``) are made up (GPU instance
@@ -220,6 +241,7 @@ class FakeNvml:
         faults: list[HealthEvent] = []
         usage: dict[str, tuple[int, int]] = {}
         minors: dict[str, int] = {}
+        procs: dict[str, list[GpuProcess]] = {}
         for i, item in enumerate(items):
             where = f"{p}: gpus[{i}]"
             if not isinstance(item, dict) or "model" not in item:
@@ -270,8 +292,11 @@ class FakeNvml:
                                       high=100))
             if "minor" in item:
                 minors[uuid] = _whole(item["minor"], f"{where}.minor")
+            if "processes" in item:
+                procs[uuid] = _processes(item["processes"], f"{where}.processes")
         fake = cls(gpus, str(doc.get("driver", "580.95.05")), faults, usage)
         fake._minors.update(minors)
+        fake._processes.update(procs)
         return fake
 
     def driver_version(self) -> str:

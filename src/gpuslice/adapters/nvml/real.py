@@ -56,6 +56,7 @@ class RealNvml:
         self._nvml: Any = None
         self._events: Any = None
         self._profiles_of: dict[str, list[MigProfile]] = {}
+        self._sm_seen: dict[str, int] = {}  # device -> the newest utilization sample read (us)
 
     def _lib(self) -> Any:
         with self._lock:
@@ -162,9 +163,12 @@ class RealNvml:
 
     def processes(self, uuid: str) -> list[GpuProcess]:
         """nvmlDeviceGetComputeRunningProcesses and, where the driver has it,
-        nvmlDeviceGetMPSComputeRunningProcesses (MPS clients), one entry per PID."""
+        nvmlDeviceGetMPSComputeRunningProcesses (MPS clients), one entry per PID, with each
+        one's SM utilization from nvmlDeviceGetProcessUtilization's samples since the last
+        call for the device (none where the driver gives none)."""
         lib = self._lib()
         h = self._handle(uuid)
+        sm = self._process_sm(uuid, h)
         found: dict[int, GpuProcess] = {}
         for name in ("nvmlDeviceGetComputeRunningProcesses",
                      "nvmlDeviceGetMPSComputeRunningProcesses"):
@@ -173,15 +177,36 @@ class RealNvml:
                 continue
             try:
                 procs = fn(h)
-            except lib.NVMLError as exc:
+            except Exception as exc:  # pynvml's errors, and its NVMLLibraryMismatchError
                 if name == "nvmlDeviceGetComputeRunningProcesses":
                     raise NvmlError(f"{name}({uuid}): {exc}") from None
                 continue  # an older driver without the MPS listing
             for proc in procs:
                 used = getattr(proc, "usedGpuMemory", None)
                 found.setdefault(int(proc.pid), GpuProcess(
-                    int(proc.pid), int(used) // (1 << 20) if isinstance(used, int) else None))
+                    int(proc.pid), int(used) // (1 << 20) if isinstance(used, int) else None,
+                    sm.get(int(proc.pid))))
         return sorted(found.values(), key=lambda x: x.pid)
+
+    def _process_sm(self, uuid: str, h: Any) -> dict[int, float]:
+        """PID -> SM utilization (%) from the samples newer than the last ones read for the
+        device (nvmlDeviceGetProcessUtilization; its NOT_FOUND means no new sample)."""
+        lib = self._lib()
+        fn = getattr(lib, "nvmlDeviceGetProcessUtilization", None)
+        if fn is None:
+            return {}
+        since = self._sm_seen.get(uuid, 0)
+        try:
+            samples = fn(h, since)
+        except Exception:  # none since (NOT_FOUND), not supported here, or not in this driver
+            return {}
+        out: dict[int, float] = {}
+        for s in samples:
+            stamp = int(getattr(s, "timeStamp", 0))
+            self._sm_seen[uuid] = max(self._sm_seen.get(uuid, 0), stamp)
+            if stamp >= since:
+                out[int(s.pid)] = float(getattr(s, "smUtil", 0))
+        return out
 
     def usage(self, uuid: str) -> tuple[int, int]:
         lib = self._lib()
