@@ -126,18 +126,50 @@ def test_production_carries_no_key_and_pins_the_image() -> None:
     assert {i for i in images if "gpuslice" in i.rsplit("/", 1)[-1]} == {pinned}
 
 
+def _agent_exposition() -> str:
+    """Every metric the node agent exports (its own and its usage measurement's: labelled
+    gauges show their HELP and TYPE lines before any sample)."""
+    from gpuslice.adapters.kube.fake import FakeApiServer
+    from gpuslice.adapters.nvml.port import FakeNvml
+    from gpuslice.services.node_agent import AgentMetrics
+    from gpuslice.services.pod_usage import PodUsage
+
+    metrics = AgentMetrics()
+    PodUsage("n", FakeNvml([]), FakeApiServer(), metrics.registry)
+    return metrics.render().decode()
+
+
+def test_the_alerts_are_rules_on_metrics_the_agent_exports() -> None:
+    """deploy/prometheus/gpuslice-alerts.yaml: a PrometheusRule whose every rule has an
+    alert name, an expression naming only exported metrics, a severity and a summary."""
+    import re
+
+    doc = yaml.safe_load((ROOT / "deploy" / "prometheus" / "gpuslice-alerts.yaml").read_text())
+    assert (doc["apiVersion"], doc["kind"]) == ("monitoring.coreos.com/v1", "PrometheusRule")
+    exported = _agent_exposition()
+    rules = [r for g in doc["spec"]["groups"] for r in g["rules"]]
+    assert {r["alert"] for r in rules} >= {"GpuslicePodNearMemoryCap",
+                                            "GpuslicePodProcessesOverDeclared",
+                                            "GpusliceMpsDaemonRestarted", "GpusliceMpsHostDown"}
+    for r in rules:
+        names = re.findall(r"gpuslice_[a-z_]+", r["expr"])
+        assert names and all(f"# TYPE {n} " in exported for n in names), (r["alert"], names)
+        assert r["labels"]["severity"] in ("warning", "critical")
+        assert r["annotations"]["summary"]
+        assert r["expr"].count("(") == r["expr"].count(")"), r["alert"]
+
+
 def test_grafana_dashboard_queries_metrics_the_code_exports() -> None:
     import json
     import re
 
-    from gpuslice.services.node_agent import AgentMetrics
 
     dash = json.loads((ROOT / "deploy" / "grafana" / "gpuslice.json").read_text())
     from gpuslice.adapters.kube.fake import FakeApiServer
     from gpuslice.services.extender import ExtenderState
     from gpuslice.services.extender.metrics import ExtenderMetrics
 
-    exported = AgentMetrics().render().decode()
+    exported = _agent_exposition()
     state = ExtenderState(FakeApiServer(), b"k" * 16, clock=lambda: "t")
     extender = ExtenderMetrics(state)
     for verb in ("filter", "bind"):  # labelled series appear once used
