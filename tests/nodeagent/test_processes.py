@@ -147,7 +147,8 @@ def test_each_containers_memory_and_sms_are_measured_against_its_share() -> None
     api = FakeApiServer()
     nvml = FakeNvml.simulated(1)
     gpu = nvml.devices()[0].uuid
-    p = api.add_pod({"metadata": {"name": "llm", "namespace": "ml"},
+    p = api.add_pod({"metadata": {"name": "llm", "namespace": "ml",
+                                  "labels": {"gpuslice.io/service": "resnet"}},
                      "spec": {"nodeName": "n1", "containers": [{"name": "server"}]},
                      "status": {"containerStatuses": [
                          {"name": "server", "containerID": "containerd://abc123"}]}})
@@ -165,7 +166,8 @@ def test_each_containers_memory_and_sms_are_measured_against_its_share() -> None
     registry = CollectorRegistry()
     PodUsage("n1", nvml, api, registry, keys=(key,), pod_of_pid=pod_of_pid).step()
     got = _samples(generate_latest(registry).decode())
-    labels = {"container": "server", "gpu": gpu, "namespace": "ml", "node": "n1", "pod": "llm"}
+    labels = {"container": "server", "gpu": gpu, "namespace": "ml", "node": "n1", "pod": "llm",
+              "service": "resnet"}
 
     def value(name: str) -> float:
         return got[(name, frozenset(labels.items()))]

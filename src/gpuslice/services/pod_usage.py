@@ -36,6 +36,7 @@ from gpuslice.core.errors import GpusliceError, ValidationError, note_once
 log = logging.getLogger(__name__)
 OVER_DECLARED = "GpuProcessesOverDeclared"
 MIB = 1 << 20
+SERVICE_LABEL = "gpuslice.io/service"  # on the planner's exported Deployments' pods
 PODS_REREAD_S = 60.0  # the node's pods read again at least this often (else only when new)
 
 
@@ -45,6 +46,7 @@ class UseKey:
     pod: str
     container: str
     gpu: str  # the GPU's UUID, or the MIG instance's
+    service: str = ""  # the pod's gpuslice.io/service label (the planner's Deployments')
 
 
 @dataclass
@@ -80,7 +82,7 @@ class PodUsage:
     def _gauges(self, registry: Any) -> None:
         from prometheus_client import Gauge
 
-        use = ["node", "namespace", "pod", "container", "gpu"]
+        use = ["node", "namespace", "pod", "container", "gpu", "service"]
         pod = ["node", "namespace", "pod"]
 
         def gauge(name: str, text: str, labels: list[str]) -> Any:
@@ -184,7 +186,8 @@ class PodUsage:
         share = self._share_of(pod, container, where.get(dev, (dev, "", -1)))
         if share is not None:
             use.cap_mib, use.share_milli = share.memory_mib or None, share.milli
-        return UseKey(ns, name, container, dev), use
+        service = str((meta.get("labels") or {}).get(SERVICE_LABEL, ""))
+        return UseKey(ns, name, container, dev, service), use
 
     def _share_of(self, pod: dict[str, Any], container: str,
                   dev: tuple[str, str, int]) -> GpuShare | None:
@@ -223,7 +226,7 @@ class PodUsage:
 
     def _set_uses(self, uses: dict[UseKey, Use]) -> None:
         for k, u in uses.items():
-            labels = (self.node, k.namespace, k.pod, k.container, k.gpu)
+            labels = (self.node, k.namespace, k.pod, k.container, k.gpu, k.service)
             self.used.labels(*labels).set(u.used_mib * MIB)
             self.counted.labels(*labels).set(u.processes)
             if u.sm_pct is not None:
@@ -234,7 +237,7 @@ class PodUsage:
             if u.share_milli is not None:
                 self.share.labels(*labels).set(u.share_milli / 1000)
         for k in self._series - set(uses):  # bounded: what is gone leaves no series
-            labels = (self.node, k.namespace, k.pod, k.container, k.gpu)
+            labels = (self.node, k.namespace, k.pod, k.container, k.gpu, k.service)
             for g in (self.used, self.counted, self.sm, self.cap, self.headroom, self.share):
                 with contextlib.suppress(KeyError):  # one it never had (no sample, no share)
                     g.remove(*labels)
