@@ -38,7 +38,9 @@ def test_every_form_the_api_server_parses_is_read(text: object, value: float) ->
     float("nan"), 1e300, 2**64, "x", "", "1.2.3", "5 Gi", True, None, [1],
 ])
 def test_negative_unbounded_or_malformed_quantities_name_the_field(text: object) -> None:
-    with pytest.raises(ValidationError, match=r"^f: expected "):
+    # a value not given at all (None) is said in words: "f is missing: expected ..."
+    with pytest.raises(ValidationError, match=r"^f is missing: expected " if text is None
+                       else r"^f: expected "):
         quantity(text, "f")
 
 
