@@ -79,7 +79,8 @@ def _can(dev: DevCluster, account: str, verb: str, resource: str,
     ("gpuslice-node-agent", "patch", "nodes/status", "default", True),
     ("gpuslice-reconfig", "create", "pods/eviction", "ml", True),
     ("gpuslice-reconfig", "update", "sliceschedules.gpuslice.io/status", "ml", True),
-    ("gpuslice-reconfig", "update", "sliceschedules.gpuslice.io", "ml", False),
+    ("gpuslice-reconfig", "update", "sliceschedules.gpuslice.io", "ml", True),  # finalizer
+    ("gpuslice-reconfig", "patch", "sliceschedules.gpuslice.io", "ml", False),
     ("gpuslice-reconfig", "delete", "pods", "ml", False),
     ("gpuslice-scheduler", "create", "pods/binding", "ml", True),
 ])

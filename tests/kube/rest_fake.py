@@ -28,7 +28,9 @@ official Kubernetes client, is exercised through real HTTP:
 - bindings (``pods/{name}/binding`` and the ``bindings`` collection) with the UID precondition,
   evictions (a pod listed in :attr:`RestApiServer.disruption_blocked` gets 429 as a
   PodDisruptionBudget gives), the ``status`` subresource of the custom objects (the spec
-  stays; the CRD's schema lives in deploy/base);
+  stays; the CRD's schema lives in deploy/base), their main resource (replaced at its
+  resourceVersion, the status kept: finalizers) and deletion (held by finalizers);
+  ``labelSelector=key=value[,...]`` on pod lists;
 - outages: while :attr:`RestApiServer.down` is set every call gets 503 and open watches end;
 - resource.k8s.io/v1: ResourceSlices and DeviceClasses (list), ResourceClaims (list across
   namespaces, get, replace with the metadata only, and replace of the ``status`` subresource,
@@ -534,6 +536,13 @@ class RestApiServer(FakeApiServer):
             node = self._field_selector(query)
             if node is not None:
                 pods = [p for p in pods if (p.get("spec") or {}).get("nodeName", "") == node]
+            for term in filter(None, query.get("labelSelector", "").split(",")):
+                label, sep, value = term.partition("=")
+                if not sep or value.startswith("="):
+                    raise HttpError(400, "BadRequest", f"the fake selects pods by label=value "
+                                    f"only, not {term!r}")
+                pods = [p for p in pods
+                        if (p["metadata"].get("labels") or {}).get(label) == value]
             if query.get("limit"):
                 pods = pods[:int(query["limit"])]
             return 200, self._list("PodList", pods, rv)
@@ -655,13 +664,18 @@ class RestApiServer(FakeApiServer):
 
     def _patch_node(self, name: str, body: dict[str, Any]) -> dict[str, Any]:
         meta = body.get("metadata") or {}
-        if set(body) - {"metadata"} or set(meta) - {"labels", "annotations"}:
+        if set(body) - {"metadata"} or set(meta) - {"labels", "annotations", "resourceVersion"}:
             raise HttpError(400, "BadRequest", "the fake patches only node labels and "
                             "annotations")
         with self._lock:
             node = self._nodes.get(name)
             if node is None:
                 raise ApiNotFound(f'nodes "{name}" not found')
+            if meta.get("resourceVersion") and \
+                    meta["resourceVersion"] != node["metadata"].get("resourceVersion"):
+                raise ApiConflict(f'Operation cannot be fulfilled on nodes "{name}": the '
+                                  "object has been modified; please apply your changes to the "
+                                  "latest version and try again")
             m = node.setdefault("metadata", {})
             strategic_merge(m, {"labels": meta.get("labels") or {},
                                 "annotations": meta.get("annotations") or {}})
@@ -709,6 +723,19 @@ class RestApiServer(FakeApiServer):
             meta = obj["metadata"]
             meta["uid"] = str(uuid.uuid4())
             return 201, self.replace_custom(resource, obj)
+        if method == "PUT" and has_name and not sub:  # the main resource: metadata, spec
+            meta = body.get("metadata") or {}
+            if meta.get("name") != name:
+                raise HttpError(400, "BadRequest", "the name of the object does not match the "
+                                "name on the URL")
+            cur = self.get_custom(resource, ns, name)
+            obj = copy.deepcopy(body)
+            obj["metadata"].setdefault("resourceVersion", cur["metadata"]["resourceVersion"])
+            obj["metadata"]["namespace"] = ns
+            return 200, self.update_custom(resource, obj)
+        if method == "DELETE" and has_name and not sub:
+            self.delete_custom(resource, ns, name)
+            return 200, {"kind": "Status", "apiVersion": "v1", "status": "Success"}
         if method == "PUT" and has_name and sub == "status":
             cur = self.get_custom(resource, ns, name)
             meta = body.get("metadata") or {}

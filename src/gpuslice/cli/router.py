@@ -16,7 +16,7 @@ from gpuslice.cli.common import (
     examples,
     setup_logging,
 )
-from gpuslice.cli.flagtypes import parse_hostport, positive_float
+from gpuslice.cli.flagtypes import non_negative_float, parse_hostport, positive_float
 from gpuslice.core.errors import ValidationError
 
 
@@ -56,6 +56,18 @@ def register(sub: Sub) -> None:
     r.add_argument("--no-admission", action="store_true",
                    help="never answer 429: queue every request")
     r.add_argument("--access-log", default="-", help="'-' stdout (default), a file, or 'off'")
+    r.add_argument("--poll", type=positive_float, default=5.0, metavar="SECONDS",
+                   help="with --endpointslices: seconds between reads of the EndpointSlices "
+                   "and of the pods marked draining (default 5)")
+    r.add_argument("--shutdown-delay", type=non_negative_float, default=0.0, metavar="SECONDS",
+                   help="on SIGTERM, keep accepting this long, every answer closing its "
+                   "connection, while the pod's removal from the Service reaches kube-proxy "
+                   "and the clients (default 0; deploy/ sets 5)")
+    r.add_argument("--shutdown-grace", type=non_negative_float, default=30.0,
+                   metavar="SECONDS",
+                   help="then stop accepting and give the requests in flight, streams "
+                   "included, this long to finish before they are cut (default 30); the pod's "
+                   "terminationGracePeriodSeconds must cover delay + grace")
     r.add_argument("--export", choices=("istio", "envoy"),
                    help="print mesh weights and exit: istio (DestinationRule/VirtualService, "
                    "from --plan or --config) or envoy (endpoint weights; needs a url per "
@@ -114,6 +126,8 @@ def _router(args: argparse.Namespace, console: Console) -> int:
         endpointslices=args.endpointslices, kube_api=getattr(args, "kube_api", None),
         kubeconfig=args.kubeconfig, port_name=args.port_name,
         models=tuple(m.strip() for m in (args.models or "").split(",") if m.strip()),
+        poll_s=args.poll, shutdown_delay_s=args.shutdown_delay,
+        shutdown_grace_s=args.shutdown_grace,
     )
     if opts.config is None and opts.plan is None and opts.endpointslices is None:
         raise ValidationError("--config", "a router config, a --plan or --endpointslices", None)

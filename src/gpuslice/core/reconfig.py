@@ -21,10 +21,12 @@ from gpuslice.core.catalog import GpuModel, MigGeometry
 from gpuslice.core.errors import ValidationError
 from gpuslice.core.mig import MigPlacement, check_layout, layout_for_counts, parse_layout
 
-PHASES = ("Waiting", "Cordoned", "Moving", "Draining", "Applying", "RollingBack", "Done",
-          "Failed")
+PHASES = ("Waiting", "Cordoned", "Moving", "Draining", "Restoring", "Applying", "RollingBack",
+          "Retiring", "Done", "Failed", "Cancelled")
 _TIME = re.compile(r"^([01]?\d|2[0-3]):([0-5]\d)$")
 MAX_DRAIN_S = 86400  # spec.drainTimeoutSeconds: at most a day
+MAX_READY_S = 86400  # spec.readyTimeoutSeconds: at most a day (a large model loads for minutes)
+DEFAULT_READY_S = 120
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,6 +146,8 @@ class SliceSchedule:
     nodes: tuple[str, ...] = ()  # empty: every node
     gpu_models: tuple[str, ...] = ()  # empty: every MIG-capable model
     drain_timeout_s: float = 60.0
+    # how long replacements and stand-ins may take to become ready (a model's load time)
+    ready_timeout_s: float = float(DEFAULT_READY_S)
 
     def selects(self, node: str, gpu_model: str) -> bool:
         """Whether the schedule manages a GPU of ``gpu_model`` on ``node``."""
@@ -228,19 +232,26 @@ def parse_schedule(obj: Mapping[str, object]) -> SliceSchedule:
     sel = spec.get("selector") or {}
     if not isinstance(sel, Mapping):
         raise ValidationError("spec.selector", "a mapping with nodes and/or gpuModels", sel)
-    drain = spec.get("drainTimeoutSeconds", 60)
-    # `not 0 < x <= max` also refuses NaN; a huge int is compared, never made a float
-    if isinstance(drain, bool) or not isinstance(drain, int | float) or not (
-            0 < drain <= MAX_DRAIN_S):
-        raise ValidationError("spec.drainTimeoutSeconds",
-                              f"a positive number of seconds, at most {MAX_DRAIN_S} (a day)",
-                              _shown(drain))
+    drain = _seconds(spec, "drainTimeoutSeconds", 60, MAX_DRAIN_S)
+    ready = _seconds(spec, "readyTimeoutSeconds", DEFAULT_READY_S, MAX_READY_S)
     nodes = _strings("spec.selector.nodes", sel.get("nodes"))
     gpu_models = _strings("spec.selector.gpuModels", sel.get("gpuModels"))
     check_layouts(layouts, gpu_models)
     return SliceSchedule(ns, name, layouts, str(default), tuple(windows),
                          None if override is None else str(override), nodes, gpu_models,
-                         float(drain))
+                         drain, ready)
+
+
+def _seconds(spec: Mapping[str, object], key: str, default: int, most: int) -> float:
+    """``spec.<key>``: a positive number of seconds, at most ``most``; errors name the
+    field."""
+    value = spec.get(key, default)
+    # `not 0 < x <= max` also refuses NaN; a huge int is compared, never made a float
+    if isinstance(value, bool) or not isinstance(value, int | float) or not (
+            0 < value <= most):
+        raise ValidationError(f"spec.{key}", f"a positive number of seconds, at most {most} "
+                              "(a day)", _shown(value))
+    return float(value)
 
 
 def _shown(value: object) -> object:

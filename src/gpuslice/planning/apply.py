@@ -24,7 +24,7 @@ from typing import Any
 
 from gpuslice.adapters.http.router_admin import RouterPort
 from gpuslice.adapters.kube.fake import ApiConflict, ApiNotFound, ClusterPort
-from gpuslice.adapters.kube.objects import DRAINING_ANNOTATION
+from gpuslice.adapters.kube.objects import DRAINING_ANNOTATION, DRAINING_LABEL
 from gpuslice.core.errors import GpusliceError
 from gpuslice.core.planner import Plan
 from gpuslice.planning.export import manifests
@@ -84,8 +84,10 @@ def apply_plan(api: ClusterPort, current: Plan, new: Plan, *, namespace: str,
         for _ in range(5):
             try:
                 cur = api.get_pod(namespace, meta["name"])
-                api.patch_pod_annotations(namespace, meta["name"], {DRAINING_ANNOTATION: "true"},
-                                          cur["metadata"]["resourceVersion"])
+                # the label too: routers on EndpointSlices list the draining pods by it
+                api.patch_pod_metadata(namespace, meta["name"], {DRAINING_LABEL: "true"},
+                                       {DRAINING_ANNOTATION: "true"},
+                                       cur["metadata"]["resourceVersion"])
                 break
             except ApiConflict:
                 continue

@@ -49,10 +49,17 @@ from gpuslice.core.routing import (
     with_health,
 )
 from gpuslice.core.routing_config import RouterConfig, ServiceSpec
+from gpuslice.services.router_sources import (  # re-exported: the router's options and sources
+    ConfigLoader,
+    ServeOptions,
+    _service_of,
+    make_loader,
+)
 
 log = logging.getLogger("gpuslice.router")
 
-ConfigLoader = Callable[[], Awaitable[RouterConfig]]
+__all__ = ["ConfigLoader", "Router", "RouterApp", "ServeOptions", "_service_of", "make_loader",
+           "run", "serve", "start_router"]
 
 
 @dataclass
@@ -298,6 +305,8 @@ class RouterApp:
     log: AccessLog | None = None
     watch: Path | None = None
     reload_errors: list[str] = field(default_factory=list)
+    stopping: bool = False  # SIGTERM came: /healthz says 503, every answer Connection: close
+    closed: bool = False
 
     async def reload(self) -> dict[str, object]:
         if self.loader is None:
@@ -320,15 +329,34 @@ class RouterApp:
                     extra={"event": "reload-failed"})
         return {"reloaded": False, "error": error}
 
+    async def shutdown(self, delay_s: float) -> None:
+        """A rollout's stop: for ``delay_s`` keep accepting and serving as before, except
+        that /healthz answers 503 and every answer says ``Connection: close`` (kube-proxy and
+        the other routers' clients learn of the pod's removal meanwhile, and a client on a
+        kept-alive connection opens its next one elsewhere); then :meth:`close`."""
+        self.stopping = True
+        self.proxy.closing = True
+        if delay_s > 0:
+            await asyncio.sleep(delay_s)
+        await self.close()
+
     async def close(self) -> None:
+        """Stop accepting; answer the requests in flight, streams included, for at most the
+        runners' grace period (idle kept-alive connections are closed at once); then the
+        admin port (the reconfiguration controller asks it until the last request is done),
+        the background tasks and the upstream connections."""
+        if self.closed:
+            return
+        self.closed = self.stopping = True
+        self.proxy.closing = True
+        for r in self.runners:
+            await r.cleanup()
         for t in self.tasks:
             t.cancel()
         for t in self.tasks:
-            # a task that ended on an error must not keep the runners and the proxy open
+            # a task that ended on an error must not keep the proxy open
             with contextlib.suppress(Exception, asyncio.CancelledError):
                 await t
-        for r in self.runners:
-            await r.cleanup()
         await self.proxy.close()
         if self.log is not None:
             self.log.flush()
@@ -340,8 +368,9 @@ async def start_router(config: RouterConfig, *, host: str = "127.0.0.1", port: i
                        admission: bool = True, access_log: IO[str] | None = None,
                        loader: ConfigLoader | None = None, watch: Path | None = None,
                        reload_every_s: float | None = None, health: bool = True,
-                       seed: int = 0) -> RouterApp:
-    """Start the proxy (and the admin port unless ``admin_port`` is None) in the running loop."""
+                       seed: int = 0, grace_s: float = 30.0) -> RouterApp:
+    """Start the proxy (and the admin port unless ``admin_port`` is None) in the running loop.
+    ``grace_s``: how long :meth:`RouterApp.close` lets the requests in flight finish."""
     router = Router(config, policy=policy, slo_ms=slo_ms, admission=admission, seed=seed)
     log = AccessLog(access_log) if access_log is not None else None
     metrics = RouterMetrics(router.gauges)
@@ -369,7 +398,7 @@ async def start_router(config: RouterConfig, *, host: str = "127.0.0.1", port: i
     server = web.Server(proxy.handle, access_log=None, request_factory=request_factory,
                         auto_decompress=False)
     try:
-        await _listen(app, server, host, port, admin_host, admin_port)
+        await _listen(app, server, host, port, admin_host, admin_port, grace_s)
     except BaseException:  # a port taken: close what was opened (the proxy's client session)
         await app.close()
         raise
@@ -384,9 +413,10 @@ async def start_router(config: RouterConfig, *, host: str = "127.0.0.1", port: i
 
 
 async def _listen(app: RouterApp, server: web.Server, host: str, port: int,
-                  admin_host: str | None, admin_port: int | None) -> None:
-    """Bind the proxy's port and, unless ``admin_port`` is None, the admin port."""
-    runner = web.ServerRunner(server, handle_signals=False)
+                  admin_host: str | None, admin_port: int | None, grace_s: float) -> None:
+    """Bind the proxy's port and, unless ``admin_port`` is None, the admin port (closed
+    after the proxy's, so it answers while the last requests finish)."""
+    runner = web.ServerRunner(server, handle_signals=False, shutdown_timeout=grace_s)
     await runner.setup()
     app.runners.append(runner)
     await web.TCPSite(runner, host, port, backlog=4096).start()
@@ -394,7 +424,7 @@ async def _listen(app: RouterApp, server: web.Server, host: str, port: int,
     if admin_port is not None:
         admin = web.Application()
         admin.router.add_get("/metrics", _metrics_handler(app.metrics))
-        admin.router.add_get("/healthz", _healthz)
+        admin.router.add_get("/healthz", _healthz(app))
         admin.router.add_get("/replicas", _replicas_handler(app.router))
         admin.router.add_post("/reload", _reload_handler(app))
         arunner = web.AppRunner(admin, access_log=None, handle_signals=False)
@@ -433,8 +463,12 @@ def _metrics_handler(metrics: RouterMetrics) -> Callable[[web.Request], Awaitabl
     return handler
 
 
-async def _healthz(request: web.Request) -> web.Response:
-    return web.Response(text="ok")
+def _healthz(app: RouterApp) -> Callable[[web.Request], Awaitable[web.Response]]:
+    async def handler(request: web.Request) -> web.Response:
+        if app.stopping:  # not ready: a load balancer that probes takes us out
+            return web.Response(status=503, text="stopping")
+        return web.Response(text="ok")
+    return handler
 
 
 def _replicas_handler(router: Router) -> Callable[[web.Request], Awaitable[web.Response]]:
@@ -448,89 +482,6 @@ def _reload_handler(app: RouterApp) -> Callable[[web.Request], Awaitable[web.Res
         result = await app.reload()
         return web.json_response(result, status=200 if result.get("reloaded") else 500)
     return handler
-
-
-@dataclass(frozen=True)
-class ServeOptions:
-    """What ``gpuslice router`` was asked to do."""
-
-    listen: tuple[str, int] = ("0.0.0.0", 8080)
-    admin: tuple[str, int] | None = ("0.0.0.0", 9901)
-    policy: str | None = None
-    slo_ms: float | None = None
-    admission: bool = True
-    access_log: str = "-"
-    config: Path | None = None
-    plan: Path | None = None
-    endpointslices: str | None = None
-    kube_api: str | None = None  # an API server URL without credentials (kubectl proxy)
-    kubeconfig: str | None = None
-    port_name: str | None = None
-    poll_s: float = 5.0
-    models: tuple[str, ...] = ()  # EndpointSlices alone: the models served (none: any)
-
-
-def _service_of(cfg: RouterConfig, name: str, path: Path | None) -> ServiceSpec:
-    """The service of a config or plan that the EndpointSlices of Service ``name`` serve: the
-    one of that name (or model), or the only one."""
-    for spec in cfg.services:
-        if spec.name == name:
-            return spec
-    for spec in cfg.services:
-        if name in spec.models:
-            return spec
-    if len(cfg.services) == 1:
-        return cfg.services[0]
-    raise ValidationError("--endpointslices", f"a Service named like one of the services of "
-                          f"{path}: {', '.join(s.name for s in cfg.services)}", name)
-
-
-def make_loader(opts: ServeOptions) -> tuple[ConfigLoader, Path | None]:
-    """The config source: a config file, a plan, or EndpointSlices (weights from a plan)."""
-    from gpuslice.adapters.http.config import read_config
-
-    if opts.endpointslices is not None:
-        from gpuslice.adapters.http.endpointslices import (
-            SliceSource,
-            replicas_from_slices,
-            slice_fetcher,
-        )
-        from gpuslice.core.routing_config import parse_router_config
-
-        src = SliceSource.parse(opts.endpointslices, opts.kube_api, opts.port_name)
-        fetch_slices = slice_fetcher(src, opts.kubeconfig)
-        base = opts.config or opts.plan
-        template = read_config(base, need_urls=False, field="--config" if opts.config
-                               else "--plan") if base is not None else None
-        spec0 = None
-        if template is not None:
-            spec0 = _service_of(template, src.service, base)
-            template = replace(template, services=(spec0,))
-        by_name = {r.name: r for r in spec0.replicas} if spec0 is not None else {}
-
-        async def load_slices() -> RouterConfig:
-            async with aiohttp.ClientSession() as session:
-                doc = await fetch_slices(session)
-            reps = replicas_from_slices(doc, src.port_name, by_name)
-            if not reps:
-                raise ValidationError(f"EndpointSlices of {src.namespace}/{src.service}",
-                                      "at least one ready endpoint", 0)
-            svc = (replace(spec0, replicas=reps) if spec0 is not None
-                   else ServiceSpec(src.service, reps, models=opts.models))
-            cfg = template or parse_router_config(
-                {"services": [{"name": src.service, "replicas": []}]}, need_urls=False)
-            return replace(cfg, services=(svc,))
-
-        return load_slices, None
-    path = opts.config or opts.plan
-    if path is None:
-        raise ValidationError("--config", "a router config, a --plan or --endpointslices", None)
-    field_name = "--config" if opts.config is not None else "--plan"
-
-    async def load_file() -> RouterConfig:
-        return read_config(path, field=field_name)
-
-    return load_file, path
 
 
 async def serve(opts: ServeOptions, ready: Callable[[RouterApp], None] | None = None) -> None:
@@ -549,7 +500,8 @@ async def serve(opts: ServeOptions, ready: Callable[[RouterApp], None] | None = 
         admin_port=opts.admin[1] if opts.admin else None,
         policy=opts.policy, slo_ms=opts.slo_ms, admission=opts.admission,
         access_log=log_stream, loader=loader, watch=watch,
-        reload_every_s=opts.poll_s if opts.endpointslices else None)
+        reload_every_s=opts.poll_s if opts.endpointslices else None,
+        grace_s=opts.shutdown_grace_s)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     signals = StopSignals(stop.set).install(loop)  # SIGTERM, Ctrl-C: stop, exit 0
@@ -562,8 +514,13 @@ async def serve(opts: ServeOptions, ready: Callable[[RouterApp], None] | None = 
         ready(app)
     try:
         await stop.wait()
+        log.info("stopping: accepting for %g s more (Connection: close), then finishing the "
+                 "requests in flight within %g s", opts.shutdown_delay_s, opts.shutdown_grace_s,
+                 extra={"event": "stopping", "delay_s": opts.shutdown_delay_s,
+                        "grace_s": opts.shutdown_grace_s})
+        await app.shutdown(opts.shutdown_delay_s)
     finally:
-        await app.close()  # no new requests; those under way are answered
+        await app.close()  # no new requests; those under way are answered (idempotent)
         signals.restore()
         loop.remove_signal_handler(signal.SIGHUP)
         if log_stream is not None and log_stream is not sys.stdout:

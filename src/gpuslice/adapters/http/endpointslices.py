@@ -2,7 +2,13 @@
 server's HTTP API: in cluster with the pod's service-account token, from a kubeconfig, or
 against any URL (tests, a ``kubectl proxy``). Ready endpoints become replicas; a replica's
 weight comes from the plan (matched by pod name) when one is given, else 1 (SED learns the
-rest online)."""
+rest online).
+
+A pod the reconfiguration controller is taking away carries the label (and annotation)
+``gpuslice.io/draining=true``: each reload also lists the Service namespace's pods with that
+label (one selected list, usually empty), and an endpoint whose ``targetRef`` is such a pod is
+a draining replica (no new request; those in flight finish), as a terminating endpoint that
+still serves is."""
 
 from __future__ import annotations
 
@@ -16,6 +22,7 @@ from pathlib import Path
 
 import aiohttp
 
+from gpuslice.adapters.kube.objects import DRAINING_LABEL
 from gpuslice.core.errors import ValidationError
 from gpuslice.core.routing_config import ReplicaSpec
 
@@ -38,11 +45,29 @@ class SliceSource:
         return cls(ns, svc, port_name, api)
 
 
+def draining_pods(doc: object) -> frozenset[str]:
+    """The names of the pods of a PodList marked draining (label or annotation
+    ``gpuslice.io/draining: "true"``)."""
+    if not isinstance(doc, dict) or not isinstance(doc.get("items"), list):
+        raise ValidationError("PodList", "an object with an items list", type(doc))
+    out = set()
+    for item in doc["items"]:
+        meta = item.get("metadata") if isinstance(item, dict) else None
+        if not isinstance(meta, dict) or not isinstance(meta.get("name"), str):
+            continue
+        marks = [m.get(DRAINING_LABEL) for m in (meta.get("labels"), meta.get("annotations"))
+                 if isinstance(m, dict)]
+        if "true" in marks:
+            out.add(meta["name"])
+    return frozenset(out)
+
+
 def replicas_from_slices(doc: object, port_name: str | None = None,
-                         weights: Mapping[str, ReplicaSpec] | None = None
-                         ) -> tuple[ReplicaSpec, ...]:
+                         weights: Mapping[str, ReplicaSpec] | None = None,
+                         draining: frozenset[str] = frozenset()) -> tuple[ReplicaSpec, ...]:
     """An EndpointSliceList -> replicas: ready endpoints, one per address, and terminating
-    endpoints that still serve as draining replicas (in-flight requests finish there)."""
+    endpoints that still serve as draining replicas (in-flight requests finish there); an
+    endpoint whose pod is in ``draining`` (:func:`draining_pods`) is a draining replica too."""
     if not isinstance(doc, dict) or not isinstance(doc.get("items"), list):
         raise ValidationError("EndpointSliceList", "an object with an items list", type(doc))
     out: dict[str, ReplicaSpec] = {}
@@ -63,28 +88,29 @@ def replicas_from_slices(doc: object, port_name: str | None = None,
             cond, ref = ep.get("conditions") or {}, ep.get("targetRef") or {}
             if not isinstance(cond, dict) or not isinstance(ref, dict):
                 continue
-            draining = cond.get("terminating") is True
-            if draining and cond.get("serving") is not True:
+            terminating = cond.get("terminating") is True
+            if terminating and cond.get("serving") is not True:
                 continue
-            if not draining and cond.get("ready") is False:
+            if not terminating and cond.get("ready") is False:
                 continue
+            ref_name = ref.get("name")
+            marked = isinstance(ref_name, str) and ref_name in draining
             node = ep.get("nodeName")
             labels = {"node": node} if isinstance(node, str) and node else {}
             for addr in _items(ep.get("addresses")):
                 if not isinstance(addr, str) or not _ADDRESS.match(addr):
                     continue
                 host = f"[{addr}]" if ":" in addr else addr
-                ref_name = ref.get("name")
                 pod = ref_name if isinstance(ref_name, str) and ref_name else addr
                 name = pod if pod not in out else f"{pod}-{addr}"
                 known = _match(pod, weights or {})
                 if known is not None:
                     out[name] = ReplicaSpec(name, f"http://{host}:{port}", known.weight,
                                             known.concurrency, known.service_time_s,
-                                            {**known.labels, **labels}, draining)
+                                            {**known.labels, **labels}, terminating or marked)
                 else:
                     out[name] = ReplicaSpec(name, f"http://{host}:{port}", labels=labels,
-                                            draining=draining)
+                                            draining=terminating or marked)
     return tuple(out.values())
 
 
@@ -108,28 +134,53 @@ def _match(pod: str, weights: Mapping[str, ReplicaSpec]) -> ReplicaSpec | None:
     return None if best is None else best[1]
 
 
-def slice_fetcher(src: SliceSource, kubeconfig: str | None,
-                  ) -> Callable[[aiohttp.ClientSession], Awaitable[object]]:
+Fetch = Callable[[aiohttp.ClientSession], Awaitable[object]]
+
+
+def slice_fetcher(src: SliceSource, kubeconfig: str | None) -> Fetch:
     """How the router reads ``src``'s EndpointSlices: from ``--kube-api URL`` (no
     credentials, as ``kubectl proxy`` serves), or from the API server that the pod's service
     account (in a pod, without ``--kubeconfig``) or the kubeconfig names, as every other
     component finds it (``adapters/kube/client.KubeClient``, in a thread: it blocks)."""
+    return fetchers(src, kubeconfig)[0]
+
+
+def fetchers(src: SliceSource, kubeconfig: str | None) -> tuple[Fetch, Fetch]:
+    """(EndpointSlices, the PodList of the draining pods) of ``src``, read as
+    :func:`slice_fetcher` says."""
     if src.api is not None or (kubeconfig is None and os.environ.get("KUBERNETES_SERVICE_HOST")):
-        return lambda session: fetch_slices(session, src)
+        return (lambda session: fetch_slices(session, src),
+                lambda session: fetch_draining(session, src))
     from gpuslice.adapters.kube.client import KubeClient
 
     kube = KubeClient(kubeconfig, timeout_s=10.0)
 
-    async def fetch(_: aiohttp.ClientSession) -> object:
+    async def slices(_: aiohttp.ClientSession) -> object:
         return await asyncio.get_running_loop().run_in_executor(
             None, kube.list_endpoint_slices, src.namespace, src.service)
 
-    return fetch
+    async def draining(_: aiohttp.ClientSession) -> object:
+        return await asyncio.get_running_loop().run_in_executor(
+            None, kube.list_namespaced_pods, src.namespace, f"{DRAINING_LABEL}=true")
+
+    return slices, draining
 
 
 async def fetch_slices(session: aiohttp.ClientSession, src: SliceSource) -> object:
     path = (f"/apis/discovery.k8s.io/v1/namespaces/{src.namespace}/endpointslices"
             f"?labelSelector=kubernetes.io/service-name%3D{src.service}")
+    return await _get(session, src, path, "EndpointSlice list")
+
+
+async def fetch_draining(session: aiohttp.ClientSession, src: SliceSource) -> object:
+    """The PodList of ``src``'s namespace labelled ``gpuslice.io/draining=true``."""
+    path = (f"/api/v1/namespaces/{src.namespace}/pods"
+            f"?labelSelector={DRAINING_LABEL.replace('/', '%2F')}%3Dtrue")
+    return await _get(session, src, path, "draining pod list")
+
+
+async def _get(session: aiohttp.ClientSession, src: SliceSource, path: str,
+               what: str) -> object:
     headers = {"Accept": "application/json"}
     ssl_ctx: ssl.SSLContext | bool = True
     if src.api is None:
@@ -147,10 +198,10 @@ async def fetch_slices(session: aiohttp.ClientSession, src: SliceSource) -> obje
                            timeout=aiohttp.ClientTimeout(total=10)) as resp:
         if resp.status != 200:
             text = (await resp.text())[:200]
-            raise ValidationError("EndpointSlice list", "HTTP 200 from the API server",
+            raise ValidationError(what, "HTTP 200 from the API server",
                                   f"{resp.status}: {text}")
         try:
             return await resp.json(content_type=None)
         except ValueError as exc:  # json's JSONDecodeError, a body that is not UTF-8
-            raise ValidationError("EndpointSlice list", "a JSON answer from the API server",
+            raise ValidationError(what, "a JSON answer from the API server",
                                   str(exc)[:200]) from None

@@ -5,7 +5,8 @@ and answers any other path as well. Service times follow a distribution (``det``
 with a mean, times the batch size (``X-Batch-Size`` header) when ``--per-item`` is set, and at
 most ``concurrency`` requests are served at once: the replica is an exact M/G/c queue in virtual
 time (each request's finish time is computed on arrival, so timer granularity does not change
-its capacity). ``/stream`` answers in chunks; ``--garbage`` answers with bytes that are not HTTP.
+its capacity). ``/stream?n=N&every_ms=T`` answers N chunks T ms apart; ``--garbage`` answers
+with bytes that are not HTTP.
 
     python -m gpuslice.adapters.http.fake_replica --port 0 --service-ms 20 --dist exp \
         --concurrency 2     # prints "ready PORT" once listening
@@ -52,9 +53,10 @@ class FakeReplica:
         if path == "/stream":
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await resp.prepare(request)
+            every_s = float(request.query.get("every_ms", "1")) / 1e3  # a long stream: more
             for i in range(int(request.query.get("n", "5"))):
                 await resp.write(f"data: {i}\n\n".encode())
-                await asyncio.sleep(0.001)
+                await asyncio.sleep(every_s)
             await resp.write_eof()
             return resp
         if path == "/status":

@@ -135,6 +135,9 @@ class ReverseProxy:
         # this router's received-by pseudonym in Via: unique per process, so that a loop is
         # told from a chain of several routers
         self.via_name = f"gpuslice-router-{self._prefix}-{id(self) & 0xFFFF:x}"
+        # the router is stopping: every answer closes its connection, so a client on a
+        # kept-alive one opens the next elsewhere (through kube-proxy, to another router)
+        self.closing = False
 
     async def start(self) -> None:
         self.pool = upstream.Pool()
@@ -162,7 +165,10 @@ class ReverseProxy:
         rec = RequestRecord(time.time(), request.method, request.path, 0, "", "", 0.0, 0.0, 0.0,
                             1, 0, self._request_id(request.headers), request.remote or "")
         try:
-            return await self._handle(request, rec)
+            resp = await self._handle(request, rec)
+            if self.closing and not resp.prepared:
+                resp.force_close()
+            return resp
         finally:
             rec.latency_s = time.perf_counter() - t0
             if self.observer is not None:
@@ -286,6 +292,8 @@ class ReverseProxy:
         out = web.StreamResponse(status=resp.status, reason=resp.reason or None,
                                  headers=out_headers)
         rec.status = resp.status
+        if self.closing:
+            out.force_close()
         try:
             await out.prepare(request)
             async for chunk in resp.chunks():

@@ -231,6 +231,14 @@ class KubeClient:
         body = {"metadata": {"labels": dict(labels), "annotations": dict(annotations)}}
         self._call(self._api.patch_node, name, body)
 
+    def patch_node_annotations(self, name: str, annotations: Mapping[str, str | None],
+                               resource_version: str) -> dict[str, Any]:
+        """A strategic merge patch of the node's annotations carrying its resourceVersion:
+        the API server applies it only to that version (409 otherwise)."""
+        body = {"metadata": {"annotations": dict(annotations),
+                             "resourceVersion": resource_version}}
+        return dict(self._json(self._api.patch_node, name, body))
+
     def patch_node_status(self, name: str, ops: list[dict[str, Any]]) -> None:
         """A JSON patch (RFC 6902 operations) of the node's ``status`` subresource (RBAC:
         nodes/status patch), as ``kubectl patch node N --subresource=status --type=json``."""
@@ -297,6 +305,20 @@ class KubeClient:
         body = {"metadata": {"labels": dict(labels)}}
         return dict(self._json(self._api.patch_namespaced_pod, name, namespace, body))
 
+    def patch_pod_metadata(self, namespace: str, name: str, labels: Mapping[str, str | None],
+                           annotations: Mapping[str, str | None],
+                           resource_version: str) -> dict[str, Any]:
+        """Labels and annotations in one strategic merge patch, at ``resource_version``."""
+        body = {"metadata": {"labels": dict(labels), "annotations": dict(annotations),
+                             "resourceVersion": resource_version}}
+        return dict(self._json(self._api.patch_namespaced_pod, name, namespace, body))
+
+    def list_namespaced_pods(self, namespace: str, label_selector: str) -> Any:
+        """The PodList of ``namespace`` that ``label_selector`` selects, as JSON (the router:
+        the pods marked draining)."""
+        return self._rest("GET", f"/api/v1/namespaces/{namespace}/pods",
+                          {"labelSelector": label_selector})
+
     def create_pod(self, pod: dict[str, Any]) -> dict[str, Any]:
         ns = (pod.get("metadata") or {}).get("namespace", "default")
         return dict(self._json(self._api.create_namespaced_pod, ns, pod))
@@ -324,6 +346,15 @@ class KubeClient:
         """Replace the object's status (the controller owns it; the spec is the user's)."""
         meta = obj["metadata"]
         out: dict[str, Any] = self._call(self._custom.replace_namespaced_custom_object_status,
+                                         "gpuslice.io", "v1alpha1", meta["namespace"], plural,
+                                         meta["name"], obj)
+        return out
+
+    def update_custom(self, plural: str, obj: dict[str, Any]) -> dict[str, Any]:
+        """Replace the main resource (metadata such as finalizers, and the spec read with
+        it), at the object's resourceVersion; the status subresource ignores it."""
+        meta = obj["metadata"]
+        out: dict[str, Any] = self._call(self._custom.replace_namespaced_custom_object,
                                          "gpuslice.io", "v1alpha1", meta["namespace"], plural,
                                          meta["name"], obj)
         return out

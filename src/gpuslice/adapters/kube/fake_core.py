@@ -147,6 +147,35 @@ class FakeCoreApi(FakeState):
             self._bump(p)
             return copy.deepcopy(p)
 
+    def patch_pod_metadata(self, namespace: str, name: str, labels: Mapping[str, str | None],
+                           annotations: Mapping[str, str | None],
+                           resource_version: str) -> dict[str, Any]:
+        with self._lock:
+            p = self._pods.get((namespace, name))
+            if p is None:
+                raise ApiNotFound(f"pod {namespace}/{name} not found")
+            if p["metadata"]["resourceVersion"] != resource_version:
+                raise ApiConflict(f"pod {namespace}/{name} changed (resourceVersion "
+                                  f"{p['metadata']['resourceVersion']} != {resource_version})")
+            _merge(p["metadata"], "labels", labels)
+            _merge(p["metadata"], "annotations", annotations)
+            self._bump(p)
+            return copy.deepcopy(p)
+
+    def patch_node_annotations(self, name: str, annotations: Mapping[str, str | None],
+                               resource_version: str) -> dict[str, Any]:
+        with self._lock:
+            n = self._nodes.get(name)
+            if n is None:
+                raise ApiNotFound(f"node {name} not found")
+            if n["metadata"].get("resourceVersion") != resource_version:
+                raise ApiConflict(f"node {name} changed (resourceVersion "
+                                  f"{n['metadata'].get('resourceVersion')} != "
+                                  f"{resource_version})")
+            _merge(n["metadata"], "annotations", annotations)
+            self._bump(n)
+            return copy.deepcopy(n)
+
     def patch_pod_labels(self, namespace: str, name: str,
                          labels: Mapping[str, str | None]) -> dict[str, Any]:
         """A JSON merge patch of the pod's labels: ``None`` removes one."""
@@ -186,3 +215,13 @@ class FakeCoreApi(FakeState):
             if annotations:
                 p["metadata"].setdefault("annotations", {}).update(annotations)
             self._bump(p)
+
+
+def _merge(meta: dict[str, Any], field: str, values: Mapping[str, str | None]) -> None:
+    """A merge patch of ``meta[field]``: ``None`` removes a key."""
+    mine = meta.setdefault(field, {})
+    for k, v in values.items():
+        if v is None:
+            mine.pop(k, None)
+        else:
+            mine[k] = v

@@ -48,7 +48,9 @@ class FakeObjectsApi(FakeState):
             return copy.deepcopy(o)
 
     def replace_custom(self, plural: str, obj: dict[str, Any]) -> dict[str, Any]:
-        """Create (no resourceVersion) or replace (matching resourceVersion) an object."""
+        """Create (no resourceVersion) or replace (matching resourceVersion) an object. A
+        replace keeps the stored ``finalizers`` and ``deletionTimestamp`` (as the status
+        subresource does: only :meth:`update_custom` changes finalizers)."""
         meta = obj.get("metadata") or {}
         key = (plural, str(meta.get("namespace", "default")), str(meta.get("name")))
         with self._lock:
@@ -60,10 +62,54 @@ class FakeObjectsApi(FakeState):
                 raise ApiConflict(f"{plural} {key[1]}/{key[2]} changed")
             o = copy.deepcopy(obj)
             o.setdefault("metadata", {})["namespace"] = key[1]
+            if cur is not None:
+                for k in ("finalizers", "deletionTimestamp"):
+                    o["metadata"].pop(k, None)
+                    if k in cur["metadata"]:
+                        o["metadata"][k] = copy.deepcopy(cur["metadata"][k])
             self._rv += 1
             o["metadata"]["resourceVersion"] = str(self._rv)
             self._custom[key] = o
             return copy.deepcopy(o)
+
+    def update_custom(self, plural: str, obj: dict[str, Any]) -> dict[str, Any]:
+        """The main resource: metadata (finalizers) and spec, at the object's resourceVersion;
+        the status stays. An object being deleted whose finalizers this empties is gone."""
+        meta = obj.get("metadata") or {}
+        key = (plural, str(meta.get("namespace", "default")), str(meta.get("name")))
+        with self._lock:
+            cur = self._custom.get(key)
+            if cur is None:
+                raise ApiNotFound(f"{plural} {key[1]}/{key[2]} not found")
+            if meta.get("resourceVersion") != cur["metadata"]["resourceVersion"]:
+                raise ApiConflict(f"{plural} {key[1]}/{key[2]} changed")
+            o = copy.deepcopy(obj)
+            o["metadata"]["namespace"] = key[1]
+            o["status"] = copy.deepcopy(cur.get("status"))
+            if "deletionTimestamp" in cur["metadata"]:
+                o["metadata"]["deletionTimestamp"] = cur["metadata"]["deletionTimestamp"]
+                if not o["metadata"].get("finalizers"):
+                    del self._custom[key]
+                    return o
+            self._rv += 1
+            o["metadata"]["resourceVersion"] = str(self._rv)
+            self._custom[key] = o
+            return copy.deepcopy(o)
+
+    def delete_custom(self, plural: str, namespace: str, name: str) -> None:
+        """Delete an object: gone at once without finalizers, else kept with a
+        ``deletionTimestamp`` until :meth:`update_custom` removes the last one."""
+        key = (plural, namespace, name)
+        with self._lock:
+            cur = self._custom.get(key)
+            if cur is None:
+                raise ApiNotFound(f"{plural} {namespace}/{name} not found")
+            if not cur["metadata"].get("finalizers"):
+                del self._custom[key]
+                return
+            cur["metadata"].setdefault("deletionTimestamp", _now())
+            self._rv += 1
+            cur["metadata"]["resourceVersion"] = str(self._rv)
 
     # -- Deployments (no controller here: tests run a stand-in for the ReplicaSet controller) --
 

@@ -45,8 +45,12 @@ MIG_PROFILE_ANNOTATION = "gpuslice.io/mig-profile"
 INVENTORY_ANNOTATION = "gpuslice.io/inventory"
 # GPUs (comma-separated UUIDs) the reconfiguration controller closed to new slices
 CORDONED_ANNOTATION = "gpuslice.io/cordoned-gpus"
-# a pod being replaced: routers stop sending it requests and let in-flight ones finish
+# a pod being replaced: routers stop sending it requests and let in-flight ones finish. The
+# controller writes it as an annotation and as a label of the same name and value "true" in one
+# write; the label lets every router replica find the draining pods of a namespace with one
+# selected list
 DRAINING_ANNOTATION = "gpuslice.io/draining"
+DRAINING_LABEL = DRAINING_ANNOTATION
 
 # the largest quantity the API server holds (an int64), and the largest CPU (milli) and memory
 # (MiB) gpuslice counts: int64 too, as its arrays hold them
