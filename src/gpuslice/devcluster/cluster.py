@@ -422,11 +422,13 @@ class DevCluster:
         path.write_text(yaml.safe_dump(cfg, sort_keys=False))
         return path
 
-    def start_scheduler(self, with_extender: bool = True, default_only: bool = False) -> None:
+    def start_scheduler(self, with_extender: bool = True, default_only: bool = False,
+                        wait: bool = True) -> None:
         """(Re)start kube-scheduler, with or without the gpuslice extender (``default_only``:
-        the default-scheduler profile alone)."""
+        the default-scheduler profile alone); ``wait``: until it answers /healthz."""
         if "kube-scheduler" in self.procs:
             self.procs["kube-scheduler"].stop()
+        self._scheduler_mode = (with_extender, default_only)
         config = self.scheduler_config_path(with_extender, default_only)
         p = self._add("kube-scheduler", [
             self.bin("kube-scheduler"), f"--config={config}",
@@ -439,9 +441,22 @@ class DevCluster:
             "/debug/pprof,/debug/pprof/*",
             f"--feature-gates={FEATURE_GATES}",
         ])
-        wait_until("kube-scheduler /healthz", lambda: http_get(
-            f"https://127.0.0.1:{self.ports['scheduler']}/healthz",
-            insecure()) == b"ok", self.ready_timeout_s, p.popen, p.log)
+        if wait:
+            wait_until("kube-scheduler /healthz", lambda: http_get(
+                f"https://127.0.0.1:{self.ports['scheduler']}/healthz",
+                insecure()) == b"ok", self.ready_timeout_s, p.popen, p.log)
+
+    def restart_scheduler(self, *, kill: bool = True, wait: bool = True) -> None:
+        """kube-scheduler ended (SIGKILL when ``kill``: its queue and in-flight binds lost;
+        else SIGTERM) and started again with the profiles it last ran with; ``wait``: until
+        it answers /healthz (off: a caller that must not block while the API server is
+        away)."""
+        with_extender, default_only = getattr(self, "_scheduler_mode", (True, False))
+        proc = self.procs.get("kube-scheduler")
+        if proc is not None and kill:
+            proc.kill()
+        self.start_scheduler(with_extender, default_only, wait=wait)
+        self.write_state()
 
     def extender_tls_args(self) -> list[str]:
         """``gpuslice extender``'s serving flags for :attr:`extender_url`: mutual TLS as

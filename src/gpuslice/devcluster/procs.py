@@ -125,6 +125,15 @@ class Proc:
     def pid(self) -> int | None:
         return None if self.popen is None else self.popen.pid
 
+    def kill(self, timeout_s: float = 10.0) -> None:
+        """SIGKILL: no chance to finish what it was doing (a crash, an OOM kill)."""
+        p = self.popen
+        if p is None or p.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            p.kill()
+        p.wait(timeout_s)
+
     def stop(self, timeout_s: float = 20.0) -> None:
         p = self.popen
         if p is None or p.poll() is not None:

@@ -21,6 +21,7 @@ from gpuslice.core.assignment import (
 )
 from gpuslice.core.errors import GpusliceError, ValidationError
 from gpuslice.services.extender.preemption import Preemption
+from gpuslice.services.extender.view import bound_with
 
 # pods remembered from their filter for their bind (see hold): a bind follows its filter within
 # the scheduling cycle, so the last few thousand pods filtered are plenty; an older one is read
@@ -240,6 +241,8 @@ class ExtenderState(Preemption):
             return f"node {node} is unknown to gpuslice"
         existing = self._assignment_of(pod)
         bound_to = (pod.get("spec") or {}).get("nodeName")
+        if existing is not None and bound_with(pod, existing):
+            self.adopt(namespace, name, existing)  # what the pod is bound with is held
         if existing is not None and existing.node == node:
             if bound_to == node:  # a retried bind of a pod bound since: done as asked
                 return ""

@@ -419,10 +419,15 @@ class ClusterView:
                     not old.bound:
                 info.node = old.node  # held by our bind, not bound in the API yet
             self._follow_pod((ns, name), info)
-        if (ns, name) in self.ledger.owners or (ns, name) in self._in_flight:
-            return  # held already: no need to decode and verify the annotation again
+        flying = (ns, name) in self._in_flight
+        if (ns, name) in self.ledger.owners and not flying:
+            return  # held and written already: no need to decode and verify it again
         a = self._assignment_of(event.obj)
         if a is None:
+            return
+        if flying:  # a bind of ours under way: the pod bound with another share wins
+            if bound_with(event.obj, a):
+                self.adopt(ns, name, a)
             return
         with self._lock:
             try:
@@ -448,6 +453,29 @@ class ClusterView:
         if event.type == "DELETED":
             return before is not None
         return before != _node_mark(event.obj)
+
+    def adopt(self, namespace: str, name: str, a: Assignment) -> None:
+        """The pod is bound with ``a``: the ledger holds ``a`` for it instead of the share a
+        bind of ours has in flight, whose write must fail (an earlier bind was applied though
+        its answer was lost, or the other replica bound it) and whose release then leaves
+        ``a`` alone (the chaos soak found a ledger without a live pod's share)."""
+        key = (namespace, name)
+        with self._lock:
+            old = self.ledger.owners.get(key)
+            if old == a:
+                return
+            self._in_flight.pop(key, None)
+            if key in self._recent and self._recent[key][0] != a:
+                del self._recent[key]
+            if old is not None:
+                self.ledger = self.ledger.release(namespace, name)
+            try:
+                self.ledger = self.ledger.reserve(a)
+            except Conflict as exc:
+                self.problems.append(f"pod {namespace}/{name}: {exc.reason}")
+            for node in {a.node, old.node if old is not None else a.node}:
+                if node in self.inv.index:
+                    self._refresh_row(self.inv.index[node])
 
     def pod_gone(self, namespace: str, name: str, uid: str | None = None) -> None:
         """A pod was deleted or finished: give its share back. With ``uid``, only if the
@@ -585,6 +613,12 @@ class ClusterView:
             if size >= wish.slices and m.memory_mib >= wish.memory_mib:
                 out.append((size, gpu, m))
         return sorted(out, key=lambda x: (x[0], x[2].memory_mib, x[1], x[2].start))
+
+
+def bound_with(pod: dict[str, Any], a: Assignment) -> bool:
+    """Whether the pod is bound where its assignment ``a`` says."""
+    return bool((pod.get("spec") or {}).get("nodeName") == a.node and
+                (pod.get("metadata") or {}).get("uid") == a.pod_uid)
 
 
 def _memory_wish(req: SliceRequest) -> int | None:
