@@ -1,4 +1,5 @@
-"""``kubectl gpuslice status``: per node and GPU, what is allocated to which pod, and what is free.
+"""``kubectl gpuslice status``: per node and GPU, what is allocated to which pod, and what is free;
+``kubectl gpuslice top``: what each pod uses of its share, as the node agents measure it.
 
 Installed as the console script ``kubectl-gpuslice``, so kubectl finds it as a plugin. It reads
 nodes (the node agents' GPU inventory) and pods (the signed assignments) from the API server
@@ -14,6 +15,7 @@ import sys
 from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any, Protocol
 
 from rich.console import Console
 from rich.table import Table
@@ -90,6 +92,97 @@ def status(api: KubePort, key: bytes | None, console: Console, output: str = "ta
     return 0
 
 
+AGENT_SELECTOR = ("app.kubernetes.io/name", "gpuslice-node-agent")
+USE_METRICS = {
+    "gpuslice_pod_gpu_memory_used_bytes": "used_mib",
+    "gpuslice_pod_gpu_memory_cap_bytes": "cap_mib",
+    "gpuslice_pod_gpu_sm_utilization_ratio": "sm_pct",
+    "gpuslice_pod_gpu_sm_share_ratio": "share_pct",
+    "gpuslice_pod_gpu_processes": "processes",
+}
+
+
+def usage_rows(texts: dict[str, str]) -> list[dict[str, object]]:
+    """Per node, GPU, pod and container, what the node agents measured (their metrics'
+    text, agent pod -> exposition): memory used and its cap in MiB, SMs busy and the share
+    of SMs in percent, CUDA processes; and, per GPU, processes that belong to no pod."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    rows: dict[tuple[str, ...], dict[str, object]] = {}
+    for text in texts.values():
+        for fam in text_string_to_metric_families(text):
+            for sample in fam.samples:
+                field = USE_METRICS.get(sample.name)
+                lab = sample.labels
+                if field is not None:
+                    key = (lab.get("node", ""), lab.get("gpu", ""), lab.get("namespace", ""),
+                           lab.get("pod", ""), lab.get("container", ""))
+                    row = rows.setdefault(key, {
+                        "node": key[0], "gpu": key[1], "pod": f"{key[2]}/{key[3]}",
+                        "container": key[4], "service": lab.get("service", "")})
+                    scale = 100.0 if field.endswith("_pct") else \
+                        1 / 2**20 if field.endswith("_mib") else 1.0
+                    row[field] = round(sample.value * scale, 1)
+                elif sample.name == "gpuslice_gpu_unattributed_processes" and sample.value:
+                    key = (lab.get("node", ""), lab.get("gpu", ""), "", "(no pod)", "")
+                    rows[key] = {"node": key[0], "gpu": key[1], "pod": "(no pod)",
+                                 "container": "", "service": "",
+                                 "processes": int(sample.value)}
+    return [rows[k] for k in sorted(rows)]
+
+
+class AgentReader(Protocol):
+    """What ``top`` needs of the API: the agents' pods, and a GET through the pod proxy."""
+
+    def list_namespaced_pods(self, namespace: str, label_selector: str) -> Any: ...
+    def pod_proxy_get(self, namespace: str, name: str, port: int, path: str) -> str: ...
+
+
+def top(api: AgentReader, namespace: str, port: int, console: Console,
+        output: str = "table") -> int:
+    """``kubectl gpuslice top``: the node agents' usage metrics, read through the API
+    server's proxy to each agent pod (``pods/proxy`` get in the agents' namespace)."""
+    key, value = AGENT_SELECTOR
+    listed = api.list_namespaced_pods(namespace, f"{key}={value}")
+    agents = [p for p in (listed.get("items") or [])
+              if (p.get("status") or {}).get("phase") == "Running"]
+    if not agents:
+        raise GpusliceError(f"no running node agent pod in namespace {namespace} "
+                            f"(label {key}={value}): is gpuslice installed there?")
+    texts = {}
+    failed = []
+    for a in agents:
+        name = a["metadata"]["name"]
+        try:
+            texts[name] = api.pod_proxy_get(namespace, name, port, "metrics")
+        except GpusliceError as exc:
+            failed.append(f"{name}: {exc}")
+    rows = usage_rows(texts)
+    if output == "json":
+        sys.stdout.write(json.dumps({"usage": rows, "unreachable_agents": failed},
+                                    indent=1) + "\n")
+        return 0
+    table = Table(title="gpuslice: GPU use per pod (measured by the node agents)")
+    for col in ("node", "GPU", "pod", "container", "memory MiB (used / share)",
+                "SMs % (busy / share)", "processes"):
+        table.add_column(col)
+    for r in rows:
+        mem = f"{_num(r.get('used_mib'))} / {_num(r.get('cap_mib'))}"
+        sms = f"{_num(r.get('sm_pct'))} / {_num(r.get('share_pct'))}"
+        table.add_row(str(r["node"]), str(r["gpu"]), str(r["pod"]), str(r["container"]),
+                      mem, sms, _num(r.get("processes")))
+    console.print(table)
+    for f in failed:
+        console.print(f"not read: {f}", markup=False, highlight=False)
+    return 0
+
+
+def _num(v: object) -> str:
+    if v is None:
+        return "-"
+    return str(int(v)) if isinstance(v, float) and v.is_integer() else str(v)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="kubectl gpuslice", description="gpuslice's view of a cluster: per node and GPU, "
@@ -109,13 +202,34 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="count only assignments signed with this key")
     st.add_argument("-o", "--output", choices=("table", "json"), default="table",
                     help="table (default) or json: one JSON document on stdout")
+    tp = sub.add_parser("top", help="per node, GPU and pod: GPU memory and SMs used against "
+                        "the share", description="What each pod uses of its GPU share, as "
+                        "the node agents measure it (NVML's processes, mapped to pods): "
+                        "memory used and the share's, SMs busy and the share's, CUDA "
+                        "processes; read from each agent's metrics through the API server "
+                        "(you need pods/proxy get in the agents' namespace).")
+    tp.add_argument("--kubeconfig",
+                    help="kubeconfig file (default $KUBECONFIG or ~/.kube/config, as kubectl)")
+    tp.add_argument("--context", help="kubeconfig context")
+    tp.add_argument("--namespace", default="gpuslice-system",
+                    help="the node agents' namespace (default gpuslice-system)")
+    tp.add_argument("--port", type=int, default=9402,
+                    help="the agents' metrics port (default 9402)")
+    tp.add_argument("-o", "--output", choices=("table", "json"), default="table",
+                    help="table (default) or json: one JSON document on stdout")
+    tp.set_defaults(fake_cluster=None)
     err = Console(stderr=True)
     try:
         args = ap.parse_args(argv)
-        key = args.key_file.read_bytes().strip() if args.key_file else None
         console = Console()
         if not console.is_terminal:  # a pipe or a file: whole lines, not 80 columns
             console = Console(width=1000)
+        if args.command == "top":
+            from gpuslice.adapters.kube.client import KubeClient
+
+            return top(KubeClient(args.kubeconfig, args.context), args.namespace, args.port,
+                       console, args.output)
+        key = args.key_file.read_bytes().strip() if args.key_file else None
         return status(_api(args), key, console, args.output)
     except (GpusliceError, OSError) as exc:
         err.print(f"kubectl-gpuslice: error: {exc}", markup=False, highlight=False,

@@ -13,6 +13,8 @@ node agent's Warning event."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import subprocess
 import sys
@@ -25,6 +27,7 @@ import yaml
 
 from gpuslice.devcluster import wait_until
 from gpuslice.devcluster.realnode import KUBE_SCHEDULER
+from gpuslice.kubectl_plugin import main as kubectl_gpuslice
 from tests.node.conftest import DEPLOY, FIGURES
 from tests.node.helpers import NodeEnv, kubectl_json, wait_ready
 from tests.node.serving import MPS_ROOT, Load, Snapshot, kill_pod_process
@@ -65,8 +68,9 @@ def replica_deployment(image: str) -> dict[str, Any]:
 
 
 def clients_pod(name: str, image: str, processes: int, declared: int | None,
-                memory: int) -> dict[str, Any]:
-    """A pod of ``processes`` stand-in CUDA processes on an MPS slice of ``memory`` MiB."""
+                memory: int, use: tuple[int, float] = (0, 0.0)) -> dict[str, Any]:
+    """A pod of ``processes`` stand-in CUDA processes on an MPS slice of ``memory`` MiB;
+    ``use``: the MiB and percent of SMs each process says it uses (what NVML lists)."""
     ann = {"gpuslice.io/processes": str(declared)} if declared is not None else {}
     return {
         "apiVersion": "v1", "kind": "Pod",
@@ -76,7 +80,8 @@ def clients_pod(name: str, image: str, processes: int, declared: int | None,
                  "containers": [{
                      "name": "c", "image": image, "imagePullPolicy": "Never",
                      "command": ["python3", "-m", "gpuslice.adapters.mps.standin", "client",
-                                 "--processes", str(processes), "--name", name],
+                                 "--processes", str(processes), "--name", name,
+                                 "--use-mib", str(use[0]), "--sm", str(use[1])],
                      "resources": {"limits": {"gpuslice.io/gpu": "1",
                                               "gpuslice.io/gpu-milli": "100",
                                               "gpuslice.io/gpu-memory": str(memory)}}}]}}
@@ -235,9 +240,10 @@ def _replacing_the_mps_host_costs_every_client(env: NodeEnv, before: Snapshot) -
 
 def _multi_process_pods(env: NodeEnv, image: str) -> None:
     """4 declared processes on 8 GiB: each client held to 2 GiB, 8 GiB in all; 2 running
-    where 1 is declared: the node agent's Warning event on the pod."""
+    where 1 is declared: the node agent's Warning event on the pod. What each uses shows in
+    ``kubectl gpuslice top`` (the agents' metrics through the API server's pod proxy)."""
     env.dev.kubectl("apply", "-f", "-", input=json.dumps(clients_pod("quad", image, 4, 4,
-                                                                     8192)))
+                                                                     8192, (1500, 5.0))))
     env.dev.kubectl("apply", "-f", "-", input=json.dumps(clients_pod("twin", image, 2, None,
                                                                      1024)))
     got: dict[str, list[dict[str, Any]]] = {}
@@ -259,8 +265,30 @@ def _multi_process_pods(env: NodeEnv, image: str) -> None:
                    and e["involvedObject"]["name"] == "twin" for e in events)
 
     wait_until("the node agent's warning on pod twin", warned, 60, every_s=1.0)
+    _top_shows_what_quad_uses(env)
     env.dev.kubectl("delete", "pod", "-n", APP, "quad", "twin", "--wait=true",
                     "--timeout=60s", timeout_s=90)
+
+
+def _top_shows_what_quad_uses(env: NodeEnv) -> None:
+    """``kubectl gpuslice top -o json`` on the real API server: quad's 4 processes use
+    4 x 1500 MiB of its 8192 and keep 20% of the SMs busy on a 10% share."""
+    rows: list[dict[str, Any]] = []
+
+    def shown() -> bool:
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            code = kubectl_gpuslice(["top", "--kubeconfig", str(env.dev.kubeconfig), "-o",
+                                     "json"])
+        assert code == 0
+        rows[:] = [r for r in json.loads(out.getvalue())["usage"]
+                   if r["pod"] == f"{APP}/quad"]
+        return bool(rows) and rows[0].get("processes") == 4
+
+    wait_until("kubectl gpuslice top: quad's 4 processes", shown, 60, every_s=2.0)
+    row = rows[0]
+    assert (row["used_mib"], row["cap_mib"], row["share_pct"]) == (6000, 8192, 10), row
+    assert row["sm_pct"] == 20, row
 
 
 def _report(env: NodeEnv, rows: list[dict[str, Any]], total: dict[str, int],

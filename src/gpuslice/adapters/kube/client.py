@@ -403,6 +403,16 @@ class KubeClient:
             return None
         return self._json(send, _request_timeout=timeout or self.timeout_s)
 
+    def pod_proxy_get(self, namespace: str, name: str, port: int, path: str) -> str:
+        """GET ``path`` of the pod's ``port`` through the API server's proxy (RBAC:
+        pods/proxy get), as text: ``kubectl gpuslice top`` reads the node agents' metrics."""
+        resp = self._call(self._api.connect_get_namespaced_pod_proxy_with_path,
+                          f"{name}:{port}", namespace, path, _preload_content=False)
+        try:
+            return bytes(resp.data).decode("utf-8", "replace")
+        finally:
+            resp.release_conn()
+
     def list_endpoint_slices(self, namespace: str, service: str) -> Any:
         """The EndpointSliceList of ``service`` (the router's replicas), as JSON."""
         return self._rest("GET", f"/apis/discovery.k8s.io/v1/namespaces/{namespace}/"
