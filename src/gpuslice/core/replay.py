@@ -216,18 +216,19 @@ class Replanned:
     added_gpus: int
 
 
-def _slices(p: Plan) -> dict[tuple[int, int, str], tuple[str, str, str, float]]:
-    """(GPU, start, service) -> (GPU type, profile, service, throughput)."""
-    return {(g.index, s.placement.start, c.service): (g.gpu, s.placement.profile.name,
-                                                       c.service, c.throughput)
-            for g in p.gpus for s in g.slots for c in s.parts}
+def _slices(p: Plan) -> dict[tuple[int, int, str, str], tuple[str, float]]:
+    """(GPU, start, profile, service) -> (GPU type, throughput). The profile is part of the
+    key: a slice resized in place (same start, another profile) is a different slice, as it is
+    a different Deployment (``planning/export.py`` names them by profile and start)."""
+    return {(g.index, s.placement.start, s.placement.profile.name, c.service):
+            (g.gpu, c.throughput) for g in p.gpus for s in g.slots for c in s.parts}
 
 
 def plan_diff(old: Plan, new: Plan) -> list[SliceChange]:
     a, b = _slices(old), _slices(new)
-    out = [SliceChange("remove", k[0], v[0], v[1], k[1], v[2], v[3])
+    out = [SliceChange("remove", k[0], v[0], k[2], k[1], k[3], v[1])
            for k, v in sorted(a.items()) if k not in b]
-    out += [SliceChange("add", k[0], v[0], v[1], k[1], v[2], v[3])
+    out += [SliceChange("add", k[0], v[0], k[2], k[1], k[3], v[1])
             for k, v in sorted(b.items()) if k not in a]
     return out
 
@@ -277,14 +278,15 @@ def replan(profiles: ProfileSet, current: Plan, services: Sequence[Service],
            opts: PlanOptions | None = None, *, rng: np.random.Generator,
            fleet: Sequence[FleetType] = (),
            utilisation: float = 0.95, margin: float = 0.9, rounds: int = 6,
-           requests: int = 30_000) -> Replanned:
+           requests: int = 30_000, keep: frozenset[str] = frozenset()) -> Replanned:
     """The smallest change to ``current`` that serves ``services`` at their new rates: slices
     of services with more capacity than they need (at ``utilisation``) are removed, those on
     the emptiest GPUs first so that whole GPUs are freed; services short of capacity get slices
     in free MIG positions first (:func:`add_capacity`, a new GPU only when none is left); then
     the plan is replayed at the new rates and repaired as :func:`plan_and_check` does. After
     the shrink, a GPU whose remaining slices all fit in free positions elsewhere is emptied
-    (those slices move); no other slice moves."""
+    (those slices move); no other slice moves. The services in ``keep`` lose no slice (their
+    measured use asked for more than their profiles say they need: ``core/resize.py``)."""
     o = opts or PlanOptions()
     by_name = {s.name: s for s in services}
     need = {s.name: s.rate / utilisation for s in services}
@@ -303,7 +305,8 @@ def replan(profiles: ProfileSet, current: Plan, services: Sequence[Service],
                 if len(s.parts) != 1:
                     continue
                 c = s.parts[0]
-                if c.service in need and capacity(c.service) - c.throughput >= need[c.service]:
+                if c.service in need and c.service not in keep and \
+                        capacity(c.service) - c.throughput >= need[c.service]:
                     cands.append((len(slots), c.throughput, gi, s))
         if not cands:
             break
