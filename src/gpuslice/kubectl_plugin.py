@@ -92,7 +92,9 @@ def status(api: KubePort, key: bytes | None, console: Console, output: str = "ta
     return 0
 
 
-AGENT_SELECTOR = ("app.kubernetes.io/name", "gpuslice-node-agent")
+# the pods that measure usage: the node agents (device-plugin nodes) and the DRA drivers
+AGENT_SELECTOR = "app.kubernetes.io/name=gpuslice-node-agent"
+DRIVER_SELECTOR = "app=gpuslice-dra-driver"
 USE_METRICS = {
     "gpuslice_pod_gpu_memory_used_bytes": "used_mib",
     "gpuslice_pod_gpu_memory_cap_bytes": "cap_mib",
@@ -138,23 +140,29 @@ class AgentReader(Protocol):
     def pod_proxy_get(self, namespace: str, name: str, port: int, path: str) -> str: ...
 
 
+def _running(api: AgentReader, namespace: str, selector: str) -> list[dict[str, Any]]:
+    listed = api.list_namespaced_pods(namespace, selector)
+    return [p for p in (listed.get("items") or [])
+            if (p.get("status") or {}).get("phase") == "Running"]
+
+
 def top(api: AgentReader, namespace: str, port: int, console: Console,
-        output: str = "table") -> int:
-    """``kubectl gpuslice top``: the node agents' usage metrics, read through the API
-    server's proxy to each agent pod (``pods/proxy`` get in the agents' namespace)."""
-    key, value = AGENT_SELECTOR
-    listed = api.list_namespaced_pods(namespace, f"{key}={value}")
-    agents = [p for p in (listed.get("items") or [])
-              if (p.get("status") or {}).get("phase") == "Running"]
+        output: str = "table", dra_port: int = 9403) -> int:
+    """``kubectl gpuslice top``: the usage metrics of the node agents (on ``port``) and DRA
+    drivers (on ``dra_port``), read through the API server's proxy to each of their pods
+    (``pods/proxy`` get in their namespace)."""
+    agents = [(p, port) for p in _running(api, namespace, AGENT_SELECTOR)]
+    agents += [(p, dra_port) for p in _running(api, namespace, DRIVER_SELECTOR)]
     if not agents:
-        raise GpusliceError(f"no running node agent pod in namespace {namespace} "
-                            f"(label {key}={value}): is gpuslice installed there?")
+        raise GpusliceError(f"no running node agent ({AGENT_SELECTOR}) or DRA driver "
+                            f"({DRIVER_SELECTOR}) pod in namespace {namespace}: is gpuslice "
+                            "installed there?")
     texts = {}
     failed = []
-    for a in agents:
+    for a, at in agents:
         name = a["metadata"]["name"]
         try:
-            texts[name] = api.pod_proxy_get(namespace, name, port, "metrics")
+            texts[name] = api.pod_proxy_get(namespace, name, at, "metrics")
         except GpusliceError as exc:
             failed.append(f"{name}: {exc}")
     rows = usage_rows(texts)
@@ -204,17 +212,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="table (default) or json: one JSON document on stdout")
     tp = sub.add_parser("top", help="per node, GPU and pod: GPU memory and SMs used against "
                         "the share", description="What each pod uses of its GPU share, as "
-                        "the node agents measure it (NVML's processes, mapped to pods): "
-                        "memory used and the share's, SMs busy and the share's, CUDA "
-                        "processes; read from each agent's metrics through the API server "
-                        "(you need pods/proxy get in the agents' namespace).")
+                        "the node agents and DRA drivers measure it (NVML's processes, "
+                        "mapped to pods): memory used and the share's, SMs busy and the "
+                        "share's, CUDA processes; read from their metrics through the API "
+                        "server (you need pods/proxy get in their namespace).")
     tp.add_argument("--kubeconfig",
                     help="kubeconfig file (default $KUBECONFIG or ~/.kube/config, as kubectl)")
     tp.add_argument("--context", help="kubeconfig context")
     tp.add_argument("--namespace", default="gpuslice-system",
                     help="the node agents' namespace (default gpuslice-system)")
     tp.add_argument("--port", type=int, default=9402,
-                    help="the agents' metrics port (default 9402)")
+                    help="the node agents' metrics port (default 9402)")
+    tp.add_argument("--dra-port", type=int, default=9403,
+                    help="the DRA drivers' metrics port (default 9403)")
     tp.add_argument("-o", "--output", choices=("table", "json"), default="table",
                     help="table (default) or json: one JSON document on stdout")
     tp.set_defaults(fake_cluster=None)
@@ -228,7 +238,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             from gpuslice.adapters.kube.client import KubeClient
 
             return top(KubeClient(args.kubeconfig, args.context), args.namespace, args.port,
-                       console, args.output)
+                       console, args.output, args.dra_port)
         key = args.key_file.read_bytes().strip() if args.key_file else None
         return status(_api(args), key, console, args.output)
     except (GpusliceError, OSError) as exc:

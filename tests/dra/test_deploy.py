@@ -15,7 +15,8 @@ import pytest
 import yaml
 
 from gpuslice.adapters.kube.client import KubeClient
-from gpuslice.adapters.nvml.port import FakeNvml
+from gpuslice.adapters.nvml.port import FakeNvml, GpuProcess
+from gpuslice.adapters.proc.pods import PodProcess
 from gpuslice.core import dra
 from gpuslice.core.errors import GpusliceError
 from gpuslice.services.dra_driver import DraConfig, DraDriver
@@ -50,7 +51,7 @@ def test_rbac_grants_only_what_the_driver_calls() -> None:
         ("resource.k8s.io", "resourceslices"): {"get", "list", "watch", "create", "update",
                                                 "delete"},
         ("resource.k8s.io", "resourceclaims"): {"get"},
-        ("", "nodes"): {"get"}, ("", "events"): {"create"}}
+        ("", "nodes"): {"get"}, ("", "events"): {"create"}, ("", "pods"): {"list"}}
     # and one Lease in its namespace, read only: the claim allocator's (its taint)
     (lease_role,) = [d for d in render(DRA) if d["kind"] == "Role"]
     assert lease_role["metadata"]["namespace"] == "gpuslice-system"
@@ -125,6 +126,14 @@ def test_the_driver_does_its_job_with_its_service_account_only(tmp_path: Path) -
             assert got[ref[1]].error == ""  # both claims read with "get resourceclaims"
             assert got[cc["metadata"]["uid"]].error == ""
             assert got[cc["metadata"]["uid"]].devices[0].share_id == "s-1"
+            # what the pods use of their shares: the node's pods listed with its account
+            from prometheus_client import CollectorRegistry
+
+            nvml.set_processes(nvml.devices()[0].uuid, [GpuProcess(4242, 100)])
+            usage = driver.measure_usage(CollectorRegistry(), api,
+                                         pod_of_pid=lambda pid: PodProcess(pid, "u1", "c1"))
+            usage.step()
+            assert usage.problems == []
         finally:
             client.close()
             server.stop()
@@ -135,7 +144,7 @@ def test_the_driver_does_its_job_with_its_service_account_only(tmp_path: Path) -
         assert any(e["reason"] == "DeviceModelFallback" for e in rest.events)
         assert not rest.denied
         with pytest.raises(GpusliceError, match="403"):
-            api.list_pods()  # nothing else
+            api.list_nodes()  # nothing else
     finally:
         rest.stop()
         shutil.rmtree(short, ignore_errors=True)

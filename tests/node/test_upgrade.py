@@ -270,9 +270,11 @@ def _multi_process_pods(env: NodeEnv, image: str) -> None:
                     "--timeout=60s", timeout_s=90)
 
 
-def _top_shows_what_quad_uses(env: NodeEnv) -> None:
-    """``kubectl gpuslice top -o json`` on the real API server: quad's 4 processes use
-    4 x 1500 MiB of its 8192 and keep 20% of the SMs busy on a 10% share."""
+def top_rows(env: NodeEnv, pod_prefix: str, count: int,
+             processes: int = 1) -> list[dict[str, Any]]:
+    """``kubectl gpuslice top -o json`` on the real API server (each node agent's and DRA
+    driver's metrics through the pod proxy), until ``count`` rows of pods named
+    ``pod_prefix``... show ``processes`` processes each."""
     rows: list[dict[str, Any]] = []
 
     def shown() -> bool:
@@ -282,12 +284,19 @@ def _top_shows_what_quad_uses(env: NodeEnv) -> None:
                                      "json"])
         assert code == 0
         rows[:] = [r for r in json.loads(out.getvalue())["usage"]
-                   if r["pod"] == f"{APP}/quad"]
-        return bool(rows) and rows[0].get("processes") == 4
+                   if str(r["pod"]).startswith(pod_prefix) and r.get("processes") == processes]
+        return len(rows) == count
 
-    wait_until("kubectl gpuslice top: quad's 4 processes", shown, 60, every_s=2.0)
-    row = rows[0]
-    assert (row["used_mib"], row["cap_mib"], row["share_pct"]) == (6000, 8192, 10), row
+    wait_until(f"kubectl gpuslice top: {count} pod(s) {pod_prefix}...", shown, 60, every_s=2.0)
+    return rows
+
+
+def _top_shows_what_quad_uses(env: NodeEnv) -> None:
+    """quad's 4 processes use 4 x 1500 MiB of its 8192 and keep 20% of the SMs busy on a
+    10% share."""
+    [row] = top_rows(env, f"{APP}/quad", 1, processes=4)
+    assert (row["processes"], row["used_mib"], row["cap_mib"], row["share_pct"]) == \
+        (4, 6000, 8192, 10), row
     assert row["sm_pct"] == 20, row
 
 
@@ -420,6 +429,10 @@ def test_the_dra_path_upgrades_and_its_driver_dies_while_replicas_serve(
     driver_log = env.dev.kubectl("logs", "-n", NS, "-l", "app=gpuslice-dra-driver",
                                  "--tail=400", check=False).stdout
     assert "adopted the MPS daemons" in driver_log
+    # what each replica uses of its claim's share, measured by the DRA driver (1 process,
+    # the claim's 2 GiB and 20%)
+    for row in top_rows(env, f"{DRA_APP}/llm-dra", 2):
+        assert (row["processes"], row["cap_mib"], row["share_pct"]) == (1, 2048, 20), row
     # the replicas go, their claims with them: the driver quits the daemons it kept
     env.dev.kubectl("delete", "namespace", DRA_APP, "--wait=true", "--timeout=120s",
                     timeout_s=150)

@@ -21,27 +21,31 @@ from gpuslice.adapters.nvml.port import FakeNvml, GpuProcess
 from gpuslice.adapters.proc.pods import PodProcess
 from gpuslice.core.assignment import Assignment, ContainerAssignment, GpuShare, Mode, sign
 from gpuslice.core.errors import GpusliceError
-from gpuslice.kubectl_plugin import top, usage_rows
+from gpuslice.kubectl_plugin import AGENT_SELECTOR, DRIVER_SELECTOR, top, usage_rows
 from gpuslice.services.pod_usage import PodUsage
 
 KEY = b"k" * 24
 
 
 class Agents:
-    """The agents' pods as the API server lists them, and GET through its pod proxy: here
-    to the agent's metrics server on this host (``ports``: agent pod -> its port; a pod
-    not there does not answer)."""
+    """The agents' and drivers' pods as the API server lists them, and GET through its pod
+    proxy: here to their metrics servers on this host (``ports``: agent pod -> its port, 0
+    for one that does not answer; ``drivers``: the same for DRA driver pods)."""
 
-    def __init__(self, ports: dict[str, int]) -> None:
-        self.ports = ports
+    def __init__(self, ports: dict[str, int], drivers: dict[str, int] | None = None) -> None:
+        self.pods = {AGENT_SELECTOR: ports, DRIVER_SELECTOR: drivers or {}}
+        self.ports = {**ports, **(drivers or {})}
         self.asked: list[tuple[str, str]] = []
+        self.proxied: list[tuple[str, int]] = []
 
     def list_namespaced_pods(self, namespace: str, label_selector: str) -> Any:
         self.asked.append((namespace, label_selector))
         return {"items": [{"metadata": {"name": n, "namespace": namespace},
-                           "status": {"phase": "Running"}} for n in sorted(self.ports)]}
+                           "status": {"phase": "Running"}}
+                          for n in sorted(self.pods[label_selector])]}
 
     def pod_proxy_get(self, namespace: str, name: str, port: int, path: str) -> str:
+        self.proxied.append((name, port))
         if not self.ports[name]:
             raise GpusliceError("API server: 503 error trying to reach service: dial tcp: "
                                 "connection refused")
@@ -74,20 +78,23 @@ def _agent(node: str) -> int:
 
 
 def test_top_reads_each_agent_and_shows_use_against_the_share() -> None:
-    agents = Agents({"agent-a": _agent("n1"), "agent-b": _agent("n2"), "agent-c": 0})
+    agents = Agents({"agent-a": _agent("n1"), "agent-b": _agent("n2"), "agent-c": 0},
+                    drivers={"driver-a": _agent("n3")})
     out = io.StringIO()
     with redirect_stdout(out):
-        assert top(agents, "gpuslice-system", 9402, Console(), "json") == 0
+        assert top(agents, "gpuslice-system", 9402, Console(), "json", dra_port=9403) == 0
     doc = json.loads(out.getvalue())
-    assert agents.asked == [("gpuslice-system", "app.kubernetes.io/name=gpuslice-node-agent")]
+    assert agents.asked == [("gpuslice-system", "app.kubernetes.io/name=gpuslice-node-agent"),
+                            ("gpuslice-system", "app=gpuslice-dra-driver")]
+    assert ("agent-a", 9402) in agents.proxied and ("driver-a", 9403) in agents.proxied
     llm = [r for r in doc["usage"] if r["pod"] == "ml/llm"]
-    assert [r["node"] for r in llm] == ["n1", "n2"]
+    assert [r["node"] for r in llm] == ["n1", "n2", "n3"]
     assert {k: llm[0][k] for k in ("container", "used_mib", "cap_mib", "sm_pct", "share_pct",
                                    "processes")} == {
         "container": "server", "used_mib": 4000, "cap_mib": 8192, "sm_pct": 20,
         "share_pct": 25, "processes": 2}
     stray = [r for r in doc["usage"] if r["pod"] == "(no pod)"]
-    assert [(r["node"], r["processes"]) for r in stray] == [("n1", 1), ("n2", 1)]
+    assert [(r["node"], r["processes"]) for r in stray] == [("n1", 1), ("n2", 1), ("n3", 1)]
     assert len(doc["unreachable_agents"]) == 1
     assert doc["unreachable_agents"][0].startswith("agent-c: ")
     table = Console(width=200, record=True)
@@ -99,7 +106,8 @@ def test_top_reads_each_agent_and_shows_use_against_the_share() -> None:
 
 
 def test_top_says_when_no_agent_runs_there() -> None:
-    with pytest.raises(GpusliceError, match="no running node agent pod in namespace gs"):
+    with pytest.raises(GpusliceError, match=r"no running node agent .* or DRA driver .* pod "
+                       r"in namespace gs"):
         top(Agents({}), "gs", 9402, Console())
 
 

@@ -8,6 +8,7 @@ import os
 import signal
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 
@@ -24,9 +25,14 @@ from gpuslice.cli.common import (
     local_nvml,
     setup_logging,
 )
-from gpuslice.cli.flagtypes import parse_lease, positive_float
+from gpuslice.cli.flagtypes import parse_hostport, parse_lease, positive_float
 from gpuslice.core import dra
 from gpuslice.core.errors import ValidationError
+
+if TYPE_CHECKING:
+    from gpuslice.adapters.kube.client import KubeClient
+    from gpuslice.adapters.nvml.port import NvmlPort
+    from gpuslice.services.dra_driver import DraDriver
 
 
 def register(sub: Sub) -> None:
@@ -87,13 +93,18 @@ def register(sub: Sub) -> None:
                    help="prepares at a time (waiting on the API server); one more is "
                    "answered 'busy' at once, and unprepares and health never wait "
                    "(default %(default)s)")
+    p.add_argument("--metrics", default="0.0.0.0:9403",
+                   help="HOST:PORT of the Prometheus endpoint: what each pod uses of the "
+                   "shares this driver prepared ('off' to disable; default %(default)s)")
+    p.add_argument("--proc-root", type=Path, default=Path("/proc"),
+                   help="the host's /proc as the driver sees it, where each GPU process's "
+                   "cgroup names its pod (default /proc: the driver runs with hostPID)")
     add_log_format(p)
     p.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace, console: Console) -> int:
     from gpuslice.adapters.kube.client import KubeClient
-    from gpuslice.adapters.nvml.port import NvmlPort
     from gpuslice.services.dra_driver import DraConfig, DraDriver, parse_modes
     from gpuslice.services.dra_driver import run as serve
 
@@ -132,7 +143,10 @@ def run(args: argparse.Namespace, console: Console) -> int:
                     allocator_lease=lease, health_timeout_s=args.health_timeout,
                     resync_s=args.resync)
     nvml: NvmlPort = local_nvml(args, node)
-    driver = DraDriver(cfg, nvml, KubeClient(args.kubeconfig))
+    api = KubeClient(args.kubeconfig)
+    driver = DraDriver(cfg, nvml, api)
+    if args.metrics != "off":
+        _serve_usage(args, driver, api, nvml)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     console.print(f"DRA driver {cfg.driver} on {node}: {len(nvml.devices())} GPU(s); "
@@ -146,3 +160,29 @@ def run(args: argparse.Namespace, console: Console) -> int:
         console.print(f"[yellow]{problem}[/]", highlight=False)
     return 0
 
+
+
+def _serve_usage(args: argparse.Namespace, driver: DraDriver, api: KubeClient,
+                 nvml: NvmlPort) -> None:
+    """What pods use of their shares on ``--metrics`` (with /healthz, and /readyz: 200 once
+    the kubelet took the registration)."""
+    from prometheus_client import CollectorRegistry
+
+    from gpuslice.adapters.http.probes import serve_metrics
+    from gpuslice.adapters.nvml.port import FakeNvml
+
+    if isinstance(nvml, FakeNvml) and args.mps_binary is None:
+        # NVML lists an MPS daemon's clients: on stand-in GPUs, the stand-in daemons'
+        from gpuslice.adapters.mps.fake import standin_processes
+
+        nvml.process_source = standin_processes(args.mps_pipe_dir)
+    registry = CollectorRegistry()
+    driver.measure_usage(registry, api, args.proc_root)
+
+    def ready() -> tuple[bool, str]:
+        if driver.registration and driver.registration[-1][0]:
+            return True, "registered with the kubelet"
+        return False, "not registered with the kubelet yet"
+
+    host, port = parse_hostport("--metrics", args.metrics)
+    serve_metrics(host, port, registry, ready)

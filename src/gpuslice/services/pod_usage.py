@@ -23,10 +23,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from gpuslice.adapters.kube.annotation import AnnotationError, decode
-from gpuslice.adapters.kube.fake import KubePort
 from gpuslice.adapters.kube.objects import PROCESSES_ANNOTATION, declared_processes
 from gpuslice.adapters.nvml.port import GpuProcess, NvmlError, NvmlPort
 from gpuslice.adapters.proc.pods import PodProcess, pod_of
@@ -38,6 +37,30 @@ OVER_DECLARED = "GpuProcessesOverDeclared"
 MIB = 1 << 20
 SERVICE_LABEL = "gpuslice.io/service"  # on the planner's exported Deployments' pods
 PODS_REREAD_S = 60.0  # the node's pods read again at least this often (else only when new)
+
+
+@dataclass(frozen=True)
+class Device:
+    """A GPU or MIG instance as the usage is measured on it: its GPU's UUID, for a MIG
+    instance its profile and start, and its memory."""
+
+    gpu: str
+    profile: str = ""
+    start: int = -1
+    memory_mib: int = 0
+
+
+# the share of a pod's container on a device (None: none that this node knows): from the
+# signed assignment (the node agent, :class:`AssignmentShares`) or from the prepared
+# ResourceClaims (the DRA driver, ``services.dra_driver.usage``)
+ShareOf = Callable[[dict[str, Any], str, Device], GpuShare | None]
+
+
+class PodsPort(Protocol):
+    """What the usage reads of the API: the node's pods (and, where it can, writes Events)."""
+
+    def list_pods(self, node: str | None = None,
+                  timeout_s: float | None = None) -> list[dict[str, Any]]: ...
 
 
 @dataclass(frozen=True)
@@ -63,11 +86,15 @@ class Use:
 class PodUsage:
     """Measures, reports and exports each pod's use of its GPU share (:meth:`step`)."""
 
-    def __init__(self, node: str, nvml: NvmlPort, api: KubePort, registry: Any,
+    def __init__(self, node: str, nvml: NvmlPort, api: PodsPort, registry: Any,
                  keys: tuple[bytes, ...] = (), proc: Path = Path("/proc"),
                  pod_of_pid: Callable[[int], PodProcess | None] | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self.node, self.nvml, self.api, self.keys = node, nvml, api, keys
+                 clock: Callable[[], float] = time.monotonic,
+                 share_of: ShareOf | None = None) -> None:
+        """``share_of``: where a container's share comes from (default: its signed
+        assignment, verified with ``keys`` when given)."""
+        self.node, self.nvml, self.api = node, nvml, api
+        self.share_of: ShareOf = share_of or AssignmentShares(keys)
         self.pod_of = pod_of_pid or (lambda pid: pod_of(pid, proc))
         self.clock = clock
         self._gauges(registry)
@@ -117,13 +144,13 @@ class PodUsage:
 
     # -- measuring ------------------------------------------------------------------------
 
-    def devices(self) -> dict[str, tuple[str, str, int]]:
-        """Every GPU and MIG instance of the node: UUID -> (its GPU, MIG profile, start)."""
-        out: dict[str, tuple[str, str, int]] = {}
+    def devices(self) -> dict[str, Device]:
+        """Every GPU and MIG instance of the node by UUID."""
+        out: dict[str, Device] = {}
         for g in self.nvml.devices():
-            out[g.uuid] = (g.uuid, "", -1)
+            out[g.uuid] = Device(g.uuid, memory_mib=g.memory_mib)
             for m in g.mig:
-                out[m.uuid] = (g.uuid, m.profile, m.start)
+                out[m.uuid] = Device(g.uuid, m.profile, m.start, m.memory_mib)
         return out
 
     def _processes(self, devices: Iterable[str]) -> dict[str, list[GpuProcess]]:
@@ -176,40 +203,18 @@ class PodUsage:
         return self._check_declared(per_pod, pods)
 
     def _use(self, pod: dict[str, Any], cid: str, dev: str, found: list[GpuProcess],
-             where: dict[str, tuple[str, str, int]]) -> tuple[UseKey, Use]:
+             where: dict[str, Device]) -> tuple[UseKey, Use]:
         meta = pod.get("metadata") or {}
         ns, name = str(meta.get("namespace", "default")), str(meta.get("name"))
         container = _container_of(pod, cid)
         samples = [p.sm_pct for p in found if p.sm_pct is not None]
         use = Use(len(found), sum(p.used_mib or 0 for p in found),
                   sum(samples) if samples else None)
-        share = self._share_of(pod, container, where.get(dev, (dev, "", -1)))
+        share = self.share_of(pod, container, where.get(dev, Device(dev)))
         if share is not None:
             use.cap_mib, use.share_milli = share.memory_mib or None, share.milli
         service = str((meta.get("labels") or {}).get(SERVICE_LABEL, ""))
         return UseKey(ns, name, container, dev, service), use
-
-    def _share_of(self, pod: dict[str, Any], container: str,
-                  dev: tuple[str, str, int]) -> GpuShare | None:
-        """The share of the pod's signed assignment that gave ``container`` the device."""
-        text = ((pod.get("metadata") or {}).get("annotations") or {}).get(ANNOTATION)
-        if not text:
-            return None
-        try:
-            a: Assignment = decode(str(text))
-        except AnnotationError:
-            return None
-        if self.keys and not verify_any(a, self.keys):
-            return None
-        gpu, profile, start = dev
-        for c in a.containers:
-            if c.name != container:
-                continue
-            for s in c.gpus:
-                if s.uuid == gpu and (not profile or (s.mig_profile, s.mig_start) ==
-                                      (profile, start)):
-                    return s
-        return None
 
     # -- reporting ------------------------------------------------------------------------
 
@@ -229,13 +234,20 @@ class PodUsage:
             labels = (self.node, k.namespace, k.pod, k.container, k.gpu, k.service)
             self.used.labels(*labels).set(u.used_mib * MIB)
             self.counted.labels(*labels).set(u.processes)
-            if u.sm_pct is not None:
-                self.sm.labels(*labels).set(u.sm_pct / 100)
-            if u.cap_mib is not None:
-                self.cap.labels(*labels).set(u.cap_mib * MIB)
-                self.headroom.labels(*labels).set((u.cap_mib - u.used_mib) * MIB)
-            if u.share_milli is not None:
-                self.share.labels(*labels).set(u.share_milli / 1000)
+            cap = None if u.cap_mib is None else u.cap_mib * MIB
+            # a value gone since the last step (no sample, the share unprepared) leaves its
+            # series rather than keeping a stale one
+            for gauge, value in ((self.sm, None if u.sm_pct is None else u.sm_pct / 100),
+                                 (self.cap, cap),
+                                 (self.headroom, None if cap is None else
+                                  cap - u.used_mib * MIB),
+                                 (self.share, None if u.share_milli is None else
+                                  u.share_milli / 1000)):
+                if value is not None:
+                    gauge.labels(*labels).set(value)
+                else:
+                    with contextlib.suppress(KeyError):
+                        gauge.remove(*labels)
         for k in self._series - set(uses):  # bounded: what is gone leaves no series
             labels = (self.node, k.namespace, k.pod, k.container, k.gpu, k.service)
             for g in (self.used, self.counted, self.sm, self.cap, self.headroom, self.share):
@@ -297,6 +309,34 @@ class PodUsage:
             create(ns, event)
         except GpusliceError as exc:
             note_once(self.problems, f"could not report {ns}/{name}'s processes: {exc}")
+
+
+class AssignmentShares:
+    """A container's share from the pod's signed assignment (the device-plugin path): the
+    share that gave it the GPU, or the MIG instance at that profile and start. With
+    ``keys``, an assignment that verifies with none of them gives no share."""
+
+    def __init__(self, keys: tuple[bytes, ...] = ()) -> None:
+        self.keys = keys
+
+    def __call__(self, pod: dict[str, Any], container: str, dev: Device) -> GpuShare | None:
+        text = ((pod.get("metadata") or {}).get("annotations") or {}).get(ANNOTATION)
+        if not text:
+            return None
+        try:
+            a: Assignment = decode(str(text))
+        except AnnotationError:
+            return None
+        if self.keys and not verify_any(a, self.keys):
+            return None
+        for c in a.containers:
+            if c.name != container:
+                continue
+            for s in c.gpus:
+                if s.uuid == dev.gpu and (not dev.profile or (s.mig_profile, s.mig_start) ==
+                                          (dev.profile, dev.start)):
+                    return s
+        return None
 
 
 def _container_of(pod: dict[str, Any], container_id: str) -> str:

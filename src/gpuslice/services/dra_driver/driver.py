@@ -22,8 +22,11 @@ from gpuslice.services.dra_driver.config import APPLICATION_XIDS, ClaimRef, DraC
 from gpuslice.services.dra_driver.effects import Effects, mps_targets
 from gpuslice.services.dra_driver.plan import ClaimPlanner
 from gpuslice.services.dra_driver.slices import SlicePublisher, detect_features, pci_of
+from gpuslice.services.dra_driver.usage import ClaimShares
+from gpuslice.services.pod_usage import PodsPort, PodUsage
 
 log = logging.getLogger("gpuslice.dra")
+USAGE_EVERY_S = 10.0  # as the node agent measures
 
 
 class DraDriver:
@@ -54,6 +57,16 @@ class DraDriver:
         self.registration: list[tuple[bool, str]] = []  # what the kubelet told us
         self.allocator_fresh = False  # the claim allocator's Lease, when last read
         self._due: dict[str, float] = {}  # periodic work -> next time (self.clock)
+        self.usage: PodUsage | None = None  # what pods use of their shares (measure_usage)
+
+    def measure_usage(self, registry: Any, pods: PodsPort, proc_root: Path = Path("/proc"),
+                      **kw: Any) -> PodUsage:
+        """Measure, every :data:`USAGE_EVERY_S` of :meth:`tick`, what each pod uses of the
+        shares this driver prepared, into ``registry`` (``services.pod_usage``, with the
+        shares of :class:`.usage.ClaimShares`)."""
+        self.usage = PodUsage(self.cfg.node, self.nvml, pods, registry, proc=proc_root,
+                              share_of=ClaimShares(lambda: self.checkpoint.claims), **kw)
+        return self.usage
 
     # -- start -----------------------------------------------------------------------------
 
@@ -193,16 +206,20 @@ class DraDriver:
 
     def tick(self, poll_s: float) -> None:
         """One round of the background loop: health events for up to ``poll_s``, then the
-        Lease and the pool when due. API errors are logged and retried next round (the Go
-        helper's ``HandleError`` with recoverable errors)."""
+        Lease, the pool and the pods' usage when due. API errors are logged and retried next
+        round (the Go helper's ``HandleError`` with recoverable errors)."""
         try:
             self.health_step(poll_s)
         except GpusliceError as exc:
             log.warning("publishing after a health change: %s (retried)", exc)
             self._due.pop("resync", None)
         now = self.clock()
-        for what, every, fn in (("lease", self.cfg.lease_poll_s, self.check_allocator),
-                                ("resync", self.cfg.resync_s, self.resync)):
+        work: list[tuple[str, float, Callable[[], object]]] = [
+            ("lease", self.cfg.lease_poll_s, self.check_allocator),
+            ("resync", self.cfg.resync_s, self.resync)]
+        if self.usage is not None:
+            work.append(("usage", USAGE_EVERY_S, self.usage.step))
+        for what, every, fn in work:
             if now < self._due.get(what, 0.0):
                 continue
             self._due[what] = now + every
