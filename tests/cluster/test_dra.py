@@ -122,7 +122,7 @@ def _start_driver(dev: DevCluster, node: str, kubeconfig: Path) -> DriverProc:
     argv = [sys.executable, "-m", "gpuslice.cli", "dra-driver", "--node", node,
             "--fake-gpus", str(inv), "--kubeconfig", str(kubeconfig),
             "--kubelet-dir", str(root / "k"), "--cdi-dir", str(root / "cdi"),
-            "--mps-pipe-dir", str(root / "mps"), "--mps-binary", str(mps),
+            "--mps-pipe-dir", str(root / "mps"), "--mps-binary", str(mps), "--metrics", "off",
             *[x for m in modes for x in ("--gpu-mode", m)]]
     with log.open("wb") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,

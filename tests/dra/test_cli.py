@@ -36,7 +36,8 @@ def test_fake_share_mode_prepares_a_share_without_the_mps_binary(short_dir: Path
              "--fake-gpus", str(inventory(short_dir / "gpus.yaml", [{"model": "T4"}])),
              "--mode", "share", "--kubeconfig", str(rest.kubeconfig(short_dir / "kc")),
              "--kubelet-dir", str(short_dir / "k"), "--cdi-dir", str(short_dir / "cdi"),
-             "--mps-pipe-dir", str(short_dir / "mps"), "--lease", "none"],
+             "--mps-pipe-dir", str(short_dir / "mps"), "--lease", "none",
+             "--metrics", "off"],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         reg = short_dir / "k" / "plugins_registry" / f"{dra.DRIVER}-reg.sock"
         deadline = time.monotonic() + 30

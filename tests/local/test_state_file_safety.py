@@ -130,6 +130,7 @@ def test_a_damaged_state_file_is_an_error_naming_the_field(
     assert main(argv) == 2
     err = _one_error_line(capsys)
     assert f"state.json: {field}: expected" in err or \
+        f"state.json: {field} is missing: expected" in err or \
         (field == "state.json" and "state.json: expected" in err), err
     assert (tmp_path / "st" / "state.json").exists()  # not thrown away: the user decides
 
