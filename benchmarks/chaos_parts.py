@@ -329,7 +329,8 @@ def start_driver(comps: Components, node: str, gpus: list[dict[str, Any]], modes
         "dra-driver", "--node", node, "--fake-gpus", str(inv), "--kubeconfig", str(kubeconfig),
         "--kubelet-dir", str(root / "k"), "--cdi-dir", str(root / "cdi"),
         "--mps-pipe-dir", str(root / "mps"), "--mps-shm-dir", str(root / "shm"),
-        "--mps-binary", str(mps), *[x for m in modes for x in ("--gpu-mode", m)]),
+        "--mps-binary", str(mps), "--metrics", "off",
+        *[x for m in modes for x in ("--gpu-mode", m)]),
         folder / f"{name}.log"))
 
 

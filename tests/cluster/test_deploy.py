@@ -52,7 +52,9 @@ def _can(dev: DevCluster, account: str, verb: str, resource: str,
 
 @pytest.mark.parametrize(("account", "verb", "resource", "namespace", "allowed"), [
     ("gpuslice-extender", "get", "pods", "ml", True),
-    ("gpuslice-extender", "patch", "pods", "ml", False),  # the assignment rides on the Binding
+    # the assignment rides on the Binding; patch anywhere is the requeue annotation on a pending
+    # pod the filter refused (services/extender/requeue.py)
+    ("gpuslice-extender", "patch", "pods", "ml", True),
     ("gpuslice-extender", "patch", "pods", SYSTEM, True),  # the leader labels its own pod
     ("gpuslice-extender", "get", "pods", SYSTEM, True),
     ("gpuslice-extender", "update", "pods", SYSTEM, False),

@@ -320,7 +320,9 @@ def test_the_extender_service_reaches_the_leader_while_every_replica_is_ready(
     --wait`` finish): the Service selects the label the leader puts on its own pod, which no
     pod template carries; the Deployment rolls an ordinary update, a new pod Ready before an
     old one goes; the pod knows its name and namespace (the downward API) and the extender's
-    account may get and patch pods in its own namespace only."""
+    account may get and patch pods in its own namespace (its label), patch pods elsewhere only
+    through its ClusterRole (the requeue annotation) and never update, create or delete
+    them."""
     from gpuslice.services.extender import LEADER_LABEL
 
     docs = render(overlay)
@@ -352,6 +354,8 @@ def test_the_extender_service_reaches_the_leader_while_every_replica_is_ready(
                 for verb in rule["verbs"]:
                     grants.setdefault(verb, set()).add(
                         (b["kind"], b["metadata"].get("namespace", "")))
-    assert grants["patch"] == {("RoleBinding", ns)}  # never cluster-wide
+    # patch: its own pod's leader label (its namespace), and cluster-wide the requeue
+    # annotation on a pending pod its filter refused (services/extender/requeue.py)
+    assert grants["patch"] == {("RoleBinding", ns), ("ClusterRoleBinding", "")}
     assert ("RoleBinding", ns) in grants["get"]
     assert not {"update", "delete", "create"} & set(grants)

@@ -97,7 +97,8 @@ def _driver_process(root: Path, kubeconfig: Path, hang: Path) -> subprocess.Pope
          "--node", NODE, "--kubelet-dir", str(root / "k"), "--cdi-dir", str(root / "cdi"),
          "--mode", "share", "--fake-gpus", str(inv), "--kubeconfig", str(kubeconfig),
          "--mps-pipe-dir", str(root / "mps"), "--mps-binary", str(root / "mps-control"),
-         "--poll", "0.2", "--metrics", "off"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+         "--poll", "0.2", "--metrics", "off"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 
 def _wait(path: Path, proc: subprocess.Popen[bytes], what: str) -> None:

@@ -59,7 +59,8 @@ class Driver:
                  self.env.node.name, "--fake-gpus", str(self.inv), "--kubeconfig",
                  str(self.kubeconfig), "--mode", "whole", "--gpu-mode", "0=share",
                  "--gpu-mode", "1=mig", "--dev-dir", str(DEV_DIR), "--mps-pipe-dir",
-                 str(MPS_PIPE), "--mps-shm-dir", str(MPS_SHM), "--lease", "none", "--metrics", "off"],
+                 str(MPS_PIPE), "--mps-shm-dir", str(MPS_SHM), "--lease", "none",
+                 "--metrics", "off"],
                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 start_new_session=True)
         wait_until("dra-driver registered with the kubelet",

@@ -10,7 +10,9 @@ resourceVersion as preconditions); preempt checks the scheduler's victims on the
 Everything is rebuilt from the API server on start, the ledger from the assignments of live
 pods, so a restart loses nothing and doubles nothing.
 
-- :mod:`.state`: the inventory, the ledger and the verbs' decisions;
+- :mod:`.state`: the inventory, the ledger and the verbs' decisions (over :mod:`.view`, with
+  :mod:`.inventory`, :mod:`.mig`, :mod:`.placement` and :mod:`.preemption`);
+- :mod:`.requeue`: a pod the filter refused, nudged to be tried again once room is freed;
 - :mod:`.http`: the HTTP app kube-scheduler calls, and the watch-following loop;
 - :mod:`.metrics`: its Prometheus metrics.
 

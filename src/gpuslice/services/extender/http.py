@@ -29,6 +29,7 @@ from gpuslice.core.errors import GpusliceError, ValidationError
 from gpuslice.services.extender.flow import BINDS_IN_FLIGHT, FLOW_WAIT_S, BindFlow
 from gpuslice.services.extender.metrics import ExtenderMetrics
 from gpuslice.services.extender.placement import OUTSIDE
+from gpuslice.services.extender.requeue import nudging
 from gpuslice.services.extender.state import BindWrite, ExtenderState
 from gpuslice.services.extender.wire import (
     answer,
@@ -165,6 +166,7 @@ def make_app(state: ExtenderState, metrics: ExtenderMetrics | None = None, *,
                                     "nominated": nominated})
             keep, failed = state.filter(pod, names)
             state.remember(pod)
+            state.requeue_note(pod, names, bool(keep))  # tried again once room is freed
             m.filtered(len(keep), failed)
             hopeless = state.unresolvable(pod, list(failed))
             if keep:
@@ -342,6 +344,7 @@ def make_app(state: ExtenderState, metrics: ExtenderMetrics | None = None, *,
         await writer.close()
 
     app.on_cleanup.append(stop_binds)
+    app.cleanup_ctx.append(nudging(state, m.requeue_nudges))  # the leader's, while serving
     return app
 
 

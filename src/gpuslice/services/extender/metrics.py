@@ -118,6 +118,12 @@ class ExtenderMetrics:
         self.stale_freed = Counter("gpuslice_extender_stale_shares_freed",
                                    "Shares given back at filter time because their pod had "
                                    "gone before the watch said so", registry=self.registry)
+        self.requeue_nudges = Counter(
+            "gpuslice_extender_requeue_nudges",
+            "Pods the filter had refused that were nudged to be tried again once room was "
+            "freed for them (an annotation written on the pending pod, which kube-scheduler "
+            "requeues on), by result: sent; gone (bound or deleted meanwhile: nothing "
+            "written); failed (logged)", ["result"], registry=self.registry)
         self.errors = Counter("gpuslice_extender_bad_requests",
                               "Calls refused as malformed, by verb", ["verb"],
                               registry=self.registry)

@@ -4,6 +4,7 @@ core policy."""
 
 from __future__ import annotations
 
+import time
 from operator import itemgetter
 from typing import Any
 
@@ -32,13 +33,9 @@ from gpuslice.core.model import ClusterArrays, IntArray, Isolation, SliceRequest
 from gpuslice.core.podrequest import GpuWant
 from gpuslice.core.policies import best_fit_gpu, exclusive_gpus, top_ranked
 from gpuslice.core.scorecache import ScoreCache
-from gpuslice.services.extender.view import (
-    ClusterView,
-    _memory_wish,
-    _mig_wish,
-    _MigWish,
-    _mode,
-)
+from gpuslice.services.extender.mig import MigWish, memory_wish, mig_wish, mode_of
+from gpuslice.services.extender.requeue import Refused
+from gpuslice.services.extender.view import ClusterView
 
 # a node whose node agent has not written its GPU inventory yet (one that joined a moment ago)
 NOT_PUBLISHED = "node unknown to gpuslice (its node agent has not published its GPUs yet)"
@@ -113,6 +110,53 @@ class PlacementVerbs(ClusterView):
         if self._window_misses:
             self._window_misses.pop(str((pod.get("metadata") or {}).get("uid") or ""), None)
 
+    # -- a refused pod tried again once room is freed for it (.requeue) --------------------
+
+    def requeue_note(self, pod: dict[str, Any], names: list[str], kept: bool) -> None:
+        """After a filter of ``pod`` over ``names``: remember it when no node was kept (on
+        those nodes; on any when they may be a window of kube-scheduler's feasible nodes,
+        :data:`WINDOW_MIN`), forget it otherwise."""
+        if kept:
+            self.requeue.forget(str((pod.get("metadata") or {}).get("uid") or ""))
+            return
+        try:
+            req = pod_request(pod)
+        except ValidationError:
+            return
+        if req is not None:
+            nodes = frozenset(names) if len(names) < WINDOW_MIN else None
+            self.requeue.refused(pod, req, nodes, time.monotonic())
+
+    def requeue_due(self, now: float) -> list[Refused]:
+        """The refused pods to nudge now (:class:`.requeue.RequeueBook`): none but the
+        leader's."""
+        if not len(self.requeue):
+            return []
+        if not self.binds_here:
+            self.requeue.stand_by()
+            return []
+        with self._lock:
+            self.requeue.schedule(self.fits_on, now)
+        return self.requeue.take_due(now)
+
+    def fits_on(self, req: SliceRequest, names: list[str] | None) -> list[str]:
+        """The nodes of ``names`` (None: every node) where ``req`` fits the GPUs now: a
+        whole-GPU slice, a free MIG instance, or an MPS slice inside one."""
+        rows = np.arange(len(self.inv.names), dtype=np.int64) if names is None else \
+            self._rows_of(names)
+        if req.isolation is Isolation.MIG:
+            wish, taken = mig_wish(req), self._taken_mig()
+            ok = np.array([bool(self._mig_fits(int(i), wish, taken)) for i in rows.tolist()],
+                          dtype=np.bool_)
+        else:
+            ok = feasible(self.inv.arrays, self._gpu_only(req), node_resources=False,
+                          rows=rows)
+            if self.inv.mig_rows and req.gpus == 1 and mode_of(req) is Mode.MPS:
+                for k in np.flatnonzero(~ok).tolist():
+                    i = int(rows[k])
+                    ok[k] = i in self.inv.mig_rows and self._mig_room_for(i, req) is not None
+        return [self.inv.names[int(i)] for i in rows[ok].tolist()]
+
     def _choose(self, req: SliceRequest, names: list[str]) -> str | None:
         """The policy's choice (:meth:`best`) among the nodes of ``names`` that fit ``req`` as
         a whole-GPU slice, or ``None`` when none does; arrays over the nodes, no per-node
@@ -173,7 +217,7 @@ class PlacementVerbs(ClusterView):
     def _fit(self, pod: dict[str, Any], req: SliceRequest,
              names: list[str]) -> tuple[list[str], dict[str, str]]:
         if req.isolation is Isolation.MIG:
-            return self._filter_mig(_mig_wish(req), names)
+            return self._filter_mig(mig_wish(req), names)
         g = self._gpu_only(req)
         a = self.inv.arrays
         # one vectorised pass over the rows of ``names`` alone (not the whole cluster's: the
@@ -186,7 +230,7 @@ class PlacementVerbs(ClusterView):
         n_fit = gpu_ok(a, g, rows).sum(axis=1)
         best = np.argmax(np.where(a.gpu_present[rows], a.gpu_free[rows], -1), axis=1)
         allowed = a.model_mask(g.models, rows)
-        mode = _mode(req)
+        mode = mode_of(req)
         keep: list[str] = []
         failed: dict[str, str] = {}
         for n in names:
@@ -217,7 +261,7 @@ class PlacementVerbs(ClusterView):
                     keep.append(n)
                     continue
                 rooms = self._mig_rooms(i, req.models)
-                wish = _memory_wish(req)
+                wish = memory_wish(req)
                 mem = "its share of the memory" if wish is None else f"{wish} MiB"
                 failed[n] += (f"; MPS inside MIG instances: none has {req.milli} milli and "
                               f"{mem} free"
@@ -348,7 +392,7 @@ class PlacementVerbs(ClusterView):
         self._empty_of = (inv, cordoned, trial)
         return trial
 
-    def _filter_mig(self, wish: _MigWish, names: list[str]
+    def _filter_mig(self, wish: MigWish, names: list[str]
                     ) -> tuple[list[str], dict[str, str]]:
         taken = self._taken_mig()
         keep: list[str] = []
@@ -375,7 +419,7 @@ class PlacementVerbs(ClusterView):
         rows = np.array([self.inv.index[n] for n in known], dtype=np.int64)
         ok = feasible(self.inv.arrays, req, node_resources=False)[rows]
         in_mig: dict[str, int] = {}  # nodes that fit the pod only inside a MIG instance
-        if self.inv.mig_rows and req.gpus == 1 and _mode(req) is Mode.MPS:
+        if self.inv.mig_rows and req.gpus == 1 and mode_of(req) is Mode.MPS:
             for k in np.flatnonzero(~ok):
                 room = self._mig_room_for(int(rows[k]), req)
                 if room is not None:
@@ -390,7 +434,7 @@ class PlacementVerbs(ClusterView):
 
     def _mig_scores(self, req: SliceRequest, names: list[str]) -> list[int]:
         """MIG-isolated pods: the tightest free instance scores highest (0..10)."""
-        wish, taken = _mig_wish(req), self._taken_mig()
+        wish, taken = mig_wish(req), self._taken_mig()
         out = []
         for n in names:
             i = self.inv.index.get(n)
@@ -439,11 +483,11 @@ class PlacementVerbs(ClusterView):
 
     def _fits_with(self, i: int, req: SliceRequest, led: Ledger) -> bool:
         """Whether ``req`` fits node ``i``'s GPUs if the ledger were ``led``."""
-        mode = _mode(req)
+        mode = mode_of(req)
         if mode is Mode.MIG:
             taken = {(g.uuid, g.mig_start) for a in led.owners.values() for c in a.containers
                      for g in c.gpus if g.mig_profile}
-            return bool(self._mig_fits(i, _mig_wish(req), taken))
+            return bool(self._mig_fits(i, mig_wish(req), taken))
         trial = self.inv.arrays.copy()
         for j, uuid in enumerate(self.inv.uuids[i]):
             trial.gpu_free[i, j], trial.gpu_mem_free[i, j] = self._open_free(uuid, led)
@@ -451,7 +495,7 @@ class PlacementVerbs(ClusterView):
             return True
         if mode is Mode.MPS and req.gpus == 1 and i in self.inv.mig_rows:
             rooms = self._mig_rooms(i, req.models, migmps.usage(led.owners.values()))
-            return migmps.best_instance(rooms, req.milli, _memory_wish(req)) is not None
+            return migmps.best_instance(rooms, req.milli, memory_wish(req)) is not None
         return False
 
     def _place(self, pod: dict[str, Any], req: SliceRequest, i: int, namespace: str,
@@ -463,11 +507,11 @@ class PlacementVerbs(ClusterView):
         assert shape is not None  # pod_request said it asks for a GPU
         self.sync_workload()
         with self._lock:
-            mode = _mode(req)
+            mode = mode_of(req)
             if mode is Mode.MIG:
-                fits = self._mig_fits(i, _mig_wish(req), self._taken_mig())
+                fits = self._mig_fits(i, mig_wish(req), self._taken_mig())
                 if not fits:
-                    return self._filter_mig(_mig_wish(req), [node])[1][node]
+                    return self._filter_mig(mig_wish(req), [node])[1][node]
                 size, gpu, inst = fits[0]
                 whole = max(1, 1000 * size // 7)
                 # the instance is the pod's; its containers split it as they split the pod's

@@ -2,7 +2,8 @@
 shares (rebuilt from the signed assignments of live pods, followed through the watch), the
 target workload learned from the pods seen, and the placement state the policy scores with,
 kept up to date row by row as pods come and go. :mod:`.placement`, :mod:`.preemption` and
-:mod:`.state` decide over it."""
+:mod:`.state` decide over it; the nodes are read by :mod:`.inventory`, the room in MIG
+instances is :mod:`.mig`'s, and the pods the filter refused are kept for :mod:`.requeue`."""
 
 from __future__ import annotations
 
@@ -17,41 +18,30 @@ import numpy as np
 from gpuslice.adapters.kube.annotation import AnnotationError, decode
 from gpuslice.adapters.kube.fake import KubePort, WatchEvent
 from gpuslice.adapters.kube.objects import (
-    CORDONED_ANNOTATION as CORDONED,
-)
-from gpuslice.adapters.kube.objects import (
-    INVENTORY_ANNOTATION,
-    InventoryMig,
-    node_allocatable,
-    node_inventory,
     pod_cpu_memory,
     pod_finished,
     pod_key,
     pod_request,
 )
-from gpuslice.core import catalog, migmps
 from gpuslice.core.assignment import (
     ANNOTATION,
     Assignment,
-    Mode,
     verify_any,
 )
 from gpuslice.core.errors import ValidationError
 from gpuslice.core.frag import Shape
 from gpuslice.core.learned import WorkloadEstimator
-from gpuslice.core.ledger import Conflict, GpuSlot, Ledger
-from gpuslice.core.migmps import InstanceRoom
+from gpuslice.core.ledger import Conflict, Ledger
 from gpuslice.core.model import (
     ClusterArrays,
-    Gpu,
     IntArray,
-    Isolation,
-    Node,
     SliceRequest,
-    build_arrays,
 )
 from gpuslice.core.policies import PlacementState, Scored, make_policy, tie_order
 from gpuslice.core.scorecache import ScoreCache
+from gpuslice.services.extender.inventory import Inventory, NodeMark, node_mark, read_nodes
+from gpuslice.services.extender.mig import MigRooms
+from gpuslice.services.extender.requeue import RequeueBook
 from gpuslice.services.leader import LeaderElector
 
 # how long, and for how many preemptors, the victims offered by preempt are remembered for
@@ -59,24 +49,6 @@ from gpuslice.services.leader import LeaderElector
 # within a watch event's delay, seconds at the very worst
 OFFER_TTL_S = 60.0
 OFFERS_KEPT = 1024
-
-
-def _node_mark(node: dict[str, Any]) -> tuple[str, str, str, str]:
-    """What of a node the extender follows: its GPU inventory, its cordoned GPUs and its
-    allocatable CPU and memory."""
-    ann = (node.get("metadata") or {}).get("annotations") or {}
-    alloc = (node.get("status") or {}).get("allocatable") or {}
-    return (str(ann.get(INVENTORY_ANNOTATION, "")), str(ann.get(CORDONED, "")),
-            str(alloc.get("cpu", "")), str(alloc.get("memory", "")))
-
-
-def _allocatable(node: dict[str, Any], problems: list[str]) -> tuple[int, int]:
-    """A node's allocatable CPU (milli) and memory (MiB); 0 for what it does not report."""
-    try:
-        return node_allocatable(node)
-    except ValidationError as exc:
-        problems.append(str(exc))
-        return 0, 0
 
 
 @dataclass
@@ -104,36 +76,10 @@ def pod_info(pod: dict[str, Any]) -> _PodInfo | None:
     return _PodInfo(shape, cpu, mem, node, bool(node))
 
 
-@dataclass(frozen=True)
-class _Inventory:
-    names: list[str]
-    index: dict[str, int]
-    uuids: list[list[str]]  # per node, GPU UUID by slot
-    arrays: ClusterArrays
-    # per node: the MIG instances of its MIG-enabled GPUs, (GPU UUID, GPU model, instance)
-    mig: list[list[tuple[str, str, InventoryMig]]]
-    # MIG-enabled GPUs: no whole-GPU slice; MPS slices go inside their instances
-    mig_gpus: frozenset[str] = frozenset()
-    mig_rows: frozenset[int] = frozenset()  # nodes with a MIG-enabled GPU
-    unpublished: frozenset[int] = frozenset()  # nodes whose agent has published no inventory
-
-
-@dataclass(frozen=True)
-class _MigWish:
-    slices: int  # compute slices at least
-    memory_mib: int
-    models: frozenset[str]
-
-
-def _mig_wish(req: SliceRequest) -> _MigWish:
-    """A MIG-isolated request: the compute slices its milli stands for (3g for 429), memory."""
-    return _MigWish(max(1, round(req.milli * 7 / 1000)), req.gpu_memory_mib, req.models)
-
-
 DEFAULT_POLICY = "frag-strand"  # the simulator's best on every trace variant
 
 
-class ClusterView:
+class ClusterView(MigRooms):
     """The extender's view of the cluster: node GPU inventory, CPU and memory, the ledger,
     the live pods' shapes, and the arrays and placement state of the core's fit and
     policies (free GPU milli and memory per node and slot, free CPU and memory per node,
@@ -173,13 +119,14 @@ class ClusterView:
         # victim UIDs): filter reads them back while the ledger may lag their deletion
         self._offers: dict[str, tuple[float, dict[str, frozenset[str]]]] = {}
         self._window_misses: dict[str, int] = {}  # placement.outside_window's, per pod UID
-        self._mig_use_of: tuple[Ledger, dict[tuple[str, int], tuple[int, int, bool]]] | None = \
-            None
+        self._mig_use_of = None
         # the arrays with every pod gone, per inventory and cordon (placement.unresolvable)
-        self._empty_of: tuple[_Inventory, set[str], ClusterArrays] | None = None
+        self._empty_of: tuple[Inventory, set[str], ClusterArrays] | None = None
         self.elector: LeaderElector | None = None  # set when replicas elect a binder
-        self.cordoned: set[str] = set()
-        self._node_marks: dict[str, tuple[str, str, str, str]] = {}  # what of each node we follow
+        self.cordoned = set()
+        self._node_marks: dict[str, NodeMark] = {}  # what of each node we follow
+        # pods the filter refused, nudged once room is freed for them (.requeue)
+        self.requeue = RequeueBook()
         # a full read of nodes and pods has completed (then the watch keeps the view; the
         # extender is Ready from here on, leader or not)
         self.synced = False
@@ -190,38 +137,7 @@ class ClusterView:
     def rebuild(self) -> None:
         """Read nodes and pods from the API server and derive everything again."""
         seen_up_to = getattr(self, "_bind_seq", 0)  # binds completed before the lists
-        names: list[str] = []
-        uuids: list[list[str]] = []
-        nodes: list[Node] = []
-        slots: list[GpuSlot] = []
-        cordoned: set[str] = set()
-        migs: list[list[tuple[str, str, InventoryMig]]] = []
-        mig_gpus: set[str] = set()
-        mig_rows: set[int] = set()
-        marks: dict[str, tuple[str, str, str, str]] = {}
-        unpublished: set[int] = set()
-        for n in self.api.list_nodes():
-            name = n["metadata"]["name"]
-            marks[name] = _node_mark(n)
-            if not marks[name][0]:  # no inventory annotation yet: not a node without GPUs
-                unpublished.add(len(names))
-            raw = ((n["metadata"].get("annotations") or {}).get(CORDONED) or "")
-            cordoned.update(u.strip() for u in raw.split(",") if u.strip())
-            try:
-                inv = sorted(node_inventory(n), key=lambda g: g.index)
-            except ValidationError as exc:
-                self.problems.append(str(exc))
-                inv = []
-            names.append(name)
-            uuids.append([g.uuid for g in inv])
-            migs.append([(g.uuid, g.model, m) for g in inv for m in g.mig])
-            mig_gpus.update(g.uuid for g in inv if g.mig_enabled)
-            if any(g.mig_enabled for g in inv):
-                mig_rows.add(len(names) - 1)
-            cpu, mem = _allocatable(n, self.problems)
-            nodes.append(Node(name, cpu, mem, tuple(Gpu(j, g.model, g.memory_mib)
-                                                    for j, g in enumerate(inv))))
-            slots.extend(GpuSlot(g.uuid, name, g.memory_mib) for g in inv)
+        read = read_nodes(self.api.list_nodes(), self.problems)
         assignments = []
         pods: dict[tuple[str, str], _PodInfo] = {}
         for p in self.api.list_pods():
@@ -233,11 +149,9 @@ class ClusterView:
             info = pod_info(p)
             if info is not None:
                 pods[pod_key(p)] = info
-        ledger, problems = Ledger.rebuild(slots, assignments)
+        ledger, problems = Ledger.rebuild(read.slots, assignments)
         self.problems.extend(problems)
-        arrays = build_arrays(nodes)
-        inv_ = _Inventory(names, {n: i for i, n in enumerate(names)}, uuids, arrays, migs,
-                          frozenset(mig_gpus), frozenset(mig_rows), frozenset(unpublished))
+        names = read.inv.names
         with self._lock:
             recent = getattr(self, "_recent", {})
             for key in [k for k, (_, seq) in recent.items() if seq <= seen_up_to]:
@@ -253,11 +167,11 @@ class ClusterView:
             for key, a in pending:  # our binds' holds, not bound in the list yet
                 if key in pods and not pods[key].node:
                     pods[key].node = a.node
-            self.inv = inv_
+            self.inv = read.inv
             self._scores = None  # another inventory: scores of its own
             self.ledger = ledger
-            self.cordoned = cordoned
-            self._node_marks = marks
+            self.cordoned = read.cordoned
+            self._node_marks = read.marks
             self._rank = tie_order(names)
             self._pods = pods
             self.estimator.clear()
@@ -271,6 +185,7 @@ class ClusterView:
             self._st_version = -1
             self._sync_workload_locked()
             self.synced = True
+            self.requeue.freed(None)  # room may have been freed anywhere
 
     def _assignment_of(self, pod: dict[str, Any]) -> Assignment | None:
         ann = (pod.get("metadata") or {}).get("annotations") or {}
@@ -409,6 +324,7 @@ class ClusterView:
                 self.rebuild()
             return
         ns, name = pod_key(event.obj)
+        self.requeue.seen(event.obj, event.type == "DELETED")
         if event.type == "DELETED" or pod_finished(event.obj):
             self.pod_gone(ns, name, (event.obj.get("metadata") or {}).get("uid"))
             return
@@ -452,7 +368,7 @@ class ClusterView:
         before = self._node_marks.get(name)
         if event.type == "DELETED":
             return before is not None
-        return before != _node_mark(event.obj)
+        return before != node_mark(event.obj)
 
     def adopt(self, namespace: str, name: str, a: Assignment) -> None:
         """The pod is bound with ``a``: the ledger holds ``a`` for it instead of the share a
@@ -489,6 +405,7 @@ class ClusterView:
             self._follow_pod((namespace, name), None)
             if a is not None and a.node in self.inv.index:
                 self._refresh_row(self.inv.index[a.node])
+                self.requeue.freed(a.node)
 
     def remember_offer(self, preemptor_uid: str, victims: dict[str, list[str]]) -> None:
         """Keep the victims the preempt verb offered for ``preemptor_uid`` (per node) for
@@ -544,95 +461,7 @@ class ClusterView:
     def binds_here(self) -> bool:
         return self.elector is None or self.elector.leader
 
-
-    # -- MPS slices inside MIG instances ----------------------------------------------------
-
-    def _mig_use(self) -> dict[tuple[str, int], tuple[int, int, bool]]:
-        """What assignments hold of each MIG instance, from the ledger (which holds in-flight
-        binds too); derived once per ledger value, which a bind or a pod's end replaces."""
-        led = self.ledger
-        cached = self._mig_use_of
-        if cached is None or cached[0] is not led:
-            cached = self._mig_use_of = (led, migmps.usage(led.owners.values()))
-        return cached[1]
-
-    def _mig_rooms(self, i: int, models: frozenset[str],
-                   use: dict[tuple[str, int], tuple[int, int, bool]] | None = None
-                   ) -> list[InstanceRoom]:
-        """The MIG instances of node ``i`` with what live assignments (or ``use``) hold."""
-        if not self.inv.mig[i]:
-            return []
-        use = self._mig_use() if use is None else use
-        out = []
-        for gpu, model, m in self.inv.mig[i]:
-            known = catalog.lookup(model)
-            if known is None or known.mig is None or gpu in self.cordoned \
-                    or (models and model not in models):
-                continue
-            try:
-                slices = known.mig.profile(m.profile).compute_slices
-            except ValidationError:  # a profile the catalogue does not know
-                continue
-            milli, mib, whole = use.get((gpu, m.start), (0, 0, False))
-            out.append(InstanceRoom(gpu, m.profile, m.start,
-                                    migmps.capacity_milli(slices, known.mig.compute_slices),
-                                    m.memory_mib, milli, mib, whole))
-        return out
-
-    def _mig_room_for(self, i: int, req: SliceRequest,
-                      profile: str = "") -> InstanceRoom | None:
-        """The instance of node ``i`` for an MPS slice: the tightest of the planned
-        ``profile`` when one has room, else the tightest of any profile."""
-        if req.gpus != 1 or _mode(req) is not Mode.MPS:
-            return None
-        rooms = self._mig_rooms(i, req.models)
-        planned = [r for r in rooms if r.profile == profile]
-        return migmps.best_instance(planned, req.milli, _memory_wish(req)) or \
-            migmps.best_instance(rooms, req.milli, _memory_wish(req))
-
-    # -- MIG instances named in assignments ------------------------------------------------
-
-    def _taken_mig(self) -> set[tuple[str, int]]:
-        """(GPU UUID, start) of the MIG instances that live assignments hold."""
-        held = list(self.ledger.owners.values()) + list(self._in_flight.values())
-        return {(g.uuid, g.mig_start) for a in held for c in a.containers for g in c.gpus
-                if g.mig_profile}
-
-    def _mig_fits(self, i: int, wish: _MigWish,
-                  taken: set[tuple[str, int]]) -> list[tuple[int, str, InventoryMig]]:
-        """Free instances of node ``i`` big enough for ``wish``: (compute slices, GPU, inst)."""
-        out = []
-        for gpu, model, m in self.inv.mig[i]:
-            known = catalog.lookup(model)
-            if known is None or known.mig is None or (gpu, m.start) in taken \
-                    or gpu in self.cordoned:
-                continue
-            if wish.models and model not in wish.models:
-                continue
-            size = known.mig.profile(m.profile).compute_slices
-            if size >= wish.slices and m.memory_mib >= wish.memory_mib:
-                out.append((size, gpu, m))
-        return sorted(out, key=lambda x: (x[0], x[2].memory_mib, x[1], x[2].start))
-
-
 def bound_with(pod: dict[str, Any], a: Assignment) -> bool:
     """Whether the pod is bound where its assignment ``a`` says."""
     return bool((pod.get("spec") or {}).get("nodeName") == a.node and
                 (pod.get("metadata") or {}).get("uid") == a.pod_uid)
-
-
-def _memory_wish(req: SliceRequest) -> int | None:
-    """MiB an MPS slice asks of a MIG instance: what the pod names, or None for its share of
-    the instance's memory (its milli of the instance's)."""
-    return None if req.memory_share and not req.gpu_memory_mib else req.gpu_memory_mib
-
-
-def _mode(req: SliceRequest) -> Mode:
-    if req.isolation is Isolation.MIG:
-        return Mode.MIG
-    if req.isolation is Isolation.TIMESLICE:
-        return Mode.TIMESLICE
-    if req.milli == 1000 and req.isolation in (Isolation.ANY, Isolation.EXCLUSIVE):
-        return Mode.EXCLUSIVE
-    return Mode.MPS
-
