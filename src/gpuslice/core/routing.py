@@ -16,7 +16,10 @@ Policies (registry :data:`REGISTRY`, built by :func:`make_routing_policy`):
 - ``sed``: shortest expected delay. Each replica's service time is learned online (an EWMA per
   request-size bucket, :class:`ServiceModel`); the expected delay of a new request is its own
   service time plus the queued work ahead of it shared over the replica's concurrency slots
-  (:func:`predicted_delay`). Near optimal on heterogeneous servers.
+  (:func:`predicted_delay`). Near optimal on heterogeneous servers. A generative request
+  (a :class:`~gpuslice.core.routing_llm.TokenDemand`) is costed in tokens on each replica's
+  slice speed instead, with its own queue and KV-cache gauges where fresh
+  (``core/routing_llm.py``): its predicted completion is the expected delay.
 """
 
 from __future__ import annotations
@@ -27,6 +30,17 @@ from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from gpuslice.core.errors import ValidationError
+from gpuslice.core.routing_llm import (
+    EngineLoad,
+    TokenDemand,
+    TokenLoad,
+    TokenOutcome,
+    TokenSpeed,
+    TokenTicket,
+    completion_s,
+    learn,
+    predict,
+)
 
 N_BUCKETS = 16
 """Request-size buckets of the service model: sizes 1, 2, 3-4, 5-8, ... up to 2**15 and more."""
@@ -98,7 +112,9 @@ class ReplicaView:
 
     ``weight`` is the relative capability (throughput) from the plan or config; ``concurrency``
     the requests it serves in parallel; ``outstanding`` the requests in flight through this
-    router and ``work_s`` their predicted service seconds.
+    router and ``work_s`` their predicted service seconds. A replica of a generative service
+    has its token speed (``tokens``), the tokens its in-flight requests reserved
+    (``token_count``) and, while fresh, its own gauges (``engine``).
     """
 
     name: str
@@ -108,6 +124,10 @@ class ReplicaView:
     outstanding: int = 0
     work_s: float = 0.0
     model: ServiceModel = field(default_factory=ServiceModel)
+    tokens: TokenSpeed | None = None
+    token_count: int = 0
+    engine: EngineLoad | None = None
+    token_prompt: int = 0  # prompt tokens of the generative requests in flight
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -127,15 +147,25 @@ class Ticket:
     size: int
     own_s: float
     delay_s: float
+    tokens: TokenTicket | None = None
 
 
-def predicted_delay(view: ReplicaView, size: int = 1) -> float:
+def token_load(view: ReplicaView) -> TokenLoad:
+    return TokenLoad(view.outstanding, view.work_s, view.token_count, view.concurrency,
+                     view.engine, view.token_prompt)
+
+
+def predicted_delay(view: ReplicaView, size: int = 1, demand: TokenDemand | None = None
+                    ) -> float:
     """Expected seconds until ``view`` answers a new request of ``size``.
 
     Its own service time plus the share of in-flight work queued ahead of it, spread over the
     replica's concurrency slots: with ``k`` in flight and ``c`` slots, ``k + 1 - c`` of them
-    must finish before it starts (0 when a slot is free).
+    must finish before it starts (0 when a slot is free). A generative request on a replica
+    with a token speed: its predicted completion (``core/routing_llm.py``).
     """
+    if demand is not None and view.tokens is not None:
+        return completion_s(predict(view.tokens, token_load(view), demand), demand)
     own = view.model.predict(size)
     k, c = view.outstanding, view.concurrency
     if k < c:
@@ -143,29 +173,49 @@ def predicted_delay(view: ReplicaView, size: int = 1) -> float:
     return own + view.work_s * (k + 1 - c) / (k * c)
 
 
-def dispatched(view: ReplicaView, size: int = 1) -> tuple[ReplicaView, Ticket]:
+def dispatched(view: ReplicaView, size: int = 1, demand: TokenDemand | None = None
+               ) -> tuple[ReplicaView, Ticket]:
     """The view after sending it one request, and the ticket to close it with."""
+    if demand is not None and view.tokens is not None:
+        p = predict(view.tokens, token_load(view), demand)
+        e2e = completion_s(p, demand)
+        reserved = demand.prompt_tokens + demand.output_tokens
+        new = replace(view, outstanding=view.outstanding + 1, work_s=view.work_s + p.service_s,
+                      token_count=view.token_count + reserved,
+                      token_prompt=view.token_prompt + demand.prompt_tokens)
+        return new, Ticket(size, p.service_s, e2e, TokenTicket(
+            demand, p.service_s, p.ttft_base_s, p.ttft_s, e2e, p.tpot_factor))
     own = view.model.predict(size)
     delay = predicted_delay(view, size)
-    new = ReplicaView(view.name, view.weight, view.concurrency, view.healthy,
-                      view.outstanding + 1, view.work_s + own, view.model)
+    new = replace(view, outstanding=view.outstanding + 1, work_s=view.work_s + own)
     return new, Ticket(size, own, delay)
 
 
-def completed(view: ReplicaView, ticket: Ticket, latency_s: float | None) -> ReplicaView:
+def completed(view: ReplicaView, ticket: Ticket, latency_s: float | None,
+              outcome: TokenOutcome | None = None) -> ReplicaView:
     """The view after a request finished: ``latency_s`` seconds from dispatch to the last byte,
     or None when it failed (no learning then).
 
     The service-time sample corrects the prediction by the observed ratio: ``own x latency /
-    predicted delay``, which is the latency itself when nothing was queued ahead.
+    predicted delay``, which is the latency itself when nothing was queued ahead. A generative
+    request's ``outcome`` (TTFT, TPOT, tokens) corrects the replica's token speed instead.
     """
     outstanding = max(0, view.outstanding - 1)
     work = 0.0 if outstanding == 0 else max(0.0, view.work_s - ticket.own_s)
+    tt = ticket.tokens
+    if tt is not None:
+        count = 0 if outstanding == 0 else max(
+            0, view.token_count - tt.demand.prompt_tokens - tt.demand.output_tokens)
+        prompt = 0 if outstanding == 0 else max(0, view.token_prompt - tt.demand.prompt_tokens)
+        speed = view.tokens
+        if latency_s is not None and speed is not None:
+            speed = learn(speed, tt, outcome or TokenOutcome(latency_s=latency_s))
+        return replace(view, outstanding=outstanding, work_s=work, token_count=count,
+                       token_prompt=prompt, tokens=speed)
     model = view.model
     if latency_s is not None and ticket.delay_s > 0:
         model = model.observe(ticket.size, ticket.own_s * latency_s / ticket.delay_s)
-    return ReplicaView(view.name, view.weight, view.concurrency, view.healthy, outstanding, work,
-                       model)
+    return replace(view, outstanding=outstanding, work_s=work, model=model)
 
 
 def with_health(view: ReplicaView, healthy: bool) -> ReplicaView:
@@ -188,7 +238,8 @@ class RoutingPolicy(Protocol):
     @property
     def name(self) -> str: ...
 
-    def choose(self, replicas: Sequence[ReplicaView], size: int, u: float) -> Choice: ...
+    def choose(self, replicas: Sequence[ReplicaView], size: int, u: float,
+               demand: TokenDemand | None = None) -> Choice: ...
 
 
 def _healthy(replicas: Sequence[ReplicaView]) -> list[int]:
@@ -208,7 +259,8 @@ class RoundRobin:
     cursor: int = 0
     name: str = "round-robin"
 
-    def choose(self, replicas: Sequence[ReplicaView], size: int, u: float) -> Choice:
+    def choose(self, replicas: Sequence[ReplicaView], size: int, u: float,
+               demand: TokenDemand | None = None) -> Choice:
         n = len(replicas)
         for step in range(n):
             i = (self.cursor + step) % n
@@ -225,7 +277,8 @@ class WeightedRoundRobin:
     current: tuple[float, ...] = ()
     name: str = "weighted-round-robin"
 
-    def choose(self, replicas: Sequence[ReplicaView], size: int, u: float) -> Choice:
+    def choose(self, replicas: Sequence[ReplicaView], size: int, u: float,
+               demand: TokenDemand | None = None) -> Choice:
         healthy = _healthy(replicas)
         if not healthy:
             return _none(self)
@@ -246,7 +299,8 @@ class WeightedRoundRobin:
 class LeastOutstanding:
     name: str = "least-outstanding"
 
-    def choose(self, replicas: Sequence[ReplicaView], size: int, u: float) -> Choice:
+    def choose(self, replicas: Sequence[ReplicaView], size: int, u: float,
+               demand: TokenDemand | None = None) -> Choice:
         healthy = _healthy(replicas)
         if not healthy:
             return _none(self)
@@ -263,7 +317,8 @@ class PowerOfTwo:
 
     name: str = "p2c"
 
-    def choose(self, replicas: Sequence[ReplicaView], size: int, u: float) -> Choice:
+    def choose(self, replicas: Sequence[ReplicaView], size: int, u: float,
+               demand: TokenDemand | None = None) -> Choice:
         healthy = _healthy(replicas)
         if not healthy:
             return _none(self)
@@ -288,11 +343,12 @@ class PowerOfTwo:
 class ShortestExpectedDelay:
     name: str = "sed"
 
-    def choose(self, replicas: Sequence[ReplicaView], size: int, u: float) -> Choice:
+    def choose(self, replicas: Sequence[ReplicaView], size: int, u: float,
+               demand: TokenDemand | None = None) -> Choice:
         healthy = _healthy(replicas)
         if not healthy:
             return _none(self)
-        delays = {i: predicted_delay(replicas[i], size) for i in healthy}
+        delays = {i: predicted_delay(replicas[i], size, demand) for i in healthy}
         low = min(delays.values())
         best = _pick_tie([i for i in healthy if delays[i] <= low * (1 + 1e-9)], u)
         return Choice(best, f"expected delay {low * 1e3:.2f} ms", self)
@@ -338,15 +394,30 @@ class Admission:
     reason: str = ""
 
 
+def predicted_ttft(view: ReplicaView, demand: TokenDemand) -> float:
+    """Predicted time to the first token of ``demand`` on ``view`` (a replica without a token
+    speed: its expected delay, the whole answer being its first byte)."""
+    if view.tokens is None:
+        return predicted_delay(view, 1)
+    return predict(view.tokens, token_load(view), demand).ttft_s
+
+
+def _samples(view: ReplicaView, demand: TokenDemand | None) -> int:
+    if demand is not None and view.tokens is not None:
+        return view.tokens.samples
+    return view.model.samples
+
+
 def admit(replicas: Sequence[ReplicaView], size: int, slo_s: float | None,
           min_samples: int = 20, since_admitted_s: float = 0.0,
-          probe_after_s: float = 1.0) -> Admission:
+          probe_after_s: float = 1.0, demand: TokenDemand | None = None) -> Admission:
     """Admission control: reject when even the best healthy replica is predicted to answer after
     ``slo_s``. Replicas whose model has fewer than ``min_samples`` observations count as fast
     (a cold router admits everything). When nothing was admitted for ``since_admitted_s`` >=
     ``probe_after_s`` seconds, a replica with nothing in flight is given one request (a probe),
     so that a learned service time over the SLO can be learned again. ``slo_s`` None: always
-    admit."""
+    admit. A generative request (``demand``) is judged by its predicted time to the first
+    token against ``slo_s``, the service's TTFT SLO."""
     healthy = [r for r in replicas if r.healthy]
     if not healthy:
         return Admission(False, None, 1, "no healthy replica")
@@ -354,9 +425,11 @@ def admit(replicas: Sequence[ReplicaView], size: int, slo_s: float | None,
         return Admission(True, None)
     best = math.inf
     for r in healthy:
-        if r.model.samples < min_samples:
+        if _samples(r, demand) < min_samples:
             return Admission(True, None, 0, f"{r.name} still learning")
-        best = min(best, predicted_delay(r, size))
+        best = min(best, predicted_delay(r, size) if demand is None
+                   else predicted_ttft(r, demand))
+    what = "latency" if demand is None else "time to first token"
     if best <= slo_s:
         return Admission(True, best)
     idle = [r for r in healthy if r.outstanding == 0]
@@ -368,7 +441,8 @@ def admit(replicas: Sequence[ReplicaView], size: int, slo_s: float | None,
                                         f"{best * 1e3:.1f} ms over the SLO {slo_s * 1e3:.1f} ms")
     retry = max(1, math.ceil(best - slo_s))
     return Admission(False, best, retry,
-                     f"predicted latency {best * 1e3:.1f} ms exceeds the SLO {slo_s * 1e3:.1f} ms")
+                     f"predicted {what} {best * 1e3:.1f} ms exceeds the SLO "
+                     f"{slo_s * 1e3:.1f} ms")
 
 
 def normalised_weights(capacities: Sequence[float]) -> tuple[float, ...]:

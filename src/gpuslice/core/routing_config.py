@@ -11,7 +11,18 @@ Shape (the planner's JSON plan has the same ``services`` list; extra keys are ig
                                  "service_time_ms": 6.5}]}]}
 
 A replica's weight is ``weight``, else ``throughput_rps`` / ``capacity_rps`` (capability from
-the plan or profiles), else 1. The planner's own ``plan.json`` (``gpuslice plan``) is read too:
+the plan or profiles), else 1.
+
+A generative service (``"api": "openai"``) is routed by the ``model`` of the request's JSON body
+(its ``models`` and its LoRA ``adapters``), costed in tokens: each replica may give
+``prefill_tokens_per_s``, ``decode_tokens_per_s`` (per sequence at light load: 1 / TPOT) and
+``kv_cache_tokens`` (else priors scaled by its weight), ``max_num_seqs`` (its concurrency,
+default 256 as vLLM's); the service ``slo_ttft_ms`` (admission by predicted time to first
+token), ``slo_tpot_ms`` (validated and kept with the service; routing does not use it yet),
+``mean_output_tokens`` (before one is learned) and ``metrics_path``
+(the replicas' Prometheus metrics with vLLM's gauges, scraped at most every 200 ms; null: none).
+
+The planner's own ``plan.json`` (``gpuslice plan``) is read too:
 a service without ``replicas`` takes one replica per plan ``segment`` (a MIG slice), named as the
 planner's Deployments (``SERVICE-gGPU-PROFILE-START``), weighted by the segment's
 ``throughput_rps``, with the GPU model from ``gpu_list``; such replicas have no URL, so they serve
@@ -40,6 +51,10 @@ class ReplicaSpec:
     service_time_s: float | None = None
     labels: Mapping[str, str] = field(default_factory=dict)
     draining: bool = False  # takes no new request; in-flight ones finish
+    # generative replicas: prompt tokens/s, output tokens/s per sequence, KV-cache tokens
+    prefill_tps: float | None = None
+    decode_tps: float | None = None
+    kv_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +67,16 @@ class ServiceSpec:
     models: tuple[str, ...] = ()
     host: str | None = None
     port: int = 80
+    api: str = "kserve"  # or "openai": model from the body, costed in tokens
+    adapters: tuple[str, ...] = ()  # LoRA adapter names its replicas serve
+    slo_ttft_s: float | None = None
+    slo_tpot_s: float | None = None
+    mean_output_tokens: int = 256
+    metrics_path: str | None = None  # vLLM-style gauges on each replica (openai: /metrics)
+
+    @property
+    def generative(self) -> bool:
+        return self.api == "openai"
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,7 +163,12 @@ def check_url(where: str, value: object) -> str:
     return url.rstrip("/")
 
 
-def parse_replica(where: str, raw: object, index: int) -> ReplicaSpec:
+def _opt_num(where: str, m: Mapping[str, object], key: str) -> float | None:
+    return None if m.get(key) is None else _num(f"{where}.{key}", m[key])
+
+
+def parse_replica(where: str, raw: object, index: int, default_concurrency: int = 1
+                  ) -> ReplicaSpec:
     m = _mapping(where, raw)
     name_raw = m.get("name", m.get("pod", m.get("id")))
     url_raw = m.get("url", m.get("endpoint", m.get("address")))
@@ -150,7 +180,9 @@ def parse_replica(where: str, raw: object, index: int) -> ReplicaSpec:
         if key in m:
             weight = _num(f"{where}.{key}", m[key])
             break
-    conc = _int(f"{where}.concurrency", m.get("concurrency", 1), 1)
+    conc_key = "concurrency" if "concurrency" in m or "max_num_seqs" not in m \
+        else "max_num_seqs"
+    conc = _int(f"{where}.{conc_key}", m.get(conc_key, default_concurrency), 1)
     st = m.get("service_time_ms", m.get("latency_ms"))
     service_s = None if st is None else _num(f"{where}.service_time_ms", st) / 1e3
     labels: dict[str, str] = {}
@@ -162,7 +194,10 @@ def parse_replica(where: str, raw: object, index: int) -> ReplicaSpec:
         for k, v in _mapping(f"{where}.labels", extra).items():
             labels[str(k)] = str(v)
     draining = _bool(f"{where}.draining", m.get("draining", False))
-    return ReplicaSpec(name, url, weight, conc, service_s, labels, draining)
+    kv = _int(f"{where}.kv_cache_tokens", m.get("kv_cache_tokens", 0), 0)
+    return ReplicaSpec(name, url, weight, conc, service_s, labels, draining,
+                       _opt_num(where, m, "prefill_tokens_per_s"),
+                       _opt_num(where, m, "decode_tokens_per_s"), kv)
 
 
 def segment_replica_name(service: str, gpu: object, profile: object, start: object) -> str:
@@ -183,6 +218,10 @@ def _segments_as_replicas(where: str, name: str, segs: object,
         }
         if "throughput_rps" in seg:
             rep["throughput_rps"] = seg["throughput_rps"]
+        for key in ("prefill_tokens_per_s", "decode_tokens_per_s", "kv_cache_tokens",
+                    "max_num_seqs"):
+            if key in seg:
+                rep[key] = seg[key]
         if isinstance(gpu, int) and gpu in gpu_models:
             rep["gpu"] = gpu_models[gpu]
         if "url" in seg:
@@ -203,7 +242,12 @@ def parse_service(where: str, raw: object, *, need_urls: bool,
     reps_raw = _list(f"{where}.replicas", reps_in)
     if not reps_raw and need_urls:
         raise ValidationError(f"{where}.replicas", "at least one replica", [])
-    reps = tuple(parse_replica(f"{where}.replicas[{i}]", r, i) for i, r in enumerate(reps_raw))
+    api = _str(f"{where}.api", m.get("api", "openai" if _looks_generative(m) else "kserve"))
+    if api not in APIS:
+        raise ValidationError(f"{where}.api", f"one of {', '.join(APIS)}", api)
+    conc = DEFAULT_MAX_NUM_SEQS if api == "openai" else 1
+    reps = tuple(parse_replica(f"{where}.replicas[{i}]", r, i, conc)
+                 for i, r in enumerate(reps_raw))
     names = [r.name for r in reps]
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:
@@ -227,7 +271,41 @@ def parse_service(where: str, raw: object, *, need_urls: bool,
     host = m.get("host")
     port = _int(f"{where}.port", m.get("port", 80), 1)
     return ServiceSpec(name, reps, slo, admission, None if policy is None else str(policy),
-                       models, None if host is None else _str(f"{where}.host", host), port)
+                       models, None if host is None else _str(f"{where}.host", host), port,
+                       *_generative(where, m, api))
+
+
+APIS = ("kserve", "openai")
+DEFAULT_MAX_NUM_SEQS = 256  # vLLM's default --max-num-seqs
+_GENERATIVE_KEYS = ("slo_ttft_ms", "ttft_p99_ms", "slo_tpot_ms", "tpot_p99_ms", "adapters",
+                    "lora_adapters", "mean_output_tokens")
+
+
+def _looks_generative(m: Mapping[str, object]) -> bool:
+    """A service that names a generative field (a TTFT SLO, adapters...) speaks OpenAI's API
+    unless it says otherwise (the planner's plan of a generative service does)."""
+    return any(k in m for k in _GENERATIVE_KEYS)
+
+
+def _generative(where: str, m: Mapping[str, object], api: str
+                ) -> tuple[str, tuple[str, ...], float | None, float | None, int, str | None]:
+    """The generative fields of a service (see the module docstring), in ServiceSpec's
+    order: api, adapters, slo_ttft_s, slo_tpot_s, mean_output_tokens, metrics_path."""
+    def ms(*keys: str) -> float | None:
+        for k in keys:
+            if m.get(k) is not None:
+                return _num(f"{where}.{k}", m[k]) / 1e3
+        return None
+
+    raw = m.get("adapters", m.get("lora_adapters", []))
+    adapters = tuple(_str(f"{where}.adapters[{i}]", x)
+                     for i, x in enumerate(_list(f"{where}.adapters", raw)))
+    path_raw = m.get("metrics_path", "/metrics" if api == "openai" else None)
+    path = None if path_raw in (None, False) else _str(f"{where}.metrics_path", path_raw)
+    if path is not None and not path.startswith("/"):
+        raise ValidationError(f"{where}.metrics_path", "a path starting with /, or null", path)
+    return (api, adapters, ms("slo_ttft_ms", "ttft_p99_ms"), ms("slo_tpot_ms", "tpot_p99_ms"),
+            _int(f"{where}.mean_output_tokens", m.get("mean_output_tokens", 256), 1), path)
 
 
 def parse_router_config(raw: object, *, need_urls: bool = True) -> RouterConfig:

@@ -5,7 +5,9 @@ state; for each request it asks the policy and admission control (``core/routing
 applies the answer. Around it: active health checks, passive ejection of replicas that refuse
 connections, hot reload of the replica set (config file change, SIGHUP, ``POST /reload`` on the
 admin port, or a new EndpointSlice list) that keeps what was learned and never drops a
-connection, Prometheus metrics and the JSON access log.
+connection, Prometheus metrics and the JSON access log. Generative services (OpenAI-style
+requests routed by the body's model, costed in tokens, their replicas' own gauges scraped) are
+described in ``services/router_llm.py``.
 """
 
 from __future__ import annotations
@@ -49,6 +51,14 @@ from gpuslice.core.routing import (
     with_health,
 )
 from gpuslice.core.routing_config import RouterConfig, ServiceSpec
+from gpuslice.core.routing_llm import TokenDemand, TokenOutcome, mean_output
+from gpuslice.services.router_llm import (
+    EngineGauges,
+    describe_tokens,
+    engine_loop,
+    learned_speed,
+    token_speed,
+)
 from gpuslice.services.router_sources import (  # re-exported: the router's options and sources
     ConfigLoader,
     ServeOptions,
@@ -72,6 +82,7 @@ class _Service:
     oks: dict[str, int] = field(default_factory=dict)
     draining: frozenset[str] = frozenset()
     admitted_at: float = 0.0  # monotonic time of the last request admitted (for probes)
+    mean_out: float = 256.0  # generative: learned mean output tokens
 
     def index(self, name: str) -> int | None:
         for i, v in enumerate(self.views):
@@ -107,8 +118,10 @@ class Router:
         self.rng = random.Random(seed)
         self.services: dict[str, _Service] = {}
         self.models: dict[str, str] = {}
+        self.adapters: dict[str, str] = {}  # LoRA adapter -> its service's base model
         self.config = config
         self.generation = 0
+        self.engines = EngineGauges()
         self.apply(config)
 
     # -- configuration -------------------------------------------------------------------------
@@ -132,19 +145,31 @@ class Router:
                 if old is not None:
                     i = old.index(r.name)
                     prev = None if i is None else old.views[i]
+                speed = token_speed(spec, r)
                 if prev is not None and old is not None and old.urls.get(r.name) == r.url:
-                    views.append(replace(prev, weight=r.weight, concurrency=r.concurrency))
+                    speed = learned_speed(speed, prev.tokens)
+                    views.append(replace(prev, weight=r.weight, concurrency=r.concurrency,
+                                         tokens=speed))
                 else:
                     views.append(ReplicaView(
                         r.name, r.weight, r.concurrency,
-                        model=ServiceModel(prior_s=_prior(spec, r.weight, r.service_time_s))))
+                        model=ServiceModel(prior_s=_prior(spec, r.weight, r.service_time_s)),
+                        tokens=speed))
             draining = frozenset(r.name for r in spec.replicas if r.draining)
-            services[spec.name] = _Service(spec, policy, views, urls, draining=draining)
+            services[spec.name] = _Service(
+                spec, policy, views, urls, draining=draining,
+                mean_out=old.mean_out if old is not None else float(spec.mean_output_tokens))
         models: dict[str, str] = {}
+        adapters: dict[str, str] = {}
         for spec in config.services:
             for m in spec.models:
                 models.setdefault(m, spec.name)
-        self.services, self.models, self.config = services, models, config
+            for a in spec.adapters:
+                if a not in models:
+                    models[a] = spec.name
+                    adapters[a] = spec.models[0] if spec.models else spec.name
+        self.services, self.models, self.adapters = services, models, adapters
+        self.config = config
         self.generation += 1
 
     def slo_s(self, spec: ServiceSpec) -> float | None:
@@ -171,19 +196,46 @@ class Router:
     def wants_body_size(self, service: str) -> bool:
         return self.services[service].policy.name == "sed"
 
-    def pick(self, service: str, size: int, exclude: frozenset[str],
-             first: bool) -> Pick | Reject:
+    def model_list(self) -> list[tuple[str, str | None]]:
+        """Empty with no generative service: ``GET /v1/models`` is then KServe v1's, forwarded."""
+        if not any(s.spec.generative for s in self.services.values()):
+            return []
+        return [(m, self.adapters.get(m)) for m in self.models]
+
+    def token_demand(self, service: str, prompt_tokens: int, output_tokens: int | None,
+                     embedding: bool) -> TokenDemand | None:
         svc = self.services.get(service)
-        if svc is None:
-            return Reject(503, f"service {service!r} was removed", 1, "removed")
+        if svc is None or not svc.spec.generative:
+            return None
+        out = 0 if embedding else (output_tokens if output_tokens is not None
+                                   else max(1, round(svc.mean_out)))
+        return TokenDemand(prompt_tokens, out, embedding)
+
+    def _views(self, service: str, svc: _Service, exclude: frozenset[str]
+               ) -> list[ReplicaView]:
+        """The replicas as routing sees them now: excluded and draining ones unhealthy, and
+        each generative replica with its own gauges while they are fresh."""
         views = svc.views
         if exclude or svc.draining:
             out = exclude | svc.draining
             views = [with_health(v, False) if v.name in out else v for v in views]
+        if svc.spec.generative and svc.spec.metrics_path is not None:
+            now = time.monotonic()
+            views = [replace(v, engine=self.engines.fresh(service, v.name, now)) for v in views]
+        return views
+
+    def pick(self, service: str, size: int, exclude: frozenset[str],
+             first: bool, demand: TokenDemand | None = None) -> Pick | Reject:
+        svc = self.services.get(service)
+        if svc is None:
+            return Reject(503, f"service {service!r} was removed", 1, "removed")
+        views = self._views(service, svc, exclude)
         if first:
             now = time.monotonic()
-            adm = admit(views, size, self.slo_s(svc.spec), self.config.min_samples,
-                        since_admitted_s=now - svc.admitted_at)
+            slo = self.slo_s(svc.spec) if demand is None else (
+                svc.spec.slo_ttft_s if self.admission and svc.spec.admission else None)
+            adm = admit(views, size, slo, self.config.min_samples,
+                        since_admitted_s=now - svc.admitted_at, demand=demand)
             if adm.admitted:
                 svc.admitted_at = now
             if not adm.admitted:
@@ -192,18 +244,21 @@ class Router:
                                   "no-replica")
                 return Reject(429, f"service {service!r}: {adm.reason}", adm.retry_after_s,
                               "slo")
-        choice = svc.policy.choose(views, size, self.rng.random())
+        choice = svc.policy.choose(views, size, self.rng.random(), demand)
         svc.policy = choice.policy
         if choice.index is None:
             return Reject(503, f"service {service!r}: {choice.reason}", 1, "no-replica")
         i = choice.index
-        view, ticket = dispatched(svc.views[i], size)
+        view, ticket = dispatched(replace(svc.views[i], engine=views[i].engine)
+                                  if views[i].engine is not None else svc.views[i],
+                                  size, demand)
+        view = replace(view, engine=None) if view.engine is not None else view
         svc.views[i] = view
         return Pick(service, view.name, svc.urls[view.name],
                     _Ticket(view.name, ticket, self.generation), ticket.delay_s)
 
     def done(self, pick: Pick, latency_s: float | None, *, failed: bool = False,
-             eject: bool = False) -> None:
+             eject: bool = False, outcome: TokenOutcome | None = None) -> None:
         svc = self.services.get(pick.service)
         t = pick.ticket
         if svc is None or not isinstance(t, _Ticket):
@@ -211,7 +266,9 @@ class Router:
         i = svc.index(t.name)
         if i is None:
             return
-        view = completed(svc.views[i], t.ticket, None if failed else latency_s)
+        if outcome is not None and not failed:
+            svc.mean_out = mean_output(svc.mean_out, outcome.output_tokens)
+        view = completed(svc.views[i], t.ticket, None if failed else latency_s, outcome)
         if failed:
             n = svc.fails.get(t.name, 0) + 1
             svc.fails[t.name] = n
@@ -246,6 +303,12 @@ class Router:
         return [(s, name, url) for s, svc in self.services.items() for name, url in
                 svc.urls.items()]
 
+    def metrics_targets(self) -> list[tuple[str, str, str]]:
+        """(service, replica, URL of its metrics) of every generative replica to scrape."""
+        return [(s, name, url + path) for s, svc in self.services.items()
+                if svc.spec.generative and (path := svc.spec.metrics_path) is not None
+                for name, url in svc.urls.items()]
+
     # -- introspection -------------------------------------------------------------------------
     def gauges(self) -> Iterator[ReplicaGauge]:
         for s, svc in self.services.items():
@@ -255,6 +318,7 @@ class Router:
 
     def describe(self) -> dict[str, object]:
         out: dict[str, object] = {}
+        now = time.monotonic()
         for s, svc in self.services.items():
             out[s] = {
                 "policy": svc.policy.name,
@@ -266,8 +330,12 @@ class Router:
                     "outstanding": v.outstanding,
                     "service_time_ms": round(v.model.predict(1) * 1e3, 3),
                     "samples": v.model.samples,
+                    **describe_tokens(v.tokens, self.engines.fresh(s, v.name, now)),
                 } for v in svc.views],
             }
+            if svc.spec.generative:
+                out[s]["api"] = "openai"  # type: ignore[index]
+                out[s]["mean_output_tokens"] = round(svc.mean_out, 1)  # type: ignore[index]
         return out
 
 
@@ -395,8 +463,10 @@ async def start_router(config: RouterConfig, *, host: str = "127.0.0.1", port: i
 
     # auto_decompress off: a request body is forwarded as the client encoded it (decoded, it
     # would reach the replica still labelled gzip; undecodable, it failed the request)
+    # handler_cancellation: a client that goes away cancels its request, which closes the
+    # connection to the replica (a model server then stops generating for it)
     server = web.Server(proxy.handle, access_log=None, request_factory=request_factory,
-                        auto_decompress=False)
+                        auto_decompress=False, handler_cancellation=True)
     try:
         await _listen(app, server, host, port, admin_host, admin_port, grace_s)
     except BaseException:  # a port taken: close what was opened (the proxy's client session)
@@ -405,6 +475,9 @@ async def start_router(config: RouterConfig, *, host: str = "127.0.0.1", port: i
     assert proxy.session is not None
     if health:
         app.tasks.append(asyncio.create_task(health_loop(router, proxy.session)))
+    if any(s.generative and s.metrics_path for s in config.services) or loader is not None:
+        app.tasks.append(asyncio.create_task(engine_loop(
+            router.engines, router.metrics_targets, proxy.session)))
     if log is not None:
         app.tasks.append(asyncio.create_task(_flush_loop(log)))
     if watch is not None or reload_every_s is not None:

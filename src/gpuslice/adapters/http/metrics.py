@@ -20,6 +20,12 @@ from gpuslice.adapters.http.proxy import RequestRecord
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                    10.0, 30.0)
+# time to first token and time per output token (vLLM's own histograms use buckets of this
+# range: vllm/v1/metrics/loggers.py)
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0)
+TPOT_BUCKETS = (0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0,
+                2.5)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
@@ -76,6 +82,14 @@ class RouterMetrics:
         self.retries = Counter("gpuslice_router_retries",
                                "Requests retried on another replica", ["service"],
                                registry=self.registry)
+        self.ttft = Histogram("gpuslice_router_time_to_first_token_seconds",
+                              "Generative streams: from the request sent to the replica to its "
+                              "first token", ["service", "replica"], buckets=TTFT_BUCKETS,
+                              registry=self.registry)
+        self.tpot = Histogram("gpuslice_router_time_per_output_token_seconds",
+                              "Generative streams: mean time between output tokens after the "
+                              "first", ["service", "replica"], buckets=TPOT_BUCKETS,
+                              registry=self.registry)
         self.registry.register(_TableCollector(snapshot))
         self._children: dict[tuple[str, str, int], tuple[Histogram, Counter]] = {}
 
@@ -89,6 +103,10 @@ class RouterMetrics:
                     self.requests.labels(rec.service, rec.replica, str(rec.status)))
             children[0].observe(rec.latency_s)
             children[1].inc()
+            if rec.ttft_s is not None:
+                self.ttft.labels(rec.service, rec.replica).observe(rec.ttft_s)
+            if rec.tpot_s is not None:
+                self.tpot.labels(rec.service, rec.replica).observe(rec.tpot_s)
             if rec.attempts > 1:
                 self.retries.labels(rec.service).inc()
         else:
@@ -114,6 +132,11 @@ class AccessLog:
             "predicted_ms": round(rec.predicted_s * 1e3, 3), "size": rec.size,
             "attempts": rec.attempts, "request_id": rec.request_id, "client": rec.client,
         }
+        if rec.tokens_in is not None:  # a generative request
+            line["tokens_in"] = rec.tokens_in
+            line["tokens_out"] = rec.tokens_out
+            line["ttft_ms"] = None if rec.ttft_s is None else round(rec.ttft_s * 1e3, 3)
+            line["tpot_ms"] = None if rec.tpot_s is None else round(rec.tpot_s * 1e3, 3)
         if rec.error:
             line["error"] = rec.error
         self.stream.write(orjson.dumps(line).decode() + "\n")

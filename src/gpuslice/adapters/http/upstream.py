@@ -33,22 +33,27 @@ class UpstreamResponse:
     body: bytes = b""
     streaming: bool = False
     _conn: _Conn | None = field(default=None, repr=False)
+    # this answer's chunks: the connection may be back in the pool, serving another request
+    # with a queue of its own, before the reader of this one has started or finished
+    _queue: asyncio.Queue[bytes | UpstreamError | None] | None = field(default=None, repr=False)
 
     def abandon(self) -> None:
-        """The reader gives up on a streamed body: the connection cannot be reused."""
-        if self._conn is not None:
-            self._conn.keep_alive = False
-            self._conn.close()
+        """The reader gives up on a streamed body: the connection cannot be reused (unless
+        the body was complete already: then it may be serving another request now)."""
+        conn = self._conn
+        if conn is not None and conn.response is self and conn.state != _IDLE:
+            conn.keep_alive = False
+            conn.close()
 
     async def chunks(self) -> AsyncIterator[bytes]:
         """The body of a streamed answer (chunked or until close), as it arrives."""
-        conn = self._conn
-        if conn is None:
+        queue = self._queue
+        if queue is None:
             if self.body:
                 yield self.body
             return
         while True:
-            item = await conn.queue.get()
+            item = await queue.get()
             if isinstance(item, UpstreamError):
                 raise item
             if item is None:
@@ -235,7 +240,7 @@ class _Conn(asyncio.Protocol):
             self._finish_fixed()
             return
         if chunked:
-            resp.streaming, resp._conn = True, self
+            resp.streaming, resp._conn, resp._queue = True, self, self.queue
             self.state = _CHUNK_SIZE
             self._resolve(resp)
         elif length is not None:
@@ -245,7 +250,7 @@ class _Conn(asyncio.Protocol):
                 self._finish_fixed()
         else:
             self.keep_alive = False
-            resp.streaming, resp._conn = True, self
+            resp.streaming, resp._conn, resp._queue = True, self, self.queue
             self.state = _UNTIL_CLOSE
             self._resolve(resp)
 
@@ -364,6 +369,12 @@ async def request(pool: Pool, host: str, port: int, head: bytes, body: bytes, *,
     timer = loop.call_later(timeout_s, _expire, conn, fut)
     try:
         return await fut
+    except asyncio.CancelledError:
+        # the client went away: closing the connection is how the replica learns of it (a
+        # model server aborts the generation of a request whose connection closed)
+        conn.keep_alive = False
+        conn.close()
+        raise
     finally:
         timer.cancel()
 
