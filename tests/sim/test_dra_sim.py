@@ -48,3 +48,27 @@ def test_cli_runs_the_dra_modes(tmp_path: Path) -> None:
     text = (tmp_path / "allocation.csv").read_text()
     assert ",dra-default," in text and ",dra-ours," in text
     assert main(["simulate", "--dra", "nope", "--out", str(tmp_path)]) == 2
+
+
+def test_our_allocator_scores_against_the_workload_it_learns_not_the_traces(scenario) -> None:  # type: ignore[no-untyped-def]
+    """dra-ours models gpuslice dra-allocator, which cannot know the trace's target workload:
+    given another one, it decides exactly as before (the workload only feeds the recorded
+    fragmentation); told to use it (learn=False), it decides otherwise."""
+    import numpy as np
+
+    from gpuslice.core.frag import Shape, TargetWorkload
+    from gpuslice.core.workload import tune
+    from gpuslice.sim.dra import replay_dra
+
+    tasks = tune(scenario.tasks, scenario.total_gpus * 1000, 1.3, np.random.default_rng(42))
+    other = TargetWorkload.of([Shape(1000, 8, 1000)], [1.0])
+
+    def placed(workload: TargetWorkload, learn: bool = True):  # type: ignore[no-untyped-def]
+        run = replay_dra(scenario.arrays, tasks, "dra-ours", workload,
+                         np.random.default_rng(42), learn=learn)
+        return run.allocated
+
+    learned = placed(scenario.workload)
+    assert np.array_equal(learned, placed(other))
+    assert not np.array_equal(placed(scenario.workload, learn=False),
+                              placed(other, learn=False))

@@ -123,3 +123,24 @@ def test_the_plot_legend_and_the_table_give_the_same_statistic(
     assert legend == "; ".join(f"{r['policy']}: {r['mean']:.2f} ± {r['sd']:.2f}% at 100%"
                                for r in doc["policies"])
     assert doc["statistic"].startswith("unallocated GPU % at 100% arrived workload, mean")
+
+
+@pytest.mark.parametrize(("gpus", "gap"), [(4, False), (6, True)])
+def test_arrival_gap_names_the_task_that_steps_over_the_bin(gpus: int, gap: bool) -> None:
+    """On 16 GPUs, tasks of 4 GPUs arrive at 25, 50, 75, 100% (a figure at 100%); tasks of 6
+    at 37.5, 75, 112.5% step over the bins 99-101, so no run has a figure there and the
+    benchmarks say why instead of printing NaN."""
+    from gpuslice.core.model import Gpu, Node
+    from gpuslice.sim.runner import arrival_gap
+
+    nodes = [Node(f"n{i}", 96_000, 768 * 1024,
+                  tuple(Gpu(j, "A100-80GB", 81920) for j in range(8))) for i in range(2)]
+    n = 6
+    tasks = Tasks(np.full(n, 1000), np.full(n, 1024), np.full(n, gpus), np.full(n, 1000),
+                  np.zeros(n, dtype=np.int64), (frozenset(),))
+    scenario = scenario_of("tiny", nodes, tasks)
+    why = arrival_gap(scenario, 42, 1.3)
+    figure = run_job(scenario, Job("fgd", 42, 1.3)).binned.alloc[100]
+    assert (why is not None) == gap == bool(np.isnan(figure))
+    if gap:
+        assert why is not None and "6 GPUs" in why and "75.0% to 112.5%" in why

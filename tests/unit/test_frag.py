@@ -96,3 +96,45 @@ def test_cpu_per_milli_counts_cpu_only_tasks_only_when_cpu_runs_out() -> None:
     # (8000 + 24000) / 1000 = 32 CPU per milli x 4000 milli >= 64000: CPU runs out first
     assert cpu_per_milli(arrays, heavy) == pytest.approx(32.0)
     assert cpu_per_milli(arrays, TargetWorkload.of([Shape(4000, 0, 0)], [1.0])) == 0.0
+
+
+def test_cpu_bound_fragmentation_counts_the_gpus_the_cpu_cannot_feed() -> None:
+    from gpuslice.core.frag import shape_frag
+
+    tw = TargetWorkload.of([Shape(4000, 1, 1000)], [1.0])
+    # 4 GPUs free and CPU for two of the shape's tasks: FGD sees no fragment, the CPU-bound
+    # measure the two GPUs no task can use; with CPU for all four, both see none
+    for cpu_free, fgd, bound in ((9000, 0.0, 2000.0), (16000, 0.0, 0.0), (3000, 4000.0, 4000.0)):
+        arrays = ClusterSnapshot.of([MakeNode("n").gpus("T4", 4).cpu(32000, cpu_free).obj()]).arrays
+        tables = FragTables.build(arrays, tw)
+        assert node_frag(arrays, tw, tables)[0] == fgd
+        assert node_frag(arrays, tw, tables, cpu_bound=True)[0] == bound
+        got = shape_frag(arrays.gpu_free.sum(axis=1), arrays.cpu_free, arrays.mem_free,
+                         tables.access, tables.count, tables.big, tw, cpu_bound=True)
+        assert got[0, 0] == bound
+    # a shape asking for no CPU is never capped by it
+    free_cpu = TargetWorkload.of([Shape(0, 1, 1000)], [1.0])
+    arrays = ClusterSnapshot.of([MakeNode("n").gpus("T4", 4).cpu(32000, 0).obj()]).arrays
+    assert node_frag(arrays, free_cpu, FragTables.build(arrays, free_cpu), cpu_bound=True)[0] == 0
+
+
+def test_cpu_demand_ratio_and_its_error_when_measured() -> None:
+    from gpuslice.core.frag import cpu_demand_error, cpu_demand_ratio
+
+    # 4 GPUs and 32 cores: 8 cores a GPU. Tasks of one GPU and 8 cores fill both at once;
+    # a CPU-only task of 8 cores for every GPU task makes the CPU run out at half the GPUs
+    arrays = ClusterSnapshot.of([MakeNode("n").gpus("T4", 4).cpu(32000).obj()]).arrays
+    even = TargetWorkload.of([Shape(8000, 1, 1000)], [1.0])
+    heavy = TargetWorkload.of([Shape(8000, 1, 1000), Shape(8000, 0, 0)], [0.5, 0.5])
+    assert cpu_demand_ratio(arrays, even) == pytest.approx(1.0)
+    assert cpu_demand_ratio(arrays, heavy) == pytest.approx(2.0)
+    # known in advance: no error; measured: one that shrinks with the square root of the count
+    assert cpu_demand_error(arrays, heavy) == 0.0
+    assert cpu_demand_error(arrays, even) == 0.0
+    few = TargetWorkload.of(heavy.shapes, heavy.popularity.tolist(), observed=25)
+    many = TargetWorkload.of(heavy.shapes, heavy.popularity.tolist(), observed=100)
+    assert cpu_demand_error(arrays, few) == pytest.approx(2 * cpu_demand_error(arrays, many))
+    # every task alike: nothing to be unsure of, however few were seen
+    assert cpu_demand_error(arrays, TargetWorkload.of(even.shapes, [1.0], observed=3)) == 0.0
+    with pytest.raises(ValidationError):
+        TargetWorkload.of(even.shapes, [1.0], observed=-1)

@@ -221,3 +221,54 @@ def test_cached_choice_is_the_policys_choice_over_the_fitting_nodes(policy: str)
         st.refresh(row)
         cache.changed(row)
     assert 0 < nones < 120  # both answers were exercised
+
+
+def _a100(name: str, gpus_used: int = 0, cpu_used: int = 0) -> MakeNode:
+    return MakeNode(name).gpus("A100-80GB", 8).used(*[1000] * gpus_used) \
+        .cpu(96_000, 96_000 - cpu_used).mem(768 * 1024)
+
+
+def test_frag_strand_spreads_only_where_the_cpu_runs_out_first() -> None:
+    """Two identical nodes, one half used. A whole-GPU task changes neither node's
+    fragmentation (the workload has only one-GPU shapes). While the GPUs run out first the
+    policy's scores are exactly the packing ones (a tie: the fixed node order decides); where
+    the workload needs half again as much CPU as the cluster has, kube-scheduler's spreading
+    scores decide among them: the emptier node, whatever the node order."""
+    from gpuslice.core.policies import FragStrandPolicy
+
+    snap = ClusterSnapshot.of([_a100("used", 4, 48_000).obj(), _a100("empty").obj()])
+    req = MakeReq().gpu(1).cpu(8_000).mem(16 * 1024).obj()
+    light = TargetWorkload.of([Shape(8_000, 1, 1000), Shape(4_000, 1, 500)], [0.5, 0.5])
+    heavy = TargetWorkload.of([Shape(8_000, 1, 1000), Shape(4_000, 1, 500), Shape(40_000, 0, 0)],
+                              [0.4, 0.4, 0.2])
+    pol, packing = FragStrandPolicy(), FragStrandPolicy(spread=0)
+    nodes = np.arange(2, dtype=np.int64)
+    for rank in (np.array([0, 1]), np.array([1, 0])):
+        st = PlacementState.build(snap.arrays.copy(), light)
+        assert pol.band(st) == 0
+        assert np.array_equal(pol.score(st, req, nodes).scores,
+                              packing.score(st, req, nodes).scores)
+        got = choose(pol, st, req, feasible(st.arrays, req), np.random.default_rng(0), rank)
+        assert got is not None and got.node == int(np.argmin(rank))
+        st = PlacementState.build(snap.arrays.copy(), heavy)
+        assert st.demand[0] > 1.5 and pol.band(st) == 1000.0
+        got = choose(pol, st, req, feasible(st.arrays, req), np.random.default_rng(0), rank)
+        assert got is not None and snap.arrays.names[got.node] == "empty"
+
+
+def test_frag_strand_spreads_only_on_a_measured_workload_that_says_so() -> None:
+    """The same CPU-heavy mix, learned from few pods, is not told from noise: the band opens
+    as the count of pods it was measured from grows."""
+    from gpuslice.core.policies import FragStrandPolicy
+
+    snap = ClusterSnapshot.of([_a100("a").obj(), _a100("b").obj()])
+    shapes = [Shape(8_000, 1, 1000), Shape(2_000, 1, 200), Shape(32_000, 0, 0)]
+    pol, bands = FragStrandPolicy(), []
+    for observed in (5, 50, 5000):
+        tw = TargetWorkload.of(shapes, [0.5, 0.3, 0.2], observed=observed)
+        bands.append(pol.band(PlacementState.build(snap.arrays.copy(), tw)))
+    assert bands[0] == 0 < bands[1] < bands[2] == 1000.0
+    with pytest.raises(ValidationError):
+        FragStrandPolicy(spread=-1)
+    with pytest.raises(ValidationError):
+        FragStrandPolicy(bound_ramp=0)

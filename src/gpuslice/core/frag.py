@@ -34,7 +34,9 @@ class Shape:
 
 @dataclass(frozen=True)
 class TargetWorkload:
-    """Shapes with their popularity (summing to 1), as arrays for vectorised use."""
+    """Shapes with their popularity (summing to 1), as arrays for vectorised use.
+    ``observed``: how many tasks the popularity was estimated from (0: known in advance, as
+    the simulator knows its trace's), so a policy can tell a measured share from noise."""
 
     shapes: tuple[Shape, ...]
     popularity: FloatArray
@@ -42,9 +44,11 @@ class TargetWorkload:
     gpus: IntArray
     milli: IntArray
     memory: IntArray
+    observed: int = 0
 
     @classmethod
-    def of(cls, shapes: Sequence[Shape], popularity: Sequence[float]) -> TargetWorkload:
+    def of(cls, shapes: Sequence[Shape], popularity: Sequence[float], *,
+           observed: int = 0) -> TargetWorkload:
         if len(shapes) != len(popularity) or not shapes:
             raise ValidationError(
                 "target workload", "one popularity per shape, at least one shape",
@@ -53,6 +57,8 @@ class TargetWorkload:
         p = np.asarray(popularity, dtype=np.float64)
         if (p < 0).any() or abs(float(p.sum()) - 1.0) > 1e-6:
             raise ValidationError("target workload popularity", "shares >= 0 summing to 1", p)
+        if observed < 0:
+            raise ValidationError("target workload observed", "a task count >= 0", observed)
         return cls(
             tuple(shapes),
             p,
@@ -60,6 +66,7 @@ class TargetWorkload:
             np.array([s.gpus for s in shapes], dtype=np.int64),
             np.array([s.milli for s in shapes], dtype=np.int64),
             np.array([s.memory_mib for s in shapes], dtype=np.int64),
+            observed,
         )
 
     def with_memory(self, memory_mib: Sequence[int]) -> TargetWorkload:
@@ -70,7 +77,7 @@ class TargetWorkload:
             Shape(s.cpu_milli, s.gpus, s.milli, s.models, int(m))
             for s, m in zip(self.shapes, memory_mib, strict=True)
         ]
-        return TargetWorkload.of(shapes, self.popularity.tolist())
+        return TargetWorkload.of(shapes, self.popularity.tolist(), observed=self.observed)
 
     def model_access(self, models: Sequence[str]) -> BoolArray:
         """(n_models + 1, M): may shape m use GPU model i? The last row (model id -1, no GPU) is
@@ -95,9 +102,11 @@ def typical_shapes(
 
 
 def typical_of_counts(
-    counts: Mapping[Shape, int], *, coverage_pct: float = 95.0, step: int = 10
+    counts: Mapping[Shape, int], *, coverage_pct: float = 95.0, step: int = 10,
+    observed: int = 0,
 ) -> TargetWorkload:
-    """:func:`typical_shapes` of a task list given as shape -> number of tasks."""
+    """:func:`typical_shapes` of a task list given as shape -> number of tasks (``observed``:
+    see :class:`TargetWorkload`)."""
     total = float(sum(counts.values()))
     if total <= 0:
         raise ValidationError("task list", "at least one task to derive a target workload", 0)
@@ -119,7 +128,8 @@ def typical_of_counts(
         taken = upto
     chosen = ranked[:taken]
     weight = float(sum(c for _, c in chosen))
-    return TargetWorkload.of([s for s, _ in chosen], [c / weight for _, c in chosen])
+    return TargetWorkload.of([s for s, _ in chosen], [c / weight for _, c in chosen],
+                             observed=observed)
 
 
 @dataclass
@@ -153,9 +163,14 @@ def _count_big(gpu_free: IntArray, milli: IntArray) -> tuple[IntArray, IntArray]
 
 def shape_frag(
     total_free: IntArray, cpu_free: IntArray, mem_free: IntArray, access: BoolArray,
-    count: IntArray, big: IntArray, tw: TargetWorkload,
+    count: IntArray, big: IntArray, tw: TargetWorkload, *, cpu_bound: bool = False,
 ) -> FloatArray:
-    """F(m) for each row and shape: rows may be nodes or candidate placements."""
+    """F(m) for each row and shape: rows may be nodes or candidate placements.
+
+    ``cpu_bound``: the GPU a shape can use on a row is also capped by the tasks of that shape
+    its free CPU can host (``cpu_free // cpu_m`` tasks of ``gpus_m x milli_m`` each), so GPUs
+    that the node's CPU cannot feed count as fragmented even while one task still fits (FGD
+    counts them only once not a single task fits)."""
     fits = (
         access
         & (cpu_free[:, None] >= tw.cpu[None, :])
@@ -164,14 +179,21 @@ def shape_frag(
     )
     if tw.memory.any():
         fits &= mem_free[:, None] >= tw.memory[None, :]
-    return np.asarray(total_free[:, None] - np.where(fits, big, 0), dtype=np.float64)
+    usable = np.where(fits, big, 0)
+    if cpu_bound:
+        tasks = cpu_free[:, None] // np.maximum(tw.cpu, 1)[None, :]
+        fed = np.where(tw.cpu[None, :] > 0, tasks * (tw.gpus * tw.milli)[None, :], usable)
+        usable = np.minimum(usable, fed)
+    return np.asarray(total_free[:, None] - usable, dtype=np.float64)
 
 
-def node_frag(arrays: ClusterArrays, tw: TargetWorkload, tables: FragTables) -> FloatArray:
-    """F_n(M) for every node, in milli-GPU."""
+def node_frag(arrays: ClusterArrays, tw: TargetWorkload, tables: FragTables, *,
+              cpu_bound: bool = False) -> FloatArray:
+    """F_n(M) for every node, in milli-GPU (``cpu_bound``: see :func:`shape_frag`)."""
     total = arrays.gpu_free.sum(axis=1)
     per_shape = shape_frag(
-        total, arrays.cpu_free, arrays.mem_free, tables.access, tables.count, tables.big, tw
+        total, arrays.cpu_free, arrays.mem_free, tables.access, tables.count, tables.big, tw,
+        cpu_bound=cpu_bound,
     )
     return np.asarray(per_shape @ tw.popularity)
 
@@ -212,23 +234,46 @@ def model_pressure(arrays: ClusterArrays, tw: TargetWorkload) -> FloatArray:
     return out
 
 
+def cpu_demand_ratio(arrays: ClusterArrays, tw: TargetWorkload) -> float:
+    """The CPU the target workload needs by the time the cluster's GPUs are full, over the CPU
+    the cluster has: expected CPU per milli-GPU of all tasks (CPU-only ones included) x GPU
+    capacity / CPU capacity. Above 1 the CPU runs out before the GPUs do. 0 when the workload
+    asks for no GPU or the cluster has no CPU."""
+    demand = float((tw.popularity * tw.gpus * tw.milli).sum())
+    cpu_capacity = float(arrays.cpu_cap.sum())
+    if demand <= 0 or cpu_capacity <= 0:
+        return 0.0
+    all_tasks = float((tw.popularity * tw.cpu).sum()) / demand
+    return all_tasks * float((arrays.gpu_count * 1000).sum()) / cpu_capacity
+
+
+def cpu_demand_error(arrays: ClusterArrays, tw: TargetWorkload) -> float:
+    """The standard error of :func:`cpu_demand_ratio` where the workload was measured
+    (``tw.observed`` tasks: the ratio estimator's delta-method variance,
+    ``sum_m p_m (c_m - R g_m)^2 / (sum_m p_m g_m)^2 / n``, R the CPU per milli-GPU, c and g
+    a shape's CPU and GPU milli); 0 for a workload known in advance."""
+    g = (tw.gpus * tw.milli).astype(np.float64)
+    mean_g = float((tw.popularity * g).sum())
+    cpu_capacity = float(arrays.cpu_cap.sum())
+    if tw.observed <= 0 or mean_g <= 0 or cpu_capacity <= 0:
+        return 0.0
+    per_milli = float((tw.popularity * tw.cpu).sum()) / mean_g
+    var = float((tw.popularity * (tw.cpu - per_milli * g) ** 2).sum()) / mean_g**2 / tw.observed
+    return float(np.sqrt(var)) * float((arrays.gpu_count * 1000).sum()) / cpu_capacity
+
+
 def cpu_per_milli(arrays: ClusterArrays, tw: TargetWorkload) -> float:
     """CPU (milli) the target workload needs per milli-GPU, for judging stranded GPUs.
 
     Normally only the GPU tasks count: CPU-only tasks can run anywhere, including next to GPUs
     that are already taken. But when the workload needs more CPU than the cluster has by the
-    time its GPUs are full (expected CPU per milli-GPU of all tasks x GPU capacity >= CPU
-    capacity), every core counts, and so does the CPU of CPU-only tasks. Returns 0 when the
-    workload asks for no GPU.
+    time its GPUs are full (:func:`cpu_demand_ratio` >= 1), every core counts, and so does the
+    CPU of CPU-only tasks. Returns 0 when the workload asks for no GPU.
     """
     gpu = tw.gpus > 0
     demand = float((tw.popularity * tw.gpus * tw.milli).sum())
     if demand <= 0:
         return 0.0
-    gpu_tasks = float((tw.popularity[gpu] * tw.cpu[gpu]).sum()) / demand
-    all_tasks = float((tw.popularity * tw.cpu).sum()) / demand
-    gpu_capacity = float((arrays.gpu_count * 1000).sum())
-    cpu_capacity = float(arrays.cpu_cap.sum())
-    if cpu_capacity > 0 and all_tasks * gpu_capacity >= cpu_capacity:
-        return all_tasks
-    return gpu_tasks
+    if cpu_demand_ratio(arrays, tw) >= 1:
+        return float((tw.popularity * tw.cpu).sum()) / demand
+    return float((tw.popularity[gpu] * tw.cpu[gpu]).sum()) / demand

@@ -43,7 +43,8 @@ def learned_workload(shapes: Mapping[Shape, int] | Iterable[Shape]) -> TargetWor
                 cpu = value
                 break
     counts[Shape(cpu, 1, 1000)] += PRIOR_PODS
-    return typical_of_counts(counts, coverage_pct=COVERAGE_PCT, step=1)
+    return typical_of_counts(counts, coverage_pct=COVERAGE_PCT, step=1,
+                             observed=sum(counts.values()))
 
 
 class WorkloadEstimator:

@@ -18,16 +18,11 @@ from typing import Protocol
 
 import numpy as np
 
+from gpuslice.core import placement_state as _state
+from gpuslice.core.dra_default import default_scores
 from gpuslice.core.errors import ValidationError
 from gpuslice.core.fit import feasible, gpu_ok, reject_reasons
-from gpuslice.core.frag import (
-    FragTables,
-    TargetWorkload,
-    cpu_per_milli,
-    model_pressure,
-    node_frag,
-    shape_frag,
-)
+from gpuslice.core.frag import TargetWorkload, shape_frag
 from gpuslice.core.model import (
     MILLI,
     BoolArray,
@@ -39,72 +34,16 @@ from gpuslice.core.model import (
     Placement,
     SliceRequest,
 )
+from gpuslice.core.placement_state import tables_of as _tables
+from gpuslice.core.placement_state import workload_of as _workload
+
+# the state the policies score, and the task classes of gpu-clustering: defined in
+# core.placement_state, imported from here by the owners of a state
+PlacementState = _state.PlacementState
+task_tag = _state.task_tag
 
 MAX_SPEC_CPU = 128_000
 MAX_SPEC_GPU = 8_000
-SHARE_TAG = 0
-
-
-def task_tag(req: SliceRequest) -> int:
-    """GPU-clustering class of a task: 0 for a shared GPU, k for k whole GPUs, -1 CPU-only."""
-    if req.gpus == 0:
-        return -1
-    return SHARE_TAG if req.is_sharing else req.gpus
-
-
-@dataclass
-class PlacementState:
-    """A cluster's arrays plus what policies derive from them: fragmentation tables against
-    the target workload and, per node, how many tasks of each class it holds.
-
-    The owner (simulator, extender ledger) changes the arrays and then calls :meth:`refresh`
-    for the changed node, so the derived values stay exact.
-    """
-
-    arrays: ClusterArrays
-    workload: TargetWorkload | None
-    tables: FragTables | None
-    frag: FloatArray
-    affinity: IntArray  # (N, 1 + max GPUs): [share, 1-gpu, 2-gpu, ...] task counts
-    _pressure: FloatArray | None = None
-    _cpu_per_milli: float | None = None
-
-    @property
-    def pressure(self) -> FloatArray:
-        """Per model id (last entry: no GPU) the constrained demand pressure, computed once:
-        the capacity per model never changes during a placement state's life."""
-        if self._pressure is None:
-            self._pressure = model_pressure(self.arrays, _workload(self))
-        return self._pressure
-
-    @property
-    def cpu_per_milli(self) -> float:
-        """CPU the target workload needs per milli-GPU (computed once, see
-        :func:`~gpuslice.core.frag.cpu_per_milli`)."""
-        if self._cpu_per_milli is None:
-            self._cpu_per_milli = cpu_per_milli(self.arrays, _workload(self))
-        return self._cpu_per_milli
-
-    @classmethod
-    def build(cls, arrays: ClusterArrays, workload: TargetWorkload | None) -> PlacementState:
-        width = int(arrays.gpu_present.shape[1]) + 1
-        affinity = np.zeros((arrays.n_nodes, width), dtype=np.int64)
-        if workload is None:
-            return cls(arrays, None, None, np.zeros(arrays.n_nodes), affinity)
-        tables = FragTables.build(arrays, workload)
-        return cls(arrays, workload, tables, node_frag(arrays, workload, tables), affinity)
-
-    def refresh(self, node: int) -> None:
-        if self.workload is None or self.tables is None:
-            return
-        self.tables.refresh(self.arrays, self.workload, node)
-        row = slice(node, node + 1)
-        per = shape_frag(
-            self.arrays.gpu_free[row].sum(axis=1), self.arrays.cpu_free[row],
-            self.arrays.mem_free[row], self.tables.access[row], self.tables.count[row],
-            self.tables.big[row], self.workload,
-        )
-        self.frag[node] = float((per @ self.workload.popularity)[0])
 
 
 @dataclass(frozen=True, slots=True)
@@ -261,10 +200,11 @@ def _sigmoid(x: FloatArray) -> FloatArray:
     return np.asarray(1.0 / (1.0 + np.exp(-x)), dtype=np.float64)
 
 
-def share_pairs(st: PlacementState, req: SliceRequest,
-                nodes: IntArray) -> tuple[IntArray, IntArray, FloatArray]:
+def share_pairs(st: PlacementState, req: SliceRequest, nodes: IntArray, *,
+                cpu_bound: bool = False) -> tuple[IntArray, IntArray, FloatArray]:
     """Every (node, GPU) where a share fits, with the node's fragmentation after placing it
-    there: (row into ``nodes``, GPU index, F_n'), sorted by row then GPU index."""
+    there: (row into ``nodes``, GPU index, F_n'), sorted by row then GPU index
+    (``cpu_bound``: :func:`~gpuslice.core.frag.shape_frag`'s)."""
     a, tw, tb = st.arrays, _workload(st), _tables(st)
     ok = gpu_ok(a, req, nodes)  # (K, G)
     # GPUs of one node with the same free milli (and memory) give the same result: keep the
@@ -286,7 +226,7 @@ def share_pairs(st: PlacementState, req: SliceRequest,
     total = a.gpu_free[node_rows].sum(axis=1) - req.milli
     cpu = a.cpu_free[node_rows] - req.cpu_milli
     mem = a.mem_free[node_rows] - req.memory_mib
-    per = shape_frag(total, cpu, mem, tb.access[node_rows], count, big, tw)
+    per = shape_frag(total, cpu, mem, tb.access[node_rows], count, big, tw, cpu_bound=cpu_bound)
     return rows, cols, np.asarray(per @ tw.popularity)
 
 
@@ -295,15 +235,17 @@ def _earlier(width: int) -> BoolArray:
     return np.tril(np.ones((width, width), dtype=np.bool_), -1)
 
 
-def whole_frag_after(st: PlacementState, req: SliceRequest, nodes: IntArray) -> FloatArray:
-    """F_n' of each node after a CPU-only or whole-GPU task takes its first free GPUs."""
+def whole_frag_after(st: PlacementState, req: SliceRequest, nodes: IntArray, *,
+                     cpu_bound: bool = False) -> FloatArray:
+    """F_n' of each node after a CPU-only or whole-GPU task takes its first free GPUs
+    (``cpu_bound``: :func:`~gpuslice.core.frag.shape_frag`'s)."""
     a, tw, tb = st.arrays, _workload(st), _tables(st)
     used = req.gpus * MILLI
     total = a.gpu_free[nodes].sum(axis=1) - used
     cpu = a.cpu_free[nodes] - req.cpu_milli
     mem = a.mem_free[nodes] - req.memory_mib
     per = shape_frag(total, cpu, mem, tb.access[nodes], tb.count[nodes] - req.gpus,
-                     tb.big[nodes] - used, tw)
+                     tb.big[nodes] - used, tw, cpu_bound=cpu_bound)
     return np.asarray(per @ tw.popularity)
 
 
@@ -316,18 +258,6 @@ def best_per_row(values: FloatArray, rows: IntArray, cols: IntArray,
     col = np.full(n_rows, -1, dtype=np.int64)
     col[rows[hit][::-1]] = cols[hit][::-1]
     return best, col
-
-
-def _workload(st: PlacementState) -> TargetWorkload:
-    if st.workload is None:
-        raise ValidationError("placement state", "one built with a target workload", None)
-    return st.workload
-
-
-def _tables(st: PlacementState) -> FragTables:
-    if st.tables is None:
-        raise ValidationError("placement state", "one built with a target workload", None)
-    return st.tables
 
 
 def fgd_int_score(delta: FloatArray) -> FloatArray:
@@ -366,7 +296,8 @@ class FgdPolicy:
 
 
 class FragStrandPolicy(FgdPolicy):
-    """Ours: fragmentation gradient descent that also counts stranded and contended GPUs.
+    """Ours: fragmentation gradient descent that also counts stranded and contended GPUs, and
+    that spreads where the CPU, not the GPUs, runs out first.
 
     Two blind spots of FGD, each measured on the Alibaba trace:
 
@@ -381,20 +312,49 @@ class FragStrandPolicy(FgdPolicy):
       ``milli x pressure(X)`` (:func:`~gpuslice.core.frag.model_pressure`), which is 0 on every
       model when no task is constrained.
 
-    Scores use FGD's integer scale, so near-equal placements tie and go to a fixed node order,
-    which packs. ``weight`` and ``contention`` scale the two terms against fragmentation.
+    And one measured on clusters of identical nodes (issue 59): **where the CPU runs out before
+    the GPUs** (``kappa``, :func:`~gpuslice.core.frag.cpu_demand_ratio`, above 1 by more than
+    ``z`` standard errors where the workload was learned), which tasks get the CPU decides, not
+    GPU fragmentation. Placements whose fragmentation change (counting the GPUs a node's CPU
+    cannot feed: ``shape_frag``'s ``cpu_bound``) falls in the same band of ``q`` milli-GPU are
+    then equal, and kube-scheduler's spreading scores (LeastAllocated + BalancedAllocation on
+    CPU and memory) choose among them, as DRA's first fit does. ``q = spread x min(1, (kappa -
+    bound_from) / bound_ramp)``, 0 below ``min_band`` (narrower bands would only trade FGD's
+    integer ties, which pack, for exact scores); at 0 the policy is the packing one.
+
+    Below that, scores use FGD's integer scale, so near-equal placements tie and go to a fixed
+    node order, which packs. ``weight`` and ``contention`` scale the first two terms against
+    fragmentation; ``spread=0`` turns the third off, ``cpu_fed=False`` keeps FGD's measure in
+    it (for taking it apart: ``benchmarks/placement_why.py``).
     """
 
     name = "frag-strand"
     needs_workload = True
 
-    def __init__(self, weight: float = 1.0, contention: float = 0.3) -> None:
-        if not weight >= 0:
-            raise ValidationError("frag-strand weight", "a number >= 0", weight)
-        if not contention >= 0:
-            raise ValidationError("frag-strand contention", "a number >= 0", contention)
+    def __init__(self, weight: float = 1.0, contention: float = 0.3, *,
+                 spread: float = 1000.0, bound_from: float = 1.0, bound_ramp: float = 0.5,
+                 min_band: float = 50.0, z: float = 1.0, cpu_fed: bool = True) -> None:
+        for label, value in (("weight", weight), ("contention", contention),
+                             ("spread", spread), ("min_band", min_band), ("z", z)):
+            if not value >= 0:
+                raise ValidationError(f"frag-strand {label}", "a number >= 0", value)
+        if not bound_ramp > 0:
+            raise ValidationError("frag-strand bound_ramp", "a number > 0", bound_ramp)
         self.weight = weight
         self.contention = contention
+        self.spread, self.bound_from, self.bound_ramp, self.z = spread, bound_from, bound_ramp, z
+        self.min_band = min_band
+        self.cpu_fed = cpu_fed  # spreading: count the GPUs the CPU cannot feed (else FGD's F)
+
+    def band(self, st: PlacementState) -> float:
+        """The width ``q`` (milli-GPU) of the bands of equal fragmentation change inside which
+        the spreading scores decide; 0 while the GPUs run out before the CPU."""
+        if self.spread <= 0:
+            return 0.0
+        ratio, error = st.demand
+        over = (ratio - self.z * error - self.bound_from) / self.bound_ramp
+        q = self.spread * min(max(over, 0.0), 1.0)
+        return q if q >= self.min_band else 0.0
 
     def _stranding_gain(self, st: PlacementState, req: SliceRequest,
                         nodes: IntArray) -> FloatArray:
@@ -411,15 +371,28 @@ class FragStrandPolicy(FgdPolicy):
         return gain
 
     def score(self, st: PlacementState, req: SliceRequest, nodes: IntArray) -> Scored:
-        before = st.frag[nodes]
+        q = self.band(st)
+        bound = q > 0
+        fed = bound and self.cpu_fed
+        before = st.cpu_frag[nodes] if fed else st.frag[nodes]
         gain = self._stranding_gain(st, req, nodes)
+        gpu: IntArray | None = None
         if not req.is_sharing:
-            after = whole_frag_after(st, req, nodes)
-            return Scored(nodes, fgd_int_score(before - after + gain))
-        rows, cols, after_pair = share_pairs(st, req, nodes)
-        pair_score = fgd_int_score(before[rows] - after_pair + gain[rows])
-        best, gpu = best_per_row(pair_score, rows, cols, len(nodes))
-        return Scored(nodes, best, gpu)
+            delta = before - whole_frag_after(st, req, nodes, cpu_bound=fed) + gain
+        else:
+            rows, cols, after_pair = share_pairs(st, req, nodes, cpu_bound=fed)
+            pair = before[rows] - after_pair + gain[rows]
+            # packing: the GPU with the best integer score (FGD's); spreading: the exact change
+            delta, gpu = best_per_row(pair if bound else fgd_int_score(pair), rows, cols,
+                                      len(nodes))
+            if not bound:
+                return Scored(nodes, delta, gpu)
+        if not bound:
+            return Scored(nodes, fgd_int_score(delta), gpu)
+        # band first, then kube-scheduler's spreading scores (0..200), then the integer score
+        spreading = default_scores(st.arrays, req, nodes)
+        return Scored(nodes, np.floor(delta / q) * 1e6 + spreading * 1e3 + fgd_int_score(delta),
+                      gpu)
 
 
 PolicyFactory = Callable[[], Policy]

@@ -98,14 +98,16 @@ def replay_deployed(
     cpu_only_by_policy: bool = False,
     tie_rank: np.ndarray | None = None,
     percentage: int = NODES_TO_SCORE,
+    policy: Policy | None = None,
 ) -> RunTrace:
     """Submit ``tasks`` in order as the deployed path places them (see the module doc); the
     trace has the shape of :func:`gpuslice.sim.engine.replay`'s. For taking the gap to the
     plain replay apart: ``learn=False`` scores against ``workload`` (known in advance),
     ``cpu_only_by_policy`` places the CPU-only pods with the policy too, ``tie_rank`` breaks
     ties in another node order than the extender's. ``percentage``: the profile's
-    ``percentageOfNodesToScore`` (see the module doc)."""
-    policy = make_policy(POLICY)
+    ``percentageOfNodesToScore`` (see the module doc). ``policy``: another than the
+    extender's default (``frag-strand`` as configured)."""
+    policy = policy or make_policy(POLICY)
     estimator = WorkloadEstimator()
     work = arrays.copy()
     metric = PlacementState.build(work, workload)

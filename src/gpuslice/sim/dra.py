@@ -15,9 +15,14 @@ Modes (run as the policy names ``dra-default``, ``dra-ours`` and ``dra-ours-all`
 * ``dra-ours``: our claim allocator places every claim with ``frag-strand`` before the
   scheduler sees it; pods without claims are still placed by kube-scheduler's default scoring
   (the allocator only handles claims, as the extender only handles pods with its resources).
+  As ``gpuslice dra-allocator`` does (``services/dra_book.py``), it scores against the target
+  workload learned from the pods seen so far (every pod as it arrives, its claim's request in
+  milli-GPU of the devices: :class:`~gpuslice.core.learned.WorkloadEstimator`), not the
+  trace's, which it cannot know; the fragmentation recorded is still against the trace's.
 * ``dra-ours-all``: ``frag-strand`` places the pods without claims too (what the device-plugin
-  path's ``ours`` in this simulator does), to separate the cost of the DRA translation (compute
-  rounded to whole units) from the cost of leaving CPU-only pods to the default scheduler.
+  path's ``ours`` in this simulator does, against the trace's target workload), to separate
+  the cost of the DRA translation (compute rounded to whole units) from the cost of leaving
+  CPU-only pods to the default scheduler and of learning the workload.
 
 The allocated GPU share counts what tasks asked for (milli), so rounding up to whole compute
 units shows as unallocated GPU, which is what it is.
@@ -41,9 +46,10 @@ from gpuslice.core.dra_placement import (
 )
 from gpuslice.core.dra_placement import DraDevice as Device
 from gpuslice.core.errors import ValidationError
-from gpuslice.core.frag import TargetWorkload
+from gpuslice.core.frag import Shape, TargetWorkload
+from gpuslice.core.learned import WorkloadEstimator
 from gpuslice.core.model import MILLI, ClusterArrays
-from gpuslice.core.policies import make_policy
+from gpuslice.core.policies import PlacementState, Policy, make_policy
 from gpuslice.core.workload import Tasks
 from gpuslice.sim.engine import Recorder, RunTrace, columns
 
@@ -87,13 +93,20 @@ def replay_dra(
     seed: int = 0,
     units: int = 100,
     progress: Callable[[int], None] | None = None,
+    learn: bool = True,
+    policy: Policy | None = None,
 ) -> RunTrace:
     """Submit ``tasks`` in order under ``mode`` (see the module doc); the trace has the shape
-    of :func:`gpuslice.sim.engine.replay`'s."""
+    of :func:`gpuslice.sim.engine.replay`'s. ``learn=False``: ``dra-ours`` scores against
+    ``workload`` (known in advance) instead of the one learned from the pods seen.
+    ``policy``: our modes' policy, another than the allocator's default (``frag-strand``)."""
     if mode not in MODES:
         raise ValidationError("DRA mode", f"one of {', '.join(MODES)}", mode)
-    ledger = DraLedger(dra_nodes(arrays, units), {}, workload)
-    policy = make_policy("frag-strand")
+    learning = learn and mode == "dra-ours"
+    ledger = DraLedger(dra_nodes(arrays, units), {}, None if learning else workload)
+    metric = ledger.state if not learning else PlacementState.build(ledger.arrays, workload)
+    estimator, version = WorkloadEstimator(), -1
+    policy = policy or make_policy("frag-strand")
     rank = rng.permutation(arrays.n_nodes)  # the fixed tie order, as replay() draws it
     rec = Recorder(len(tasks), progress)
     cpu, mem, num, milli, spec = columns(tasks)
@@ -105,15 +118,25 @@ def replay_dra(
             want = -(-milli[i] * units // MILLI)
             req = DeviceRequest("gpu", num[i], {COMPUTE: want},
                                 models=tasks.specs[spec[i]])
+        sreq = ledger.slice_request(req, cpu[i], mem[i])
+        if learning and sreq is not None:  # the allocator sees the pod (dra_book's shape)
+            estimator.add(Shape(cpu[i], sreq.gpus, sreq.milli if sreq.gpus else 0))
         ours = mode == "dra-ours-all" or (mode == "dra-ours" and req is not None)
         if ours:
+            if learning:
+                learned = estimator.current()
+                if estimator.version != version:
+                    version = estimator.version
+                    ledger.set_workload(learned)
             dec = ledger.decide(req, policy, rng, cpu_milli=cpu[i], memory_mib=mem[i],
                                 rank=rank)
         else:
             dec = ledger.decide_default(req, rng, cpu_milli=cpu[i], memory_mib=mem[i])
         if dec.placement is not None:
-            ledger.apply(dec.placement, ledger.slice_request(req, cpu[i], mem[i]))
+            ledger.apply(dec.placement, sreq)
+            if metric is not ledger.state:
+                metric.refresh(ledger.index[dec.placement.node])
             alloc_sum += num[i] * milli[i]
-        rec.record(i, arr_sum, alloc_sum, float(ledger.state.frag.sum()),
+        rec.record(i, arr_sum, alloc_sum, float(metric.frag.sum()),
                    dec.placement is not None)
     return rec.trace(mode, seed, arrays)

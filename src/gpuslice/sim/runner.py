@@ -107,6 +107,30 @@ def run_job(scenario: Scenario, job: Job,
     return JobResult(job, bin_run(trace), seconds, len(tasks))
 
 
+def arrival_gap(scenario: Scenario, seed: int, tune_ratio: float, arrived: int = 100) -> \
+        str | None:
+    """Why a run of ``scenario`` with ``seed`` has no figure at ``arrived`` % of the GPUs
+    arrived (its 1% bin and both neighbours empty: :func:`gpuslice.sim.engine.bin_run`), in
+    words; ``None`` when it has one. The bins depend on the tuned task list alone, so every
+    policy's run of that seed has the gap. On a small cluster one multi-GPU task can step over
+    all three bins (8 GPUs of 128 are 6.25%)."""
+    tasks = tune(scenario.tasks, scenario.total_gpus * 1000, tune_ratio,
+                 np.random.default_rng(seed))
+    pct = np.cumsum(tasks.total_milli) / scenario.total_gpus / 10.0
+    keys = np.round(pct)
+    if (np.abs(keys - arrived) <= 1).any():
+        return None
+    after = np.flatnonzero(pct > arrived)
+    if not len(after):
+        return f"its tuned task list ends at {pct[-1]:.1f}% of the GPUs arrived"
+    i = int(after[0])
+    before = float(pct[i - 1]) if i else 0.0
+    k = int(tasks.num_gpu[i])
+    return (f"no task arrives between {arrived - 1.5:g}% and {arrived + 1.5:g}% of the GPUs: "
+            f"a task of {k} GPU{'s' if k != 1 else ''} takes the arrived demand from "
+            f"{before:.1f}% to {float(pct[i]):.1f}%")
+
+
 _WORKER_SCENARIO: Scenario | None = None
 
 
