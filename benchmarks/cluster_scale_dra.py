@@ -157,7 +157,7 @@ def start_allocator(dev: DevCluster, log: Path) -> subprocess.Popen[bytes]:
     try:
         return subprocess.Popen(
             [sys.executable, "-m", "gpuslice.cli", "dra-allocator", "--kubeconfig",
-             str(dev.kubeconfig), "--settle", "1", "--interval", "0.2"],
+             str(dev.kubeconfig), "--settle", "1"],
             stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             start_new_session=True)
     finally:

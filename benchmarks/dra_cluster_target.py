@@ -25,7 +25,9 @@ from dra_targets import (
     SimTarget,
     kwok_scenario,
 )
-from gpuslice.adapters.kube.dra import ALLOCATOR_TAINT
+from first_seen import FirstSeen
+from gpuslice.adapters.kube.dra import ALLOCATOR_GATE, ALLOCATOR_TAINT
+from gpuslice.core.dra_gate import NOT_PLACED
 from gpuslice.devcluster import Proc, wait_until
 
 DRIVER = "gpu.gpuslice.io"
@@ -47,6 +49,11 @@ class ClusterTarget:
     * ``default``: the devices untainted; kube-scheduler's allocator places every claim.
     * ``ours``: the devices carry the allocator taint and ``gpuslice dra-allocator`` runs (on
       the admin's kubeconfig, ``--settle 1``); the scheduler only checks the node it chose.
+      Its GPU pods carry the allocator's scheduling gate, as a pod template or the admission
+      webhook (``adapters.kube.dra_gate.admission_patch``) puts it on (issue 58): the
+      allocator removes it once the claim is allocated, so kube-scheduler tries each pod
+      once; a pod it will not place it releases with a ``ClaimNotPlaced`` Event, which is
+      then its final verdict (nothing departs in this protocol).
     * ``device-plugin``: the device-plugin path as deploy/ installs it, on the same nodes
       (which also carry what the node agent publishes: the inventory annotation and the
       gpuslice.io resources): GPU tasks are pods asking for ``gpuslice.io/gpu`` (and
@@ -54,6 +61,9 @@ class ClusterTarget:
       (deploy/base/scheduler-config.yaml) calls ``gpuslice extender`` (a process, HTTPS, on its
       service account) to filter, prioritize and bind; CPU-only tasks go to the default
       scheduler, as they do on a cluster.
+    * ``default-model``, ``ours-model``, ``device-plugin-model``: the simulator's models of
+      the first three on the same nodes and tuned trace (``sim.dra``'s ``dra-default`` and
+      ``dra-ours``, ``sim.deployed``), to compare seed for seed.
     * ``device-plugin-sim``: the simulator's ``ours`` on the same nodes and tuned trace, where
       ``frag-strand`` places every pod (what the device-plugin path would do if it placed the
       CPU-only pods too and kube-scheduler's own scores did not take part).
@@ -61,21 +71,24 @@ class ClusterTarget:
     The trace is the simulator's tuned task list (``tune`` with the seed) cut where the
     arrived GPU demand reaches 100% of the cluster's GPUs; unallocated GPU % counts the milli of
     the GPU pods bound once the cluster is quiet, as the simulator does. Throughput: GPU pods
-    bound per second, from the first create to the last bind."""
+    bound per second, from the first create to the last bind. Each replay also gives its wall
+    time and each bound GPU pod's time from its creation (the client's clock before the
+    create) to a watch of the namespace's pods seeing it bound."""
 
     modes = ("default", "ours", "device-plugin", "device-plugin-sim", "device-plugin-model",
-             "device-plugin-model-every")
+             "device-plugin-model-every", "default-model", "ours-model")
 
     def __init__(self, bin_dir: Path, nodes: int, gpus: int, tune_ratio: float,
                  console: Console, burst: bool = False, variant: str | None = None,
+                 mix: str | None = None,
                  nodes_to_score: int | None = None) -> None:
         self.console, self.tune_ratio = console, tune_ratio
         self.nodes_to_score = nodes_to_score  # the gpuslice profile's, when not deploy/'s
-        self.nodes, self.scenario, mix = kwok_scenario(nodes, gpus, variant)
+        self.nodes, self.scenario, mix_name = kwok_scenario(nodes, gpus, variant, mix)
         # the model of the device-plugin path scores the share of nodes the profile does
         self.sim = SimTarget(self.scenario, tune_ratio, nodes_to_score)
         self.name = (f"real control plane (kube-scheduler v1.36, kwok), {nodes} nodes x "
-                     f"{gpus} {CLUSTER_MODEL}, {mix}")
+                     f"{gpus} {CLUSTER_MODEL}, {mix_name}")
         self.bin_dir = bin_dir
         self.dev: Any = None
         self.runs = 0
@@ -83,6 +96,7 @@ class ClusterTarget:
         self.burst = burst
         self.device_plugin = False  # the run in progress is the device-plugin path's
         self.allocator_runs = False  # our DRA allocator runs (it may place a task late)
+        self.gated = False  # GPU pods carry the allocator's scheduling gate
 
     # -- cluster lifecycle ----------------------------------------------------------------
 
@@ -175,6 +189,8 @@ class ClusterTarget:
     def replay(self, mode: str, seed: int) -> Outcome:
         if mode == "device-plugin-sim":
             return self.sim.replay("device-plugin", seed)
+        if mode in ("default-model", "ours-model"):  # the simulator's model of that path
+            return self.sim.replay(mode.removesuffix("-model"), seed)
         if mode.startswith("device-plugin-model"):
             return self.sim.replay(mode, seed)
         self.runs += 1
@@ -184,7 +200,7 @@ class ClusterTarget:
         wait_until(f"ServiceAccount {ns}/default", lambda: bool(
             self.core.read_namespaced_service_account("default", ns)), 60)
         self.device_plugin = mode == "device-plugin"
-        self.allocator_runs = mode == "ours"
+        self.allocator_runs = self.gated = mode == "ours"
         allocator: subprocess.Popen[bytes] | None = None
         extender: Proc | None = None
         if self.device_plugin:
@@ -194,13 +210,14 @@ class ClusterTarget:
             log = (self.log_dir / f"dra-allocator-{self.runs}.log").open("wb")
             allocator = subprocess.Popen(
                 [sys.executable, "-m", "gpuslice.cli", "dra-allocator", "--kubeconfig",
-                 str(self.dev.kubeconfig), "--settle", "1", "--interval", "0.2",
+                 # passes on the watch events, as deployed (--interval: its 1 s default)
+                 str(self.dev.kubeconfig), "--settle", "1",
                  # retries of released claims within the time a task is given to settle
                  "--max-backoff", str(SETTLE_S - 1)],
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 start_new_session=True)
             log.close()
-            time.sleep(3)  # its lease taken and the taint settled
+            self._wait_allocator_ready(allocator, self.log_dir / f"dra-allocator-{self.runs}.log")
         try:
             replay = self._burst if self.burst else self._submit_and_measure
             return replay(ns, self.trace(seed))
@@ -213,6 +230,14 @@ class ClusterTarget:
                 self.dev.start_scheduler(with_extender=False)
             self.core.delete_namespace(ns)
             self._wait_deleted(ns)
+
+    @staticmethod
+    def _wait_allocator_ready(proc: subprocess.Popen[bytes], log: Path) -> None:
+        """Until the allocator holds its Lease and the devices' taint has settled (its
+        ``--settle 1``), however long its start takes on a loaded machine."""
+        wait_until("gpuslice dra-allocator holding its Lease", lambda: proc.poll() is None and
+                   b"holding the Lease" in log.read_bytes(), 120, every_s=0.2)
+        time.sleep(1.5)
 
     def _wait_deleted(self, ns: str, stall_s: float = 300.0) -> None:
         """Until namespace ``ns`` is gone: a replay's thousands of pods take the namespace
@@ -244,8 +269,14 @@ class ClusterTarget:
         self.dev.start_scheduler(with_extender=True)
         return ext
 
-    def _task(self, ns: str, i: int, cpu: int, mem: int, num: int, milli: int) -> str:
-        """Create task ``i``: its ResourceClaim (GPU tasks on the DRA path) and its pod."""
+    def _bound_now(self, ns: str) -> set[str]:
+        pods = json.loads(self.core.list_namespaced_pod(ns, _preload_content=False).data)
+        return {p["metadata"]["name"] for p in pods["items"] if p["spec"].get("nodeName")}
+
+    def _task(self, ns: str, i: int, cpu: int, mem: int, num: int, milli: int,
+              created: dict[str, float] | None = None) -> str:
+        """Create task ``i``: its ResourceClaim (GPU tasks on the DRA path) and its pod
+        (``created``: when, on the monotonic clock, just before the pod's create)."""
         name = f"t{i:04d}"
         requests = {"cpu": f"{cpu}m", "memory": f"{mem}Mi"}
         scheduler = "default-scheduler"
@@ -257,7 +288,9 @@ class ClusterTarget:
         pod: dict[str, Any] = {
             "apiVersion": "v1", "kind": "Pod",
             "metadata": {"name": name, "namespace": ns},
-            "spec": {"schedulerName": scheduler,
+            "spec": {**({"schedulingGates": [{"name": ALLOCATOR_GATE}]}
+                        if num and self.gated else {}),
+                     "schedulerName": scheduler,
                      "tolerations": [{"operator": "Exists"}],
                      "terminationGracePeriodSeconds": 0,
                      "containers": [{"name": "c", "image": "registry.local/model:1",
@@ -276,16 +309,23 @@ class ClusterTarget:
                             "compute": str(math.ceil(milli / 10))}}}}]}}})
             pod["spec"]["resourceClaims"] = [{"name": "gpu", "resourceClaimName": name}]
             pod["spec"]["containers"][0]["resources"]["claims"] = [{"name": "gpu"}]
+        if created is not None:
+            created[name] = time.monotonic()
         self.core.create_namespaced_pod(ns, pod)
         return name
 
     def _settled(self, ns: str, name: str, has_claim: bool, since: list[float],
-                 allocator: bool = True) -> bool:
+                 allocator: bool = True, bound: FirstSeen | None = None) -> bool:
         """Task ``name`` is decided: bound, or unschedulable (its claim, if any, unallocated)
         for SETTLE_S on end, long enough for our allocator's retries (``--max-backoff``).
-        Without our allocator (``allocator`` False) kube-scheduler's verdict Unschedulable
-        is final at once: nothing departs, so nothing frees room later (a bind error or a
-        conflict, reason SchedulerError, still waits SETTLE_S for the retry)."""
+        Without our allocator (``allocator`` False), or for a pod without a claim, or one our
+        allocator released with ``ClaimNotPlaced`` (no room for it), kube-scheduler's verdict
+        Unschedulable is final at once: nothing departs, so nothing frees room later (a bind
+        error or a conflict, reason SchedulerError, still waits SETTLE_S for the retry).
+        ``bound``: a watch of the pods, which sees a bind first."""
+        if bound is not None and name in bound.seen:
+            since[0] = 0.0  # bound: the caller reads 0 as placed
+            return True
         pod = json.loads(self.core.read_namespaced_pod(name, ns, _preload_content=False).data)
         if pod["spec"].get("nodeName"):
             since[0] = 0.0  # bound: the caller reads 0 as placed
@@ -293,7 +333,8 @@ class ClusterTarget:
         verdicts = [c for c in (pod.get("status") or {}).get("conditions") or []
                      if c.get("type") == "PodScheduled" and c.get("status") == "False"]
         refused = bool(verdicts)
-        if refused and not allocator and verdicts[0].get("reason") == "Unschedulable":
+        if refused and verdicts[0].get("reason") == "Unschedulable" and \
+                (not allocator or not has_claim or self._not_placed(ns, name)):
             since[0] = since[0] or time.monotonic()
             return True
         if refused and has_claim:
@@ -306,6 +347,12 @@ class ClusterTarget:
             return False
         since[0] = since[0] or now
         return now - since[0] >= SETTLE_S
+
+    def _not_placed(self, ns: str, name: str) -> bool:
+        """Whether our allocator released pod ``name`` from its gate because no node has
+        room for its claim (its ``ClaimNotPlaced`` Event)."""
+        return bool(self.core.list_namespaced_event(
+            ns, field_selector=f"involvedObject.name={name},reason={NOT_PLACED}").items)
 
     def _burst(self, ns: str, trace: list[tuple[int, int, int, int]]) -> Outcome:
         """Throughput: every task created at once; done when every unbound pod is marked
@@ -354,20 +401,32 @@ class ClusterTarget:
         from functools import partial
 
         milli_of: dict[str, int] = {}
+        watch = FirstSeen(self.dev, f"/api/v1/namespaces/{ns}/pods",
+                          lambda p: bool((p.get("spec") or {}).get("nodeName"))).start()
+        time.sleep(0.5)  # the watch open before the first pod
         t0 = time.monotonic()
         binding_s = 0.0  # summed over the tasks bound: creation to bound (decision latency)
-        for i, (cpu, mem, num, milli) in enumerate(trace):
-            t_task = time.monotonic()
-            name = self._task(ns, i, cpu, mem, num, milli)
-            if num:
-                milli_of[name] = num * milli
-            since = [0.0]
-            wait_until(f"{ns}/{name} bound or unschedulable",
-                       partial(self._settled, ns, name, bool(num) and not self.device_plugin,
-                               since, self.allocator_runs), 120, every_s=0.05)
-            if not since[0]:  # bound
-                binding_s += time.monotonic() - t_task
-        elapsed = time.monotonic() - t0
+        created: dict[str, float] = {}  # GPU task -> just before its pod's create
+        try:
+            for i, (cpu, mem, num, milli) in enumerate(trace):
+                t_task = time.monotonic()
+                name = self._task(ns, i, cpu, mem, num, milli, created if num else None)
+                if num:
+                    milli_of[name] = num * milli
+                since = [0.0]
+                wait_until(f"{ns}/{name} bound or unschedulable",
+                           partial(self._settled, ns, name,
+                                   bool(num) and not self.device_plugin, since,
+                                   self.allocator_runs, watch), 120, every_s=0.02)
+                if not since[0]:  # bound
+                    binding_s += time.monotonic() - t_task
+            elapsed = time.monotonic() - t0
+            wait_until("the watch seeing every bound GPU pod", lambda: all(
+                n in watch.seen for n in self._bound_now(ns) if n in created), 30, every_s=0.2)
+        finally:
+            watch.stop()
+        latencies = tuple(sorted(watch.seen[n] - t for n, t in created.items()
+                                 if n in watch.seen))
         pods = json.loads(self.core.list_namespaced_pod(
             ns, _preload_content=False).data)["items"]
         bound_names = {p["metadata"]["name"] for p in pods if p["spec"].get("nodeName")}
@@ -391,4 +450,5 @@ class ClusterTarget:
                            f"{len(trace)} tasks in {elapsed:.0f} s")
         for key, n in sorted(why.items(), key=lambda kv: -kv[1])[:4]:
             self.console.print(f"    {n} pending, {key}")
-        return Outcome(100.0 - 100.0 * allocated / cap, len(bound_names), binding_s)
+        return Outcome(100.0 - 100.0 * allocated / cap, len(bound_names), binding_s,
+                       wall_s=elapsed, latencies=latencies)

@@ -18,11 +18,15 @@ CLUSTER_MODEL, CLUSTER_CPU, CLUSTER_MEM_GIB = "A100-80GB", 96, 768
 @dataclass(frozen=True)
 class Outcome:
     """One replay: unallocated GPU % at 100% arrived, tasks placed and the seconds they took
-    (on the control plane: each bound task's time from creation to bound, summed)."""
+    (on the control plane: each bound task's time from creation to bound, summed); the
+    replay's wall time and, on the control plane, each bound GPU pod's seconds from its
+    creation to bound (issue 58)."""
 
     unallocated_pct: float
     placed: int
     seconds: float
+    wall_s: float = float("nan")
+    latencies: tuple[float, ...] = ()
 
     @property
     def per_second(self) -> float:
@@ -43,7 +47,7 @@ class Target(Protocol):
 SIM_POLICY = {"default": "dra-default", "ours": "dra-ours", "device-plugin": DEVICE_PLUGIN,
               "device-plugin-model": "deployed", "device-plugin-model-every": "deployed:100"}
 PATHS = ("default", "ours", "device-plugin", "device-plugin-sim", "device-plugin-model",
-         "device-plugin-model-every")
+         "device-plugin-model-every", "default-model", "ours-model")
 
 
 class SimTarget:
@@ -69,25 +73,39 @@ class SimTarget:
         res = run_job(self.scenario, Job(self.policy[mode], seed, self.tune))
         seconds = time.perf_counter() - start
         return Outcome(100.0 - float(res.binned.alloc[100]), res.tasks - res.binned.failed,
-                       seconds)
+                       seconds, wall_s=seconds)
 
 
-def kwok_scenario(nodes: int, gpus: int,
-                  variant: str | None) -> tuple[list[Any], Scenario, str]:
+def kwok_scenario(nodes: int, gpus: int, variant: str | None,
+                  mix: str | None = None) -> tuple[list[Any], Scenario, str]:
     """The cluster target's nodes (``nodes`` x ``gpus`` A100s, named as its kwok nodes, so the
     extender's fixed node order is the same), their scenario with the embedded task mix or
-    ``variant``'s, and the mix's name."""
+    ``variant``'s, made into ``mix`` (:data:`gpuslice.sim.mixes.MIXES`) when one is named, and
+    the mix's name."""
     from gpuslice.core.catalog import resolve
     from gpuslice.core.model import Gpu, Node
-    from gpuslice.sim.default import default_tasks
 
     mib = resolve(CLUSTER_MODEL).memory_mib
     made = [Node(f"dra-bench-{i:02d}", CLUSTER_CPU * 1000, CLUSTER_MEM_GIB * 1024,
                  tuple(Gpu(j, CLUSTER_MODEL, mib) for j in range(gpus))) for i in range(nodes)]
-    tasks, mix = default_tasks(), "embedded task mix"
+    tasks, name = task_mix(variant, mix)
+    return made, scenario_of(f"{nodes} x {gpus} {CLUSTER_MODEL}", made, tasks), name
+
+
+def task_mix(variant: str | None, mix: str | None) -> tuple[Any, str]:
+    """The embedded task list or trace variant ``variant``'s (GPU-model constraints dropped),
+    made into ``mix`` when one is named, and its name for the tables."""
+    from gpuslice.sim.default import default_tasks
+    from gpuslice.sim.mixes import MIXES, make_mix
+
+    tasks, name = default_tasks(), "embedded task mix"
     if variant:
-        tasks, mix = variant_tasks(variant), f"task mix of trace variant {variant}"
-    return made, scenario_of(f"{nodes} x {gpus} {CLUSTER_MODEL}", made, tasks), mix
+        tasks, name = variant_tasks(variant), f"task mix of trace variant {variant}"
+    if mix and mix != "default":
+        like = MIXES[mix].variant if mix in MIXES else ""
+        tasks = make_mix(mix, tasks)
+        name = f"{mix} mix ({like}-like) of the {name}"
+    return tasks, name
 
 
 def variant_tasks(variant: str) -> Any:

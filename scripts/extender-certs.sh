@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The certificates of the mutual TLS between the second kube-scheduler and the gpuslice extender,
-# with openssl alone (the alternative to deploy/cert-manager; the Helm chart issues its own):
+# and the admission webhook's serving certificate, with openssl alone (the alternative to
+# deploy/cert-manager; the Helm chart issues its own):
 #
 #   ca.crt ca.key            a CA made for these two certificates alone (EC P-256), so that the
 #                            extender's --client-ca trusts nothing else
@@ -8,6 +9,9 @@
 #                            gpuslice-extender.NAMESPACE.svc and its shorter names
 #   scheduler.crt .key       the second scheduler's client certificate (clientAuth,
 #                            CN=gpuslice-scheduler): its tlsConfig certFile/keyFile
+#   webhook.crt .key         the admission webhook's serving certificate (serverAuth) for
+#                            gpuslice-webhook.NAMESPACE.svc; the API server checks it with
+#                            ca.crt, the MutatingWebhookConfiguration's caBundle
 #
 # Usage: scripts/extender-certs.sh [--namespace NS] [--days N] [--out DIR] [--apply]
 #   --namespace NS  where gpuslice runs (default gpuslice-system): the serving certificate's names
@@ -17,8 +21,11 @@
 #                   certificates (the extender and kube-scheduler read renewed files without a
 #                   restart; a new CA needs both restarted)
 #   --apply         also create or replace the Secrets gpuslice-extender-tls (extender.crt/.key as
-#                   tls.crt/tls.key, ca.crt) and gpuslice-scheduler-tls (scheduler.crt/.key,
-#                   ca.crt) in NS with kubectl ($KUBECTL, default kubectl)
+#                   tls.crt/tls.key, ca.crt), gpuslice-scheduler-tls (scheduler.crt/.key,
+#                   ca.crt) and gpuslice-webhook-tls (webhook.crt/.key, ca.crt) in NS with
+#                   kubectl ($KUBECTL, default kubectl), and write ca.crt into the caBundle of
+#                   the MutatingWebhookConfiguration gpuslice-webhook when it exists (after
+#                   kubectl apply -k deploy/...; run again with the same --out otherwise)
 # Keep ca.key out of the cluster and safe (whoever holds it can mint a scheduler certificate),
 # or delete it and run again with a new DIR when the certificates are due.
 # Needs openssl 1.1.1 or newer. Exit status: 0 done, 1 a command failed, 2 bad arguments.
@@ -34,7 +41,7 @@ while [ $# -gt 0 ]; do
         --days) days=${2:?--days needs a value}; shift 2 ;;
         --out) out=${2:?--out needs a value}; shift 2 ;;
         --apply) apply=1; shift ;;
-        -h|--help) sed -n '2,26p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '2,31p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) echo "extender-certs.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
 done
@@ -75,7 +82,11 @@ svc="gpuslice-extender.$ns.svc"
 issue extender "/CN=$svc" serverAuth \
     "DNS:gpuslice-extender,DNS:gpuslice-extender.$ns,DNS:$svc,DNS:$svc.cluster.local"
 issue scheduler "/CN=gpuslice-scheduler" clientAuth
-echo "extender (serving $svc) and scheduler (client) certificates in $out, valid $days days"
+hook="gpuslice-webhook.$ns.svc"
+issue webhook "/CN=$hook" serverAuth \
+    "DNS:gpuslice-webhook,DNS:gpuslice-webhook.$ns,DNS:$hook,DNS:$hook.cluster.local"
+echo "extender (serving $svc), scheduler (client) and webhook (serving $hook) certificates" \
+    "in $out, valid $days days"
 
 if [ "$apply" = 1 ]; then
     kubectl=${KUBECTL:-kubectl}
@@ -86,4 +97,14 @@ if [ "$apply" = 1 ]; then
     }
     secret gpuslice-extender-tls extender.crt extender.key
     secret gpuslice-scheduler-tls scheduler.crt scheduler.key
+    secret gpuslice-webhook-tls webhook.crt webhook.key
+    bundle=$(base64 < ca.crt | tr -d '\n')
+    patch="[{\"op\":\"add\",\"path\":\"/webhooks/0/clientConfig/caBundle\",\"value\":\"$bundle\"},"
+    patch="$patch{\"op\":\"add\",\"path\":\"/webhooks/1/clientConfig/caBundle\",\"value\":\"$bundle\"}]"
+    if "$kubectl" get mutatingwebhookconfiguration gpuslice-webhook >/dev/null 2>&1; then
+        "$kubectl" patch mutatingwebhookconfiguration gpuslice-webhook --type=json -p "$patch"
+    else
+        echo "no MutatingWebhookConfiguration gpuslice-webhook yet: after kubectl apply -k," \
+            "run this script again with --out $out --apply (it keeps the CA)"
+    fi
 fi

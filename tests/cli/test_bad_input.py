@@ -61,6 +61,7 @@ def current(files: dict[str, Path], tmp_path: Path) -> Path:
 def no_work(monkeypatch: pytest.MonkeyPatch) -> None:
     """Planning, re-planning and the demo's scenario fail the test if they start."""
     import gpuslice.core.replay
+    import gpuslice.core.resize  # binds the real replan before it is patched
     import gpuslice.demo.scenario
     import gpuslice.planning.run
 
@@ -201,3 +202,18 @@ def test_extender_resync_and_simulate_compare_fail_before_any_work(
     code, err = run(["simulate", "--compare", "--seeds", "42", "--out", str(tmp_path / "o"),
                      "--no-plot"], capsys)
     assert code == 2 and "nowhere" in err
+
+
+@pytest.mark.parametrize(("option", "value", "expected"), [
+    ("--namespace", "ML_Team", "--namespace: expected a namespace name"),
+    ("--port", "70000", "--port: expected a port 1..65535"),
+    ("--image", " ", "--image: expected an image reference"),
+])
+def test_plan_export_options_are_refused_before_planning(
+        files: dict[str, Path], capsys: pytest.CaptureFixture[str], no_work: None,
+        option: str, value: str, expected: str, tmp_path: Path) -> None:
+    """``plan --out``'s manifests (issue 51): their namespace, port and image."""
+    code, err = run(["plan", "--profiles", str(files["prof"]), "--services", str(files["svc"]),
+                     "--out", str(tmp_path / "x"), option, value], capsys)
+    assert code == 2 and expected in err, err
+

@@ -73,8 +73,8 @@ def test_help_texts(path: tuple[str, ...], parser: argparse.ArgumentParser) -> N
         assert "Nothing is applied" not in text and "With --apply the change is made" in text
 
 
-LONG_RUNNING = [("extender",), ("node-agent",), ("router",), ("reconfig", "run"), ("up",),
-                ("dra-driver",), ("dra-allocator",)]
+LONG_RUNNING = [("extender",), ("webhook",), ("node-agent",), ("router",), ("reconfig", "run"),
+                ("up",), ("dra-driver",), ("dra-allocator",)]
 
 
 @pytest.mark.parametrize("path", LONG_RUNNING, ids=[" ".join(p) for p in LONG_RUNNING])

@@ -38,7 +38,7 @@ SKIP: list[tuple[str, str]] = [
     (r"^gpuslice (?:profile|bench|select)\b|--local\b|--gpu\b|nvidia|\bdocker\b|\bpodman\b",
      "a GPU or a container runtime"),
     (r"^gpuslice (?:up|status|down)\b", "local mode: replicas behind a port, until stopped"),
-    (r"^gpuslice (?:extender|node-agent)\b|^gpuslice router\b(?!.*--export)",
+    (r"^gpuslice (?:extender|webhook|node-agent)\b|^gpuslice router\b(?!.*--export)",
      "a server that runs until stopped"),
     (r"^gpuslice demo\b(?!.*--dra)", "the whole demo, about 90 s (tests/demo runs it)"),
     (r"profiles\.csv|router\.json|--key-file|inventory\.yaml",

@@ -85,6 +85,12 @@ def _can(dev: DevCluster, account: str, verb: str, resource: str,
     ("gpuslice-reconfig", "patch", "sliceschedules.gpuslice.io", "ml", False),
     ("gpuslice-reconfig", "delete", "pods", "ml", False),
     ("gpuslice-scheduler", "create", "pods/binding", "ml", True),
+    # the admission webhook reads the nodes' GPU inventories, and nothing else
+    ("gpuslice-webhook", "list", "nodes", "default", True),
+    ("gpuslice-webhook", "watch", "nodes", "default", False),
+    ("gpuslice-webhook", "patch", "nodes", "default", False),
+    ("gpuslice-webhook", "get", "pods", "ml", False),
+    ("gpuslice-webhook", "get", "secrets", SYSTEM, False),
 ])
 def test_rbac_allows_each_components_calls_and_nothing_beyond(
         dev: DevCluster, account: str, verb: str, resource: str, namespace: str,

@@ -81,8 +81,12 @@ def test_defaults_render_the_objects_of_the_production_overlay() -> None:
     # which the overlay's users bring (cert-manager or scripts/extender-certs.sh), and has
     # helm uninstall's pre-delete hook (deploy/README.md: kubectl delete's users delete the
     # DaemonSet first themselves)
-    for name in ("gpuslice-extender-tls", "gpuslice-scheduler-tls"):
+    for name in ("gpuslice-extender-tls", "gpuslice-scheduler-tls", "gpuslice-webhook-tls"):
         assert chart.pop(("Secret", name))["type"] == "kubernetes.io/tls"
+    # ... and the webhook's caBundle from the CA it issued, where the overlay names
+    # cert-manager's injector (deploy/cert-manager) or scripts/extender-certs.sh writes it
+    hooks_of = chart[("MutatingWebhookConfiguration", "gpuslice-webhook")]["webhooks"]
+    assert all(w["clientConfig"].pop("caBundle") for w in hooks_of)
     assert set(hooks(docs)) == CLEANUP_HOOK
     for key in CLEANUP_HOOK:
         del chart[key]
@@ -93,6 +97,7 @@ def test_defaults_render_the_objects_of_the_production_overlay() -> None:
     # Helm installs into a namespace it is given (helm install --create-namespace): the chart
     # does not own the Namespace object
     del overlay[("Namespace", NAMESPACE)]
+    del overlay[("MutatingWebhookConfiguration", "gpuslice-webhook")]["metadata"]["annotations"]
     assert sorted(chart) == sorted(overlay)
     for key, obj in overlay.items():
         assert chart[key] == obj, key

@@ -51,14 +51,18 @@ def test_rbac_grants_only_what_the_driver_calls() -> None:
         ("resource.k8s.io", "resourceslices"): {"get", "list", "watch", "create", "update",
                                                 "delete"},
         ("resource.k8s.io", "resourceclaims"): {"get"},
-        ("", "nodes"): {"get"}, ("", "events"): {"create"}, ("", "pods"): {"list"}}
-    # and one Lease in its namespace, read only: the claim allocator's (its taint)
+        ("", "nodes"): {"get"}, ("", "events"): {"create"}, ("", "pods"): {"list", "patch"}}
+    # and Leases in its namespace: the claim allocator's, read only (its taint), and the gate
+    # keepers' (services.dra_gate.GateKeeper: elected while the allocator's is stale; create
+    # cannot be limited to a name)
     (lease_role,) = [d for d in render(DRA) if d["kind"] == "Role"]
     assert lease_role["metadata"]["namespace"] == "gpuslice-system"
-    assert lease_role["rules"] == [{"apiGroups": ["coordination.k8s.io"],
-                                    "resources": ["leases"],
-                                    "resourceNames": ["gpuslice-dra-allocator"],
-                                    "verbs": ["get"]}]
+    assert lease_role["rules"] == [
+        {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
+         "resourceNames": ["gpuslice-dra-allocator"], "verbs": ["get"]},
+        {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
+         "resourceNames": ["gpuslice-dra-gate-keeper"], "verbs": ["get", "update"]},
+        {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["create"]}]
 
 
 def test_device_classes_select_the_published_types_and_the_examples_fit_the_policies() -> None:

@@ -368,9 +368,9 @@ class RestApiServer(FakeApiServer):
             if not isinstance(body, dict) and ctype != "application/json-patch+json":
                 raise HttpError(400, "BadRequest", "the request body must be an object")
             if method == "PATCH" and ctype == "application/json-patch+json" and \
-                    (group, resource, sub) != ("", "nodes", "status"):
+                    (group, resource, sub) not in (("", "nodes", "status"), ("", "pods", "")):
                 raise HttpError(400, "BadRequest", "the fake supports JSON patches of a "
-                                "node's status only")
+                                "node's status and of a pod's scheduling gates only")
         key = (group, resource, method, bool(namespace), bool(name), sub)
         try:
             if (group, resource, sub, method) == ("resource.k8s.io", "resourceclaims",
@@ -550,6 +550,8 @@ class RestApiServer(FakeApiServer):
             return 200, self.get_pod(ns, name)
         if method == "POST" and has_ns and not has_name:
             return 201, self._create_pod(ns, body)
+        if method == "PATCH" and has_name and not sub and isinstance(body, list):
+            return 200, self.remove_pod_scheduling_gate(ns, name, body)  # gates only
         if method == "PATCH" and has_name and not sub:
             return 200, self._patch_pod(ns, name, body)
         if method == "POST" and sub == "binding":

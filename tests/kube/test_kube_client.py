@@ -62,8 +62,9 @@ def test_pods_and_nodes_read_and_patched_with_optimistic_concurrency(
 def test_pod_labels_set_and_removed_with_a_json_merge_patch_on_the_own_namespace_only(
         rest: RestApiServer, tmp_path: Path) -> None:
     """The extender leader's label on its own pod: a JSON merge patch (``null`` removes, an
-    absent label removed is no error), which the extender's account may make in
-    gpuslice-system and nowhere else."""
+    absent label removed is no error), in gpuslice-system. Elsewhere the extender's account
+    patches pods only for the requeue annotation on a pending pod its filter refused
+    (services/extender/requeue.py; a cluster-wide ``pods: patch``), and never deletes one."""
     rest.add_pod(pod("ext-a", ns="gpuslice-system"))
     rest.add_pod(pod("victim", ns="ml"))
     api = client(rest, tmp_path, EXTENDER)
@@ -77,8 +78,15 @@ def test_pod_labels_set_and_removed_with_a_json_merge_patch_on_the_own_namespace
     with pytest.raises(ApiNotFound):
         api.patch_pod_labels("gpuslice-system", "nope", {role: None})
     assert rest.denied == []
-    with pytest.raises(GpusliceError, match="403"):  # another namespace's pods: never
-        api.patch_pod_labels("ml", "victim", {role: "leader"})
+    from gpuslice.services.extender.requeue import REQUEUE_ANNOTATION
+
+    victim = rest.get_pod("ml", "victim")
+    out = api.patch_pod_annotations("ml", "victim", {REQUEUE_ANNOTATION: "t"},
+                                    victim["metadata"]["resourceVersion"])
+    assert out["metadata"]["annotations"] == {REQUEUE_ANNOTATION: "t"}
+    assert rest.denied == []
+    with pytest.raises(GpusliceError, match="403"):  # another namespace's pods: no deletion
+        api.delete_pod("ml", "victim")
     assert not rest.get_pod("ml", "victim")["metadata"].get("labels")
     patches = {ct for _, verb, _, ct in rest.requests if verb == "PATCH"}
     assert patches == {"application/strategic-merge-patch+json"}, patches

@@ -152,6 +152,25 @@ def test_exports() -> None:
     assert limits["gpuslice.io/gpu"] == "1" and 1 <= int(limits["gpuslice.io/gpu-milli"]) <= 1000
     weights = json.loads(docs[-1]["data"]["weights.json"])
     assert set(weights) == {"a", "b"}
+    # they run unedited (issue 51): the gpuslice scheduler, the GPU model as the label the
+    # router's Istio subsets select, the processes, and a Service per service to route to
+    for d in deployments:
+        tpl = d["spec"]["template"]
+        assert tpl["spec"]["schedulerName"] == "gpuslice-scheduler"
+        assert tpl["metadata"]["labels"]["gpuslice.io/gpu-model"] == \
+            tpl["metadata"]["annotations"]["gpuslice.io/gpu-model"]
+        assert int(tpl["metadata"]["annotations"]["gpuslice.io/processes"]) >= 1
+        assert tpl["spec"]["containers"][0]["ports"] == [{"name": "http",
+                                                          "containerPort": 8000}]
+    services = {d["metadata"]["name"]: d["spec"] for d in docs if d["kind"] == "Service"}
+    assert set(services) == {"a", "b"}
+    assert services["a"]["selector"] == {"gpuslice.io/service": "a"}
+    assert services["a"]["ports"] == [{"name": "http", "port": 80, "targetPort": "http"}]
+    named = manifests(p, "ml", "vllm/vllm-openai:v0.6", 9000)
+    dep = next(d for d in named if d["kind"] == "Deployment")
+    assert dep["metadata"]["namespace"] == "ml"
+    (c,) = dep["spec"]["template"]["spec"]["containers"]
+    assert c["image"] == "vllm/vllm-openai:v0.6" and c["ports"][0]["containerPort"] == 9000
 
 
 def test_own_profile_format_and_errors(tmp_path: Path) -> None:

@@ -28,6 +28,7 @@ from gpuslice.cli import (
     replan,
     router,
     simulate,
+    webhook,
 )
 from gpuslice.cli.common import (
     EXIT_FAILED,
@@ -43,8 +44,8 @@ from gpuslice.core.errors import GpusliceError, Unavailable
 __all__ = ["main", "parse_policies", "parse_seeds"]
 
 # the order of `gpuslice --help`
-COMMANDS = (simulate, plan, replan, router, extender, node_agent, mps_host, dra_driver, mig, gpus,
-            demo, local, reconfig, dra_allocator, profile, bench, dev_cluster)
+COMMANDS = (simulate, plan, replan, router, extender, webhook, node_agent, mps_host, dra_driver,
+            mig, gpus, demo, local, reconfig, dra_allocator, profile, bench, dev_cluster)
 
 
 def _build_parser() -> argparse.ArgumentParser:

@@ -30,8 +30,10 @@ def register(sub: Sub) -> None:
         description="Follows unbound pods whose ResourceClaim asks our driver's classes for "
         "one device (a share or whole GPUs) and writes the claim's allocation chosen by the "
         "policy; kube-scheduler then only checks that the node can reach it. Only devices "
-        "tainted for the allocator (our drivers do so while its Lease is fresh) are used; "
-        "see docs/dra-placement.md.",
+        "tainted for the allocator (our drivers do so while its Lease is fresh) are used. A "
+        "pod created with the scheduling gate gpu.gpuslice.io/allocator is released right "
+        "after its claim is allocated, so kube-scheduler tries it once; see "
+        "docs/dra-placement.md.",
         epilog=examples("gpuslice dra-allocator --kubeconfig ~/.kube/config",
                         "gpuslice dra-allocator --once --lease gpuslice-system/my-allocator"))
     a.add_argument("--kubeconfig", help=KUBECONFIG_HELP)
@@ -39,7 +41,16 @@ def register(sub: Sub) -> None:
     a.add_argument("--driver", default="gpu.gpuslice.io", help="DRA driver name")
     a.add_argument("--policy", default="frag-strand", help="placement policy (default "
                    "frag-strand)")
-    a.add_argument("--interval", type=positive_float, default=0.5, help="seconds between passes")
+    a.add_argument("--interval", type=positive_float, default=1.0,
+                   help="longest wait (seconds) between passes: passes run on the watch events "
+                   "of claims, pods and slices; this periodic one is the safety net (default 1)")
+    a.add_argument("--coalesce", type=non_negative_float, default=0.005,
+                   help="seconds a pass waits after the first watch event, so that a burst of "
+                   "events is one pass (default 0.005)")
+    a.add_argument("--gate-timeout", type=positive_float, default=30.0,
+                   help="longest (seconds) a pod held by the allocator's scheduling gate "
+                   "(gpu.gpuslice.io/allocator) waits for its claim's allocation before it is "
+                   "released to kube-scheduler with an Event (default 30)")
     a.add_argument("--settle", type=non_negative_float, default=10.0,
                    help="seconds a node's devices must have carried the allocator taint "
                    "before they are used (in-flight scheduler allocations land meanwhile)")
@@ -67,6 +78,8 @@ def register(sub: Sub) -> None:
 
 
 def _run(args: argparse.Namespace, console: Console) -> int:
+    import logging
+    import threading
     import time
 
     from gpuslice.adapters.kube import dra as kdra
@@ -83,6 +96,11 @@ def _run(args: argparse.Namespace, console: Console) -> int:
         raise ValidationError("--settle", "0 or more seconds", args.settle)
     if args.max_backoff <= 0:
         raise ValidationError("--max-backoff", "a positive number of seconds", args.max_backoff)
+    if args.coalesce < 0:
+        raise ValidationError("--coalesce", "0 or more seconds", args.coalesce)
+    if args.gate_timeout <= 0:
+        raise ValidationError("--gate-timeout", "a positive number of seconds",
+                              args.gate_timeout)
     lease_ns, lease_name = parse_lease(args.lease)
     lease = args.lease
     # a refused write comes back every pass (5 a second): once a minute per claim is enough
@@ -90,11 +108,13 @@ def _run(args: argparse.Namespace, console: Console) -> int:
     api = KubeClient(args.kubeconfig, args.context)
     identity = args.identity or os.environ.get("POD_NAME") or socket.gethostname()
     elector = LeaderElector(api, lease_ns, lease_name, identity, time.time)
-    # the lists every pass reads come from watches (one list per resource, not per pass)
-    lists = MirroredLists(api)
+    # the lists every pass reads come from watches (one list per resource, not per pass),
+    # and their events wake the passes (issue 58)
+    wake = threading.Event()
+    lists = MirroredLists(api, wake)
     alloc = DraAllocator(lists, driver=args.driver, policy=args.policy,
                          require_taint=not args.no_require_taint, settle_s=args.settle,
-                         max_backoff_s=args.max_backoff,
+                         max_backoff_s=args.max_backoff, max_hold_s=args.gate_timeout,
                          elector=elector)
     classes = sorted(alloc.classes)
     log.info("watching ResourceClaims of unbound pods for driver %s (device classes %s), "
@@ -117,6 +137,10 @@ def _run(args: argparse.Namespace, console: Console) -> int:
             log.info("allocated %s -> %s", claim, where, extra={"claim": claim, "to": where})
         for claim in report.taken:
             log.info("%s: allocated by someone else first", claim, extra={"claim": claim})
+        for pod, why in report.released.items():
+            log.log(logging.DEBUG if why == "allocated" else logging.INFO,
+                    "released %s from the gate %s (%s)", pod, kdra.ALLOCATOR_GATE, why,
+                    extra={"event": "gate-released", "pod": pod, "reason": why})
         for problem in alloc.problems:
             log.warning("problem: %s", problem, extra={"event": "problem"})
         alloc.problems.clear()
@@ -131,7 +155,9 @@ def _run(args: argparse.Namespace, console: Console) -> int:
         if args.once:
             show(alloc.run_once())
         else:
-            alloc.run(signals.event, args.interval, passed)
+            lists.start()
+            alloc.run(signals.event, args.interval, passed, wake=wake,
+                      coalesce_s=args.coalesce)
     lists.close()
     released = elector.release()  # a standby takes over at its next pass
     log.info("%s", signals.stopped_line(f"released the Lease {lease}" if released

@@ -7,6 +7,7 @@ import argparse
 import os
 import signal
 import threading
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -25,7 +26,12 @@ from gpuslice.cli.common import (
     local_nvml,
     setup_logging,
 )
-from gpuslice.cli.flagtypes import parse_hostport, parse_lease, positive_float
+from gpuslice.cli.flagtypes import (
+    non_negative_float,
+    parse_hostport,
+    parse_lease,
+    positive_float,
+)
 from gpuslice.core import dra
 from gpuslice.core.errors import ValidationError
 
@@ -80,6 +86,11 @@ def register(sub: Sub) -> None:
                       "is fresh, consumable-capacity devices carry its taint "
                       "(docs/dra-placement.md); 'none' never taints", none=True)
     deprecated_alias(p, "--allocator-lease", lease)
+    p.add_argument("--gate-grace", type=non_negative_float, default=5.0, metavar="SECONDS",
+                   help="once the allocator's Lease has been stale this long, the drivers (one "
+                   "at a time, elected on the Lease gpuslice-dra-gate-keeper beside it) release "
+                   "the pods its scheduling gate gpu.gpuslice.io/allocator still holds, each "
+                   "with an Event (default %(default)s)")
     p.add_argument("--health-timeout", type=int, default=120,
                    help="health_check_timeout_seconds reported to the kubelet (the list is "
                    "resent every quarter of it)")
@@ -144,7 +155,14 @@ def run(args: argparse.Namespace, console: Console) -> int:
                     resync_s=args.resync)
     nvml: NvmlPort = local_nvml(args, node)
     api = KubeClient(args.kubeconfig)
-    driver = DraDriver(cfg, nvml, api)
+    keeper = None
+    if lease is not None:  # issue 58: no pod stays behind the gate of an allocator gone
+        from gpuslice.services.dra_gate import KEEPER_LEASE, GateKeeper
+        from gpuslice.services.leader import LeaderElector
+
+        keeper = GateKeeper(api, lease, "gpuslice-dra-driver", time.time, args.gate_grace,
+                            LeaderElector(api, lease[0], KEEPER_LEASE, node, time.time))
+    driver = DraDriver(cfg, nvml, api, gate_keeper=keeper)
     if args.metrics != "off":
         _serve_usage(args, driver, api, nvml)
     stop = threading.Event()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +34,8 @@ from gpuslice.core.errors import ValidationError
 if TYPE_CHECKING:
     from gpuslice.core.planner import FleetType, Plan
     from gpuslice.core.profiles import ProfileSet
+
+_NAMESPACE = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")  # RFC 1123 label
 
 def register(sub: Sub) -> None:
     p = sub.add_parser(
@@ -84,6 +87,13 @@ def register(sub: Sub) -> None:
                    help="solver seconds per planning round (default 1.0)")
     add_write_json(p, "the plan")
     add_export_dir(p, "")
+    p.add_argument("--namespace", default="default",
+                   help="with --out: the namespace of the manifests (default default)")
+    p.add_argument("--image", default="REPLACE-WITH-YOUR-MODEL-SERVER-IMAGE",
+                   help="with --out: the model server image the Deployments run")
+    p.add_argument("--port", type=int, default=8000,
+                   help="with --out: the port the model server listens on, the container's "
+                   "'http' port that each service's Service (port 80) sends to (default 8000)")
     p.add_argument("--seed", type=non_negative_int, default=1,
                    help="seed of the replay, a whole number >= 0 (default 1)")
     add_output(p)
@@ -254,6 +264,15 @@ def check_files(args: argparse.Namespace) -> None:
     parse (one line naming the file and the line, not PyYAML's several)."""
     if args.write_json is not None:
         writable_file(args.write_json, "--write-json")
+    port, image = getattr(args, "port", 8000), getattr(args, "image", "x")  # plan's alone
+    if not 1 <= port <= 65535:
+        raise ValidationError("--port", "a port 1..65535", port)
+    if not image.strip():
+        raise ValidationError("--image", "an image reference", image)
+    namespace = getattr(args, "namespace", "default")
+    if not _NAMESPACE.fullmatch(namespace):
+        raise ValidationError("--namespace", "a namespace name (lower-case letters, digits and "
+                              "'-', at most 63)", namespace)
     if args.out is not None:
         from gpuslice.planning.export import check_export_dir
 
@@ -274,6 +293,8 @@ def _write(args: argparse.Namespace, plan: Plan, doc: dict[str, Any], console: C
         write_json(args.write_json, doc, "--write-json")
         say.print(f"wrote {args.write_json}", highlight=False)
     if args.out:
-        for path in write_exports(args.out, plan, doc, field="--out"):
+        extra = {k: getattr(args, k) for k in ("namespace", "image", "port")
+                 if hasattr(args, k)}
+        for path in write_exports(args.out, plan, doc, field="--out", **extra):
             say.print(f"wrote {path}", highlight=False)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections import Counter
 from functools import partial
 from pathlib import Path
@@ -29,12 +30,26 @@ def mig_parted(plan: Plan, gpus_per_node: int = 8) -> dict[str, Any]:
     return {"version": "v1", "mig-configs": configs}
 
 
+SCHEDULER_NAME = "gpuslice-scheduler"  # deploy/'s second scheduler profile
+GPU_MODEL_LABEL = "gpuslice.io/gpu-model"  # what the router's Istio subsets select
+SERVER_PORT = 8000  # the model server's port (vLLM's and Triton's HTTP default)
+_DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
+_LABEL_VALUE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?$")
+
+
 def manifests(plan: Plan, namespace: str = "default",
-              image: str = "REPLACE-WITH-YOUR-MODEL-SERVER-IMAGE") -> list[dict[str, Any]]:
+              image: str = "REPLACE-WITH-YOUR-MODEL-SERVER-IMAGE",
+              port: int = SERVER_PORT) -> list[dict[str, Any]]:
     """A Deployment per (service, slice) with gpuslice resources and the slice's MIG profile and
-    MPS caps as annotations, plus one ConfigMap of router weights (throughput per replica)."""
+    MPS caps as annotations, a Service per service, and one ConfigMap of router weights
+    (throughput per replica). They run as they are on an installed gpuslice: the pods name
+    the gpuslice scheduler, carry the GPU model as a label (what ``gpuslice router --export
+    istio`` subsets select) and their CUDA processes (``gpuslice.io/processes``), and each
+    service's Service (its name, port 80 to the container's ``http`` port ``port``) is the
+    host those subsets route to."""
     docs: list[dict[str, Any]] = []
     weights: dict[str, list[dict[str, Any]]] = {}
+    services: list[str] = []
     for g in plan.gpus:
         total = 7
         for s in g.slots:
@@ -43,6 +58,11 @@ def manifests(plan: Plan, namespace: str = "default",
                     f"-{s.placement.start}"
                 milli, mem = slice_share(s, c, total)
                 labels = {"app.kubernetes.io/name": c.service, "gpuslice.io/service": c.service}
+                if c.service not in services:
+                    services.append(c.service)
+                pod_labels = {**labels, "gpuslice.io/replica": name}
+                if _LABEL_VALUE.match(g.gpu):
+                    pod_labels[GPU_MODEL_LABEL] = g.gpu
                 docs.append({
                     "apiVersion": "apps/v1", "kind": "Deployment",
                     "metadata": {"name": name, "namespace": namespace, "labels": labels},
@@ -51,7 +71,7 @@ def manifests(plan: Plan, namespace: str = "default",
                         "selector": {"matchLabels": {"gpuslice.io/replica": name}},
                         "template": {
                             "metadata": {
-                                "labels": {**labels, "gpuslice.io/replica": name},
+                                "labels": pod_labels,
                                 "annotations": {
                                     # the MIG slice's compute share and memory as
                                     # an MPS slice, on any GPU of the model; the
@@ -65,8 +85,9 @@ def manifests(plan: Plan, namespace: str = "default",
                                     "gpuslice.io/processes": str(c.procs),
                                 },
                             },
-                            "spec": {"containers": [{
+                            "spec": {"schedulerName": SCHEDULER_NAME, "containers": [{
                                 "name": "server", "image": image,
+                                "ports": [{"name": "http", "containerPort": port}],
                                 "env": [{"name": "GPUSLICE_BATCH_SIZE", "value": str(c.batch)},
                                         {"name": "GPUSLICE_PROCESSES", "value": str(c.procs)}],
                                 "resources": {"limits": {
@@ -80,12 +101,23 @@ def manifests(plan: Plan, namespace: str = "default",
                 })
                 weights.setdefault(c.service, []).append(
                     {"replica": name, "weight": round(c.throughput, 3)})
+    docs += [_service(svc, namespace) for svc in services if _DNS_LABEL.match(svc)]
     docs.append({
         "apiVersion": "v1", "kind": "ConfigMap",
         "metadata": {"name": "gpuslice-router-weights", "namespace": namespace},
         "data": {"weights.json": json.dumps(weights, sort_keys=True)},
     })
     return docs
+
+
+def _service(name: str, namespace: str) -> dict[str, Any]:
+    """The Service of a planned service: the host its router export routes to (a name that
+    is no DNS label gets none: name one yourself and give the router's ``host``)."""
+    return {"apiVersion": "v1", "kind": "Service",
+            "metadata": {"name": name, "namespace": namespace,
+                         "labels": {"app.kubernetes.io/name": name}},
+            "spec": {"selector": {"gpuslice.io/service": name},
+                     "ports": [{"name": "http", "port": 80, "targetPort": "http"}]}}
 
 
 EXPORT_FILES = ("plan.json", "mig-parted.yaml", "manifests.yaml")
@@ -102,13 +134,17 @@ def check_export_dir(out: Path, field: str = "--export") -> None:
 
 
 def write_exports(out: Path, plan: Plan, plan_json: dict[str, Any],
-                  gpus_per_node: int = 8, field: str = "--export") -> list[Path]:
+                  gpus_per_node: int = 8, field: str = "--export", *,
+                  namespace: str = "default",
+                  image: str = "REPLACE-WITH-YOUR-MODEL-SERVER-IMAGE",
+                  port: int = SERVER_PORT) -> list[Path]:
     """plan.json, mig-parted.yaml and manifests.yaml in ``out``: all three or none (see
-    :func:`write_texts`)."""
+    :func:`write_texts`); the manifests in ``namespace``, running ``image`` on ``port``."""
     texts = {
         "plan.json": json.dumps(plan_json, indent=2),
         "mig-parted.yaml": yaml.safe_dump(mig_parted(plan, gpus_per_node), sort_keys=False),
-        "manifests.yaml": yaml.safe_dump_all(manifests(plan), sort_keys=False),
+        "manifests.yaml": yaml.safe_dump_all(manifests(plan, namespace, image, port),
+                                             sort_keys=False),
     }
     try:
         out.mkdir(parents=True, exist_ok=True)

@@ -25,6 +25,22 @@ Safety (docs/dra-placement.md):
   ``max_backoff_s``. Never given up: while our taint is on, nobody else would place it.
 * Pods not bound yet whose claim is allocated count on their node's CPU and memory, so the
   next claim does not go to CPU that pod's bind is about to take.
+* A pod may carry the allocator's scheduling gate (``gpu.gpuslice.io/allocator``, issue 58):
+  kube-scheduler then does not try it until the allocator has written its claim's allocation
+  and removed the gate, so the pod is scheduled once, with no failed attempt and no backoff.
+  The gate comes off once the allocation has come back through the allocator's own watch of
+  claims (the pass that pod's claim event wakes): released at once, kube-scheduler, whose
+  watch of claims may lag its watch of pods, tried a pod of a burst on a claim it still saw
+  unallocated (tests/cluster/test_dra_gate.py). A held pod the allocator will not place (not
+  its shape, no room now, its write refused, no device tainted for it) is released at once
+  with an Event saying why; one still waiting (its claim not created yet, devices settling)
+  at most ``max_hold_s`` (:func:`gpuslice.core.dra_gate.verdict`). When the allocator is
+  gone, the DRA drivers release what it held once its Lease is stale
+  (:class:`gpuslice.services.dra_gate.GateKeeper`).
+* Passes run on the watch events of claims, pods and slices (``wake``: coalesced for
+  ``coalesce_s``, so a burst is one pass), and at the latest every ``interval_s`` and when
+  something timed is due (a node's devices settled, a released claim's retry, a held pod's
+  deadline, the Lease's renewal): :meth:`DraAllocator.run`.
 * One bad object never stops the allocator: an invalid pool (a device name twice, as upstream's
   ``GatherPools`` marks it) or a slice with a field of the wrong type leaves its pool out, a
   claim, pod or node of the wrong shape is passed over as :mod:`~gpuslice.services.dra_book`
@@ -47,23 +63,39 @@ from typing import Any, Protocol
 import numpy as np
 
 from gpuslice.adapters.kube import dra as kdra
-from gpuslice.adapters.kube.fake import ApiConflict, ApiNotFound, DraApiPort, KubePort
-from gpuslice.core.dra_placement import DeviceResult, DraDevice, DraPlacement
-from gpuslice.core.errors import GpusliceError
+from gpuslice.adapters.kube.dra_gate import gates, why_not_placed
+from gpuslice.adapters.kube.fake import (
+    ApiConflict,
+    ApiNotFound,
+    DraApiPort,
+    KubePort,
+    PodGatePort,
+)
+from gpuslice.core.dra_gate import Claims, GatedPod, verdict
+from gpuslice.core.dra_placement import DeviceResult, DraDevice, DraLedger, DraPlacement
+from gpuslice.core.errors import GpusliceError, ValidationError
 from gpuslice.core.policies import Policy, make_policy
 from gpuslice.services.dra_book import DraBook
+from gpuslice.services.dra_gate import GateReleaser
 
 log = logging.getLogger("gpuslice.dra-allocator")
 
 
-class AllocatorPort(KubePort, DraApiPort, Protocol):
-    """The API the allocator needs: pods, nodes, leases and resource.k8s.io/v1."""
+class AllocatorPort(KubePort, DraApiPort, PodGatePort, Protocol):
+    """The API the allocator needs: pods (read; their gate removed), nodes, leases, Events
+    and resource.k8s.io/v1."""
+
+
+PodKey = tuple[str, str]
 
 
 @dataclass
 class PassReport:
     """What one pass did: claims allocated (``ns/name`` -> node and devices), claims someone
-    else allocated first, claims that fit nowhere, conflicts retried, and whether we lead."""
+    else allocated first, claims that fit nowhere, conflicts retried, pods released from the
+    gate (``ns/name`` -> the Event's reason, ``allocated`` when none), whether we lead, and
+    when (on the allocator's clock) the next pass is due at the latest for something timed
+    (``None``: nothing)."""
 
     leading: bool = True
     allocated: dict[str, str] = field(default_factory=dict)
@@ -71,6 +103,11 @@ class PassReport:
     unplaced: dict[str, str] = field(default_factory=dict)
     conflicts: int = 0
     nodes: int = 0
+    released: dict[str, str] = field(default_factory=dict)
+    next_due: float | None = None
+
+    def due(self, at: float) -> None:
+        self.next_due = at if self.next_due is None else min(self.next_due, at)
 
 
 def _key(obj: Mapping[str, Any]) -> str:
@@ -82,12 +119,14 @@ class DraAllocator:
                  classes: Mapping[str, frozenset[str]] = kdra.CLASS_KINDS,
                  policy: str = "frag-strand", require_taint: bool = True,
                  settle_s: float = 10.0, max_attempts: int = 3, backoff_s: float = 2.0,
-                 max_backoff_s: float = 60.0,
+                 max_backoff_s: float = 60.0, max_hold_s: float = 30.0,
                  clock: Callable[[], float] = time.monotonic,
                  new_share_id: Callable[[], str] = lambda: str(uuid.uuid4()),
                  elector: Any = None, seed: int = 0, elect_every_s: float = 2.0,
                  wall_clock: Callable[[], str] = lambda: datetime.now(UTC).strftime(
                      "%Y-%m-%dT%H:%M:%SZ")) -> None:
+        if not max_hold_s > 0:
+            raise ValidationError("max_hold_s", "a positive number of seconds", max_hold_s)
         self.api = api
         self.driver, self.classes = driver, classes
         self.policy: Policy = make_policy(policy)
@@ -97,13 +136,16 @@ class DraAllocator:
         # never given up, as our devices' taint keeps the default allocator away from it
         self.max_attempts, self.backoff_s = max_attempts, backoff_s
         self.max_backoff_s = max_backoff_s
+        self.max_hold_s = max_hold_s  # the longest a pod waits behind our gate (issue 58)
         self.clock, self.new_share_id = clock, new_share_id
         self.wall_clock = wall_clock  # allocationTimestamp (RFC 3339)
         self.elector = elector  # a LeaderElector (services.leader) or None: always lead
         self.rng = np.random.default_rng(seed)
+        self.gate = GateReleaser(api, "gpuslice-dra-allocator")
         self._seen_since: dict[str, float] = {}  # node -> when its devices were first usable
         self._attempts: dict[str, int] = {}  # claim UID -> allocations we wrote
         self._retry_at: dict[str, float] = {}  # claim UID -> no new try before (clock)
+        self._held: dict[str, float] = {}  # pod UID -> since when our gate is its only one
         self.problems: list[str] = []
         # the Lease is renewed every elect_every_s; claims are written only within
         # write_within_s of the last renewal (a third of the lease's 15 s), so none lands
@@ -138,9 +180,43 @@ class DraAllocator:
         if not self._leading():
             report.leading = False
             return report
+        if self.elector is not None:
+            report.due(self._elected_at + self.elect_every_s)
         api = self.api
         slices = api.list_resource_slices()
         claims, pods, nodes = api.list_resource_claims(), api.list_pods(), api.list_nodes()
+        version = self._read_devices(slices)
+        devices = self._devices
+        now = self.clock()
+        self._seen_since = {n: self._seen_since.get(n, now) for n in devices}
+        ready = {n: d for n, d in devices.items()
+                 if not self.require_taint or now - self._seen_since[n] >= self.settle_s}
+        for n in devices.keys() - ready.keys():  # devices settling: a pass when they are
+            report.due(self._seen_since[n] + self.settle_s)
+        if len(self._attempts) > len(claims):  # some are of claims gone: forget them
+            live = {str(c["metadata"].get("uid")) for c in claims}
+            self._attempts = {u: n for u, n in self._attempts.items() if u in live}
+            self._retry_at = {u: t for u, t in self._retry_at.items() if u in live}
+        report.nodes = len(ready)
+        usable = any(ready.values())  # a node whose devices carry our taint and settled
+        outcome: dict[PodKey, tuple[Claims, str]] = {}  # the held pods this pass decided on
+        if usable:
+            # the ledger kept between passes (services.dra_book), synced with what changed
+            try:
+                ledger = self.book.sync(ready, version, nodes, pods, claims)
+            except BaseException:  # half-synced: built again from the next lists
+                self.book.invalidate()
+                raise
+            for problem in self.book.problems():
+                self._note(problem)
+            self._place(ledger, report, outcome, now)
+        self._release_held(pods, claims, report, outcome, usable,
+                           not usable and any(devices.values()), now)
+        return report
+
+    def _read_devices(self, slices: list[dict[str, Any]]) -> tuple[tuple[object, object], ...]:
+        """Our usable devices per node (:attr:`_devices`), parsed again only when a slice
+        changed; returns the slices' version."""
         version = tuple(((s.get("metadata") or {}).get("uid"),
                          (s.get("metadata") or {}).get("resourceVersion")) for s in slices)
         if version != self._slices_version or None in (v for pair in version for v in pair):
@@ -151,49 +227,41 @@ class DraAllocator:
             self._slices_version, self._slice_problems = version, found
         for problem in self._slice_problems:
             self._note(problem)
-        devices = self._devices
-        now = self.clock()
-        self._seen_since = {n: self._seen_since.get(n, now) for n in devices}
-        ready = {n: d for n, d in devices.items()
-                 if not self.require_taint or now - self._seen_since[n] >= self.settle_s}
-        if len(self._attempts) > len(claims):  # some are of claims gone: forget them
-            live = {str(c["metadata"].get("uid")) for c in claims}
-            self._attempts = {u: n for u, n in self._attempts.items() if u in live}
-            self._retry_at = {u: t for u, t in self._retry_at.items() if u in live}
-        report.nodes = len(ready)
-        if not ready:
-            return report
-        # the ledger kept between passes (services.dra_book), synced with what changed
-        try:
-            ledger = self.book.sync(ready, version, nodes, pods, claims)
-        except BaseException:  # half-synced: built again from the next lists
-            self.book.invalidate()
-            raise
-        for problem in self.book.problems():
-            self._note(problem)
+        return version
+
+    def _place(self, ledger: DraLedger, report: PassReport,
+               outcome: dict[PodKey, tuple[Claims, str]], now: float) -> None:
+        """Decide and write each pending claim, oldest pod first, noting in ``outcome``
+        what became of each pod's claim (:meth:`_release_held` decides on its gate)."""
         pending = self.book.pending()
         if not pending:
-            return report
-        classes = api.list_device_classes()  # their configs go into the allocations
+            return
+        classes = self.api.list_device_classes()  # their configs go into the allocations
         for pc in pending:
+            pod_key = (str(pc.pod["metadata"].get("namespace")), str(pc.pod["metadata"]["name"]))
             if self.elector is not None and \
                     self.clock() - self._elected_at > self.write_within_s:
+                outcome[pod_key] = (Claims.PENDING, "")
                 break  # a long pass: renew the Lease (next pass) before writing more
             uid = str(pc.claim["metadata"].get("uid"))
             name = _key(pc.claim)
             if now < self._retry_at.get(uid, now):
+                report.due(self._retry_at[uid])
+                outcome[pod_key] = (Claims.PENDING, "")
                 continue  # released by the scheduler too often: backing off
             dec = ledger.decide(pc.request, self.policy, self.rng, cpu_milli=pc.cpu_milli,
                                 memory_mib=pc.memory_mib)
             if dec.placement is None:
                 report.unplaced[name] = dec.message()
+                outcome[pod_key] = (Claims.UNPLACED, f"claim {name}: {dec.message()}")
                 continue
             try:
-                outcome, claim = self._write(pc.claim, dec.placement, classes, report)
+                result, claim = self._write(pc.claim, dec.placement, classes, report)
             except GpusliceError as exc:  # refused (403, 422), a config of the wrong shape:
                 self._note(f"claim {name}: not allocated: {exc}")  # this claim only
+                outcome[pod_key] = (Claims.REFUSED, f"claim {name}: {exc}")
                 continue
-            if outcome == "allocated":
+            if result == "allocated":
                 tries = self._attempts[uid] = self._attempts.get(uid, 0) + 1
                 if tries >= self.max_attempts:  # the next release waits before a new try
                     self._retry_at[uid] = now + min(
@@ -202,10 +270,84 @@ class DraAllocator:
                              ledger.slice_request(pc.request, pc.cpu_milli, pc.memory_mib))
                 devs = ",".join(r.device for r in dec.placement.results)
                 report.allocated[name] = f"{dec.placement.node}: {devs}"
-            elif outcome == "taken" and claim is not None:
+                # a held pod is released by _release_held, once the claim's allocation has
+                # come back through the watch (this pass, or the one its event wakes)
+                outcome[pod_key] = (Claims.ALLOCATED, "")
+            elif result == "taken" and claim is not None:
                 report.taken.append(name)
                 ledger.apply(self._as_placement(claim))
-        return report
+                outcome[pod_key] = (Claims.ALLOCATED, "")
+
+    def _release_held(self, pods: list[dict[str, Any]], claims: list[dict[str, Any]],
+                      report: PassReport, outcome: dict[PodKey, tuple[Claims, str]],
+                      devices: bool, settling: bool, now: float) -> None:
+        """Every pod not bound yet that carries our gate: released when its claims are
+        allocated or the allocator will not place them, else held (at most max_hold_s)."""
+        held: dict[str, float] = {}
+        by_key: dict[PodKey, dict[str, Any]] | None = None
+        flight: set[tuple[str | None, str]] | None = None
+        for pod in pods:
+            spec, meta = pod.get("spec"), pod.get("metadata") or {}
+            if not isinstance(spec, dict) or not spec.get("schedulingGates") or \
+                    spec.get("nodeName") or meta.get("deletionTimestamp"):
+                continue
+            key = (str(meta.get("namespace")), str(meta.get("name")))
+            try:
+                names = gates(pod)
+            except ValidationError:
+                continue
+            if kdra.ALLOCATOR_GATE not in names:
+                continue
+            others = tuple(n for n in names if n != kdra.ALLOCATOR_GATE)
+            uid = str(meta.get("uid") or "/".join(key))
+            since = held[uid] = now if others else self._held.get(uid, now)
+            if key in outcome:
+                state, why = outcome[key]
+            else:
+                if by_key is None:
+                    by_key = {(str(c["metadata"].get("namespace")), str(c["metadata"]["name"])): c
+                              for c in claims}
+                state, why = self._claims_state(pod, by_key, devices)
+            if state is Claims.ALLOCATED:
+                if flight is None:
+                    flight = self._claims_in_flight()
+                if flight and any(k in flight for k in kdra.pod_claims(pod)):
+                    state = Claims.PENDING  # our write not back through the watch yet
+            v = verdict(GatedPod(now - since, state, others, why, devices, settling),
+                        self.max_hold_s)
+            if not v.release:
+                if v.recheck_s is not None:
+                    report.due(now + v.recheck_s)
+                continue
+            if self.gate.release(pod, v.reason, v.message, v.warning):
+                report.released["/".join(key)] = v.reason or "allocated"
+                held.pop(uid, None)
+        self._held = held
+
+    def _claims_in_flight(self) -> set[tuple[str | None, str]]:
+        """The claims we wrote that our watch has not brought back yet (``api``'s
+        ``claims_in_flight``, :class:`~gpuslice.adapters.kube.mirror.MirroredLists`'; none for
+        an API read afresh every pass, where what we read is what everyone sees)."""
+        in_flight = getattr(self.api, "claims_in_flight", None)
+        return set(in_flight()) if callable(in_flight) else set()
+
+    def _claims_state(self, pod: dict[str, Any], by_key: Mapping[PodKey, dict[str, Any]],
+                      devices: bool) -> tuple[Claims, str]:
+        """What a held pod's claims are, when this pass did not decide on them."""
+        try:
+            keys = kdra.pod_claims(pod)
+        except ValidationError as exc:
+            return Claims.NOT_OURS, str(exc)
+        got = [by_key.get((str(ns), str(name))) if name else None for ns, name in keys]
+        if not keys:
+            return Claims.NOT_OURS, "the pod names no ResourceClaim"
+        if any(c is None for c in got):
+            return Claims.MISSING, ""
+        if all(kdra.is_allocated(c) for c in got if c is not None):
+            return Claims.ALLOCATED, ""
+        if not devices:  # nothing was placed this pass: its claim waits for the devices
+            return Claims.PENDING, ""
+        return Claims.NOT_OURS, why_not_placed(pod, got, self.driver, self.classes)
 
     def _leading(self) -> bool:
         """Whether we lead: an election step (the Lease read, then renewed or taken) at most
@@ -263,24 +405,52 @@ class DraAllocator:
 
     # -- the loop ------------------------------------------------------------------------------
 
-    def run(self, stop: threading.Event, interval_s: float = 0.5,
-            on_pass: Callable[[PassReport], None] | None = None) -> None:
+    def _pass_safely(self) -> PassReport:
+        """:meth:`run_once`; a failure fails that pass only (an empty report, its problem)."""
+        try:
+            return self.run_once()
+        except GpusliceError as exc:  # the API server away: try again next pass
+            self.problems.append(str(exc))
+        except Exception as exc:  # a bug, an object of a shape nobody foresaw: this pass
+            # only; the ledger and the slices' devices are built afresh from the next lists
+            self.book.invalidate()
+            self._slices_version = None
+            if self._note(f"pass failed: {type(exc).__name__}: {exc}"):
+                log.exception("allocator pass failed; the next pass builds its ledger "
+                              "again", extra={"event": "pass-failed"})
+        return PassReport(leading=self.elector is None or self.elector.leader)
+
+    def run(self, stop: threading.Event, interval_s: float = 1.0,
+            on_pass: Callable[[PassReport], None] | None = None,
+            wake: threading.Event | None = None, coalesce_s: float = 0.005) -> None:
         """Pass after pass until ``stop`` is set; ``on_pass`` sees every pass's report, and
-        :attr:`problems` (a failed pass leaves an empty report and its problem)."""
+        :attr:`problems` (a failed pass leaves an empty report and its problem). A pass runs
+        when ``wake`` is set (by the watches: :class:`~gpuslice.adapters.kube.mirror.
+        MirroredLists`), ``coalesce_s`` later so that a burst of events is one pass (and no
+        sooner after the last pass than the CPU time that pass took, at most 50 ms: a large
+        cluster's passes do not take a core back to back); else when the last report's ``next_due``
+        comes, and at the latest ``interval_s`` after the last pass (without ``wake``:
+        every ``interval_s``)."""
         while not stop.is_set():
-            try:
-                report = self.run_once()
-            except GpusliceError as exc:  # the API server away: try again next pass
-                self.problems.append(str(exc))
-                report = PassReport(leading=self.elector is None or self.elector.leader)
-            except Exception as exc:  # a bug, an object of a shape nobody foresaw: this pass
-                # only; the ledger and the slices' devices are built afresh from the next lists
-                self.book.invalidate()
-                self._slices_version = None
-                if self._note(f"pass failed: {type(exc).__name__}: {exc}"):
-                    log.exception("allocator pass failed; the next pass builds its ledger "
-                                  "again", extra={"event": "pass-failed"})
-                report = PassReport(leading=self.elector is None or self.elector.leader)
+            if wake is not None:
+                wake.clear()  # events from here on are the next pass's
+            started = time.thread_time()  # the CPU of this thread: a pass's API waits
+            # (its writes' round trips) do not hold the next pass back
+            report = self._pass_safely()
+            took = time.thread_time() - started
             if on_pass is not None:
                 on_pass(report)
-            stop.wait(interval_s)
+            now = self.clock()
+            wait = interval_s if report.next_due is None else \
+                max(0.0, min(interval_s, report.next_due - now))
+            if wake is None:
+                stop.wait(wait)
+                continue
+            deadline = time.monotonic() + wait
+            while not stop.is_set() and not wake.is_set():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                wake.wait(min(left, 0.25))  # stop is looked at four times a second
+            if wake.is_set():
+                stop.wait(max(coalesce_s, min(took, 0.05)))

@@ -10,3 +10,9 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- $ref := printf "%s:%s" .Values.image.repository (toString .Values.image.tag) -}}
 {{- if .Values.image.digest }}{{ printf "%s@%s" $ref .Values.image.digest }}{{ else }}{{ $ref }}{{ end -}}
 {{- end }}
+
+{{/* Labels of the DRA driver's objects: deploy/dra's (its component) and Helm's. */}}
+{{- define "gpuslice.draLabels" -}}
+{{ include "gpuslice.labels" . }}
+app.kubernetes.io/component: dra-driver
+{{- end }}

@@ -26,7 +26,7 @@ the slices read in .dra_slices, the field readers and the memo in .dra_common).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
 
@@ -47,10 +47,12 @@ from gpuslice.core.dra_placement import (
     Usage,
 )
 from gpuslice.core.errors import ValidationError, note_once
+from gpuslice.core.gpuselect import accepted_models
 
 # our driver's names and the slices' devices, this module's too
 DRIVER = dra_common.DRIVER
 ALLOCATOR_TAINT = dra_common.ALLOCATOR_TAINT
+ALLOCATOR_GATE = dra_common.ALLOCATOR_GATE
 MEMO_MAX = dra_common.MEMO_MAX
 slice_devices = dra_slices.slice_devices
 FINALIZER = "resource.kubernetes.io/delete-protection"
@@ -302,14 +304,15 @@ def pending_claims(pods: Sequence[Mapping[str, Any]], claims: Sequence[Mapping[s
                    driver: str = DRIVER,
                    classes: Mapping[str, frozenset[str]] = CLASS_KINDS) -> list[PendingClaim]:
     """Unallocated claims we place, of pods that no scheduler has bound yet (one claim per
-    pod; a pod with several claims, or a scheduling gate, is left alone), oldest pod first."""
+    pod; a pod with several claims, or a scheduling gate other than the allocator's own, is
+    left alone), oldest pod first."""
     by_name = {(c["metadata"].get("namespace"), c["metadata"]["name"]): c for c in claims}
     out: list[PendingClaim] = []
     for p in sorted(pods, key=lambda p: (str(p["metadata"].get("creationTimestamp") or ""),
                                          str(p["metadata"]["name"]))):
         spec, meta = p.get("spec"), p["metadata"]
         if not isinstance(spec, Mapping) or spec.get("nodeName") \
-                or meta.get("deletionTimestamp") or spec.get("schedulingGates"):
+                or meta.get("deletionTimestamp") or _gated_by_others(spec):
             continue
         try:  # a pod of the wrong shape is left alone (the allocator notes it)
             keys = pod_claims(p)
@@ -322,11 +325,23 @@ def pending_claims(pods: Sequence[Mapping[str, Any]], claims: Sequence[Mapping[s
             req = claim_request(claim, driver, classes)
             if req is None:
                 continue
+            models = accepted_models(meta.get("annotations") or {}, f"pod {keys[0][0]}/"
+                                     f"{meta.get('name')}")  # core.gpuselect's rule
+            if models:
+                req = replace(req, models=models)
             cpu, mem = pod_needs(p)
         except ValidationError:
             continue
         out.append(PendingClaim(dict(claim), dict(p), req, cpu, mem))
     return out
+
+
+def _gated_by_others(spec: Mapping[str, Any]) -> bool:
+    """Whether the pod spec carries a scheduling gate other than the allocator's (or gates of
+    the wrong shape): someone else holds that pod."""
+    items = spec.get("schedulingGates") or []
+    return not isinstance(items, list) or any(
+        not isinstance(g, Mapping) or g.get("name") != ALLOCATOR_GATE for g in items)
 
 
 def allocation(claim: Mapping[str, Any], placement: DraPlacement,

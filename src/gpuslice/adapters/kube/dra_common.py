@@ -16,6 +16,9 @@ DRIVER = "gpu.gpuslice.io"
 # the taint our drivers put on their devices while the allocator's lease is fresh (see
 # docs/dra-placement.md): kube-scheduler then leaves those devices to us
 ALLOCATOR_TAINT = "gpu.gpuslice.io/allocator"
+# the scheduling gate that holds a pod until the allocator has allocated its claim (issue 58:
+# adapters/kube/dra_gate.py); the same name as the taint
+ALLOCATOR_GATE = "gpu.gpuslice.io/allocator"
 
 
 T = TypeVar("T")

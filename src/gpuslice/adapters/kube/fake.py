@@ -32,6 +32,7 @@ from gpuslice.adapters.kube.ports import (
     DraPort,
     KubePort,
     NodeCleanupPort,
+    PodGatePort,
     PodLabelPort,
     WatchEvent,
 )
@@ -55,6 +56,7 @@ __all__ = [
     "FakeApiServer",
     "KubePort",
     "NodeCleanupPort",
+    "PodGatePort",
     "PodLabelPort",
     "WatchEvent",
     "apply_json_patch",

@@ -9,7 +9,7 @@ from typing import Any
 
 from gpuslice.adapters.kube.fake_state import FakeState
 from gpuslice.adapters.kube.jsonpatch import apply_json_patch
-from gpuslice.adapters.kube.ports import ApiConflict, ApiNotFound
+from gpuslice.adapters.kube.ports import ApiConflict, ApiInvalid, ApiNotFound
 
 
 class FakeCoreApi(FakeState):
@@ -159,6 +159,26 @@ class FakeCoreApi(FakeState):
                                   f"{p['metadata']['resourceVersion']} != {resource_version})")
             _merge(p["metadata"], "labels", labels)
             _merge(p["metadata"], "annotations", annotations)
+            self._bump(p)
+            return copy.deepcopy(p)
+
+    def remove_pod_scheduling_gate(self, namespace: str, name: str,
+                                   ops: list[dict[str, Any]]) -> dict[str, Any]:
+        """A JSON patch of the pod that may only remove scheduling gates (as the API server's
+        ``validateOnlyDeletedSchedulingGates``, and the rest of the spec immutable)."""
+        with self._lock:
+            p = self._pods.get((namespace, name))
+            if p is None:
+                raise ApiNotFound(f"pod {namespace}/{name} not found")
+            patched = apply_json_patch(p, ops)
+            before = {g.get("name") for g in (p.get("spec") or {}).get("schedulingGates") or []}
+            spec = dict(patched.get("spec") or {})
+            after = {g.get("name") for g in spec.pop("schedulingGates", None) or []}
+            if after - before or spec != {k: v for k, v in (p.get("spec") or {}).items()
+                                          if k != "schedulingGates"}:
+                raise ApiInvalid(f"pod {namespace}/{name}: only the deletion of scheduling "
+                                 "gates is allowed here")
+            p["spec"] = patched["spec"]
             self._bump(p)
             return copy.deepcopy(p)
 

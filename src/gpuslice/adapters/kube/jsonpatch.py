@@ -17,8 +17,9 @@ def json_pointer(*parts: str) -> str:
 
 def apply_json_patch(doc: Any, ops: list[dict[str, Any]]) -> Any:
     """``doc`` with the RFC 6902 operations ``add``, ``remove``, ``replace`` and ``test``
-    applied, all or none (a copy is changed): a missing path (``remove``, ``replace``) or a
-    failed ``test`` raises :class:`ApiInvalid`, as kube-apiserver answers 422."""
+    applied, all or none (a copy is changed), on object members and list items (an index,
+    or ``-`` to append): a missing path (``remove``, ``replace``) or a failed ``test`` raises
+    :class:`ApiInvalid`, as kube-apiserver answers 422."""
     out = copy.deepcopy(doc)
     for i, op in enumerate(ops):
         kind, path = op.get("op"), op.get("path")
@@ -37,8 +38,11 @@ def apply_json_patch(doc: Any, ops: list[dict[str, Any]]) -> Any:
             else:
                 raise ApiInvalid(f"patch[{i}] {kind} {path}: no such path")
         last = keys[-1]
+        if isinstance(parent, list):
+            _in_list(parent, last, kind, op, f"patch[{i}] {kind} {path}")
+            continue
         if not isinstance(parent, dict):
-            raise ApiInvalid(f"patch[{i}] {kind} {path}: only object members are supported")
+            raise ApiInvalid(f"patch[{i}] {kind} {path}: no such path")
         if kind == "add":
             parent[last] = copy.deepcopy(op.get("value"))
         elif last not in parent:
@@ -51,3 +55,22 @@ def apply_json_patch(doc: Any, ops: list[dict[str, Any]]) -> Any:
         elif parent[last] != op.get("value"):
             raise ApiInvalid(f"patch[{i}] test {path}: testing value {parent[last]!r} failed")
     return out
+
+
+def _in_list(items: list[Any], last: str, kind: object, op: dict[str, Any], where: str) -> None:
+    """One operation on list item ``last`` (an index; ``-``, past the end, for ``add``)."""
+    if kind == "add" and last == "-":
+        items.append(copy.deepcopy(op.get("value")))
+        return
+    if not last.isdigit() or int(last) > len(items) or \
+            (kind != "add" and int(last) == len(items)):
+        raise ApiInvalid(f"{where}: no such index")
+    at = int(last)
+    if kind == "add":
+        items.insert(at, copy.deepcopy(op.get("value")))
+    elif kind == "remove":
+        del items[at]
+    elif kind == "replace":
+        items[at] = copy.deepcopy(op.get("value"))
+    elif items[at] != op.get("value"):
+        raise ApiInvalid(f"{where}: testing value {items[at]!r} failed")

@@ -6,7 +6,14 @@ allocator, five times a second) costs the API server one list per resource, not 
 nodes, ResourceClaims, ResourceSlices) from mirrors and passes everything else, writes
 included, to the :class:`~gpuslice.adapters.kube.client.KubeClient`. A claim the allocator
 wrote is served as written until the watch brings that very version (or a later change): the
-next pass must not see it unallocated and place it again.
+next pass must not see it unallocated and place it again (a pod whose gate it removed, the
+same).
+
+Waking (issue 58): with ``wake`` (a :class:`threading.Event`), every watch event that may
+give the allocator work sets it, so that a pass runs on the event instead of on a timer:
+any claim or slice event, a pod event of a pod not bound yet (created, its gates or claims
+changed), a pod deleted or finished (its CPU and claims free up). Nodes (their status
+heartbeats) and device classes do not wake it; the allocator's periodic pass reads them.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from gpuslice.adapters.kube.client import KubeClient, _Follower
@@ -29,16 +37,45 @@ def _key(obj: dict[str, Any]) -> Key:
     return meta.get("namespace"), str(meta.get("name"))
 
 
+def _pod_wakes(event: WatchEvent) -> bool:
+    """Whether a pod's watch event may give the claim allocator work: the pod is not bound
+    yet, or it is gone or finished (what it held frees up)."""
+    obj = event.obj
+    return event.type == "DELETED" or not (obj.get("spec") or {}).get("nodeName") or \
+        (obj.get("status") or {}).get("phase") in ("Succeeded", "Failed")
+
+
+class _WakingQueue(queue.Queue[Any]):
+    """The watch's queue: each event put sets ``wake`` when ``wakes`` says it may matter (a
+    broken watch always: the list that follows may bring anything)."""
+
+    def __init__(self, wake: threading.Event | None,
+                 wakes: Callable[[WatchEvent], bool] | None) -> None:
+        super().__init__()
+        self.wake, self.wakes = wake, wakes
+
+    def put(self, item: Any, block: bool = True, timeout: float | None = None) -> None:
+        super().put(item, block, timeout)
+        if self.wake is not None and (self.wakes is None or not isinstance(item, WatchEvent)
+                                      or self.wakes(item)):
+            self.wake.set()
+
+
 class Mirror:
     """One resource's objects, kept current by a watch from the resourceVersion of a full
-    list; a broken watch (410, the server gone) lists again at the next read."""
+    list; a broken watch (410, the server gone) lists again at the next read. ``wake`` is set
+    by each event ``wakes`` accepts (every event when ``wakes`` is None; none without
+    ``wake``)."""
 
-    def __init__(self, client: KubeClient, list_fn: Any, kind: str) -> None:
+    def __init__(self, client: KubeClient, list_fn: Any, kind: str,
+                 wake: threading.Event | None = None,
+                 wakes: Callable[[WatchEvent], bool] | None = None) -> None:
         self.client, self.list_fn, self.kind = client, list_fn, kind
+        self.wake, self.wakes = wake, wakes
         self._objects: dict[Key, dict[str, Any]] = {}
         # our writes the watch has not brought yet (and when they were made)
         self._written: dict[Key, tuple[float, dict[str, Any]]] = {}
-        self._queue: queue.Queue[WatchEvent | GpusliceError] = queue.Queue()
+        self._queue: queue.Queue[WatchEvent | GpusliceError] = _WakingQueue(wake, wakes)
         self._follower: _Follower | None = None
         self._lock = threading.Lock()
         self.lists = 0  # full lists made (1 while the watch holds)
@@ -64,6 +101,16 @@ class Mirror:
         with self._lock:
             self._written[_key(obj)] = (time.monotonic(), obj)
 
+    def in_flight(self) -> set[Key]:
+        """The objects we wrote whose version the watch has not brought yet (the events
+        queued so far applied): other watchers of the API server, kube-scheduler's
+        informers among them, may not have seen those writes yet either."""
+        with self._lock:
+            if self._follower is not None:
+                self._drain()
+            now = time.monotonic()
+            return {k for k, (at, _) in self._written.items() if now - at <= WRITTEN_S}
+
     def close(self) -> None:
         with self._lock:
             if self._follower is not None:
@@ -75,7 +122,7 @@ class Mirror:
         self.lists += 1
         self._objects = {_key(o): o for o in doc.get("items") or []}
         self._written.clear()
-        self._queue = queue.Queue()
+        self._queue = _WakingQueue(self.wake, self.wakes)
         self._follower = _Follower(self.client, self.list_fn, self.kind, self._queue,
                                    since=str(doc["metadata"]["resourceVersion"]))
         self._follower.start()
@@ -104,21 +151,29 @@ class Mirror:
 
 
 class MirroredLists:
-    """The claim allocator's port over ``api``: pods, nodes, ResourceClaims and
-    ResourceSlices listed from mirrors, the rest (writes, leases, device classes, reads of one
-    object) passed through."""
+    """The claim allocator's port over ``api``: pods, nodes, ResourceClaims, ResourceSlices
+    and DeviceClasses listed from mirrors, the rest (writes, leases, reads of one object)
+    passed through. ``wake``: set by the watch events that may give the allocator work (see
+    the module doc)."""
 
-    def __init__(self, api: KubeClient) -> None:
-        self.api = api
+    def __init__(self, api: KubeClient, wake: threading.Event | None = None) -> None:
+        self.api, self.wake = api, wake
         core, resource = api._api, api._resource
-        self.pods = Mirror(api, core.list_pod_for_all_namespaces, "Pod")
+        self.pods = Mirror(api, core.list_pod_for_all_namespaces, "Pod", wake, _pod_wakes)
         self.nodes = Mirror(api, core.list_node, "Node")
         self.claims = Mirror(api, resource.list_resource_claim_for_all_namespaces,
-                             "ResourceClaim")
-        self.slices = Mirror(api, resource.list_resource_slice, "ResourceSlice")
+                             "ResourceClaim", wake)
+        self.slices = Mirror(api, resource.list_resource_slice, "ResourceSlice", wake)
+        self.classes = Mirror(api, resource.list_device_class, "DeviceClass")
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.api, name)
+
+    def start(self) -> None:
+        """List every resource and open its watch now (as an informer's cache sync), not
+        at the first pass that reads it: the first claim placed pays no list."""
+        for m in (self.pods, self.nodes, self.claims, self.slices, self.classes):
+            m.items()
 
     def list_pods(self, node: str | None = None,
                   timeout_s: float | None = None) -> list[dict[str, Any]]:
@@ -129,6 +184,9 @@ class MirroredLists:
     def list_nodes(self) -> list[dict[str, Any]]:
         return self.nodes.items()
 
+    def list_device_classes(self) -> list[dict[str, Any]]:
+        return self.classes.items()
+
     def list_resource_claims(self) -> list[dict[str, Any]]:
         return self.claims.items()
 
@@ -136,6 +194,13 @@ class MirroredLists:
         return [s for s in self.slices.items()
                 if (not driver or (s.get("spec") or {}).get("driver") == driver)
                 and (not node or (s.get("spec") or {}).get("nodeName") == node)]
+
+    def claims_in_flight(self) -> set[tuple[str | None, str]]:
+        """The claims we wrote whose new version our watch has not brought yet
+        (:meth:`Mirror.in_flight`): the allocator releases a pod from its gate only once its
+        claim's allocation has come back, so kube-scheduler, whose watch of claims runs
+        beside ours, finds the claim allocated when it tries the pod."""
+        return self.claims.in_flight()
 
     def update_resource_claim(self, claim: dict[str, Any]) -> dict[str, Any]:
         out = self.api.update_resource_claim(claim)
@@ -147,6 +212,12 @@ class MirroredLists:
         self.claims.wrote(out)
         return out
 
+    def remove_pod_scheduling_gate(self, namespace: str, name: str,
+                                   ops: list[dict[str, Any]]) -> dict[str, Any]:
+        out = self.api.remove_pod_scheduling_gate(namespace, name, ops)
+        self.pods.wrote(out)
+        return out
+
     def close(self) -> None:
-        for m in (self.pods, self.nodes, self.claims, self.slices):
+        for m in (self.pods, self.nodes, self.claims, self.slices, self.classes):
             m.close()

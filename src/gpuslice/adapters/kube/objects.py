@@ -2,7 +2,8 @@
 
 A pod asks with container resources ``gpuslice.io/gpu`` (GPUs touched), ``gpuslice.io/gpu-milli``
 (share of each, 1..1000) and ``gpuslice.io/gpu-memory`` (MiB per GPU), and may add the
-annotations ``gpuslice.io/gpu-model`` (``"T4|V100M16"``) and ``gpuslice.io/isolation``. A node's
+annotations ``gpuslice.io/gpu-model`` (``"T4|V100M16"``; the GPU selection of
+:mod:`gpuslice.core.gpuselect`, HAMi's spellings included) and ``gpuslice.io/isolation``. A node's
 GPUs come from the node agent's ``gpuslice.io/inventory`` annotation (a JSON list of
 ``{uuid, index, model, memoryMiB}``). Every problem is a :class:`ValidationError` naming the
 object and field.
@@ -18,6 +19,7 @@ from typing import Any
 
 from gpuslice.core.dra.quantity import parse_quantity
 from gpuslice.core.errors import ValidationError
+from gpuslice.core.gpuselect import accepted_models
 from gpuslice.core.model import PRIORITIES, Isolation, SliceRequest
 from gpuslice.core.podrequest import (
     ContainerKind,
@@ -251,8 +253,8 @@ def pod_request(pod: dict[str, Any]) -> SliceRequest | None:
     cpu_milli, memory_mib = _cpu_memory(pod, containers, where)
     meta = _dict(pod.get("metadata"), f"{where}: metadata")
     ann = _dict(meta.get("annotations"), f"{where}: metadata.annotations")
-    models = frozenset(m.strip() for m in str(ann.get(MODEL_ANNOTATION, "")).split("|")
-                       if m.strip())
+    # the GPU selection (core.gpuselect: gpuslice's and HAMi's annotations, one rule)
+    models = accepted_models(ann, where)
     iso_text = str(ann.get(ISOLATION_ANNOTATION, "any"))
     try:
         iso = Isolation(iso_text)

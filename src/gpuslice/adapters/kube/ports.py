@@ -170,6 +170,15 @@ class DraPort(Protocol):
     def create_event(self, namespace: str, event: dict[str, Any]) -> None: ...
 
 
+class PodGatePort(Protocol):
+    """What removes a pod's scheduling gate and notes why (the DRA claim allocator and its
+    fallback, issue 58): a JSON patch of the pod (pods patch) and an Event (events create)."""
+
+    def remove_pod_scheduling_gate(self, namespace: str, name: str,
+                                   ops: list[dict[str, Any]]) -> dict[str, Any]: ...
+    def create_event(self, namespace: str, event: dict[str, Any]) -> None: ...
+
+
 class DraApiPort(Protocol):
     """What the DRA claim allocator needs (resource.k8s.io/v1): slices and classes to read,
     claims to read and to update (metadata, then the status subresource), both writes

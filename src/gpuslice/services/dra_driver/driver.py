@@ -35,8 +35,11 @@ class DraDriver:
     def __init__(self, cfg: DraConfig, nvml: NvmlPort, api: DraPort,
                  features: dra.Features | None = None,
                  clock: Callable[[], float] = time.monotonic,
-                 wall: Callable[[], float] = time.time) -> None:
+                 wall: Callable[[], float] = time.time, gate_keeper: Any = None) -> None:
         self.cfg, self.nvml, self.api = cfg, nvml, api
+        # releases the pods held by the allocator's scheduling gate once its Lease is stale
+        # (a services.dra_gate.GateKeeper, or None: not this driver's job; issue 58)
+        self.gate_keeper = gate_keeper
         self.clock = clock
         self.wall = wall  # Lease renew times are wall-clock times
         self.features = features  # None: asked of the API server at start
@@ -172,6 +175,7 @@ class DraDriver:
                 log.warning("%s", msg)
                 self.problems.append(msg)
             return False
+        self._keep_gates(lease)
         spec = (lease or {}).get("spec") or {}
         if not spec.get("holderIdentity") or not spec.get("renewTime"):
             return False
@@ -183,6 +187,16 @@ class DraDriver:
         except (TypeError, ValueError):
             return False
         return self.wall() < renewed.timestamp() + duration
+
+    def _keep_gates(self, lease: dict[str, Any] | None) -> None:
+        """The gate keeper's round with the Lease just read (best effort: a failure is
+        logged, and the next read tries again)."""
+        if self.gate_keeper is None:
+            return
+        try:
+            self.gate_keeper.step(lease)
+        except GpusliceError as exc:
+            log.warning("releasing pods held by the allocator's gate: %s (retried)", exc)
 
     def check_allocator(self) -> bool:
         """Read the allocator's Lease; republish when it turned fresh or stale (returned)."""

@@ -1,0 +1,151 @@
+"""``gpuslice webhook``'s server over real HTTPS on loopback, as kube-apiserver calls it: POST
+/mutate answers an AdmissionReview, /readyz waits for the first read of the nodes, a fault of
+its own is a 500 (the API server then applies the failurePolicy) and never takes the server
+down, /metrics counts each result, and nodes added later are read at the next resync."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import ssl
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from gpuslice.adapters.kube.fake import FakeApiServer
+from gpuslice.core.admission import Options
+from gpuslice.devcluster.nodes import gpu_node
+from gpuslice.services.extender.http import tls_context
+from gpuslice.services.webhook import FleetView, serve
+from gpuslice.services.webhook import http as webhook_http
+from tests.webhook.test_webhook_review import review, stock_pod
+
+pytestmark = pytest.mark.skipif(shutil.which("openssl") is None,
+                                reason="openssl CLI not installed")
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, tuple[Path, Path]]:
+    from gpuslice.devcluster.procs import Pki
+
+    pki = Pki(tmp_path_factory.mktemp("webhook-tls"))
+    return pki.ca_crt, pki.issue("webhook", "/CN=gpuslice-webhook", server=True)
+
+
+Call = Callable[[str, str, bytes | None], Awaitable[tuple[int, Any]]]
+
+
+def run(certs: tuple[Path, tuple[Path, Path]], api: FakeApiServer,
+        body: Callable[[Call], Awaitable[None]], resync_s: float = 60.0) -> None:
+    ca, (crt, key) = certs
+    ctx = tls_context(str(crt), str(key), None)
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        port: list[int] = []
+        view = FleetView(api)
+        task = asyncio.create_task(serve(view, Options(), "127.0.0.1", 0, ctx,
+                                         resync_s=resync_s, ready=port.append, stop=stop))
+        while not port:
+            await asyncio.sleep(0.01)
+        client_ctx = ssl.create_default_context(cafile=str(ca))
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=client_ctx)) as s:
+
+            async def call(method: str, path: str, data: bytes | None) -> tuple[int, Any]:
+                async with s.request(method, f"https://127.0.0.1:{port[0]}{path}",
+                                     data=data) as r:
+                    text = await r.text()
+                    try:
+                        return r.status, json.loads(text)
+                    except ValueError:
+                        return r.status, text
+
+            try:
+                await body(call)
+            finally:
+                stop.set()
+                await task
+
+    asyncio.run(main())
+
+
+def test_mutate_ready_metrics_over_https(certs: tuple[Path, tuple[Path, Path]]) -> None:
+    api = FakeApiServer()
+    api.add_node(gpu_node("a", "L4", 2))
+
+    async def body(call: Call) -> None:
+        assert (await call("GET", "/readyz", None))[0] == 200  # read the nodes first
+        status, doc = await call("POST", "/mutate", review(
+            stock_pod({"gpuslice.io/gpu-milli": "250"})))
+        assert status == 200 and doc["response"]["patchType"] == "JSONPatch"
+        status, doc = await call("POST", "/mutate", review(
+            stock_pod({"gpuslice.io/gpu-milli": "1500"})))
+        assert status == 200 and doc["response"]["allowed"] is False
+        status, doc = await call("POST", "/mutate", b"not json")
+        assert status == 200 and doc["response"]["status"]["code"] == 400
+        status, text = await call("GET", "/metrics", None)
+        for result, n in (("mutated", 1), ("refused", 1), ("bad-review", 1), ("error", 0)):
+            assert f'gpuslice_webhook_reviews_total{{result="{result}"}} {float(n)}' in text
+        assert 'gpuslice_webhook_fleet_gpus{model="L4"} 2.0' in text
+
+    run(certs, api, body)
+
+
+def test_a_fault_of_its_own_is_a_500_and_the_server_goes_on(
+        certs: tuple[Path, tuple[Path, Path]], monkeypatch: pytest.MonkeyPatch) -> None:
+    real = webhook_http.review_of
+    calls = [0]
+
+    def flaky(*args: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == 1:
+            raise RuntimeError("a bug")
+        return real(*args)
+
+    monkeypatch.setattr(webhook_http, "review_of", flaky)
+    api = FakeApiServer()
+    api.add_node(gpu_node("a", "L4", 1))
+
+    async def body(call: Call) -> None:
+        raw = review(stock_pod({"gpuslice.io/gpu-milli": "250"}))
+        assert (await call("POST", "/mutate", raw))[0] == 500
+        status, doc = await call("POST", "/mutate", raw)
+        assert status == 200 and doc["response"]["allowed"] is True
+        _, text = await call("GET", "/metrics", None)
+        assert 'gpuslice_webhook_reviews_total{result="error"} 1.0' in text
+
+    run(certs, api, body)
+
+
+def test_not_ready_until_the_nodes_are_read_and_new_nodes_are_seen(
+        certs: tuple[Path, tuple[Path, Path]]) -> None:
+    from gpuslice.core.errors import GpusliceError
+
+    class Down(FakeApiServer):
+        down = True
+
+        def list_nodes(self) -> list[dict[str, Any]]:
+            if self.down:
+                raise GpusliceError("API server unreachable: connection refused")
+            return super().list_nodes()
+
+    api = Down()
+
+    async def body(call: Call) -> None:
+        status, text = await call("GET", "/readyz", None)
+        assert status == 503 and "connection refused" in text
+        api.down = False
+        api.add_node(gpu_node("b", "A100-80GB", 1))
+        for _ in range(200):  # the next read (every 0.05 s here)
+            if (await call("GET", "/readyz", None))[0] == 200:
+                break
+            await asyncio.sleep(0.05)
+        _, doc = await call("POST", "/mutate", review(
+            stock_pod({"gpuslice.io/gpu-milli": "250"})))
+        assert "A100-80GB" in doc["response"]["auditAnnotations"]["changes"]
+
+    run(certs, api, body, resync_s=0.05)
