@@ -133,7 +133,10 @@ def test_upgrades_kills_and_restarts_while_replicas_serve_drop_nothing(
     values = {"image": {"repository": repo, "tag": tag, "digest": ""},
               "assignmentKey": {"create": True, "value": KEY},
               "scheduler": {"image": KUBE_SCHEDULER},
-              "nodeAgent": {"fakeGpus": FAKE_GPUS}}
+              "nodeAgent": {"fakeGpus": FAKE_GPUS},
+              # the real node has 2 CPUs: the rolling update's surge pods must fit beside the
+              # replicas (two webhook replicas of 100m each left an extender pending)
+              "webhook": {"replicas": 1, "resources": {"requests": {"cpu": "10m"}}}}
     env.dev.kubectl("label", "node", env.node.name, "nvidia.com/gpu.present=true")
     helm_run(helm, env, "install", values)
     components_ready(env)
@@ -274,7 +277,8 @@ def top_rows(env: NodeEnv, pod_prefix: str, count: int,
              processes: int = 1) -> list[dict[str, Any]]:
     """``kubectl gpuslice top -o json`` on the real API server (each node agent's and DRA
     driver's metrics through the pod proxy), until ``count`` rows of pods named
-    ``pod_prefix``... show ``processes`` processes each."""
+    ``pod_prefix``... show ``processes`` processes each, with their memory used and their
+    share (a pod's first measurement may see its processes before its share is read)."""
     rows: list[dict[str, Any]] = []
 
     def shown() -> bool:
@@ -284,7 +288,8 @@ def top_rows(env: NodeEnv, pod_prefix: str, count: int,
                                      "json"])
         assert code == 0
         rows[:] = [r for r in json.loads(out.getvalue())["usage"]
-                   if str(r["pod"]).startswith(pod_prefix) and r.get("processes") == processes]
+                   if str(r["pod"]).startswith(pod_prefix) and r.get("processes") == processes
+                   and all(k in r for k in ("used_mib", "cap_mib", "share_pct"))]
         return len(rows) == count
 
     wait_until(f"kubectl gpuslice top: {count} pod(s) {pod_prefix}...", shown, 60, every_s=2.0)
