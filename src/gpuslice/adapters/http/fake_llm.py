@@ -35,6 +35,7 @@ from dataclasses import dataclass, field, replace
 import orjson
 from aiohttp import web
 
+from gpuslice.adapters.http.fake_replica import run_serving
 from gpuslice.adapters.http.openai import ENDPOINTS, OpenAIError, error_body, parse_request
 
 # A100-80GB MIG slices: (compute slices of 7, memory slices of 8, GB)
@@ -372,15 +373,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="export vllm:gpu_cache_usage_perc (vLLM before V1)")
     ap.add_argument("--uvloop", action="store_true")
     args = ap.parse_args(argv)
-    if args.uvloop:
-        try:
-            import uvloop
-        except ImportError:  # pragma: no cover - uvloop is optional
-            pass
-        else:
-            uvloop.run(serve(args))
-            return 0
-    asyncio.run(serve(args))
+    run_serving(serve(args), args.uvloop)
     return 0
 
 

@@ -21,7 +21,8 @@ import json
 import random
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
+from typing import Any
 
 from aiohttp import web
 
@@ -199,16 +200,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.mps_client:
         hold_mps_client(args.name)
-    if args.uvloop:
+    run_serving(serve(args), args.uvloop)
+    return 0
+
+
+def run_serving(main: Coroutine[Any, Any, None], use_uvloop: bool) -> None:
+    """Run a stand-in server's coroutine to its end, on uvloop when asked and installed."""
+    if use_uvloop:
         try:
             import uvloop
         except ImportError:  # pragma: no cover - uvloop is optional
             pass
         else:
-            uvloop.run(serve(args))
-            return 0
-    asyncio.run(serve(args))
-    return 0
+            uvloop.run(main)
+            return
+    asyncio.run(main)
 
 
 if __name__ == "__main__":
