@@ -131,6 +131,10 @@ def test_helm_chart_on_the_real_node_runs_a_fractional_example_with_its_caps(
                "app.kubernetes.io/name=gpuslice-extender,gpuslice.io/extender-role=leader")
     wait_until("node agent: gpuslice.io/gpu on the real node",
                lambda: int(net.allocatable().get("gpuslice.io/gpu", "0")) > 0, 120)
+    # the webhook judges pods against the published inventories (and reads them again while
+    # it has none): the stock pod's memory is made explicit from them
+    wait_until("node agent: the node's GPU inventory published", lambda: "gpuslice.io/inventory"
+               in (net.node_obj()["metadata"].get("annotations") or {}), 60)
     net.dev.kubectl("create", "namespace", APP_NS)
     net.dev.kubectl("apply", "-f", "-", input=json.dumps(example_deployment()))
     # and a stock one through the chart's admission webhook (its opt-in label only)

@@ -149,3 +149,27 @@ def test_not_ready_until_the_nodes_are_read_and_new_nodes_are_seen(
         assert "A100-80GB" in doc["response"]["auditAnnotations"]["changes"]
 
     run(certs, api, body, resync_s=0.05)
+
+
+def test_a_review_finding_no_gpus_reads_the_nodes_again(
+        certs: tuple[Path, tuple[Path, Path]]) -> None:
+    """The webhook came up before any node agent published its GPUs (ready: the read
+    succeeded, the fleet is empty). A node publishes, and a pod is created at once, long
+    before the next periodic read (60 s here): the review reads the nodes again first, so
+    the pod gets its memory made explicit instead of the "no node has published" warning
+    (seen on the real node, where the chart's webhook starts beside the node agent)."""
+    api = FakeApiServer()
+
+    async def body(call: Call) -> None:
+        assert (await call("GET", "/readyz", None))[0] == 200
+        await asyncio.sleep(webhook_http.EMPTY_REREAD_S)
+        api.add_node(gpu_node("c", "L4", 1))
+        _, doc = await call("POST", "/mutate", review(
+            stock_pod({"gpuslice.io/gpu-milli": "500"})))
+        resp = doc["response"]
+        assert "gpuslice.io/gpu-memory=12288" in resp["auditAnnotations"]["changes"], resp
+        assert not any("published" in w for w in resp.get("warnings", [])), resp
+        _, metrics = await call("GET", "/metrics", None)
+        assert 'gpuslice_webhook_fleet_gpus{model="L4"} 1.0' in metrics
+
+    run(certs, api, body, resync_s=60.0)

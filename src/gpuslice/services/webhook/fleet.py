@@ -5,6 +5,7 @@ answers from the last read; a read that fails keeps the last one."""
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -45,9 +46,19 @@ class FleetView:
         self.reads = 0  # successful reads
         self.failures = 0
         self.last_error = ""
+        self.read_at = float("-inf")  # time.monotonic() of the last read tried
+
+    def due(self, min_age_s: float) -> bool:
+        """Whether a review should read the nodes again before it is answered: the fleet has
+        no GPUs (none published yet, or the last read failed before any) and the last read
+        is older than ``min_age_s``. A node's agent publishes its inventory moments before
+        its GPUs turn allocatable; a pod created then would otherwise be judged against the
+        empty fleet of the last periodic read."""
+        return not self.fleet.models and time.monotonic() - self.read_at >= min_age_s
 
     def refresh(self) -> Fleet:
         """Read every node again (blocking: on a thread); a failure keeps the last fleet."""
+        self.read_at = time.monotonic()
         try:
             nodes = self.api.list_nodes()
         except GpusliceError as exc:

@@ -26,6 +26,7 @@ from gpuslice.services.webhook.review import review_of
 # the API server sends the whole pod; a pod object is at most 1.5 MiB in etcd, with headroom
 MAX_BODY = 4 * 1024 * 1024
 RESULTS = ("mutated", "unchanged", "refused", "bad-review", "error")
+EMPTY_REREAD_S = 1.0  # a review finding no GPUs reads the nodes again, at most this often
 TLS_RELOAD_S = 60.0  # as the extender: cert-manager renews into the mounted Secret
 
 log = logging.getLogger("gpuslice.webhook")
@@ -62,6 +63,16 @@ class WebhookMetrics:
 def make_app(view: FleetView, opts: Options,
              metrics: WebhookMetrics | None = None) -> web.Application:
     m = metrics or WebhookMetrics(view)
+    reading = asyncio.Lock()
+
+    async def fresh() -> None:
+        """Read the nodes first when the fleet is empty (at most one read a second, shared
+        by the reviews that wait for it)."""
+        if not view.due(EMPTY_REREAD_S):
+            return
+        async with reading:
+            if view.due(EMPTY_REREAD_S):
+                await asyncio.get_running_loop().run_in_executor(None, view.refresh)
 
     async def mutate(request: web.Request) -> web.Response:
         try:
@@ -69,6 +80,7 @@ def make_app(view: FleetView, opts: Options,
         except (web.HTTPRequestEntityTooLarge, web.RequestPayloadError, ConnectionError) as exc:
             m.reviews.labels("bad-review").inc()
             return web.Response(status=400, text=f"request body unreadable: {exc}")
+        await fresh()
         try:
             doc, result = review_of(body, view.fleet, opts)
         except Exception:  # a fault of ours: 500, and the API server applies failurePolicy
@@ -120,7 +132,7 @@ async def serve(view: FleetView, opts: Options, host: str, port: int, ssl_contex
 
     async def follow() -> None:
         while True:
-            await asyncio.sleep(resync_s if view.ready else min(resync_s, 2.0))
+            await asyncio.sleep(resync_s if view.fleet.models else min(resync_s, 2.0))
             await loop.run_in_executor(None, view.refresh)
 
     async def renew(cert: str, key: str) -> None:
