@@ -33,7 +33,7 @@ from gpuslice.core.assignment import verify
 from gpuslice.devcluster import DevCluster, wait_until
 from gpuslice.devcluster.procs import free_port
 from tests.cluster.conftest import DEPLOY
-from tests.cluster.helpers import EXTENDER_KEY, Kube, assignment, bound, gpu_node
+from tests.cluster.helpers import EXTENDER_KEY, GROUP, Kube, assignment, bound, gpu_node
 
 SYSTEM = "gpuslice-system"
 OPT_IN = "gpuslice.io/webhook"
@@ -294,3 +294,30 @@ def test_gpu_selection_by_either_spelling_places_each_pod_on_its_model(
         a = assignment(p)
         assert verify(a, EXTENDER_KEY.encode()), name
         assert _limits(p)["gpuslice.io/gpu-memory"] == str(a.containers[0].gpus[0].memory_mib)
+
+
+def test_gpu_selection_by_uuid_pins_and_avoids_gpus(
+        dev: DevCluster, kube: Kube, group: str, webhook: WebhookProc) -> None:
+    """Pin or avoid GPUs by UUID (gpuslice's and HAMi's spelling) on the device-plugin path:
+    the webhook lets the selection through and the extender's filter and bind put each share
+    on an allowed GPU. The extender's own pick on an empty node is GPU 0: the pinned pod and
+    the pod that avoids GPU 0 both get GPU 1."""
+    node = f"{group}-two"
+    kube.add_nodes([gpu_node(node, group, "L4", count=2)])
+    wait_until("the webhook reads the node", lambda: webhook.sees("L4", 2), 30)
+    _label_namespace(dev, group)
+    quarter = {"gpuslice.io/gpu-milli": "250"}
+    asks = {"pin-1": {"gpuslice.io/gpu-uuid": f"GPU-{node}-01"},
+            "avoid-0": {"nvidia.com/nouse-gpuuuid": f"GPU-{node}-00",
+                        "gpuslice.io/gpu-model": "L4"}}
+    for name, ann in asks.items():
+        pod = _pod(name, group, quarter, ann)
+        pod["spec"]["nodeSelector"] = {GROUP: group}
+        res = _create(dev, pod)
+        assert res.returncode == 0, res.stderr
+    pods = {p["metadata"]["name"]: p for p in kube.wait_bound(group, len(asks), timeout_s=120)}
+    for name, p in pods.items():
+        a = assignment(p)
+        assert verify(a, EXTENDER_KEY.encode()), name
+        assert p["spec"]["nodeName"] == node, name
+        assert a.containers[0].gpus[0].uuid == f"GPU-{node}-01", (name, a)

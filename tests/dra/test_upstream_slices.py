@@ -149,6 +149,10 @@ def test_consumable_devices_carry_the_allocator_taint_while_its_lease_is_fresh(
     # the allocator's own reading of our slices now offers it the device
     assert [d.name for d in slice_devices(slices(node), dra.DRIVER,
                                           require_taint=True)[NODE]] == ["gpu-0"]
+    # with its GPU's UUID, which a pod's selection by UUID is judged by (core.gpuselect)
+    (share,) = slice_devices(slices(node), dra.DRIVER, require_taint=True)[NODE]
+    assert share.uuid.startswith("GPU-") and \
+        share.uuid == devices(node)["gpu-0"]["attributes"]["uuid"]["string"]
     assert not node.driver.check_allocator()  # still fresh: nothing written
     renew(node, 60)  # stale: its holder stopped renewing
     assert node.driver.check_allocator()

@@ -40,6 +40,7 @@ from gpuslice.core.dra_default import default_pick
 from gpuslice.core.errors import ValidationError
 from gpuslice.core.fit import feasible
 from gpuslice.core.frag import TargetWorkload
+from gpuslice.core.gpuselect import allows_gpu
 from gpuslice.core.model import (
     MILLI,
     BoolArray,
@@ -142,6 +143,8 @@ class DraDevice:
     model: str = ""
     shared: bool = False
     capacity: Mapping[str, Capacity] = field(default_factory=dict)
+    uuid: str = ""  # the ``uuid`` attribute: the GPU's, or a MIG instance's
+    gpu_uuid: str = ""  # ``parentUUID``: a MIG device's GPU
 
     @property
     def key(self) -> tuple[str, str]:
@@ -223,7 +226,8 @@ class DeviceRequest:
                 raise ValidationError(f"request {self.name}: capacity {k}", "a value >= 0", v)
 
     def accepts(self, device: DraDevice) -> bool:
-        return device.kind in self.kinds and (not self.models or device.model in self.models)
+        return device.kind in self.kinds and (not self.models or allows_gpu(
+            self.models, device.model, device.uuid, device.gpu_uuid))
 
 
 @dataclass(frozen=True, slots=True)

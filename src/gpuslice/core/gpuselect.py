@@ -22,8 +22,11 @@ instance of the GPU.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
 
 from gpuslice.core import catalog
 from gpuslice.core.errors import ValidationError
@@ -112,18 +115,20 @@ class GpuSelection:
 
 
 class ModelSet(frozenset[str]):
-    """The GPU models a pod accepts, carried where placement reads a set of model names
+    """The GPUs a pod accepts, carried where placement reads a set of model names
     (``SliceRequest.models`` in the extender and the simulator, ``DeviceRequest.models`` in
     the DRA claim allocator): ``model in models`` is :meth:`GpuSelection.allows_model`, the
-    one rule; the items describe the selection (``!`` an exclude, ``*..*`` a part of a name)
-    for messages and cache keys, and an empty set, as before, accepts any model."""
+    one rule, and :func:`allows_gpu` adds the UUIDs; the items describe the selection (``!``
+    an exclude, ``*..*`` a part of a name, ``@`` a UUID) for messages and cache keys, and an
+    empty set, as before, accepts any model."""
 
     selection: GpuSelection
 
     def __new__(cls, sel: GpuSelection) -> ModelSet:
         items = [*sel.models, *(f"*{p}*" for p in sel.model_parts),
                  *(f"!{m}" for m in sel.exclude_models),
-                 *(f"!*{p}*" for p in sel.exclude_model_parts)]
+                 *(f"!*{p}*" for p in sel.exclude_model_parts),
+                 *(f"@{u}" for u in sel.uuids), *(f"!@{u}" for u in sel.exclude_uuids)]
         out = super().__new__(cls, items)
         out.selection = sel
         return out
@@ -133,10 +138,40 @@ class ModelSet(frozenset[str]):
 
 
 def accepted_models(annotations: Mapping[str, object], where: str = "pod") -> frozenset[str]:
-    """The models a pod accepts, by its annotations: a :class:`ModelSet` when it says
-    anything about models, else the empty set (any)."""
+    """The GPUs a pod accepts, by its annotations: a :class:`ModelSet` when it says anything
+    about models or UUIDs, else the empty set (any)."""
     sel = selection(annotations, where)
-    return ModelSet(sel) if sel.by_model else frozenset()
+    return frozenset() if sel.empty else ModelSet(sel)
+
+
+def by_uuid(models: frozenset[str]) -> GpuSelection | None:
+    """The selection behind ``models`` when it names GPUs by UUID (which the placement's
+    arrays of GPU slots must then close to the pod: :func:`slot_mask`), else None."""
+    if isinstance(models, ModelSet):
+        sel = models.selection
+        if sel.uuids or sel.exclude_uuids:
+            return sel
+    return None
+
+
+def allows_gpu(models: frozenset[str], model: str, uuid: str = "",
+               gpu_uuid: str = "") -> bool:
+    """Whether a request accepting ``models`` may be given the GPU (or the MIG instance
+    ``uuid`` of the GPU ``gpu_uuid``) of ``model``: the one rule for every placing part."""
+    if isinstance(models, ModelSet):
+        return models.selection.allows(model, uuid, gpu_uuid)
+    return not models or model in models
+
+
+def slot_mask(sel: GpuSelection, uuids: Sequence[Sequence[str]],
+              width: int) -> npt.NDArray[np.bool_]:
+    """Per node (rows) and GPU slot (columns, ``width`` of them), whether ``sel`` lets the
+    pod use the whole GPU (or a share of it) whose UUID is ``uuids[row][slot]``."""
+    out = np.zeros((len(uuids), max(width, 1)), dtype=np.bool_)
+    for i, row in enumerate(uuids):
+        for j, u in enumerate(row):
+            out[i, j] = sel.allows_uuid(u)
+    return out
 
 
 def selection(annotations: Mapping[str, object], where: str = "pod") -> GpuSelection:

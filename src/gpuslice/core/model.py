@@ -198,6 +198,15 @@ class ClusterArrays:
             self.gpu_mem_free.copy(),
         )
 
+    def closed_except(self, open_slots: BoolArray) -> ClusterArrays:
+        """A copy where the GPU slots outside ``open_slots`` (nodes x slots) offer nothing:
+        the arrays a pod sees that may use those GPUs alone (a selection by UUID)."""
+        out = self.copy()
+        shut = ~open_slots[:, : out.gpu_free.shape[1]]
+        out.gpu_free[shut] = 0
+        out.gpu_mem_free[shut] = 0
+        return out
+
     def model_mask(self, allowed: frozenset[str], rows: IntArray | None = None) -> BoolArray:
         """Nodes whose GPU model is in ``allowed`` (every GPU node when it is empty); with
         ``rows``, for those nodes alone."""

@@ -193,5 +193,6 @@ def _devices_of(s: Mapping[str, Any], pool: str, driver: str,
             return _Slice(problem=str(ValidationError(f"{where} device[{i}]{exc.field}",
                                                       exc.expected, exc.got)))
         out.append(DraDevice(pool, name, _attr(attrs, "type", driver) or "gpu",
-                             _attr(attrs, "productName", driver), bool(shared), caps))
+                             _attr(attrs, "productName", driver), bool(shared), caps,
+                             _attr(attrs, "uuid", driver), _attr(attrs, "parentUUID", driver)))
     return _Slice(tuple(out), frozenset(names), twice)

@@ -11,6 +11,7 @@ from gpuslice.adapters.kube.objects import InventoryMig
 from gpuslice.core import catalog, migmps
 from gpuslice.core.assignment import Assignment, Mode
 from gpuslice.core.errors import ValidationError
+from gpuslice.core.gpuselect import allows_gpu
 from gpuslice.core.ledger import Ledger
 from gpuslice.core.migmps import InstanceRoom
 from gpuslice.core.model import Isolation, SliceRequest
@@ -79,7 +80,7 @@ class MigRooms:
         for gpu, model, m in self.inv.mig[i]:
             known = catalog.lookup(model)
             if known is None or known.mig is None or gpu in self.cordoned \
-                    or (models and model not in models):
+                    or not allows_gpu(models, model, m.uuid, gpu):
                 continue
             try:
                 slices = known.mig.profile(m.profile).compute_slices
@@ -119,7 +120,7 @@ class MigRooms:
             if known is None or known.mig is None or (gpu, m.start) in taken \
                     or gpu in self.cordoned:
                 continue
-            if wish.models and model not in wish.models:
+            if not allows_gpu(wish.models, model, m.uuid, gpu):
                 continue
             size = known.mig.profile(m.profile).compute_slices
             if size >= wish.slices and m.memory_mib >= wish.memory_mib:

@@ -28,6 +28,7 @@ from gpuslice.core.assignment import (
 from gpuslice.core.errors import GpusliceError, ValidationError
 from gpuslice.core.fit import explain, feasible, feasible_at, gpu_ok
 from gpuslice.core.frag import Shape
+from gpuslice.core.gpuselect import by_uuid
 from gpuslice.core.ledger import Conflict, Ledger
 from gpuslice.core.model import ClusterArrays, IntArray, Isolation, SliceRequest
 from gpuslice.core.podrequest import GpuWant
@@ -94,7 +95,7 @@ class PlacementVerbs(ClusterView):
         if len(names) < WINDOW_MIN or not uid or req is None \
                 or req.isolation is Isolation.MIG:
             return False
-        outside = feasible(self.inv.arrays, req, node_resources=False)  # a fresh array
+        outside = feasible(self.arrays_for(req), req, node_resources=False)  # a fresh array
         outside[self._rows_of(names)] = False
         misses = self._window_misses
         n = misses.pop(uid, 0) + 1
@@ -149,7 +150,7 @@ class PlacementVerbs(ClusterView):
             ok = np.array([bool(self._mig_fits(int(i), wish, taken)) for i in rows.tolist()],
                           dtype=np.bool_)
         else:
-            ok = feasible(self.inv.arrays, self._gpu_only(req), node_resources=False,
+            ok = feasible(self.arrays_for(req), self._gpu_only(req), node_resources=False,
                           rows=rows)
             if self.inv.mig_rows and req.gpus == 1 and mode_of(req) is Mode.MPS:
                 for k in np.flatnonzero(~ok).tolist():
@@ -180,7 +181,7 @@ class PlacementVerbs(ClusterView):
         cached, at = self.cached_choice(req, rows)
         if cached:
             return None if at is None else self.inv.names[int(rows[at])]
-        ok = feasible(self.inv.arrays, req, node_resources=False)[rows]
+        ok = feasible(self.arrays_for(req), req, node_resources=False)[rows]
         if not ok.any():
             return None
         rows = rows[ok]
@@ -194,7 +195,7 @@ class PlacementVerbs(ClusterView):
         rows = self._rows_of(names)
         # judged on the window's rows alone: the whole cluster's arrays would make every
         # filter's cost grow with the node count
-        ok = feasible(self.inv.arrays, req, node_resources=False, rows=rows)
+        ok = feasible(self.arrays_for(req), req, node_resources=False, rows=rows)
         if len(rows) == len(names):  # every name known (the common case): in arrays
             unfit = [names[j] for j in np.flatnonzero(~ok).tolist()]
         else:
@@ -219,7 +220,7 @@ class PlacementVerbs(ClusterView):
         if req.isolation is Isolation.MIG:
             return self._filter_mig(mig_wish(req), names)
         g = self._gpu_only(req)
-        a = self.inv.arrays
+        a = self.arrays_for(req)
         # one vectorised pass over the rows of ``names`` alone (not the whole cluster's: the
         # cost stays flat in the node count) for the verdicts and the reasons: the best GPU
         # of each node and why it falls short
@@ -230,6 +231,7 @@ class PlacementVerbs(ClusterView):
         n_fit = gpu_ok(a, g, rows).sum(axis=1)
         best = np.argmax(np.where(a.gpu_present[rows], a.gpu_free[rows], -1), axis=1)
         allowed = a.model_mask(g.models, rows)
+        sel = by_uuid(g.models)
         mode = mode_of(req)
         keep: list[str] = []
         failed: dict[str, str] = {}
@@ -245,6 +247,9 @@ class PlacementVerbs(ClusterView):
             elif not allowed[k]:
                 failed[n] = (f"node has {a.models[a.model_id[i]]} GPUs, pod accepts "
                              f"{'|'.join(sorted(g.models))}")
+            elif sel is not None and not any(sel.allows_uuid(u) for u in self.inv.uuids[i]):
+                failed[n] = f"the pod's GPU selection by UUID allows none of the node's GPUs " \
+                            f"({'|'.join(sorted(g.models))})"
             elif g.gpus > 1:
                 failed[n] = f"{n_fit[k]} of {a.gpu_count[i]} GPUs free enough, pod needs {g.gpus}"
             else:
@@ -353,7 +358,7 @@ class PlacementVerbs(ClusterView):
         empty: Ledger | None = None  # built only if a node needs the exact check
         out: set[str] = set()
         if req.isolation is not Isolation.MIG:
-            ok_empty = feasible(self._empty_arrays(), self._gpu_only(req),
+            ok_empty = feasible(self.arrays_for(req, self._empty_arrays()), self._gpu_only(req),
                                 node_resources=False)
         for n in names:
             at = self.inv.index.get(n)
@@ -417,7 +422,7 @@ class PlacementVerbs(ClusterView):
         slice (those nodes, their scores), and the 1..10 scores of the nodes where it fits
         only inside a MIG instance (the tighter the instance, the higher)."""
         rows = np.array([self.inv.index[n] for n in known], dtype=np.int64)
-        ok = feasible(self.inv.arrays, req, node_resources=False)[rows]
+        ok = feasible(self.arrays_for(req), req, node_resources=False)[rows]
         in_mig: dict[str, int] = {}  # nodes that fit the pod only inside a MIG instance
         if self.inv.mig_rows and req.gpus == 1 and mode_of(req) is Mode.MPS:
             for k in np.flatnonzero(~ok):
@@ -491,7 +496,8 @@ class PlacementVerbs(ClusterView):
         trial = self.inv.arrays.copy()
         for j, uuid in enumerate(self.inv.uuids[i]):
             trial.gpu_free[i, j], trial.gpu_mem_free[i, j] = self._open_free(uuid, led)
-        if feasible_at(trial, self._gpu_only(req), i, node_resources=False):
+        if feasible_at(self.arrays_for(req, trial), self._gpu_only(req), i,
+                       node_resources=False):
             return True
         if mode is Mode.MPS and req.gpus == 1 and i in self.inv.mig_rows:
             rooms = self._mig_rooms(i, req.models, migmps.usage(led.owners.values()))
@@ -520,7 +526,7 @@ class PlacementVerbs(ClusterView):
                     gpu, max(1, whole * w.milli // shape.milli),
                     inst.memory_mib * w.milli // shape.milli, inst.profile, inst.start),),
                     w.kind) for w, _ in shape.slots)
-            elif feasible_at(self.inv.arrays, g, i, node_resources=False):
+            elif feasible_at(self.arrays_for(req), g, i, node_resources=False):
                 gpus = self._gpus_at(req, i)
                 cap = self.inv.arrays.gpu_mem_cap
                 containers = tuple(ContainerAssignment(w.name, _container_mode(req, w), tuple(
@@ -535,7 +541,7 @@ class PlacementVerbs(ClusterView):
                     # why, as filter says it (its fit alone: filter's learning takes the
                     # lock held here)
                     return self._fit(pod, req, [node])[1].get(node) or \
-                        "; ".join(explain(self.inv.arrays, g, i))
+                        "; ".join(explain(self.arrays_for(req), g, i))
                 containers = tuple(ContainerAssignment(w.name, Mode.MPS, (GpuShare(
                     room.gpu, w.milli, w.memory_mib or migmps.memory_share(w.milli, room),
                     room.profile, room.start),), w.kind) for w, _ in shape.slots)
@@ -554,7 +560,7 @@ class PlacementVerbs(ClusterView):
         """The GPUs of node ``i`` for a pod that fits there whole-GPU: a one-GPU share where
         the policy would put it (frag-strand: the GPU that leaves the least fragmentation,
         the lowest index on ties), else the first free whole GPUs. Lock held."""
-        g = self._gpu_only(req)
+        g, a = self._gpu_only(req), self.arrays_for(req)
         if g.is_sharing and req.gpus == 1:
             got: tuple[int, ...]
             if ScoreCache.usable(self.policy):
@@ -563,10 +569,10 @@ class PlacementVerbs(ClusterView):
                 got = (int(best[0]),) if best is not None else ()
             else:
                 got = self.policy.choose_gpus(self.st, req, i, self.rng)
-            if got and got[0] >= 0 and gpu_ok(self.inv.arrays, g, i)[got[0]]:
+            if got and got[0] >= 0 and gpu_ok(a, g, i)[got[0]]:
                 return got
-            return best_fit_gpu(self.inv.arrays, g, i)
-        return exclusive_gpus(self.inv.arrays, g, i)
+            return best_fit_gpu(a, g, i)
+        return exclusive_gpus(a, g, i)
 
 
 def _container_mode(req: SliceRequest, w: GpuWant) -> Mode:

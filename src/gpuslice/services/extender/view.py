@@ -30,9 +30,11 @@ from gpuslice.core.assignment import (
 )
 from gpuslice.core.errors import ValidationError
 from gpuslice.core.frag import Shape
+from gpuslice.core.gpuselect import GpuSelection, by_uuid, slot_mask
 from gpuslice.core.learned import WorkloadEstimator
 from gpuslice.core.ledger import Conflict, Ledger
 from gpuslice.core.model import (
+    BoolArray,
     ClusterArrays,
     IntArray,
     SliceRequest,
@@ -122,6 +124,8 @@ class ClusterView(MigRooms):
         self._mig_use_of = None
         # the arrays with every pod gone, per inventory and cordon (placement.unresolvable)
         self._empty_of: tuple[Inventory, set[str], ClusterArrays] | None = None
+        # the GPU slots each selection by UUID opens, per inventory (arrays_for)
+        self._slots_of: tuple[Inventory, dict[GpuSelection, BoolArray]] | None = None
         self.elector: LeaderElector | None = None  # set when replicas elect a binder
         self.cordoned = set()
         self._node_marks: dict[str, NodeMark] = {}  # what of each node we follow
@@ -306,12 +310,30 @@ class ClusterView(MigRooms):
     def cached_choice(self, req: SliceRequest, rows: IntArray | None
                       ) -> tuple[bool, int | None]:
         """(True, ScoreCache.choose's answer for ``rows``, ``None`` for every row), or
-        (False, None) when the scores are uncached."""
+        (False, None) when the scores are uncached (or the pod selects GPUs by UUID: the
+        cache judges every GPU open to it)."""
         with self._lock:
             self._sync_workload_locked()
-            if not ScoreCache.usable(self.policy):
+            if not ScoreCache.usable(self.policy) or by_uuid(req.models) is not None:
                 return False, None
             return True, self._score_cache().choose(req, rows, self._rank)
+
+    def arrays_for(self, req: SliceRequest, base: ClusterArrays | None = None
+                   ) -> ClusterArrays:
+        """The arrays ``req`` is judged on (``base``: the view's): as they are, or, for a pod
+        that selects GPUs by UUID (core.gpuselect), a copy where the others offer nothing."""
+        arrays = self.inv.arrays if base is None else base
+        sel = by_uuid(req.models)
+        if sel is None:
+            return arrays
+        inv, cached = self.inv, self._slots_of
+        if cached is None or cached[0] is not inv:
+            cached = self._slots_of = (inv, {})
+        if sel not in cached[1]:
+            if len(cached[1]) >= 256:  # selections are few; a flood of them is not kept
+                cached[1].clear()
+            cached[1][sel] = slot_mask(sel, inv.uuids, inv.arrays.gpu_free.shape[1])
+        return arrays.closed_except(cached[1][sel])
 
     def apply(self, event: WatchEvent) -> None:
         """Follow a watch event: a node that joins, leaves, or changes its GPU inventory or
