@@ -48,6 +48,7 @@ from gpuslice.core.dra_gate import ALLOCATOR_UNAVAILABLE, NOT_PLACED
 from gpuslice.devcluster import DevCluster, wait_until
 from tests.cluster.conftest import DEPLOY
 from tests.cluster.helpers import GROUP, Kube, bound, describe
+from tests.cluster.test_webhook import webhook  # noqa: F401 (the fixture, served here too)
 from tests.fake_mps import write_fake_mps
 
 NS = "t-dra-gate"
@@ -119,11 +120,11 @@ class GateCluster:
 
 
 def gated_pod(name: str, *, claim: str | None = None, template: str | None = None,
-              ) -> dict[str, Any]:
+              annotations: dict[str, str] | None = None) -> dict[str, Any]:
     ref = {"name": "gpu", **({"resourceClaimName": claim} if claim else
                              {"resourceClaimTemplateName": template})}
     return {"apiVersion": "v1", "kind": "Pod",
-            "metadata": {"name": name, "namespace": NS},
+            "metadata": {"name": name, "namespace": NS, "annotations": annotations or {}},
             "spec": {"schedulingGates": GATE, "schedulerName": "default-scheduler",
                      "nodeSelector": {GROUP: NS}, "tolerations": [{"operator": "Exists"}],
                      "terminationGracePeriodSeconds": 0,
@@ -233,6 +234,32 @@ def test_a_gated_pod_is_scheduled_once_after_its_claim_is_allocated(gates: GateC
     assert _results(gates, "huge") == []
 
 
+def test_the_allocator_honours_a_selection_by_uuid(gates: GateCluster, kube: Kube) -> None:
+    """Pin or avoid GPUs by UUID (core.gpuselect, the extender's rule): each claim is
+    allocated a device of an allowed GPU, read from the ``uuid`` attribute the drivers
+    publish (the fake GPUs' UUIDs are GPU-<node>-<index>)."""
+    uuid_of = {(s["spec"]["pool"]["name"], d["name"]): d["attributes"]["uuid"]["string"]
+               for s in gates.objects.list_cluster_custom_object(
+                   "resource.k8s.io", "v1", "resourceslices")["items"]
+               if s["spec"].get("nodeName") in NODES for d in s["spec"].get("devices") or []}
+    asks = {"pin-b1": {"gpuslice.io/gpu-uuid": "GPU-gate-b-01"},
+            "avoid": {"nvidia.com/nouse-gpuuuid": "GPU-gate-a-00,GPU-gate-a-01,GPU-gate-b-00"}}
+    gates.create_claims(*(gates.claim(n, 25) for n in asks))
+    kube.create([gated_pod(n, claim=n, annotations=ann) for n, ann in asks.items()])
+    pods = kube.wait_pods(NS, "both bound", lambda ps: len(
+        [p for p in bound(ps) if p["metadata"]["name"] in asks]) == len(asks), 120)
+    for p in pods:
+        name = p["metadata"]["name"]
+        if name in asks:
+            (r,) = _results(gates, name)
+            assert uuid_of[(r["pool"], r["device"])] == "GPU-gate-b-01", (name, r)
+            assert p["spec"]["nodeName"] == "gate-b", name
+    for name in asks:  # their CPU back for the tests after (the nodes' 8 CPUs are counted)
+        kube.core.delete_namespaced_pod(name, NS, grace_period_seconds=0)
+    kube.wait_pods(NS, "both gone", lambda ps: not any(p["metadata"]["name"] in asks
+                                                       for p in ps), 60)
+
+
 def test_a_burst_of_gated_pods_is_placed_each_scheduled_once(gates: GateCluster,
                                                              kube: Kube) -> None:
     """Twelve quarters of GPU at once on the four GPUs: each pod bound on its first attempt,
@@ -253,6 +280,37 @@ def test_a_burst_of_gated_pods_is_placed_each_scheduled_once(gates: GateCluster,
             int(r["consumedCapacity"]["compute"])
         assert _failed_scheduling(gates, name) == [], (name, gates.events(name))
     assert all(v <= 100 for v in used.values()), used
+
+
+@pytest.mark.usefixtures("webhook")
+def test_the_webhook_gates_a_stock_dra_pod(gates: GateCluster, kube: Kube) -> None:
+    """A pod as users write it for DRA (a claim template of share.gpuslice.io, no gate, no
+    schedulerName) in a namespace that opted in to the admission webhook: the webhook puts
+    the allocator's gate on at creation (services.webhook.gate), the allocator allocates the
+    claim and lifts it, and kube-scheduler binds the pod on its first and only attempt."""
+    gates.dev.kubectl("label", "namespace", NS, "gpuslice.io/webhook=enabled", "--overwrite")
+    gates.objects.create_namespaced_custom_object(
+        "resource.k8s.io", "v1", NS, "resourceclaimtemplates",
+        {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate",
+         "metadata": {"name": "stock-quarter", "namespace": NS},
+         "spec": {"spec": gates.claim("x", 25)["spec"]}})
+    pod = gated_pod("stock", template="stock-quarter")
+    del pod["spec"]["schedulingGates"]
+    try:
+        kube.create([pod])
+        pods = kube.wait_pods(NS, "stock bound", lambda ps: any(
+            p["metadata"]["name"] == "stock" and p["spec"].get("nodeName") for p in ps), 120)
+        stock = next(p for p in pods if p["metadata"]["name"] == "stock")
+        changes = stock["metadata"]["annotations"].get("gpuslice.io/webhook-changes", "")
+        assert f"spec.schedulingGates: {kdra.ALLOCATOR_GATE}" in changes, stock["metadata"]
+        assert not stock["spec"].get("schedulingGates")
+        (st,) = stock["status"]["resourceClaimStatuses"]
+        (result,) = _results(gates, st["resourceClaimName"])
+        assert result["pool"] == stock["spec"]["nodeName"]
+        assert _failed_scheduling(gates, "stock") == [], gates.events("stock")
+    finally:
+        gates.dev.kubectl("label", "namespace", NS, "gpuslice.io/webhook-")
+        kube.core.delete_namespaced_pod("stock", NS, grace_period_seconds=0)
 
 
 def test_an_allocator_gone_leaves_no_pod_behind_its_gate(gates: GateCluster,

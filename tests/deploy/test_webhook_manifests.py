@@ -88,7 +88,10 @@ def test_the_configuration_reaches_the_webhooks_route_for_pod_creation_only(
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
-def test_the_webhooks_account_may_list_nodes_and_nothing_else(overlay: str) -> None:
+def test_the_webhooks_account_may_read_nodes_claims_and_the_allocators_lease_only(
+        overlay: str) -> None:
+    """List nodes (the fleet), get claims and claim templates (the allocator's gate), get
+    the allocator's Lease by name in gpuslice's namespace; no write of any kind."""
     docs = render(overlay)
     obj = _objects(docs)
     sa = {"kind": "ServiceAccount", "name": "gpuslice-webhook", "namespace": NAMESPACE}
@@ -96,9 +99,16 @@ def test_the_webhooks_account_may_list_nodes_and_nothing_else(overlay: str) -> N
     for b in docs:
         if b["kind"] in ("RoleBinding", "ClusterRoleBinding") and sa in b["subjects"]:
             for rule in obj[(b["roleRef"]["kind"], b["roleRef"]["name"])]["rules"]:
-                grants |= {(g, r, v) for g in rule["apiGroups"] for r in rule["resources"]
-                           for v in rule["verbs"]}
-    assert grants == {("", "nodes", "list")}
+                names = tuple(rule.get("resourceNames") or ())
+                grants |= {(b["kind"], g, r, v, names) for g in rule["apiGroups"]
+                           for r in rule["resources"] for v in rule["verbs"]}
+    assert grants == {
+        ("ClusterRoleBinding", "", "nodes", "list", ()),
+        ("ClusterRoleBinding", "resource.k8s.io", "resourceclaims", "get", ()),
+        ("ClusterRoleBinding", "resource.k8s.io", "resourceclaimtemplates", "get", ()),
+        ("RoleBinding", "coordination.k8s.io", "leases", "get", ("gpuslice-dra-allocator",))}
+    binding = obj[("RoleBinding", "gpuslice-webhook")]
+    assert binding["metadata"]["namespace"] == NAMESPACE
     dep = obj[("Deployment", "gpuslice-webhook")]
     assert dep["spec"]["template"]["spec"]["serviceAccountName"] == "gpuslice-webhook"
 

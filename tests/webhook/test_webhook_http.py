@@ -40,7 +40,8 @@ Call = Callable[[str, str, bytes | None], Awaitable[tuple[int, Any]]]
 
 
 def run(certs: tuple[Path, tuple[Path, Path]], api: FakeApiServer,
-        body: Callable[[Call], Awaitable[None]], resync_s: float = 60.0) -> None:
+        body: Callable[[Call], Awaitable[None]], resync_s: float = 60.0,
+        gate: Any = None) -> None:
     ca, (crt, key) = certs
     ctx = tls_context(str(crt), str(key), None)
 
@@ -49,7 +50,8 @@ def run(certs: tuple[Path, tuple[Path, Path]], api: FakeApiServer,
         port: list[int] = []
         view = FleetView(api)
         task = asyncio.create_task(serve(view, Options(), "127.0.0.1", 0, ctx,
-                                         resync_s=resync_s, ready=port.append, stop=stop))
+                                         resync_s=resync_s, ready=port.append, stop=stop,
+                                         gate=gate))
         while not port:
             await asyncio.sleep(0.01)
         client_ctx = ssl.create_default_context(cafile=str(ca))
@@ -173,3 +175,99 @@ def test_a_review_finding_no_gpus_reads_the_nodes_again(
         assert 'gpuslice_webhook_fleet_gpus{model="L4"} 1.0' in metrics
 
     run(certs, api, body, resync_s=60.0)
+
+
+def _claim_pod(ref: dict[str, str], name: str = "server") -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": "ml"},
+            "spec": {"resourceClaims": [{"name": "gpu", **ref}],
+                     "containers": [{"name": "server", "image": "vllm/vllm-openai",
+                                     "resources": {"claims": [{"name": "gpu"}]}}]}}
+
+
+def _template(name: str, device_class: str) -> dict[str, Any]:
+    return {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate",
+            "metadata": {"name": name, "namespace": "ml"},
+            "spec": {"spec": {"devices": {"requests": [{"name": "gpu", "exactly": {
+                "deviceClassName": device_class,
+                "capacity": {"requests": {"compute": "25"}}}}]}}}}
+
+
+def test_the_allocators_gate_is_put_on_a_pod_whose_claim_it_places(
+        certs: tuple[Path, tuple[Path, Path]]) -> None:
+    """A stock DRA pod (a claim template of share.gpuslice.io, no gate written) gets the
+    claim allocator's scheduling gate while the allocator's Lease is fresh; a whole-GPU
+    claim, a template that does not exist, a stale Lease or an API server that does not
+    answer leave it ungated and admitted (kube-scheduler then allocates it itself)."""
+    import time as _time
+    from datetime import UTC, datetime
+
+    from gpuslice.core.errors import GpusliceError
+    from gpuslice.services.webhook.gate import DraGate
+
+    class Api(FakeApiServer):
+        down = False
+
+        def get_resource_claim_template(self, namespace: str, name: str,
+                                        timeout_s: float | None = None) -> dict[str, Any]:
+            if self.down:
+                raise GpusliceError("API server unreachable: connection refused")
+            return super().get_resource_claim_template(namespace, name, timeout_s)
+
+    api = Api()
+    api.add_node(gpu_node("a", "L4", 1))
+    api.add_resourceclaimtemplate(_template("quarter", "share.gpuslice.io"))
+    api.add_resourceclaimtemplate(_template("whole", "gpu.gpuslice.io"))
+    now = {"t": _time.time()}
+
+    def renew(at: float) -> None:
+        stamp = datetime.fromtimestamp(at, UTC).isoformat().replace("+00:00", "Z")
+        old = api.get_lease("gpuslice-system", "gpuslice-dra-allocator")
+        api.put_lease("gpuslice-system", "gpuslice-dra-allocator", {
+            "holderIdentity": "allocator-0", "leaseDurationSeconds": 15, "renewTime": stamp},
+            None if old is None else old["metadata"]["resourceVersion"])
+
+    clock = {"t": 0.0}
+    gate = DraGate(api, wall=lambda: now["t"], clock=lambda: clock["t"])
+
+    async def mutate(pod: dict[str, Any]) -> dict[str, Any]:
+        status, doc = await call_("POST", "/mutate", review(pod))
+        assert status == 200 and doc["response"]["allowed"], doc
+        return dict(doc["response"])
+
+    def patch_of(resp: dict[str, Any]) -> list[dict[str, Any]]:
+        import base64
+        return json.loads(base64.b64decode(resp["patch"])) if "patch" in resp else []
+
+    call_: Call
+
+    async def body(call: Call) -> None:
+        nonlocal call_
+        call_ = call
+        renew(now["t"])
+        resp = await mutate(_claim_pod({"resourceClaimTemplateName": "quarter"}))
+        ops = patch_of(resp)
+        assert {"op": "add", "path": "/spec/schedulingGates",
+                "value": [{"name": "gpu.gpuslice.io/allocator"}]} in ops, ops
+        assert "spec.schedulingGates: gpu.gpuslice.io/allocator" in \
+            resp["auditAnnotations"]["changes"]
+        for ref in ({"resourceClaimTemplateName": "whole"},
+                    {"resourceClaimTemplateName": "nosuch"}):
+            resp = await mutate(_claim_pod(ref))
+            assert not any("schedulingGates" in o["path"] for o in patch_of(resp)), resp
+        # the Lease goes stale: read again after a second, and the pod goes ungated
+        now["t"] += 60
+        clock["t"] += 1.0
+        resp = await mutate(_claim_pod({"resourceClaimTemplateName": "quarter"}))
+        assert not any("schedulingGates" in o["path"] for o in patch_of(resp)), resp
+        renew(now["t"])
+        clock["t"] += 1.0
+        api.down = True  # admitted all the same, ungated, the failure counted
+        resp = await mutate(_claim_pod({"resourceClaimTemplateName": "quarter"}))
+        assert not any("schedulingGates" in o["path"] for o in patch_of(resp)), resp
+        assert gate.failures == 1
+        api.down = False
+        resp = await mutate(_claim_pod({"resourceClaimTemplateName": "quarter"}))
+        assert any("schedulingGates" in o["path"] for o in patch_of(resp)), resp
+
+    run(certs, api, body, gate=gate)

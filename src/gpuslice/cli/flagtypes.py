@@ -13,11 +13,12 @@ from gpuslice.core.errors import ValidationError
 from gpuslice.core.policies import ALIASES, make_policy, policy_names
 
 
-def parse_lease(text: str, expected: str = "NAMESPACE/NAME") -> tuple[str, str]:
-    """``--lease``'s value: (namespace, name)."""
+def parse_lease(text: str, expected: str = "NAMESPACE/NAME",
+                flag: str = "--lease") -> tuple[str, str]:
+    """``--lease``'s value (or ``flag``'s): (namespace, name)."""
     ns, sep, name = text.partition("/")
     if not sep or not ns or not name or "/" in name:
-        raise ValidationError("--lease", expected, text)
+        raise ValidationError(flag, expected, text)
     return ns, name
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from rich.console import Console
 
 from gpuslice.cli.common import KUBECONFIG_HELP, Sub, add_log_format, examples, setup_logging
-from gpuslice.cli.flagtypes import parse_hostport, positive_float
+from gpuslice.cli.flagtypes import parse_hostport, parse_lease, positive_float
 from gpuslice.core.errors import ValidationError
 
 
@@ -43,6 +43,14 @@ def register(sub: Sub) -> None:
     src.add_argument("--fake-cluster", type=Path,
                      help="YAML with 'nodes' and 'pods' lists: an in-memory API server")
     w.add_argument("--context", help="kubeconfig context")
+    w.add_argument("--no-dra-gate", action="store_true",
+                   help="do not put the claim allocator's scheduling gate "
+                   "(gpu.gpuslice.io/allocator) on pods whose one claim it places; by default "
+                   "it is put on while the allocator's Lease is fresh, so kube-scheduler tries "
+                   "such a pod once, after its claim is allocated (docs/dra-placement.md)")
+    w.add_argument("--allocator-lease", default="gpuslice-system/gpuslice-dra-allocator",
+                   metavar="NAMESPACE/NAME", help="the claim allocator's Lease (default "
+                   "gpuslice-system/gpuslice-dra-allocator)")
     w.add_argument("--resync", type=positive_float, default=30.0,
                    help="seconds between reads of the nodes' GPU inventories (default 30)")
     add_log_format(w)
@@ -59,15 +67,18 @@ def _webhook(args: argparse.Namespace, console: Console) -> int:
     from gpuslice.core.admission import Options
     from gpuslice.services.extender.http import tls_context
     from gpuslice.services.webhook import FleetView, serve
+    from gpuslice.services.webhook.gate import DraGate
 
     log = setup_logging(args.log_format, "webhook")
     host, port = parse_hostport("--listen", args.listen)
     if not args.scheduler_name.strip():
         raise ValidationError("--scheduler-name", "a scheduler profile's name", "")
+    lease = parse_lease(args.allocator_lease, flag="--allocator-lease")
     ctx = tls_context(args.tls_cert, args.tls_key, None)
     client: KubeClient | FakeApiServer = load_fake_cluster(args.fake_cluster) \
         if args.fake_cluster is not None else KubeClient(args.kubeconfig, args.context)
     view = FleetView(client)
+    gate = None if args.no_dra_gate else DraGate(client, lease)
     opts = Options(scheduler_name=args.scheduler_name, translate_plain=not args.no_translate)
 
     def ready(port: int) -> None:
@@ -83,7 +94,7 @@ def _webhook(args: argparse.Namespace, console: Console) -> int:
         signals.install(asyncio.get_running_loop())
         try:
             await serve(view, opts, host, port, ctx, resync_s=args.resync, ready=ready,
-                        stop=stop, tls_files=(args.tls_cert, args.tls_key))
+                        stop=stop, tls_files=(args.tls_cert, args.tls_key), gate=gate)
         finally:
             signals.restore()
 

@@ -92,6 +92,16 @@ def lease_state(lease: Mapping[str, Any]) -> LeaseState:
     return LeaseState(str(spec.get("holderIdentity") or ""), renewed, duration)
 
 
+def lease_fresh(lease: Mapping[str, Any] | None, wall: float) -> bool:
+    """Whether the allocator's Lease (as read; ``None``: there is none) has a holder and was
+    renewed within its ``leaseDurationSeconds`` at ``wall`` (seconds since the epoch): the
+    one reading for the drivers' taint and the webhook's gate."""
+    if lease is None:
+        return False
+    st = lease_state(lease)
+    return bool(st.holder) and st.renewed_at > 0 and wall < st.renewed_at + st.duration_s
+
+
 class KeeperPort(PodGatePort, Protocol):
     def list_pods(self, node: str | None = None,
                   timeout_s: float | None = None) -> list[dict[str, Any]]: ...

@@ -437,6 +437,17 @@ class KubeClient:
         return dict(self._within(timeout_s, lambda left: self._rest("GET", path, client=api,
                                                                      timeout=left)))
 
+    def get_resource_claim_template(self, namespace: str, name: str,
+                                    timeout_s: float | None = None) -> dict[str, Any]:
+        """A ResourceClaimTemplate (the admission webhook's read of a pod's claim to come);
+        ``timeout_s`` as :meth:`get_resource_claim`'s."""
+        path = f"/apis/resource.k8s.io/v1/namespaces/{namespace}/resourceclaimtemplates/{name}"
+        if timeout_s is None:
+            return dict(self._rest("GET", path))
+        api = self._no_retry()[0]
+        return dict(self._within(timeout_s, lambda left: self._rest("GET", path, client=api,
+                                                                     timeout=left)))
+
     def list_resource_slices(self, driver: str = "", node: str = "") -> list[dict[str, Any]]:
         sel = ",".join(s for s in (f"spec.driver={driver}" if driver else "",
                                    f"spec.nodeName={node}" if node else "") if s)

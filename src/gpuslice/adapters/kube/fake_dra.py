@@ -107,6 +107,19 @@ class FakeDraApi(FakeState):
         with self._lock:
             self._claims.pop((namespace, name), None)
 
+    def add_resourceclaimtemplate(self, obj: dict[str, Any]) -> None:
+        with self._lock:
+            meta = obj["metadata"]
+            self._templates[(meta["namespace"], meta["name"])] = copy.deepcopy(obj)
+
+    def get_resource_claim_template(self, namespace: str, name: str,
+                                    timeout_s: float | None = None) -> dict[str, Any]:
+        with self._lock:
+            t = self._templates.get((namespace, name))
+            if t is None:
+                raise ApiNotFound(f'resourceclaimtemplates.resource.k8s.io "{name}" not found')
+            return copy.deepcopy(t)
+
     def get_resource_claim(self, namespace: str, name: str,
                            timeout_s: float | None = None) -> dict[str, Any]:
         with self._lock:

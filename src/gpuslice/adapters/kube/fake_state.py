@@ -33,6 +33,7 @@ class FakeState:
         self._deployments: dict[tuple[str, str], dict[str, Any]] = {}
         self._daemonsets: dict[tuple[str, str], dict[str, Any]] = {}
         self._claims: dict[tuple[str, str], dict[str, Any]] = {}
+        self._templates: dict[tuple[str, str], dict[str, Any]] = {}
         self._slices: dict[str, dict[str, Any]] = {}
         self.events: list[dict[str, Any]] = []  # core/v1 Events created
         # the DRA feature gates this API server has on (1.36 defaults: all three beta, on)

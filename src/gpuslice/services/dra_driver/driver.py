@@ -23,6 +23,7 @@ from gpuslice.services.dra_driver.effects import Effects, mps_targets
 from gpuslice.services.dra_driver.plan import ClaimPlanner
 from gpuslice.services.dra_driver.slices import SlicePublisher, detect_features, pci_of
 from gpuslice.services.dra_driver.usage import ClaimShares
+from gpuslice.services.dra_gate import lease_fresh
 from gpuslice.services.pod_usage import PodsPort, PodUsage
 
 log = logging.getLogger("gpuslice.dra")
@@ -176,17 +177,7 @@ class DraDriver:
                 self.problems.append(msg)
             return False
         self._keep_gates(lease)
-        spec = (lease or {}).get("spec") or {}
-        if not spec.get("holderIdentity") or not spec.get("renewTime"):
-            return False
-        from datetime import datetime
-
-        try:
-            renewed = datetime.fromisoformat(str(spec["renewTime"]).replace("Z", "+00:00"))
-            duration = float(spec.get("leaseDurationSeconds") or 0)
-        except (TypeError, ValueError):
-            return False
-        return self.wall() < renewed.timestamp() + duration
+        return lease_fresh(lease, self.wall())
 
     def _keep_gates(self, lease: dict[str, Any] | None) -> None:
         """The gate keeper's round with the Lease just read (best effort: a failure is

@@ -21,7 +21,7 @@ from prometheus_client import (
 from gpuslice.core.admission import Options
 from gpuslice.services.extender.http import certificate_digest, reload_certificate
 from gpuslice.services.webhook.fleet import FleetView
-from gpuslice.services.webhook.review import review_of
+from gpuslice.services.webhook.review import Gate, review_of
 
 # the API server sends the whole pod; a pod object is at most 1.5 MiB in etcd, with headroom
 MAX_BODY = 4 * 1024 * 1024
@@ -61,7 +61,8 @@ class WebhookMetrics:
 
 
 def make_app(view: FleetView, opts: Options,
-             metrics: WebhookMetrics | None = None) -> web.Application:
+             metrics: WebhookMetrics | None = None, gate: Gate | None = None,
+             ) -> web.Application:
     m = metrics or WebhookMetrics(view)
     reading = asyncio.Lock()
 
@@ -82,7 +83,11 @@ def make_app(view: FleetView, opts: Options,
             return web.Response(status=400, text=f"request body unreadable: {exc}")
         await fresh()
         try:
-            doc, result = review_of(body, view.fleet, opts)
+            if gate is None:
+                doc, result = review_of(body, view.fleet, opts)
+            else:  # the gate reads the API server: off the event loop
+                doc, result = await asyncio.get_running_loop().run_in_executor(
+                    None, review_of, body, view.fleet, opts, gate)
         except Exception:  # a fault of ours: 500, and the API server applies failurePolicy
             m.reviews.labels("error").inc()
             log.exception("review failed", extra={"event": "review-error"})
@@ -117,12 +122,13 @@ def make_app(view: FleetView, opts: Options,
 async def serve(view: FleetView, opts: Options, host: str, port: int, ssl_context: Any,
                 *, resync_s: float = 30.0, ready: Callable[[int], None] | None = None,
                 stop: asyncio.Event | None = None, tls_files: tuple[str, str] | None = None,
-                tls_reload_s: float = TLS_RELOAD_S) -> None:
+                tls_reload_s: float = TLS_RELOAD_S, gate: Gate | None = None) -> None:
     """Serve until ``stop`` is set (or cancelled), reading the nodes every ``resync_s``; a
     renewed certificate (``tls_files``) is served from the next connection on."""
     loop = asyncio.get_running_loop()
     await loop.run_in_executor(None, view.refresh)  # ready at once when the API answers
-    runner = web.AppRunner(make_app(view, opts), access_log=None, handle_signals=False)
+    runner = web.AppRunner(make_app(view, opts, gate=gate), access_log=None,
+                           handle_signals=False)
     await runner.setup()
     site = web.TCPSite(runner, host, port, ssl_context=ssl_context)
     await site.start()

@@ -17,10 +17,11 @@ from __future__ import annotations
 import base64
 import copy
 import json
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
 from typing import Any
 
+from gpuslice.adapters.kube.dra_gate import ALLOCATOR_GATE, Admission
 from gpuslice.adapters.kube.jsonpatch import apply_json_patch, json_pointer
 from gpuslice.adapters.kube.objects import pod_containers, pod_request
 from gpuslice.adapters.kube.ports import ApiInvalid
@@ -29,6 +30,9 @@ from gpuslice.core.admission import ContainerAsk, Decision, Fleet, Options, PodA
 from gpuslice.core.errors import ValidationError
 from gpuslice.core.gpuselect import selection
 from gpuslice.core.podrequest import ContainerKind
+
+# the claim allocator's gate at admission: (pod, namespace) -> the patch that adds it, and why
+Gate = Callable[[Mapping[str, Any], str], Admission]
 
 API_VERSION = "admission.k8s.io/v1"
 KIND = "AdmissionReview"
@@ -173,10 +177,12 @@ def patch_ops(pod: dict[str, Any], decision: Decision) -> list[dict[str, Any]]:
     return ops
 
 
-def decide(review: Review, fleet: Fleet, opts: Options) -> tuple[Decision, list[dict[str, Any]]]:
+def decide(review: Review, fleet: Fleet, opts: Options, gate: Gate | None = None,
+           ) -> tuple[Decision, list[dict[str, Any]]]:
     """The decision for a review and its patch. Only pods being created are judged; the pod
     as patched must read as the extender reads it (adapters.kube.objects.pod_request), or it
-    is refused with what the extender would say."""
+    is refused with what the extender would say. ``gate`` (services.webhook.gate.DraGate)
+    adds the claim allocator's scheduling gate to a pod whose claim it places."""
     if review.kind != "Pod" or review.operation != "CREATE":
         return Decision(True), []
     try:
@@ -184,9 +190,18 @@ def decide(review: Review, fleet: Fleet, opts: Options) -> tuple[Decision, list[
     except ValidationError as exc:
         return policy.refuse(str(exc)), []
     decision = policy.admit(ask, fleet, opts)
-    if not decision.allowed or not decision.changed:
+    if not decision.allowed:
         return decision, []
-    ops = patch_ops(review.pod, decision)
+    gated: tuple[dict[str, Any], ...] = ()
+    if gate is not None:
+        admitted = gate(review.pod, review.namespace)
+        gated = admitted.ops
+        if gated:
+            decision = replace(decision, changes=(
+                *decision.changes, f"spec.schedulingGates: {ALLOCATOR_GATE} ({admitted.why})"))
+    if not decision.changed and not gated:
+        return decision, []
+    ops = patch_ops(review.pod, decision) + list(gated)
     try:
         patched = apply_json_patch(review.pod, ops)
         meta = patched.setdefault("metadata", {})
@@ -220,9 +235,11 @@ def bad_answer(exc: BadReview) -> dict[str, Any]:
                    "message": f"gpuslice webhook: {exc}"}}}
 
 
-def review_of(body: bytes, fleet: Fleet, opts: Options) -> tuple[dict[str, Any], str]:
+def review_of(body: bytes, fleet: Fleet, opts: Options, gate: Gate | None = None,
+              ) -> tuple[dict[str, Any], str]:
     """The answer to a request body, and what happened (``mutated``, ``unchanged``,
-    ``refused``, ``bad-review``) for the metrics and the log."""
+    ``refused``, ``bad-review``) for the metrics and the log. With ``gate`` it may read the
+    API server: call it on a worker thread."""
     try:
         doc = json.loads(body)
     except (ValueError, UnicodeDecodeError) as exc:
@@ -231,6 +248,6 @@ def review_of(body: bytes, fleet: Fleet, opts: Options) -> tuple[dict[str, Any],
         review = read_review(doc)
     except BadReview as exc:
         return bad_answer(exc), "bad-review"
-    decision, ops = decide(review, fleet, opts)
+    decision, ops = decide(review, fleet, opts, gate)
     result = "refused" if not decision.allowed else "mutated" if ops else "unchanged"
     return answer(review.uid, decision, ops), result
