@@ -26,7 +26,8 @@ def no_shared_data(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_the_shipped_names() -> None:
     assert builtin.names("profiles") == ["a100-80gb"]
-    assert builtin.names("services") == ["example", "example-busier"]
+    assert builtin.names("services") == ["example", "example-busier", "generative"]
+    assert builtin.names("gen-profiles") == ["llm-a100-80gb"]
     assert builtin.names("fleet") == ["example"]
     assert builtin.names("plan") == ["example"]
     folder = builtin.resolve("profiles", "builtin:a100-80gb", "--profiles")
@@ -40,7 +41,7 @@ def test_the_shipped_names() -> None:
 @pytest.mark.parametrize(("argv", "option", "known"), [
     (["plan", "--profiles", "builtin:a100"], "--profiles", "builtin:a100-80gb"),
     (["plan", "--example", "--services", "builtin:nope"], "--services",
-     "builtin:example, builtin:example-busier"),
+     "builtin:example, builtin:example-busier, builtin:generative"),
     (["plan", "--example", "--fleet", "builtin:"], "--fleet", "builtin:example"),
     (["replan", "--example", "--current", "builtin:plan"], "--current", "builtin:example"),
 ], ids=["plan-profiles", "plan-services", "plan-fleet", "replan-current"])

@@ -22,7 +22,7 @@ import gpuslice
 ROOT = Path(__file__).resolve().parents[2]
 # the images deploy/ runs that are not gpuslice's: the second scheduler and the example workloads
 THIRD_PARTY = {"registry.k8s.io/kube-scheduler", "nvcr.io/nvidia/tritonserver",
-               "nvcr.io/nvidia/pytorch"}
+               "nvcr.io/nvidia/pytorch", "vllm/vllm-openai"}
 # the install paths that pin the digest (the others name the image by tag, as a dev cluster
 # loads it from scripts/build-image.sh's archive)
 PINNED = {"deploy/overlays/production", "helm"}

@@ -109,6 +109,8 @@ def test_scheduler_profile_uses_the_extender_without_touching_the_default_schedu
 
     examples = [d for d in docs if d["kind"] in ("Deployment", "Job")
                 and d["metadata"].get("namespace") == "default"]
+    # fractional, mig-sized, multi-gpu (the router is not one; the generative examples are
+    # applied on their own, tests/deploy/test_generative_examples.py)
     assert len([d for d in examples if wants_gpu(d)]) == 3
     for d in examples:  # GPU workloads go through the gpuslice scheduler, the router does not
         assert (d["spec"]["template"]["spec"].get("schedulerName") == "gpuslice-scheduler") \

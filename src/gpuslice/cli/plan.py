@@ -32,8 +32,9 @@ from gpuslice.core import catalog
 from gpuslice.core.errors import ValidationError
 
 if TYPE_CHECKING:
-    from gpuslice.core.planner import FleetType, Plan
+    from gpuslice.core.planner import FleetType, Plan, Service
     from gpuslice.core.profiles import ProfileSet
+    from gpuslice.planning.run import GenerativePlan
 
 _NAMESPACE = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")  # RFC 1123 label
 
@@ -50,6 +51,11 @@ def register(sub: Sub) -> None:
                    help="ParvaGPU folder (with prof_data/) or a gpuslice profile CSV (required "
                    "unless --example), "
                    + builtin_help("profiles"))
+    p.add_argument("--gen-profiles", type=input_path("gen-profiles"),
+                   help="generative profile CSV (model, gpu, slice_kind, slice_size, "
+                   "prefill_tokens_per_s, decode_tokens_per_s, max_seqs) for the services that "
+                   "give slo_ttft_ms and slo_tpot_ms (docs/planner.md), "
+                   + builtin_help("gen-profiles"))
     p.add_argument("--slo-rate", type=Path, help="ParvaGPU SLO_req_rate.csv (default: "
                    "PROFILES/SLO/SLO_req_rate.csv)")
     p.add_argument("--slo-latency", type=Path, help="ParvaGPU SLO_latency.csv (default: "
@@ -57,8 +63,9 @@ def register(sub: Sub) -> None:
     p.add_argument("--scenario", type=int, help="scenario (row) of the SLO files, from 1 "
                    "(instead of --services)")
     p.add_argument("--services", type=input_path("services"),
-                   help="services YAML/JSON: [{name, model, rate, slo_ms}] (instead of SLO "
-                   "files), " + builtin_help("services"))
+                   help="services YAML/JSON: [{name, model, rate, slo_ms}], or generative "
+                   "ones with slo_ttft_ms, slo_tpot_ms, prompt_tokens, output_tokens in place "
+                   "of slo_ms (instead of SLO files), " + builtin_help("services"))
     p.add_argument("--fleet", type=input_path("fleet"),
                    help="fleet YAML/JSON: [{gpu, count, cost_per_hour (dollars),"
                    " profiles_from (a profiled GPU standing in for an unprofiled one)}] "
@@ -102,10 +109,10 @@ def register(sub: Sub) -> None:
 
 def _plan(args: argparse.Namespace, console: Console) -> int:
     from gpuslice.core.planner import PlanOptions
+    from gpuslice.core.profiles import ProfileSet
     from gpuslice.planning.run import (
         load_profiles,
         parva_baseline,
-        read_services,
         run_plan,
         scenario_services,
         to_json,
@@ -116,11 +123,15 @@ def _plan(args: argparse.Namespace, console: Console) -> int:
     check_files(args)
     opts = PlanOptions(latency_factor=args.latency_factor, objective=args.objective,
                        solver=args.solver, time_limit_s=args.time_limit, mix=not args.no_mix)
-    profiles = load_profiles(args.profiles)
+    profiles = load_profiles(args.profiles) if args.profiles is not None else ProfileSet(())
     baselines: dict[str, int | None] = {}
+    generative: dict[str, GenerativePlan] = {}
     if args.services is not None:
-        services = read_services(args.services, models=profiles.models())
+        services, profiles, generative = _read_services(args, profiles, opts.latency_factor)
     elif args.scenario is not None:
+        if args.profiles is None:
+            raise ValidationError("--profiles", "a ParvaGPU profile folder, whose SLO/ files "
+                                  "--scenario reads", None)
         services = scenario_services(args.profiles, args.slo_rate, args.slo_latency,
                                      args.scenario)
         if args.profiles.is_dir():
@@ -131,10 +142,10 @@ def _plan(args: argparse.Namespace, console: Console) -> int:
         fleet = read_checked_fleet(args.fleet)
         profiles = with_derived(profiles, fleet, args.fleet)
     else:
-        fleet = default_fleet(args.profiles, profiles)
+        fleet = default_fleet(args.profiles or args.gen_profiles, profiles)
     run = run_plan(profiles, services, fleet, opts, seed=args.seed, check=not args.no_check,
                    baselines=baselines, priced=args.fleet is not None)
-    doc = to_json(run)
+    doc = to_json(run, generative)
     status = EXIT_OK if not doc["errors"] and not doc["problems"] else EXIT_FAILED
     if args.output == "json":
         _write(args, run.plan, doc, console)
@@ -143,6 +154,23 @@ def _plan(args: argparse.Namespace, console: Console) -> int:
     _print_plan(doc, console)
     _write(args, run.plan, doc, console)
     return status
+
+
+def _read_services(args: argparse.Namespace, profiles: ProfileSet, latency_factor: float
+                   ) -> tuple[list[Service], ProfileSet, dict[str, GenerativePlan]]:
+    """``--services``, its generative services (if any) turned into the planner's services and
+    profile points from ``--gen-profiles``; ``profiles`` with those points added; how the
+    generative ones were sized."""
+    from gpuslice.adapters.profiles.files import read_generative_profiles
+    from gpuslice.core.profiles import ProfileSet
+    from gpuslice.planning.run import plannable, read_plan_services
+
+    points = [] if args.gen_profiles is None else \
+        read_generative_profiles(args.gen_profiles, catalogue_gpus=True)
+    items = read_plan_services(args.services, models=profiles.models(),
+                               gen_models=sorted({p.model for p in points}))
+    services, extra, sized = plannable(args.services, items, points, latency_factor)
+    return services, ProfileSet.of([*profiles.points, *extra]) if extra else profiles, sized
 
 
 def money(x: float) -> str:
@@ -212,7 +240,7 @@ def example_defaults(args: argparse.Namespace) -> None:
             args.services = builtin_path("services", builtin.EXAMPLE_SERVICES)
         if args.fleet is None:
             args.fleet = builtin_path("fleet", builtin.EXAMPLE_FLEET)
-    if args.profiles is None:
+    if args.profiles is None and getattr(args, "gen_profiles", None) is None:
         raise ValidationError("--profiles", "a profile folder or CSV, "
                               f"{builtin.expected('profiles')}, or --example", None)
 

@@ -20,22 +20,42 @@ def register(sub: Sub) -> None:
         "windows; rows go to the CSV as they are measured (an interrupted run resumes), and a "
         "plot of throughput against slice size is written beside it. Workloads: resnet50, "
         "mobilenet_v3, vit_b_16, efficientnet_b0, encoder, tiny, cmd:PROGRAM (RUN <batch> / "
-        "OK lines on stdin/stdout) or an http:// URL (POST per batch, X-Batch-Size).",
+        "OK lines on stdin/stdout) or an http:// URL (POST per batch, X-Batch-Size). "
+        "openai:URL measures an OpenAI-compatible server (vLLM, Triton's OpenAI frontend) on a "
+        "slice instead: streamed chat completions at a few concurrencies, TTFT, TPOT and "
+        "tokens/s, into a generative profile row (plan --gen-profiles).",
         epilog=examples("gpuslice profile resnet50 --out profiles.csv",
-                        "gpuslice profile \"cmd:python my_model.py\" --name mymodel --out "
-                        "profiles.csv"))
+                        "gpuslice profile openai:http://10.0.0.7:8000/v1 --model "
+                        "Qwen/Qwen2.5-0.5B-Instruct --gpu L4 --slice mps:50 --out gen.csv"))
     p.add_argument("workload", help="what to measure: a built-in model (resnet50, tiny, ...), "
-                   "cmd:PROGRAM or an http:// URL (see above)")
-    p.add_argument("--out", type=Path, default=Path("profiles.csv"),
-                   help="the profile CSV to write (and resume; default profiles.csv)")
-    p.add_argument("--name", default="", help="model name in the CSV (default: the workload)")
+                   "cmd:PROGRAM, an http:// URL or openai:http://HOST:PORT/v1 (see above)")
+    p.add_argument("--out", type=Path,
+                   help="the profile CSV to write (and resume; default profiles.csv, "
+                   "gen-profiles.csv for openai:, where a row replaces one of the same model, "
+                   "GPU and slice)")
+    p.add_argument("--name", default="", help="model name in the CSV (default: the workload; "
+                   "for openai:, --model)")
+    p.add_argument("--model", help="openai: the model the requests name (required there)")
+    p.add_argument("--gpu", help="openai: the GPU model the server runs on, as the catalogue "
+                   "names it (gpuslice gpus; required there)")
+    p.add_argument("--slice", help="openai: its slice, KIND:SIZE: mig:3 (compute slices), "
+                   "mps:50 (thread %%) or whole:7 (required there)")
+    p.add_argument("--concurrency", default="1,4,16",
+                   help="openai: streams at once, one level after another (default 1,4,16)")
+    p.add_argument("--prompt-tokens", type=_positive_int, default=1000,
+                   help="openai: the prompt's length in tokens, about (default 1000)")
+    p.add_argument("--output-tokens", type=_positive_int, default=200,
+                   help="openai: max_tokens of each request (default 200)")
+    p.add_argument("--no-ignore-eos", action="store_true",
+                   help="openai: leave vLLM's ignore_eos out of the requests (a server that "
+                   "refuses it); answers may then end early")
     p.add_argument("--caps", default="10,20,30,50,70,100", help="MPS thread percentages")
     p.add_argument("--batches", default="1,2,4,8", help="batch sizes (default 1,2,4,8)")
     p.add_argument("--procs", default="1,2,3", help="processes sharing the slice")
-    p.add_argument("--warmup-s", type=float, default=2.0,
-                   help="seconds of warm-up before each measurement (default 2)")
-    p.add_argument("--window-s", type=float, default=5.0,
-                   help="seconds each measurement lasts (default 5)")
+    p.add_argument("--warmup-s", type=float,
+                   help="seconds of warm-up before each measurement (default 2; openai: 5)")
+    p.add_argument("--window-s", type=float,
+                   help="seconds each measurement lasts (default 5; openai: 30)")
     p.add_argument("--device", type=int, default=0, help="GPU index")
     p.add_argument("--no-mig", action="store_true", help="skip the MIG instances")
     p.add_argument("--fake-timer", metavar="MODEL@GPU",
@@ -47,6 +67,17 @@ def register(sub: Sub) -> None:
     p.set_defaults(handler=_profile)
 
 
+def _positive_int(text: str) -> int:
+    """argparse ``type=``: a whole number >= 1 (tokens)."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+    return n
+
+
 def check_name(spec: str) -> None:
     """A plain workload name is one of the built-in ones, or another torchvision model that
     only torchvision can vouch for: without it installed, an unknown name is refused here
@@ -55,7 +86,7 @@ def check_name(spec: str) -> None:
 
     from gpuslice.bench.workloads import BUILTIN
 
-    if spec in BUILTIN or spec.startswith(("cmd:", "http://", "https://", "timm:")):
+    if spec in BUILTIN or spec.startswith(("cmd:", "http://", "https://", "timm:", "openai:")):
         return
     if importlib.util.find_spec("torchvision") is None:
         raise ValidationError("workload", f"one of {', '.join(BUILTIN)}, timm:NAME, "
@@ -68,6 +99,13 @@ def _profile(args: argparse.Namespace, console: Console) -> int:
     from gpuslice.bench.profile import ProfileOptions, parse_ints, plot_knee, run_profile
 
     check_name(args.workload)
+    if args.workload.startswith("openai:"):
+        from gpuslice.cli.profile_openai import profile_openai
+
+        return profile_openai(args, console)
+    args.out = args.out or Path("profiles.csv")
+    args.warmup_s = 2.0 if args.warmup_s is None else args.warmup_s
+    args.window_s = 5.0 if args.window_s is None else args.window_s
     check_out_file(args.out, "--out")  # before the measurements, not after them
     opts = ProfileOptions(
         workload=args.workload, out=args.out, model_name=args.name,

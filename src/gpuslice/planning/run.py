@@ -6,7 +6,7 @@ import math
 import re
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,6 +21,7 @@ from gpuslice.adapters.profiles.files import (
 )
 from gpuslice.adapters.traces.alibaba import InputError
 from gpuslice.core.errors import GpusliceError, ValidationError
+from gpuslice.core.generative import GenerativePoint, GenerativeService
 from gpuslice.core.planner import (
     FleetType,
     Plan,
@@ -55,35 +56,145 @@ def read_services(path: Path, *, positive_rate: bool = True,
     """A services file (YAML or JSON): a list of ``{name, model, rate, slo_ms}``.
 
     ``rate`` must be > 0 req/s (>= 0 without ``positive_rate``: a re-plan may measure no
-    traffic), ``slo_ms`` > 0, and ``model`` one of ``models`` when given (the profiled ones)."""
+    traffic), ``slo_ms`` > 0, and ``model`` one of ``models`` when given (the profiled ones).
+    A generative service (``slo_ttft_ms``...) is refused: :func:`read_plan_services` reads
+    those."""
+    out = read_plan_services(path, positive_rate=positive_rate, models=models)
+    for row, svc in enumerate(out, start=1):
+        if isinstance(svc, GenerativeService):
+            raise InputError(path, row, "slo_ms", "missing: a generative service (slo_ttft_ms, "
+                             "slo_tpot_ms) is planned by gpuslice plan with --gen-profiles")
+    return [s for s in out if isinstance(s, Service)]
+
+
+GENERATIVE_FIELDS = ("slo_ttft_ms", "slo_tpot_ms", "prompt_tokens", "output_tokens")
+
+
+def read_plan_services(path: Path, *, positive_rate: bool = True,
+                       models: Sequence[str] | None = None,
+                       gen_models: Sequence[str] | None = None
+                       ) -> list[Service | GenerativeService]:
+    """The services of a services file in its order, as :func:`read_services`, and generative
+    ones: ``{name, model, rate, slo_ttft_ms, slo_tpot_ms, prompt_tokens, output_tokens}`` in
+    place of ``slo_ms`` (``model`` one of ``gen_models`` when given: the models of the
+    generative profiles)."""
     data = _load(path)
     items = data.get("services") if isinstance(data, dict) else data
     if not isinstance(items, list) or not items:
         raise InputError(path, None, "services", "expected a non-empty list of services")
-    out: list[Service] = []
+    out: list[Service | GenerativeService] = []
     for i, item in enumerate(items):
         if not isinstance(item, dict):
             raise InputError(path, i + 1, None, "expected a mapping with model, rate, slo_ms")
-        for key in ("model", "rate", "slo_ms"):
+        generative = any(k in item for k in GENERATIVE_FIELDS)
+        required = ("model", "rate", *GENERATIVE_FIELDS) if generative else \
+            ("model", "rate", "slo_ms")
+        for key in required:
             if key not in item:
-                raise InputError(path, i + 1, key, "missing")
+                raise InputError(path, i + 1, key, "missing" + (
+                    " (a generative service gives slo_ttft_ms, slo_tpot_ms, prompt_tokens and "
+                    "output_tokens)" if generative else ""))
+        if generative and "slo_ms" in item:
+            raise InputError(path, i + 1, "slo_ms", "expected slo_ms or the generative SLOs "
+                             "(slo_ttft_ms, slo_tpot_ms), not both")
         rate = _number(path, i + 1, "rate", item["rate"])
         if not (rate > 0 or (rate == 0 and not positive_rate)):
             raise InputError(path, i + 1, "rate", f"expected a request rate "
                              f"{'>' if positive_rate else '>='} 0 req/s, got {item['rate']!r}")
-        slo = _number(path, i + 1, "slo_ms", item["slo_ms"])
-        if not slo > 0:
-            raise InputError(path, i + 1, "slo_ms",
-                             f"expected a latency SLO > 0 ms, got {item['slo_ms']!r}")
         model = item["model"]
         if not isinstance(model, str) or not model.strip():
             raise InputError(path, i + 1, "model", f"expected a model name, got {model!r}")
-        if models is not None and model not in models:
-            raise InputError(path, i + 1, "model", f"no profile for model {model!r}; the "
-                             f"profiles have {', '.join(sorted(models)) or 'no model'}")
-        out.append(Service(_name(path, i + 1, item.get("name", model), "name" in item),
-                           model, rate, slo))
+        known = gen_models if generative else models
+        if known is not None and model not in known:
+            raise InputError(path, i + 1, "model", f"no {'generative ' if generative else ''}"
+                             f"profile for model {model!r}; the profiles have "
+                             f"{', '.join(sorted(known)) or 'no model'}")
+        name = _name(path, i + 1, item.get("name", model), "name" in item)
+        out.append(_generative(path, i + 1, item, name, rate) if generative else
+                   Service(name, model, rate, _slo(path, i + 1, item)))
     return out
+
+
+def _slo(path: Path, row: int, item: dict[str, Any]) -> float:
+    slo = _number(path, row, "slo_ms", item["slo_ms"])
+    if not slo > 0:
+        raise InputError(path, row, "slo_ms",
+                         f"expected a latency SLO > 0 ms, got {item['slo_ms']!r}")
+    return slo
+
+
+def _generative(path: Path, row: int, item: dict[str, Any], name: str,
+                rate: float) -> GenerativeService:
+    """A generative service of a services file; a value out of range names its field."""
+    values = {k: _number(path, row, k, item[k]) for k in GENERATIVE_FIELDS}
+    try:
+        return GenerativeService(name, item["model"], rate, **values)
+    except ValidationError as exc:
+        raise InputError(path, row, exc.field.rpartition(": ")[2],
+                         f"expected {exc.expected}, got {exc.got!r}") from None
+
+
+@dataclass(frozen=True)
+class GenerativePlan:
+    """A generative service as planned: the service, and per (GPU, MIG compute slices) the
+    profile row its replica there was sized from (for the plan document and the router)."""
+
+    service: GenerativeService
+    by_slice: dict[tuple[str, int], GenerativePoint]
+
+
+def plannable(path: Path, services: Sequence[Service | GenerativeService],
+              points: Sequence[GenerativePoint], latency_factor: float
+              ) -> tuple[list[Service], list[ProfilePoint], dict[str, GenerativePlan]]:
+    """The planner's services for ``services`` read from ``path``, the profile points of the
+    generative ones (:func:`~gpuslice.core.generative.planner_inputs`, models measured only
+    under MPS caps given MIG-sized stand-ins) and how each was sized; a generative service
+    whose SLOs no profiled slice holds is refused naming its row and the SLO."""
+    from gpuslice.core.generative import capacities, planner_inputs
+    from gpuslice.core.profiles import mps_as_mig
+
+    out: list[Service] = []
+    points_out: list[ProfilePoint] = []
+    sized: dict[str, GenerativePlan] = {}
+    for row, svc in enumerate(services, start=1):
+        if isinstance(svc, Service):
+            out.append(svc)
+            continue
+        try:
+            (planned,), pts = planner_inputs([svc], points, latency_factor)
+        except ValidationError as exc:
+            raise InputError(path, row, exc.field.rpartition(": ")[2],
+                             f"expected {exc.expected}, got {exc.got!r}") from None
+        out.append(planned)
+        mig = mps_as_mig(ProfileSet.of(pts)).points
+        points_out.extend(mig)
+        caps = capacities(svc, points, latency_factor)
+        # each MIG point is a row's own, or the stand-in of an MPS row (the same numbers)
+        sized[svc.name] = GenerativePlan(svc, {
+            (q.gpu, q.slice_size): c.point for q in mig if q.slice_kind == "mig"
+            for c in caps if c.point.gpu == q.gpu and c.rate_rps == q.throughput and (
+                c.point.slice_kind != "mig" or c.point.slice_size == q.slice_size)})
+    return out, points_out, sized
+
+
+def generative_fields(g: GenerativePlan) -> dict[str, Any]:
+    """What a plan document says of a generative service beyond a batch one's: the API, the
+    model clients name, its SLOs and lengths (the router reads ``api``, ``models``,
+    ``slo_ttft_ms``, ``slo_tpot_ms`` and ``mean_output_tokens``)."""
+    s = g.service
+    return {"api": "openai", "models": [s.model], "slo_ttft_ms": s.slo_ttft_ms,
+            "slo_tpot_ms": s.slo_tpot_ms, "prompt_tokens": s.prompt_tokens,
+            "mean_output_tokens": max(1, round(s.output_tokens))}
+
+
+def generative_segment(g: GenerativePlan, gpu: str, size: int) -> dict[str, Any]:
+    """A planned replica's token speeds as the router takes them: prefill tokens/s, decode
+    tokens/s of one sequence (1 / a full batch's step: conservative) and its sequences."""
+    p = g.by_slice.get((gpu, size))
+    if p is None:
+        return {}
+    return {"prefill_tokens_per_s": p.prefill_tokens_per_s,
+            "decode_tokens_per_s": round(1.0 / p.step_s, 3), "max_num_seqs": p.max_seqs}
 
 
 # a service's name names its Kubernetes objects (planning/export.py): the Deployment
@@ -266,7 +377,11 @@ def load_profiles(path: Path) -> ProfileSet:
     return mps_as_mig(read_profiles(path, catalogue_gpus=True))
 
 
-def to_json(run: PlanRun) -> dict[str, Any]:
+def to_json(run: PlanRun, generative: Mapping[str, GenerativePlan] | None = None
+            ) -> dict[str, Any]:
+    """The plan document; ``generative``: how the generative services were sized
+    (:func:`plannable`), whose fields their entries and segments then carry."""
+    gen = generative or {}
     p = run.plan
     by_service = {r.service: r for r in run.replay}
     gpu_list = []
@@ -282,11 +397,16 @@ def to_json(run: PlanRun) -> dict[str, Any]:
     for svc in run.services:
         segs = p.segments(svc.name)
         r = by_service.get(svc.name)
+        g_plan = gen.get(svc.name)
         services.append({
             "name": svc.name, "model": svc.model, "rate_rps": svc.rate, "slo_ms": svc.slo_ms,
+            **({} if g_plan is None else generative_fields(g_plan)),
             "capacity_rps": round(p.capacity(svc.name), 3),
             "segments": [{"gpu": g.index, "profile": s.placement.profile.name,
-                          "start": s.placement.start, **_part(c)} for g, s, c in segs],
+                          "start": s.placement.start, **_part(c),
+                          **({} if g_plan is None else generative_segment(g_plan, g.gpu,
+                                                                          c.size))}
+                         for g, s, c in segs],
             "replayed_p50_ms": None if r is None else round(r.p50_ms, 3),
             "replayed_p99_ms": None if r is None else round(r.p99_ms, 3),
             "within_slo_pct": None if r is None else round(r.within_slo_pct, 3),

@@ -10,6 +10,7 @@ in ``data/README.md``), read with :mod:`importlib.resources`:
 - fleet: ``data/fleets/NAME.yaml``: ``--fleet builtin:example``
 - plan: ``data/plans/NAME.json`` (written by ``gpuslice plan --json``):
   ``replan --current builtin:example``
+- generative profiles: ``data/gen-profiles/NAME.csv``: ``--gen-profiles builtin:llm-a100-80gb``
 
 The large inputs (cluster traces, published results) are not shipped: they stay in the shared
 data folder (``adapters/traces/data.py``).
@@ -30,8 +31,8 @@ PREFIX = "builtin:"
 
 # kind -> folder under data/
 KINDS: dict[str, str] = {"profiles": "profiles", "services": "services", "fleet": "fleets",
-                         "plan": "plans"}
-_SUFFIXES = (".yaml", ".yml", ".json")
+                         "plan": "plans", "gen-profiles": "gen-profiles"}
+_SUFFIXES = (".yaml", ".yml", ".json", ".csv")
 
 # what ``plan --example`` and ``replan --example`` use
 EXAMPLE_PROFILES = "a100-80gb"

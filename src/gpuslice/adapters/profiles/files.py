@@ -12,6 +12,16 @@ Two profile formats:
   ``slice_kind`` is ``mig`` (size = compute slices), ``mps`` (size = thread %) or ``whole``;
   ``throughput_rps`` is per process; ``latency_p99_ms`` may be empty.
 
+Generative profiles (``gpuslice plan --gen-profiles``, ``gpuslice profile openai:URL``), one row
+per (model, GPU, slice)::
+
+      model,gpu,slice_kind,slice_size,prefill_tokens_per_s,decode_tokens_per_s,max_seqs
+      llama-3.2-3b,A100-80GB,mig,3,10286,2222,64
+
+  ``prefill_tokens_per_s``: prompt tokens per second one replica prefills;
+  ``decode_tokens_per_s``: output tokens per second of the whole replica with ``max_seqs``
+  sequences running (``core/generative.py``).
+
 SLO scenarios (ParvaGPU's ``SLO_req_rate.csv`` / ``SLO_latency.csv``): a header of model names and
 one row per scenario; ``N/A`` means the model is not deployed in that scenario.
 """
@@ -26,6 +36,7 @@ from pathlib import Path
 from gpuslice.adapters.traces.alibaba import InputError
 from gpuslice.core import catalog
 from gpuslice.core.errors import ValidationError
+from gpuslice.core.generative import GenerativePoint
 from gpuslice.core.profiles import ProfilePoint, ProfileSet
 
 PARVA_COLUMNS = ("Mig instance", "Batch size", "Workload Number", "Throughput", "Latency")
@@ -158,6 +169,46 @@ def read_own_profiles(path: Path | str, *, catalogue_gpus: bool = False) -> Prof
         except ValidationError as exc:
             raise InputError(p, row, exc.field, str(exc)) from None
     return ProfileSet.of(points)
+
+
+GEN_COLUMNS = ("model", "gpu", "slice_kind", "slice_size", "prefill_tokens_per_s",
+               "decode_tokens_per_s", "max_seqs")
+
+
+def read_generative_profiles(path: Path | str, *, catalogue_gpus: bool = False
+                             ) -> list[GenerativePoint]:
+    """Read a generative profile CSV (see the module docstring): one row per model, GPU and
+    slice; ``catalogue_gpus`` as :func:`read_own_profiles`."""
+    p = Path(path)
+    out: list[GenerativePoint] = []
+    seen: dict[tuple[str, str, str, int], int] = {}
+    for row, rec in _csv(p, GEN_COLUMNS):
+        kind = rec["slice_kind"].strip()
+        if kind not in ("mig", "mps", "whole"):
+            raise InputError(p, row, "slice_kind", f"expected mig, mps or whole, got {kind!r}")
+        for col in ("model", "gpu"):
+            if not rec[col].strip():
+                raise InputError(p, row, col, f"expected a {col} name, got ''")
+        gpu = rec["gpu"].strip()
+        if catalogue_gpus and catalog.lookup(gpu) is None:
+            known = ", ".join(m.name for m in catalog.known_models())
+            raise InputError(p, row, "gpu", f"expected a GPU model of the catalogue ({known}; "
+                             f"gpuslice gpus lists them), got {gpu!r}")
+        size = _slice_size(p, row, kind, rec["slice_size"])
+        key = (rec["model"].strip(), gpu, kind, size)
+        try:
+            out.append(GenerativePoint(
+                key[0], gpu, kind, size,
+                _num(p, row, "prefill_tokens_per_s", rec["prefill_tokens_per_s"]),
+                _num(p, row, "decode_tokens_per_s", rec["decode_tokens_per_s"]),
+                int(_num(p, row, "max_seqs", rec["max_seqs"], int))))
+        except ValidationError as exc:
+            raise InputError(p, row, exc.field.rpartition(": ")[2], str(exc)) from None
+        if key in seen:
+            raise InputError(p, row, "slice_size", f"expected one row per model, GPU and "
+                             f"slice; {'/'.join(map(str, key))} is on row {seen[key]} too")
+        seen[key] = row
+    return out
 
 
 # slice_size by slice_kind: MIG compute slices (7 on the largest GPUs), MPS thread %
