@@ -1,6 +1,6 @@
 """Routing maths: which replica of a service should answer a request, and should it be admitted.
 
-Pure and synchronous, as the rest of the core: the router (``services/router.py``) holds a tuple
+Pure and synchronous, as the rest of the core: the router (``services/router/``) holds a tuple
 of :class:`ReplicaView` per service, asks a :class:`RoutingPolicy` for a :class:`Choice`, applies
 it, and reports the outcome back through :func:`dispatched` / :func:`completed`, which return new
 views. Randomness comes in as a float ``u`` in [0, 1) drawn by the caller.
