@@ -430,18 +430,18 @@ class KubeClient:
     def get_resource_claim(self, namespace: str, name: str,
                            timeout_s: float | None = None) -> dict[str, Any]:
         """``timeout_s``: the whole read's deadline (see the class)."""
-        path = f"/apis/resource.k8s.io/v1/namespaces/{namespace}/resourceclaims/{name}"
-        if timeout_s is None:
-            return dict(self._rest("GET", path))
-        api = self._no_retry()[0]
-        return dict(self._within(timeout_s, lambda left: self._rest("GET", path, client=api,
-                                                                     timeout=left)))
+        return self._get(f"/apis/resource.k8s.io/v1/namespaces/{namespace}/resourceclaims/"
+                         f"{name}", timeout_s)
 
     def get_resource_claim_template(self, namespace: str, name: str,
                                     timeout_s: float | None = None) -> dict[str, Any]:
         """A ResourceClaimTemplate (the admission webhook's read of a pod's claim to come);
         ``timeout_s`` as :meth:`get_resource_claim`'s."""
-        path = f"/apis/resource.k8s.io/v1/namespaces/{namespace}/resourceclaimtemplates/{name}"
+        return self._get(f"/apis/resource.k8s.io/v1/namespaces/{namespace}/"
+                         f"resourceclaimtemplates/{name}", timeout_s)
+
+    def _get(self, path: str, timeout_s: float | None) -> dict[str, Any]:
+        """GET ``path``, within ``timeout_s`` as a whole (None: the client's own retries)."""
         if timeout_s is None:
             return dict(self._rest("GET", path))
         api = self._no_retry()[0]

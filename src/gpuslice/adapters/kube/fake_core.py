@@ -134,15 +134,21 @@ class FakeCoreApi(FakeState):
                 raise ApiNotFound(f"pod {namespace}/{name} not found")
             return copy.deepcopy(p)
 
+    def _pod_at(self, namespace: str, name: str, resource_version: str) -> dict[str, Any]:
+        """The stored pod, if it is still at ``resource_version`` (a patch's precondition);
+        lock held."""
+        p = self._pods.get((namespace, name))
+        if p is None:
+            raise ApiNotFound(f"pod {namespace}/{name} not found")
+        if p["metadata"]["resourceVersion"] != resource_version:
+            raise ApiConflict(f"pod {namespace}/{name} changed (resourceVersion "
+                              f"{p['metadata']['resourceVersion']} != {resource_version})")
+        return p
+
     def patch_pod_annotations(self, namespace: str, name: str, annotations: dict[str, str],
                               resource_version: str) -> dict[str, Any]:
         with self._lock:
-            p = self._pods.get((namespace, name))
-            if p is None:
-                raise ApiNotFound(f"pod {namespace}/{name} not found")
-            if p["metadata"]["resourceVersion"] != resource_version:
-                raise ApiConflict(f"pod {namespace}/{name} changed (resourceVersion "
-                                  f"{p['metadata']['resourceVersion']} != {resource_version})")
+            p = self._pod_at(namespace, name, resource_version)
             p["metadata"].setdefault("annotations", {}).update(annotations)
             self._bump(p)
             return copy.deepcopy(p)
@@ -151,12 +157,7 @@ class FakeCoreApi(FakeState):
                            annotations: Mapping[str, str | None],
                            resource_version: str) -> dict[str, Any]:
         with self._lock:
-            p = self._pods.get((namespace, name))
-            if p is None:
-                raise ApiNotFound(f"pod {namespace}/{name} not found")
-            if p["metadata"]["resourceVersion"] != resource_version:
-                raise ApiConflict(f"pod {namespace}/{name} changed (resourceVersion "
-                                  f"{p['metadata']['resourceVersion']} != {resource_version})")
+            p = self._pod_at(namespace, name, resource_version)
             _merge(p["metadata"], "labels", labels)
             _merge(p["metadata"], "annotations", annotations)
             self._bump(p)
