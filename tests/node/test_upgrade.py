@@ -19,10 +19,11 @@ import json
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
 from gpuslice.devcluster import wait_until
@@ -121,6 +122,21 @@ def kill_and_wait(env: NodeEnv, selector: str, needle: str) -> None:
 def clients_state(target: str) -> list[dict[str, Any]]:
     state = json.loads((MPS_ROOT / target / "fake-state.json").read_text())
     return list(state.get("clients") or [])
+
+
+@pytest.fixture(autouse=True)
+def _nothing_left_for_the_next(net: NodeEnv, helm: str) -> Iterator[None]:
+    """What a test that failed half-way left (its replicas, the release, the MPS records of
+    daemons that went with it) must not fail the next one: removed after each test, best
+    effort (a no-op after a test that cleaned up itself)."""
+    yield
+    net.dev.kubectl("delete", "namespace", APP, "serving-dra", "--ignore-not-found",
+                    "--wait=true", "--timeout=120s", check=False, timeout_s=150)
+    subprocess.run([helm, "uninstall", "gpuslice", "-n", NS, "--wait", "--timeout", "120s",
+                    "--kubeconfig", str(net.dev.kubeconfig)], capture_output=True, text=True,
+                   timeout=200, check=False)
+    for record in MPS_ROOT.glob("*.want"):  # no MPS host is left to quit their daemons
+        record.unlink(missing_ok=True)
 
 
 def test_upgrades_kills_and_restarts_while_replicas_serve_drop_nothing(
