@@ -51,6 +51,7 @@ from rich.table import Table
 from gpuslice.adapters.http.fake_llm import EngineSpec
 from gpuslice.adapters.http.sse import SseMeter
 from gpuslice.adapters.proc import wait_line
+from gpuslice.bench.stream import chat_body, stream_chat
 from llm_lengths import DISTRIBUTIONS, LengthHistogram, fixed
 from router_common import PY, Proc, processes, run_loop, start_router
 
@@ -90,10 +91,6 @@ class LlmResult:
         return int(np.sum(self.status[self.warmup:] != 200))
 
 
-def prompt_text(tokens: int) -> str:
-    return "word " * max(1, int(tokens * 4 / 5))  # about four characters a token
-
-
 async def drive_llm(url: str, rate: float, duration_s: float, seed: int,
                     lengths: LengthHistogram, timeout_s: float = 300.0) -> LlmResult:
     rng = np.random.default_rng(seed)
@@ -108,21 +105,11 @@ async def drive_llm(url: str, rate: float, duration_s: float, seed: int,
     t0 = clock() + 0.05
 
     async def one(i: int, sched: float) -> None:
-        body = {"model": MODEL, "messages": [{"role": "user",
-                                              "content": prompt_text(int(prompts[i]))}],
-                "max_tokens": int(outputs[i]), "stream": True,
-                "stream_options": {"include_usage": True}}
-        meter = SseMeter(sched)
-        try:
-            async with session.post(url, json=body) as r:
-                status[i] = r.status
-                async for chunk in r.content.iter_any():
-                    meter.feed(chunk, clock())
-        except (aiohttp.ClientError, TimeoutError):
-            status[i] = -1
-        a, b, _ = meter.outcome()
-        ttft[i] = np.nan if a is None else a
-        tpot[i] = np.nan if b is None else b
+        body = chat_body(MODEL, max(1, int(prompts[i])), int(outputs[i]))
+        r = await stream_chat(session, url, body, sched, clock)
+        status[i] = r.status
+        ttft[i] = np.nan if r.ttft_s is None else r.ttft_s
+        tpot[i] = np.nan if r.tpot_s is None else r.tpot_s
 
     tasks = []
     for i in range(n):

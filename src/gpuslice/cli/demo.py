@@ -109,6 +109,7 @@ def _demo(args: argparse.Namespace, console: Console) -> int:
         return _dra(console, local_gpus=not args.no_local_gpus)
 
     from gpuslice.adapters.optional import pyplot
+    from gpuslice.demo.report import summary_lines
     from gpuslice.demo.scenario import DemoOptions, run_demo
 
     given = {k: v for k, v in (("out", args.out), ("seed", args.seed)) if v is not None}
@@ -118,11 +119,6 @@ def _demo(args: argparse.Namespace, console: Console) -> int:
     writable_dir(opts.out, "--out")
     pyplot()
     result = run_demo(opts)
-    console.print(f"GPUs in use: {result['gpus_used']} (exclusive allocation: "
-                  f"{result['gpus_exclusive']})")
-    for name, s in result["latency_total"].items():
-        console.print(f"{name}: p50 {s['p50_ms']} ms, p99 {s['p99_ms']} ms (SLO {s['slo_ms']:g}"
-                      f" ms), {s['ok']}/{s['sent']} answered, {s['rejected']} rejected, "
-                      f"{s['failed']} failed")
-    console.print(f"report: {result['files'][0]}")
+    for line in summary_lines(result):
+        console.print(line)
     return 0

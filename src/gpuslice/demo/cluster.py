@@ -7,7 +7,8 @@
   that dials the plugin back, follows ListAndWatch, and admits each pod bound to its node as the
   kubelet does (GetPreferredAllocation, then Allocate with device IDs it tracks as free), then
   starts the container: a simulated replica process whose speed follows the slice in the
-  Allocate response. Crashed containers are restarted after a back-off, with the same devices.
+  Allocate response (an LLM's engine for a pod annotated as a generative, OpenAI-style one).
+  Crashed containers are restarted after a back-off, with the same devices.
 - The real extender serves HTTP on loopback; :class:`SchedulerSim` sends it the scheduler's
   filter / prioritize / bind calls for every pending gpuslice pod.
 """
@@ -47,12 +48,14 @@ from gpuslice.demo.runtime import (
     InProcessRuntime,
     ProcessRuntime,
     Runtime,
+    llm_engine,
 )
 from gpuslice.services.device_plugin import PluginConfig
 from gpuslice.services.node_agent import NodeAgent
 
 MODEL = "demo.gpuslice.io/model"
-BATCH = "demo.gpuslice.io/batch"
+BATCH = "demo.gpuslice.io/batch"  # a generative replica's: its sequences at most
+API = "demo.gpuslice.io/api"  # "openai": a generative replica (fake_llm), else a fake_replica
 
 
 @dataclass(frozen=True)
@@ -197,17 +200,25 @@ class KubeletSim(pbg.RegistrationServicer):
         model = str(ann.get(MODEL, "embedder"))
         batch = int(ann.get(BATCH, "1"))
         share = fraction * pct / 100  # of the whole GPU: a MIG instance's part, then MPS's
-        ms = 1000 * service_time_s(model, gpu_model, share, batch)
+        try:
+            llm = llm_engine(model, share, batch) if ann.get(API) == "openai" else None
+        except ValidationError as exc:
+            self.failed[key] = str(exc)
+            self.allocated.pop(key, None)
+            self.log.add("error", f"{self.node}: {key}: {exc}")
+            return
+        ms = llm.step_ms if llm is not None else \
+            1000 * service_time_s(model, gpu_model, share, batch)
         c = Container(key, str((pod["metadata"].get("labels") or {}).get(
             "gpuslice.io/service", key)), model, gpu_model, round(1000 * share), batch, ms,
-            envs, gpus=tuple(g for g, _, _, _ in seen if g))
+            envs, gpus=tuple(g for g, _, _, _ in seen if g), llm=llm)
         self.containers[key] = c
         self._clients(c, +1)
         self._run(c)
         where = ",".join(f"{g} {inst}".strip() for g, _, _, inst in seen)
         inside = f"{pct}% of {seen[0][3]}" if seen[0][3] else f"{pct}% of the SMs"
         self.log.add("kubelet", f"{self.node}: started {key} on {where} "
-                     f"({gpu_model}, {inside}, batch {batch}: {ms:.1f} ms/batch)")
+                     f"({gpu_model}, {inside}, {_what_runs(c)})")
 
     def _device(self, uuid: str) -> tuple[str, str, float, str]:
         """(GPU UUID, model, part of the GPU, MIG instance) of a visible device: a GPU, or a
@@ -251,6 +262,15 @@ class KubeletSim(pbg.RegistrationServicer):
         """Crash a container (SIGKILL), as a faulty replica would."""
         c = self.containers.get(pod)
         return None if c is None else self.runtime.kill(c)
+
+
+def _what_runs(c: Container) -> str:
+    if c.llm is None:
+        return f"batch {c.batch}: {c.service_ms:.1f} ms/batch"
+    e = c.llm.spec
+    return (f"LLM {c.model} as on an A100 {c.llm.slice}: prefill {e.prefill_tps:.0f} tokens/s, "
+            f"{c.service_ms:.1f} ms per token at {e.max_seqs} sequences, KV cache "
+            f"{e.kv_tokens} tokens")
 
 
 def _bind_order(pod: dict[str, Any]) -> tuple[str, str]:
@@ -496,8 +516,9 @@ def router_config_from_pods(cluster: Cluster, services: list[dict[str, Any]],
                             health_interval_s: float = 0.5) -> dict[str, Any]:
     """A router config with the running pods of each service as replicas (the EndpointSlice
     view: ready pods, and draining pods that still serve their in-flight requests).
-    ``services``: ``{name, slo_ms, models}`` each; pods are matched by their
-    ``gpuslice.io/service`` label."""
+    ``services``: ``{name, slo_ms, models}`` each, or a generative service's entry
+    (``api: openai``, its TTFT and TPOT SLOs...; its replicas get their token speeds); pods
+    are matched by their ``gpuslice.io/service`` label."""
     from gpuslice.adapters.kube.objects import DRAINING_ANNOTATION
 
     reps: dict[str, list[dict[str, Any]]] = {s["name"]: [] for s in services}
@@ -513,13 +534,21 @@ def router_config_from_pods(cluster: Cluster, services: list[dict[str, Any]],
         if found is not None:
             node, c = found
             rep.update({"gpu": c.gpu_model, "slice": f"{c.milli}m", "node": node.spec.name,
-                        "concurrency": c.batch, "service_time_ms": round(c.service_ms, 3),
-                        "throughput_rps": round(1000 * c.batch / c.service_ms, 3)})
+                        **_speed(c)})
         reps[svc].append(rep)
     return {"policy": "sed", "retry_post": False,
             "health": {"path": "/v2/health/ready", "interval_s": health_interval_s,
                        "timeout_s": 0.5, "unhealthy_after": 1, "healthy_after": 1},
             "services": [{**s, "replicas": reps[s["name"]]} for s in services]}
+
+
+def _speed(c: Container) -> dict[str, Any]:
+    """What the router is told of a replica's speed: a generative one's token speeds, else
+    its concurrency and service time."""
+    if c.llm is not None:
+        return c.llm.router_fields()
+    return {"concurrency": c.batch, "service_time_ms": round(c.service_ms, 3),
+            "throughput_rps": round(1000 * c.batch / c.service_ms, 3)}
 
 
 def gpu_pod(name: str, *, service: str, model: str, gpus: int = 1, milli: int = 1000,

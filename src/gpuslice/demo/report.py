@@ -1,4 +1,5 @@
-"""The demo's one-page HTML report (plots embedded) and its JSON summary."""
+"""The demo's one-page HTML report (plots embedded), its JSON summary and the lines printed at
+the end."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from gpuslice.core.generative import GenerativeService
 from gpuslice.core.planner import Service
 
 
@@ -34,8 +36,6 @@ def _latency_plot(result: dict[str, Any], samples: Sequence[Any],
     from gpuslice.adapters.optional import pyplot
 
     plt = pyplot()
-    from matplotlib.ticker import FuncFormatter
-
     fig, (ax, ax2) = plt.subplots(2, 1, figsize=(11, 7), sharex=True)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     window = measured_window(samples)
@@ -59,8 +59,29 @@ def _latency_plot(result: dict[str, Any], samples: Sequence[Any],
         ax.axhline(svc.slo_ms, color=c, linestyle="--", linewidth=0.9,
                    label=f"{svc.name}: SLO {svc.slo_ms:g} ms")
         ax2.plot(xs, rate, color=c, label=f"{svc.name}: answered/s (offered {svc.rate:g}/s)")
-    # the phases under load, shaded in turn and named above the plot; the set-up phases before
-    # the load (no data) are left out of the x axis and said in the title
+    _phases(ax, ax2, result, window)
+    ax.set_ylabel("p99 latency of answered\nrequests, ms (log scale)")
+    _log_axis(ax)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+    ax2.set_ylabel("answered requests/s")
+    ax2.set_xlabel("seconds since the demo started")
+    ax2.set_ylim(bottom=0)
+    ax2.grid(alpha=0.3)
+    ax2.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+    title = "Latency and throughput per service, through the gpuslice router"
+    if window is not None:
+        title += (f"\nmeasured from {window[0]:.1f} s to {window[1]:.1f} s "
+                  f"({window[1] - window[0]:.0f} s of open-loop load; before it: bring-up, "
+                  "plan, deploy)")
+    fig.suptitle(title, fontsize=11)
+    fig.tight_layout()
+    return fig
+
+
+def _phases(ax: Any, ax2: Any, result: dict[str, Any],
+            window: tuple[float, float] | None) -> None:
+    """The phases under load, shaded in turn on both axes and named above ``ax``; the set-up
+    phases before the load (no data) are left out of the x axis (the titles say them)."""
     last = window[1] if window else max((ph["start"] for ph in result["phases"]), default=0.0)
     phases = [ph for ph in result["phases"]
               if window is None or (ph.get("end") or last) > window[0]]
@@ -76,27 +97,67 @@ def _latency_plot(result: dict[str, Any], samples: Sequence[Any],
                     va="bottom", fontsize=8, color="0.3", transform=ax.get_xaxis_transform())
     if window is not None:
         ax.set_xlim(window[0] - 0.5, window[1] + 0.5)
-    ax.set_ylabel("p99 latency of answered\nrequests, ms (log scale)")
+
+
+def _log_axis(ax: Any) -> None:
+    """A log y axis in plain numbers (200, 60), not 2x10^2, on the major ticks and on the
+    minor ticks that matplotlib labels when the axis spans less than a few decades."""
+    from matplotlib.ticker import FuncFormatter
+
     ax.set_yscale("log")
-    # plain numbers (200, 60), not 2x10^2, on the major ticks and on the minor ticks that
-    # matplotlib labels when the axis spans less than a few decades
     ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
     ax.yaxis.set_minor_formatter(_plain_log_minor())
     ax.grid(alpha=0.3, which="major")
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
-    ax2.set_ylabel("answered requests/s")
+
+
+def _token_plot(result: dict[str, Any], samples: Sequence[Any],
+                services: Sequence[GenerativeService], every_s: float = 2.0) -> Any:
+    """The generative services' p99 time to the first token and per output token in windows
+    of ``every_s``, against their SLOs, phase by phase."""
+    from gpuslice.adapters.optional import pyplot
+
+    plt = pyplot()
+    fig, (ax, ax2) = plt.subplots(2, 1, figsize=(11, 5), sharex=True)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    window = measured_window(samples)
+    for i, svc in enumerate(services):
+        mine = [s for s in samples if s.service == svc.name and s.status == 200]
+        c = colors[(i + 3) % len(colors)]
+        for a, key, slo, what in ((ax, "ttft_s", svc.slo_ttft_ms, "TTFT"),
+                                  (ax2, "tpot_s", svc.slo_tpot_ms, "TPOT")):
+            got = [(s.t, getattr(s, key) * 1000) for s in mine if getattr(s, key) is not None]
+            xs, p99 = _windowed(got, every_s)
+            a.plot(xs, p99, color=c, marker=".", label=f"{svc.name}: {what} p99 per "
+                   f"{every_s:g} s window")
+            a.axhline(slo, color=c, linestyle="--", linewidth=0.9,
+                      label=f"{svc.name}: {what} SLO {slo:g} ms")
+    _phases(ax, ax2, result, window)
+    ax.set_ylabel("time to first token,\nms (log scale)")
+    ax2.set_ylabel("time per output\ntoken, ms (log scale)")
     ax2.set_xlabel("seconds since the demo started")
-    ax2.set_ylim(bottom=0)
-    ax2.grid(alpha=0.3)
-    ax2.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
-    title = "Latency and throughput per service, through the gpuslice router"
-    if window is not None:
-        title += (f"\nmeasured from {window[0]:.1f} s to {window[1]:.1f} s "
-                  f"({window[1] - window[0]:.0f} s of open-loop load; before it: bring-up, "
-                  "plan, deploy)")
-    fig.suptitle(title, fontsize=11)
+    for a in (ax, ax2):
+        _log_axis(a)
+        a.set_ylim(top=a.get_ylim()[1] * 1.3)  # the SLO lines clear of the frame
+        a.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+    fig.suptitle("Generative services: streamed chat completions through the gpuslice router "
+                 "(measured at the client)", fontsize=11)
     fig.tight_layout()
     return fig
+
+
+def _windowed(points: Sequence[tuple[float, float]], every_s: float
+              ) -> tuple[list[float], list[float]]:
+    """(window middles, p99 of each window's values; NaN where it has none)."""
+    if not points:
+        return [], []
+    t = np.array([p[0] for p in points])
+    v = np.array([p[1] for p in points])
+    xs, p99 = [], []
+    for lo in np.arange(np.floor(t.min()), t.max() + every_s, every_s):
+        sel = (t >= lo) & (t < lo + every_s)
+        xs.append(float(lo + every_s / 2))
+        p99.append(float(np.percentile(v[sel], 99)) if sel.any() else float("nan"))
+    return xs, p99
 
 
 def _plain_log_minor() -> Any:
@@ -182,20 +243,40 @@ def _window_text(samples: Sequence[Any]) -> str:
 
 
 def write_report(out: Path, result: dict[str, Any], samples: Sequence[Any],
-                 services: Sequence[Service]) -> list[Path]:
+                 services: Sequence[Service],
+                 generative: Sequence[GenerativeService] = ()) -> list[Path]:
+    """``index.html`` (the plots embedded), ``summary.json`` and the plots as PNG files
+    (``tokens.png`` with the generative services' TTFT and TPOT, when there are any)."""
     from gpuslice.adapters.optional import pyplot
 
     plt = pyplot()
     out.mkdir(parents=True, exist_ok=True)
-    figs = [_latency_plot(result, samples, services), _gpu_plot(result)]
-    images = [_png(f) for f in figs]
-    for f, name in zip(figs, ("latency.png", "gpus.png"), strict=True):
+    figs = {"latency.png": _latency_plot(result, samples, services), "gpus.png": _gpu_plot(result)}
+    if generative:
+        figs["tokens.png"] = _token_plot(result, samples, generative)
+    images = {name: _png(f) for name, f in figs.items()}
+    for name, f in figs.items():
         f.savefig(out / name, dpi=110, bbox_inches="tight")
         plt.close(f)
-    lat_rows = []
+    index = out / "index.html"
+    index.write_text("\n".join(_page(result, samples, images)))
+    js = out / "summary.json"
+    js.write_text(json.dumps(result, indent=1))
+    return [index, js, *(out / name for name in figs)]
+
+
+def _img(images: dict[str, str], name: str) -> str:
+    return f"<img src='data:image/png;base64,{images[name]}' width='100%'>" \
+        if name in images else ""
+
+
+def _page(result: dict[str, Any], samples: Sequence[Any], images: dict[str, str]) -> list[str]:
+    lat_rows: list[dict[str, Any]] = []
+    gen_rows: list[dict[str, Any]] = []
     for ph in result["latency_by_phase"]:
         for svc, s in ph["services"].items():
-            lat_rows.append({"phase": ph["phase"].split(":")[0], "service": svc, **s})
+            row = {"phase": ph["phase"].split(":")[0], "service": svc, **s}
+            (gen_rows if s.get("api") == "openai" else lat_rows).append(row)
     plan = result.get("plan") or {}
     parts = [
         "<!doctype html><meta charset='utf-8'><title>gpuslice demo report</title>",
@@ -210,23 +291,55 @@ def write_report(out: Path, result: dict[str, Any], samples: Sequence[Any],
         f"{html.escape(result.get('killed') or '-')}. Reconfiguration: "
         f"{html.escape(_reconfig_text(result.get('reconfig')))}.</p>",
         f"<p>{html.escape(_window_text(samples))}</p>",
-        f"<img src='data:image/png;base64,{images[0]}' width='100%'>",
+        _img(images, "latency.png"),
         "<h2>Latency per service and phase</h2>",
         _table(lat_rows, ["phase", "service", "sent", "ok", "rejected", "failed", "p50_ms",
                           "p99_ms", "slo_ms", "slo_met"]),
+    ]
+    if gen_rows:
+        parts += [
+            "<h2>Generative services: time to first token and per output token</h2>",
+            "<p>Streamed chat completions, timed at the client from the send: TTFT to the "
+            "first token, TPOT the mean time per output token after it, p50 and p99 over the "
+            "answered streams. The SLOs are met where both p99s are within them and no "
+            "request failed.</p>",
+            _img(images, "tokens.png"),
+            _table(gen_rows, ["phase", "service", "sent", "ok", "rejected", "failed",
+                              "ttft_p50_ms", "ttft_p99_ms", "slo_ttft_ms", "tpot_p50_ms",
+                              "tpot_p99_ms", "slo_tpot_ms", "slo_met"])]
+    parts += [
         "<h2>Where every pod went</h2>",
-        f"<img src='data:image/png;base64,{images[1]}' width='100%'>",
+        _img(images, "gpus.png"),
         _table(result["placements"], ["pod", "node", "gpu_model", "gpus", "mig_instance",
                                       "milli", "memory_mib", "mode", "score", "batch",
                                       "service_ms", "restarts", "why_pending"]),
         "<h2>The plan</h2>",
         _table(plan.get("slices", []), ["gpu", "model", "profile", "service", "batch",
-                                        "throughput_rps"]),
+                                        "max_seqs", "throughput_rps"]),
         "<h2>Events</h2>",
         _table(result["events"], ["t", "kind", "text"]),
     ]
-    index = out / "index.html"
-    index.write_text("\n".join(parts))
-    js = out / "summary.json"
-    js.write_text(json.dumps(result, indent=1))
-    return [index, js, out / "latency.png", out / "gpus.png"]
+    return parts
+
+
+def summary_lines(result: dict[str, Any]) -> list[str]:
+    """What ``gpuslice demo`` prints at the end: the GPUs, each service's latency (a
+    generative one's TTFT and TPOT) against its SLOs over the whole run, met or missed."""
+    lines = [f"GPUs in use: {result['gpus_used']} (exclusive allocation: "
+             f"{result['gpus_exclusive']})"]
+    for name, s in result["latency_total"].items():
+        counts = (f"{s['ok']}/{s['sent']} answered, {s['rejected']} rejected, "
+                  f"{s['failed']} failed")
+        if s.get("api") == "openai":
+            lines.append(f"{name}: TTFT p99 {_fmt(s['ttft_p99_ms'])} ms (SLO "
+                         f"{s['slo_ttft_ms']:g} ms), TPOT p99 {_fmt(s['tpot_p99_ms'])} ms (SLO "
+                         f"{s['slo_tpot_ms']:g} ms), SLOs {_met(s)}, {counts}")
+        else:
+            lines.append(f"{name}: p50 {s['p50_ms']} ms, p99 {s['p99_ms']} ms (SLO "
+                         f"{s['slo_ms']:g} ms), {counts}")
+    lines.append(f"report: {result['files'][0]}")
+    return lines
+
+
+def _met(s: dict[str, Any]) -> str:
+    return "met" if s.get("slo_met") else "missed"

@@ -33,6 +33,16 @@ from gpuslice.demo.cluster import (
     gpu_pod,
     router_config_from_pods,
 )
+from gpuslice.demo.generative import (
+    GENERATIVE,
+    GenerativeDemoPlan,
+    generative_pods,
+    left_over,
+    plan_generative,
+    plan_slices,
+    router_services,
+)
+from gpuslice.demo.load import Sample, chat_load, chat_stats, load, stats
 from gpuslice.demo.runtime import EventLog, workdir
 
 SERVICES = (
@@ -65,14 +75,6 @@ class DemoOptions:
 
 
 @dataclass
-class Sample:
-    service: str
-    t: float  # send time, seconds since the demo started
-    latency_s: float
-    status: int  # 0: connection error
-
-
-@dataclass
 class Phase:
     name: str
     start: float
@@ -87,6 +89,7 @@ class DemoState:
     phases: list[Phase] = field(default_factory=list)
     plan: Plan | None = None
     plan_seconds: float = 0.0
+    gen: GenerativeDemoPlan | None = None  # the generative services' plan
     router: subprocess.Popen[str] | None = None
     router_port: int = 0
     router_admin: int = 0
@@ -121,9 +124,14 @@ def local_nvml(log: EventLog) -> NvmlPort | None:
     return nv
 
 
-def plan_services(state: DemoState) -> Plan:
+def demo_fleet() -> list[FleetType]:
     counts = Counter(m for n in NODES for m in n.gpus if m in COST_PER_HOUR)
-    fleet = [FleetType(g, c, COST_PER_HOUR[g]) for g, c in sorted(counts.items())]
+    return [FleetType(g, c, COST_PER_HOUR[g]) for g, c in sorted(counts.items())]
+
+
+def plan_services(state: DemoState) -> Plan:
+    fleet = demo_fleet()
+    counts = {f.gpu: f.count for f in fleet}
     ps = profiles(sorted(counts), sorted({s.model for s in SERVICES}))
     start = time.perf_counter()
     checked = plan_and_check(ps, list(SERVICES), fleet, PlanOptions(objective="cost"),
@@ -191,7 +199,8 @@ def _has_endpoint(state: DemoState, key: str) -> bool:
 
 def router_config(state: DemoState) -> dict[str, Any]:
     return router_config_from_pods(state.cluster, [
-        {"name": s.name, "slo_ms": s.slo_ms, "models": [s.name, s.model]} for s in SERVICES])
+        {"name": s.name, "slo_ms": s.slo_ms, "models": [s.name, s.model]} for s in SERVICES]
+        + ([] if state.gen is None else router_services(state.gen)))
 
 
 def write_router_config(state: DemoState, path: Path) -> bool:
@@ -239,60 +248,6 @@ async def follow_replicas(state: DemoState) -> None:
                           "connections")
 
 
-# ---- load -------------------------------------------------------------------------------------
-
-
-async def load(state: DemoState, session: aiohttp.ClientSession, svc: Service,
-               stop: asyncio.Event, rng: np.random.Generator) -> None:
-    url = f"http://127.0.0.1:{state.router_port}/v2/models/{svc.name}/infer"
-    body = json.dumps({"inputs": [{"name": "x", "shape": [1], "datatype": "FP32",
-                                   "data": [0.5]}]}).encode()
-    loop = asyncio.get_running_loop()
-    tasks: set[asyncio.Task[None]] = set()
-    next_at = loop.time()
-
-    async def one(t_send: float, n: int) -> None:
-        status = 0
-        try:
-            async with session.post(url, data=body, headers={
-                    "Content-Type": "application/json",
-                    "Idempotency-Key": f"{svc.name}-{n}"}) as r:
-                await r.read()
-                status = r.status
-        except (TimeoutError, aiohttp.ClientError):
-            status = 0
-        state.samples.append(Sample(svc.name, t_send - state.log.t0,
-                                    time.monotonic() - t_send, status))
-
-    n = 0
-    while not stop.is_set():
-        next_at += float(rng.exponential(1.0 / svc.rate))
-        delay = next_at - loop.time()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        n += 1
-        t = asyncio.create_task(one(time.monotonic(), n))
-        tasks.add(t)
-        t.add_done_callback(tasks.discard)
-    if tasks:
-        await asyncio.wait(tasks, timeout=10)
-
-
-def stats(samples: list[Sample], slo_ms: float) -> dict[str, Any]:
-    lat = np.array([s.latency_s for s in samples if s.status == 200]) * 1000
-    out: dict[str, Any] = {
-        "sent": len(samples),
-        "ok": len(lat),
-        "rejected": sum(1 for s in samples if s.status == 429),
-        "failed": sum(1 for s in samples if s.status not in (200, 429)),
-        "p50_ms": round(float(np.percentile(lat, 50)), 2) if len(lat) else None,
-        "p99_ms": round(float(np.percentile(lat, 99)), 2) if len(lat) else None,
-        "slo_ms": slo_ms,
-    }
-    out["slo_met"] = out["p99_ms"] is not None and out["p99_ms"] <= slo_ms and not out["failed"]
-    return out
-
-
 # ---- the display ------------------------------------------------------------------------------
 
 
@@ -322,11 +277,15 @@ class Display:
         for svc in SERVICES:
             mine = [s for s in st.samples if s.service == svc.name]
             recent = [s.latency_s * 1000 for s in mine if s.status == 200 and s.t > now - 5]
-            p99 = f"{np.percentile(recent, 99):.1f} ms" if recent else "-"
-            t.add_row(svc.name, f"{svc.rate:g}/s", f"{svc.slo_ms:g} ms", str(len(mine)),
-                      str(sum(s.status == 200 for s in mine)),
-                      str(sum(s.status == 429 for s in mine)),
-                      str(sum(s.status not in (200, 429) for s in mine)), p99)
+            t.add_row(svc.name, f"{svc.rate:g}/s", f"{svc.slo_ms:g} ms", *_counted(mine),
+                      _p99(recent))
+        for g in GENERATIVE:  # a generative service: time to first token, per output token
+            mine = [s for s in st.samples if s.service == g.name]
+            last = [s for s in mine if s.status == 200 and s.t > now - 5]
+            ttft = _p99([s.ttft_s * 1000 for s in last if s.ttft_s is not None])
+            tpot = _p99([s.tpot_s * 1000 for s in last if s.tpot_s is not None])
+            t.add_row(g.name, f"{g.rate:g}/s", f"TTFT {g.slo_ttft_ms:g} ms, TPOT "
+                      f"{g.slo_tpot_ms:g} ms", *_counted(mine), f"TTFT {ttft}, TPOT {tpot}")
         from rich.text import Text
 
         ev = Table.grid(padding=(0, 1))
@@ -363,6 +322,17 @@ class Display:
         self._printed += len(new)
 
 
+def _counted(samples: list[Sample]) -> tuple[str, str, str, str]:
+    """sent, answered, rejected (429) and failed, as the live table shows them."""
+    return (str(len(samples)), str(sum(s.status == 200 for s in samples)),
+            str(sum(s.status == 429 for s in samples)),
+            str(sum(s.status not in (200, 429) for s in samples)))
+
+
+def _p99(ms: list[float]) -> str:
+    return f"{np.percentile(ms, 99):.1f} ms" if ms else "-"
+
+
 async def refresh(display: Display) -> None:
     while True:
         display.tick()
@@ -388,8 +358,10 @@ async def scenario(state: DemoState, display: Display) -> None:
     c.start_extender()
     state.phase("plan: services and SLOs -> slices")
     state.plan = plan_services(state)
+    state.gen = plan_generative(left_over(demo_fleet(), state.plan), o.seed, c.log,
+                                first_gpu=state.plan.n_gpus)
     state.phase("deploy: scheduler -> extender -> device plugin -> replicas")
-    pods = plan_pods(state.plan) + batch_pods(4)
+    pods = plan_pods(state.plan) + generative_pods(state.gen) + batch_pods(4)
     for p in pods:
         c.api.add_pod(p)
     keys = [f"demo/{p['metadata']['name']}" for p in pods]
@@ -403,6 +375,9 @@ async def scenario(state: DemoState, display: Display) -> None:
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
                                      timeout=aiohttp.ClientTimeout(total=30)) as session:
         loads = [asyncio.create_task(load(state, session, s, stop, rng)) for s in SERVICES]
+        chat_rng = np.random.default_rng([o.seed, 1])
+        loads += [asyncio.create_task(chat_load(state, session, s, stop, chat_rng))
+                  for s in GENERATIVE]
         try:
             state.phase("serve: open-loop Poisson load at the planned rates")
             await asyncio.sleep(o.seconds(25))
@@ -518,25 +493,14 @@ def summary(state: DemoState) -> dict[str, Any]:
         mine = [s for s in state.samples if ph.start <= s.t < ph.end]
         if not mine:
             continue
-        by_phase.append({"phase": ph.name, "services": {
-            svc.name: stats([s for s in mine if s.service == svc.name], svc.slo_ms)
-            for svc in SERVICES}})
-    total = {svc.name: stats([s for s in state.samples if s.service == svc.name], svc.slo_ms)
-             for svc in SERVICES}
-    pl = state.plan
+        by_phase.append({"phase": ph.name, "services": _latency(mine)})
     return {
-        "plan": None if pl is None else {
-            "gpus": pl.n_gpus, "cost_per_hour": pl.cost,
-            "seconds": round(state.plan_seconds, 3),
-            "slices": [{"gpu": g.index, "model": g.gpu, "profile": s.placement.profile.name,
-                        "service": cc.service, "batch": cc.batch,
-                        "throughput_rps": round(cc.throughput, 1)}
-                       for g in pl.gpus for s in g.slots for cc in s.parts]},
+        "plan": _plan_summary(state),
         "placements": sorted(placements, key=lambda x: x["pod"]),
         "gpus_used": len(gpus_used),
         "gpus_exclusive": exclusive,
         "latency_by_phase": by_phase,
-        "latency_total": total,
+        "latency_total": _latency(state.samples),
         "killed": state.killed,
         "reconfig": state.reconfig,
         "events": [e.__dict__ for e in c.log.events],
@@ -544,6 +508,33 @@ def summary(state: DemoState) -> dict[str, Any]:
                     "end": None if math.isnan(ph.end) else round(ph.end, 2)}
                    for ph in state.phases],
     }
+
+
+def _latency(samples: list[Sample]) -> dict[str, dict[str, Any]]:
+    """Each service's figures over ``samples``: latency against its p99 SLO, a generative
+    one's time to the first token and per output token against its TTFT and TPOT SLOs."""
+    out = {svc.name: stats([s for s in samples if s.service == svc.name], svc.slo_ms)
+           for svc in SERVICES}
+    out.update({g.name: chat_stats([s for s in samples if s.service == g.name], g)
+                for g in GENERATIVE})
+    return out
+
+
+def _plan_summary(state: DemoState) -> dict[str, Any] | None:
+    """Both plans, the generative services' GPUs numbered after the others'."""
+    pl, gen = state.plan, state.gen
+    if pl is None:
+        return None
+    slices = [{"gpu": g.index, "model": g.gpu, "profile": s.placement.profile.name,
+               "service": cc.service, "batch": cc.batch,
+               "throughput_rps": round(cc.throughput, 1)}
+              for g in pl.gpus for s in g.slots for cc in s.parts]
+    if gen is None:
+        return {"gpus": pl.n_gpus, "cost_per_hour": pl.cost,
+                "seconds": round(state.plan_seconds, 3), "slices": slices}
+    return {"gpus": pl.n_gpus + gen.plan.n_gpus, "cost_per_hour": pl.cost + gen.plan.cost,
+            "seconds": round(state.plan_seconds + gen.seconds, 3),
+            "slices": slices + plan_slices(gen)}
 
 
 def run_demo(opts: DemoOptions) -> dict[str, Any]:
@@ -568,7 +559,7 @@ def run_demo(opts: DemoOptions) -> dict[str, Any]:
                     state.router.kill()
             cluster.stop()
         result = summary(state)
-    files = write_report(opts.out, result, state.samples, SERVICES)
+    files = write_report(opts.out, result, state.samples, SERVICES, GENERATIVE)
     result["files"] = [str(f) for f in files]
     return result
 
@@ -583,4 +574,4 @@ async def _main(state: DemoState, display: Display) -> None:
             await ticker
 
 
-__all__ = ["MODELS", "DemoOptions", "run_demo"]
+__all__ = ["MODELS", "DemoOptions", "Sample", "run_demo"]
