@@ -13,7 +13,9 @@ pods, so a restart loses nothing and doubles nothing.
 - :mod:`.state`: the inventory, the ledger and the verbs' decisions (over :mod:`.view`, with
   :mod:`.inventory`, :mod:`.mig`, :mod:`.placement` and :mod:`.preemption`);
 - :mod:`.requeue`: a pod the filter refused, nudged to be tried again once room is freed;
-- :mod:`.http`: the HTTP app kube-scheduler calls, and the watch-following loop;
+- :mod:`.verbs`: the handlers of the verbs kube-scheduler calls (and health, metrics);
+- :mod:`.http`: the HTTP app of them, served over HTTP/1.1 and HTTP/2, and the
+  watch-following loop;
 - :mod:`.metrics`: its Prometheus metrics.
 
 The composition root is ``gpuslice extender`` (:mod:`gpuslice.cli.extender`).
