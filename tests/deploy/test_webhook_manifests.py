@@ -124,7 +124,7 @@ def _secret_files(secret: dict[str, Any], tmp: Path) -> dict[str, Path]:
 def _handshake(crt: Path, key: Path, ca_pem: bytes) -> None:
     """A TLS handshake as the API server makes it: the Service's name checked against the
     caBundle."""
-    from gpuslice.services.extender.http import tls_context
+    from gpuslice.services.tls import tls_context
 
     server = tls_context(str(crt), str(key), None)
     client = ssl.create_default_context(cadata=ca_pem.decode())

@@ -19,7 +19,7 @@ import pytest
 from gpuslice.adapters.kube.fake import FakeApiServer
 from gpuslice.core.admission import Options
 from gpuslice.devcluster.nodes import gpu_node
-from gpuslice.services.extender.http import tls_context
+from gpuslice.services.tls import tls_context
 from gpuslice.services.webhook import FleetView, serve
 from gpuslice.services.webhook import http as webhook_http
 from tests.webhook.test_webhook_review import review, stock_pod

@@ -65,7 +65,7 @@ def _webhook(args: argparse.Namespace, console: Console) -> int:
     from gpuslice.adapters.kube.fake import FakeApiServer, load_fake_cluster
     from gpuslice.adapters.signals import StopSignals
     from gpuslice.core.admission import Options
-    from gpuslice.services.extender.http import tls_context
+    from gpuslice.services.tls import tls_context
     from gpuslice.services.webhook import FleetView, serve
     from gpuslice.services.webhook.gate import DraGate
 

@@ -14,14 +14,16 @@ pods, so a restart loses nothing and doubles nothing.
   :mod:`.inventory`, :mod:`.mig`, :mod:`.placement` and :mod:`.preemption`);
 - :mod:`.requeue`: a pod the filter refused, nudged to be tried again once room is freed;
 - :mod:`.verbs`: the handlers of the verbs kube-scheduler calls (and health, metrics);
-- :mod:`.http`: the HTTP app of them, served over HTTP/1.1 and HTTP/2, and the
-  watch-following loop;
+- :mod:`.http`: the HTTP app of them, served over HTTP/1.1 and HTTP/2 (TLS from
+  :mod:`gpuslice.services.tls`);
+- :mod:`.loops`: following the API server's watch, the leader election and its label;
 - :mod:`.metrics`: its Prometheus metrics.
 
 The composition root is ``gpuslice extender`` (:mod:`gpuslice.cli.extender`).
 """
 
-from gpuslice.services.extender.http import LEADER_LABEL, make_app, serve, tls_context
+from gpuslice.services.extender.http import LEADER_LABEL, make_app, serve
 from gpuslice.services.extender.state import ExtenderState, bind_clock
+from gpuslice.services.tls import tls_context
 
 __all__ = ["LEADER_LABEL", "ExtenderState", "bind_clock", "make_app", "serve", "tls_context"]

@@ -19,7 +19,7 @@ from prometheus_client import (
 )
 
 from gpuslice.core.admission import Options
-from gpuslice.services.extender.http import certificate_digest, reload_certificate
+from gpuslice.services.tls import TLS_RELOAD_S, keep_renewed
 from gpuslice.services.webhook.fleet import FleetView
 from gpuslice.services.webhook.review import Gate, review_of
 
@@ -27,7 +27,6 @@ from gpuslice.services.webhook.review import Gate, review_of
 MAX_BODY = 4 * 1024 * 1024
 RESULTS = ("mutated", "unchanged", "refused", "bad-review", "error")
 EMPTY_REREAD_S = 1.0  # a review finding no GPUs reads the nodes again, at most this often
-TLS_RELOAD_S = 60.0  # as the extender: cert-manager renews into the mounted Secret
 
 log = logging.getLogger("gpuslice.webhook")
 
@@ -141,27 +140,11 @@ async def serve(view: FleetView, opts: Options, host: str, port: int, ssl_contex
             await asyncio.sleep(resync_s if view.fleet.models else min(resync_s, 2.0))
             await loop.run_in_executor(None, view.refresh)
 
-    async def renew(cert: str, key: str) -> None:
-        import ssl
-
-        seen = certificate_digest(cert, key)
-        while True:
-            await asyncio.sleep(tls_reload_s)
-            try:
-                now = reload_certificate(ssl_context, cert, key, seen)
-            except (OSError, ssl.SSLError) as exc:
-                log.warning("serving certificate %s not reloaded: %s", cert, exc,
-                            extra={"event": "tls-reload-failed"})
-                continue
-            if now != seen:
-                log.info("serving the renewed certificate %s", cert,
-                         extra={"event": "tls-reloaded"})
-            seen = now
-
     tasks = [asyncio.create_task(follow()),
              asyncio.create_task((stop or asyncio.Event()).wait())]
     if ssl_context is not None and tls_files is not None:
-        tasks.append(asyncio.create_task(renew(*tls_files)))
+        tasks.append(asyncio.create_task(keep_renewed(ssl_context, *tls_files, log,
+                                                      tls_reload_s)))
     try:
         done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
         for t in done:
