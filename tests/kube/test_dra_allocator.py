@@ -516,3 +516,56 @@ def test_over_watched_lists_it_places_as_with_full_lists_and_lists_once(
             [1, 1, 1, 1]
     finally:
         other.stop()
+
+
+class _Together:
+    """The allocator's API with each finalizer write held until ``n`` are under way at once
+    (a barrier): a pass whose writes run one after the other breaks it."""
+
+    def __init__(self, api: Any, n: int, timeout_s: float) -> None:
+        import threading
+
+        self.api, self.barrier = api, threading.Barrier(n, timeout=timeout_s)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.api, name)
+
+    def update_resource_claim(self, claim: dict[str, Any]) -> dict[str, Any]:
+        self.barrier.wait()
+        return dict(self.api.update_resource_claim(claim))
+
+
+@pytest.mark.parametrize("writers", [4, 1])
+def test_a_pass_writes_its_claims_side_by_side(rest: RestApiServer, tmp_path: Path,
+                                               writers: int) -> None:
+    """A pass decides its claims in turn but writes them ``writers`` at a time (in a burst the
+    writes' round trips were the allocator's pace): four claims' writes are under way
+    together, each lands, on distinct room; one writer at a time cannot get them there."""
+    import threading
+
+    cluster(rest, nodes=("n1", "n2"), n=2)
+    for i in range(4):
+        rest.add_resourceclaim(claim(f"c{i}", 60))
+        rest.add_pod(pod(f"p{i}", f"c{i}"))
+    api = _Together(kube_client(rest, tmp_path, ALLOCATOR), 4, 2.0 if writers == 1 else 20.0)
+    alloc = DraAllocator(api, clock=Clock(), settle_s=0.0, writers=writers)
+    try:
+        if writers == 1:
+            with pytest.raises(threading.BrokenBarrierError):
+                alloc.run_once()
+            return
+        report = alloc.run_once()
+    finally:
+        alloc.close()
+    assert sorted(report.allocated) == [f"ml/c{i}" for i in range(4)], report
+    devices = {tuple(r["pool"] + "/" + r["device"] for r in results(rest, f"c{i}"))
+               for i in range(4)}
+    assert len(devices) == 4  # 60 + 60 would not fit one GPU: each on its own
+    assert report.conflicts == 0
+
+
+def test_writers_must_be_at_least_one(rest: RestApiServer, tmp_path: Path) -> None:
+    from gpuslice.core.errors import ValidationError
+
+    with pytest.raises(ValidationError, match="writers"):
+        DraAllocator(kube_client(rest, tmp_path, ALLOCATOR), writers=0)

@@ -30,7 +30,7 @@ from gpuslice.adapters.kube.dra_gate import (
     removal_patch,
 )
 from gpuslice.adapters.kube.fake import ApiInvalid, FakeApiServer, apply_json_patch
-from gpuslice.adapters.kube.mirror import _pod_wakes, _WakingQueue
+from gpuslice.adapters.kube.mirror import _ClaimWakes, _pod_wakes, _WakingQueue
 from gpuslice.adapters.kube.ports import WatchEvent
 from gpuslice.core.dra_gate import ALLOCATOR_UNAVAILABLE, LEFT_TO_SCHEDULER, NOT_PLACED
 from gpuslice.core.errors import GpusliceError
@@ -211,6 +211,29 @@ def test_the_watches_wake_a_pass_for_what_may_give_it_work() -> None:
     assert not wake.is_set() and q.qsize() == 1
     q.put(GpusliceError("pod watch: 410 Gone"))  # a broken watch: the relist may bring work
     assert wake.is_set()
+
+
+def test_a_claim_wakes_a_pass_when_its_allocation_or_deletion_changes() -> None:
+    """A claim created, allocated, released or deleted wakes a pass; its finalizer added (the
+    echo of our own first write) or kube-scheduler reserving it for its pod does not."""
+    wakes = _ClaimWakes()
+    meta = {"name": "c", "namespace": "ml"}
+    plain = {"metadata": meta, "status": {}}
+    final = {"metadata": {**meta, "finalizers": [kdra.FINALIZER]}, "status": {}}
+    alloc = {"devices": {"results": []}}
+    allocated = {**final, "status": {"allocation": alloc}}
+    reserved = {**final, "status": {"allocation": alloc, "reservedFor": [{"name": "p"}]}}
+    deleting = {**reserved, "metadata": {**final["metadata"], "deletionTimestamp": "now"}}
+    steps = [("ADDED", plain, True), ("MODIFIED", final, False),
+             ("MODIFIED", allocated, True), ("MODIFIED", reserved, False),
+             ("MODIFIED", allocated, False), ("MODIFIED", final, True),
+             ("MODIFIED", reserved, True), ("MODIFIED", deleting, True),
+             ("DELETED", deleting, True), ("ADDED", plain, True)]
+    for i, (kind, obj, want) in enumerate(steps):
+        assert wakes(WatchEvent(kind, "ResourceClaim", obj)) is want, (i, kind, obj)
+    # another claim is another history
+    assert wakes(WatchEvent("MODIFIED", "ResourceClaim", {**final, "metadata": {
+        **final["metadata"], "name": "d"}}))
 
 
 def test_the_loop_runs_a_pass_on_a_wake_not_on_its_interval(

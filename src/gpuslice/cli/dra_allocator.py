@@ -17,7 +17,12 @@ from gpuslice.cli.common import (
     examples,
     setup_logging,
 )
-from gpuslice.cli.flagtypes import non_negative_float, parse_lease, positive_float
+from gpuslice.cli.flagtypes import (
+    non_negative_float,
+    parse_lease,
+    positive_float,
+    positive_int,
+)
 from gpuslice.core.errors import ValidationError
 
 REPEATS_EVERY_S = 60.0  # an identical warning (a claim's refused write) at most this often
@@ -44,9 +49,13 @@ def register(sub: Sub) -> None:
     a.add_argument("--interval", type=positive_float, default=1.0,
                    help="longest wait (seconds) between passes: passes run on the watch events "
                    "of claims, pods and slices; this periodic one is the safety net (default 1)")
-    a.add_argument("--coalesce", type=non_negative_float, default=0.005,
-                   help="seconds a pass waits after the first watch event, so that a burst of "
-                   "events is one pass (default 0.005)")
+    a.add_argument("--coalesce", type=non_negative_float, default=0.002,
+                   help="least seconds between the end of a pass and the next one run on watch "
+                   "events, so that a burst of events is one pass; an event after a quiet "
+                   "spell runs one at once (default 0.002)")
+    a.add_argument("--writers", type=positive_int, default=4,
+                   help="claims a pass writes at once (each a finalizer, then its allocation; "
+                   "decided one after the other; default 4)")
     a.add_argument("--gate-timeout", type=positive_float, default=30.0,
                    help="longest (seconds) a pod held by the allocator's scheduling gate "
                    "(gpu.gpuslice.io/allocator) waits for its claim's allocation before it is "
@@ -115,7 +124,7 @@ def _run(args: argparse.Namespace, console: Console) -> int:
     alloc = DraAllocator(lists, driver=args.driver, policy=args.policy,
                          require_taint=not args.no_require_taint, settle_s=args.settle,
                          max_backoff_s=args.max_backoff, max_hold_s=args.gate_timeout,
-                         elector=elector)
+                         elector=elector, writers=args.writers)
     classes = sorted(alloc.classes)
     log.info("watching ResourceClaims of unbound pods for driver %s (device classes %s), "
              "policy %s, %s; leader election on Lease %s as %s",
@@ -158,6 +167,7 @@ def _run(args: argparse.Namespace, console: Console) -> int:
             lists.start()
             alloc.run(signals.event, args.interval, passed, wake=wake,
                       coalesce_s=args.coalesce)
+    alloc.close()
     lists.close()
     released = elector.release()  # a standby takes over at its next pass
     log.info("%s", signals.stopped_line(f"released the Lease {lease}" if released

@@ -95,6 +95,14 @@ def non_negative_int(text: str) -> int:
     return n
 
 
+def positive_int(text: str) -> int:
+    """argparse ``type=``: a whole number >= 1 (a count of workers)."""
+    n = non_negative_int(text) if text.strip().lstrip("+").isdigit() else 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+    return n
+
+
 def non_negative_float(text: str) -> float:
     """argparse ``type=``: a finite number >= 0 (0 where it means "at once" or "none")."""
     return _finite(text, lambda x: x >= 0, "a number >= 0")

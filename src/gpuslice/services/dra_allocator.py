@@ -56,6 +56,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Protocol
@@ -123,10 +124,13 @@ class DraAllocator:
                  clock: Callable[[], float] = time.monotonic,
                  new_share_id: Callable[[], str] = lambda: str(uuid.uuid4()),
                  elector: Any = None, seed: int = 0, elect_every_s: float = 2.0,
+                 writers: int = 4,
                  wall_clock: Callable[[], str] = lambda: datetime.now(UTC).strftime(
                      "%Y-%m-%dT%H:%M:%SZ")) -> None:
         if not max_hold_s > 0:
             raise ValidationError("max_hold_s", "a positive number of seconds", max_hold_s)
+        if writers < 1:
+            raise ValidationError("writers", "at least 1", writers)
         self.api = api
         self.driver, self.classes = driver, classes
         self.policy: Policy = make_policy(policy)
@@ -142,6 +146,11 @@ class DraAllocator:
         self.elector = elector  # a LeaderElector (services.leader) or None: always lead
         self.rng = np.random.default_rng(seed)
         self.gate = GateReleaser(api, "gpuslice-dra-allocator")
+        # a pass decides its claims one after the other (each on the ledger the ones before
+        # it left) but writes them ``writers`` at a time: in a burst the writes' round trips,
+        # not the decisions, were the allocator's pace
+        self._pool = ThreadPoolExecutor(writers, "dra-allocator-write") if writers > 1 \
+            else None
         self._seen_since: dict[str, float] = {}  # node -> when its devices were first usable
         self._attempts: dict[str, int] = {}  # claim UID -> allocations we wrote
         self._retry_at: dict[str, float] = {}  # claim UID -> no new try before (clock)
@@ -210,6 +219,7 @@ class DraAllocator:
             for problem in self.book.problems():
                 self._note(problem)
             self._place(ledger, report, outcome, now)
+            self._await_echo(report, pods)
         self._release_held(pods, claims, report, outcome, usable,
                            not usable and any(devices.values()), now)
         return report
@@ -237,6 +247,8 @@ class DraAllocator:
         if not pending:
             return
         classes = self.api.list_device_classes()  # their configs go into the allocations
+        writes: list[tuple[kdra.PendingClaim, DraPlacement, PodKey,
+                           Future[tuple[str, dict[str, Any] | None, int]]]] = []
         for pc in pending:
             pod_key = (str(pc.pod["metadata"].get("namespace")), str(pc.pod["metadata"]["name"]))
             if self.elector is not None and \
@@ -255,28 +267,86 @@ class DraAllocator:
                 report.unplaced[name] = dec.message()
                 outcome[pod_key] = (Claims.UNPLACED, f"claim {name}: {dec.message()}")
                 continue
-            try:
-                result, claim = self._write(pc.claim, dec.placement, classes, report)
-            except GpusliceError as exc:  # refused (403, 422), a config of the wrong shape:
-                self._note(f"claim {name}: not allocated: {exc}")  # this claim only
+            try:  # its share IDs drawn here, in the order the claims were decided
+                alloc = kdra.allocation(pc.claim, dec.placement, classes, self.new_share_id,
+                                        self.driver, allocated_at=self.wall_clock())
+            except GpusliceError as exc:  # a config of the wrong shape: this claim only
+                self._note(f"claim {name}: not allocated: {exc}")
                 outcome[pod_key] = (Claims.REFUSED, f"claim {name}: {exc}")
                 continue
-            if result == "allocated":
-                tries = self._attempts[uid] = self._attempts.get(uid, 0) + 1
-                if tries >= self.max_attempts:  # the next release waits before a new try
-                    self._retry_at[uid] = now + min(
-                        self.max_backoff_s, self.backoff_s * 2 ** (tries - self.max_attempts))
-                ledger.apply(dec.placement,
-                             ledger.slice_request(pc.request, pc.cpu_milli, pc.memory_mib))
-                devs = ",".join(r.device for r in dec.placement.results)
-                report.allocated[name] = f"{dec.placement.node}: {devs}"
-                # a held pod is released by _release_held, once the claim's allocation has
-                # come back through the watch (this pass, or the one its event wakes)
-                outcome[pod_key] = (Claims.ALLOCATED, "")
-            elif result == "taken" and claim is not None:
-                report.taken.append(name)
-                ledger.apply(self._as_placement(claim))
-                outcome[pod_key] = (Claims.ALLOCATED, "")
+            # counted at once, so the next claim is decided without these devices; a write
+            # that fails leaves them counted until the next pass's sync sets the ledger back
+            # from the claims (services.dra_book): never a device given twice
+            ledger.apply(dec.placement,
+                         ledger.slice_request(pc.request, pc.cpu_milli, pc.memory_mib))
+            writes.append((pc, dec.placement, pod_key, self._submit(pc.claim, alloc)))
+        for pc, placement, pod_key, fut in writes:
+            self._written(pc, placement, pod_key, fut, ledger, report, outcome, now)
+
+    def _submit(self, claim: dict[str, Any], alloc: dict[str, Any]) -> \
+            Future[tuple[str, dict[str, Any] | None, int]]:
+        """:meth:`_write` on the writers' pool (at once without one)."""
+        if self._pool is not None:
+            return self._pool.submit(self._write, claim, alloc)
+        fut: Future[tuple[str, dict[str, Any] | None, int]] = Future()
+        try:
+            fut.set_result(self._write(claim, alloc))
+        except Exception as exc:  # handed to _written as the pool would
+            fut.set_exception(exc)
+        return fut
+
+    def _written(self, pc: kdra.PendingClaim, placement: DraPlacement, pod_key: PodKey,
+                 fut: Future[tuple[str, dict[str, Any] | None, int]], ledger: DraLedger,
+                 report: PassReport, outcome: dict[PodKey, tuple[Claims, str]],
+                 now: float) -> None:
+        """What became of one claim's write (in the order the claims were decided)."""
+        uid = str(pc.claim["metadata"].get("uid"))
+        name = _key(pc.claim)
+        try:
+            result, claim, conflicts = fut.result()
+        except GpusliceError as exc:  # refused (403, 422): this claim only
+            self._note(f"claim {name}: not allocated: {exc}")
+            outcome[pod_key] = (Claims.REFUSED, f"claim {name}: {exc}")
+            return
+        report.conflicts += conflicts
+        if result == "allocated":
+            tries = self._attempts[uid] = self._attempts.get(uid, 0) + 1
+            if tries >= self.max_attempts:  # the next release waits before a new try
+                self._retry_at[uid] = now + min(
+                    self.max_backoff_s, self.backoff_s * 2 ** (tries - self.max_attempts))
+            devs = ",".join(r.device for r in placement.results)
+            report.allocated[name] = f"{placement.node}: {devs}"
+            # a held pod is released by _release_held, once the claim's allocation has
+            # come back through the watch (this pass, or the one its event wakes)
+            outcome[pod_key] = (Claims.ALLOCATED, "")
+        elif result == "taken" and claim is not None:
+            report.taken.append(name)
+            ledger.apply(self._as_placement(claim))
+            outcome[pod_key] = (Claims.ALLOCATED, "")
+
+    def _await_echo(self, report: PassReport, pods: list[dict[str, Any]],
+                    within_s: float = 0.05) -> None:
+        """Wait (at most ``within_s``) for the claims this pass allocated for pods behind our
+        gate to come back through the watch, so that this pass releases them rather than the
+        pass their watch events would wake (a lone pod spared a pass and its wait)."""
+        if not report.allocated:
+            return
+        wrote = {(ns, name) for ns, _, name in (k.partition("/") for k in report.allocated)}
+        waiting: set[tuple[str | None, str]] = set()
+        for pod in pods:
+            spec = pod.get("spec")
+            if not isinstance(spec, dict) or not spec.get("schedulingGates") or \
+                    spec.get("nodeName"):
+                continue
+            try:
+                if kdra.ALLOCATOR_GATE in gates(pod):
+                    waiting.update((ns, name) for ns, name in kdra.pod_claims(pod)
+                                   if name is not None and (ns, name) in wrote)
+            except ValidationError:
+                continue
+        deadline = time.monotonic() + within_s
+        while waiting & self._claims_in_flight() and time.monotonic() < deadline:
+            time.sleep(0.001)
 
     def _release_held(self, pods: list[dict[str, Any]], claims: list[dict[str, Any]],
                       report: PassReport, outcome: dict[PodKey, tuple[Claims, str]],
@@ -371,12 +441,14 @@ class DraAllocator:
             out.append(DeviceResult("", pool, device, not u.whole, dict(u.consumed)))
         return DraPlacement("", tuple(out), 0.0)
 
-    def _write(self, claim: dict[str, Any], placement: DraPlacement,
-               classes: list[dict[str, Any]], report: PassReport) -> \
-            tuple[str, dict[str, Any] | None]:
-        """Finalizer, then status.allocation, each with the resourceVersion just read. A
-        conflict re-reads the claim: allocated by someone else -> ``taken``; else retry."""
+    def _write(self, claim: dict[str, Any], alloc: dict[str, Any]) -> \
+            tuple[str, dict[str, Any] | None, int]:
+        """Finalizer, then ``alloc`` as status.allocation, each with the resourceVersion
+        just read (run on a writer's thread: it touches no state of the allocator's). A
+        conflict re-reads the claim: allocated by someone else -> ``taken``; else retry.
+        Returns the outcome, the claim as it is now, and the conflicts met."""
         meta = claim["metadata"]
+        conflicts = 0
         for _ in range(3):
             try:
                 cur = claim
@@ -385,25 +457,28 @@ class DraAllocator:
                     body["metadata"].setdefault("finalizers", []).append(kdra.FINALIZER)
                     cur = self.api.update_resource_claim(body)
                 body = copy.deepcopy(cur)
-                body.setdefault("status", {})["allocation"] = kdra.allocation(
-                    cur, placement, classes, self.new_share_id, self.driver,
-                    allocated_at=self.wall_clock())
-                return "allocated", self.api.update_resource_claim_status(body)
+                body.setdefault("status", {})["allocation"] = copy.deepcopy(alloc)
+                return "allocated", self.api.update_resource_claim_status(body), conflicts
             except ApiConflict:
-                report.conflicts += 1
+                conflicts += 1
                 try:
                     claim = self.api.get_resource_claim(meta["namespace"], meta["name"])
                 except ApiNotFound:
-                    return "gone", None
+                    return "gone", None, conflicts
                 if (claim.get("status") or {}).get("allocation"):
-                    return "taken", claim
+                    return "taken", claim, conflicts
                 if claim["metadata"].get("deletionTimestamp"):
-                    return "gone", None
+                    return "gone", None, conflicts
             except ApiNotFound:
-                return "gone", None
-        return "conflict", None
+                return "gone", None, conflicts
+        return "conflict", None, conflicts
 
     # -- the loop ------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Wait for the writes under way and stop the writers."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
 
     def _pass_safely(self) -> PassReport:
         """:meth:`run_once`; a failure fails that pass only (an empty report, its problem)."""
@@ -422,15 +497,16 @@ class DraAllocator:
 
     def run(self, stop: threading.Event, interval_s: float = 1.0,
             on_pass: Callable[[PassReport], None] | None = None,
-            wake: threading.Event | None = None, coalesce_s: float = 0.005) -> None:
+            wake: threading.Event | None = None, coalesce_s: float = 0.002) -> None:
         """Pass after pass until ``stop`` is set; ``on_pass`` sees every pass's report, and
         :attr:`problems` (a failed pass leaves an empty report and its problem). A pass runs
         when ``wake`` is set (by the watches: :class:`~gpuslice.adapters.kube.mirror.
-        MirroredLists`), ``coalesce_s`` later so that a burst of events is one pass (and no
-        sooner after the last pass than the CPU time that pass took, at most 50 ms: a large
-        cluster's passes do not take a core back to back); else when the last report's ``next_due``
-        comes, and at the latest ``interval_s`` after the last pass (without ``wake``:
-        every ``interval_s``)."""
+        MirroredLists`): at once after a quiet spell (a lone pod waits for no timer), else
+        no sooner than ``coalesce_s`` after the last pass ended, nor sooner than the CPU time
+        that pass took (at most 50 ms: a large cluster's passes do not take a core back to
+        back), so that the events of a burst that come during a pass and just after it are
+        one pass; else when the last report's ``next_due`` comes, and at the latest
+        ``interval_s`` after the last pass (without ``wake``: every ``interval_s``)."""
         while not stop.is_set():
             if wake is not None:
                 wake.clear()  # events from here on are the next pass's
@@ -438,6 +514,7 @@ class DraAllocator:
             # (its writes' round trips) do not hold the next pass back
             report = self._pass_safely()
             took = time.thread_time() - started
+            ended = time.monotonic()
             if on_pass is not None:
                 on_pass(report)
             now = self.clock()
@@ -452,5 +529,7 @@ class DraAllocator:
                 if left <= 0:
                     break
                 wake.wait(min(left, 0.25))  # stop is looked at four times a second
-            if wake.is_set():
-                stop.wait(max(coalesce_s, min(took, 0.05)))
+            if wake.is_set():  # spaced from the last pass: coalesce_s, or its own CPU time
+                rest = ended + max(coalesce_s, min(took, 0.05)) - time.monotonic()
+                if rest > 0:
+                    stop.wait(rest)

@@ -36,7 +36,8 @@ class FakeDraApi(FakeState):
             o = copy.deepcopy(obj)
             meta = o.setdefault("metadata", {})
             meta.setdefault("namespace", "default")
-            meta.setdefault("uid", f"uid-claim-{meta['namespace']}-{meta['name']}")
+            meta.setdefault("uid", f"uid-claim-{self.uid_token}-{meta['namespace']}-"
+                                   f"{meta['name']}")
             o["kind"] = "ResourceClaim"
             o.setdefault("status", {})
             self._bump(o, "ADDED")
@@ -95,7 +96,8 @@ class FakeDraApi(FakeState):
             c = copy.deepcopy(claim)
             meta = c.setdefault("metadata", {})
             meta.setdefault("namespace", "default")
-            meta.setdefault("uid", f"uid-claim-{meta['namespace']}-{meta['name']}")
+            meta.setdefault("uid", f"uid-claim-{self.uid_token}-{meta['namespace']}-"
+                                   f"{meta['name']}")
             c.setdefault("kind", "ResourceClaim")
             c.setdefault("apiVersion", "resource.k8s.io/v1")
             self._rv += 1
@@ -151,7 +153,7 @@ class FakeDraApi(FakeState):
             if name in self._slices:
                 raise ApiConflict(f'resourceslices "{name}" already exists')
             meta["name"] = name
-            meta.setdefault("uid", f"uid-slice-{name}")
+            meta.setdefault("uid", f"uid-slice-{self.uid_token}-{name}")
             if dry_run:
                 return s
             self._rv += 1

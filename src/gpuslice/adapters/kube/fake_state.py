@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import uuid
 from typing import Any
 
 from gpuslice.adapters.kube.ports import WatchEvent
@@ -26,6 +27,10 @@ class FakeState:
         self._changed = threading.Condition(self._lock)
         self._events: list[tuple[int, WatchEvent]] = []
         self._rv = 0
+        # in each UID, as a real API server's UIDs are unique across servers: the allocator
+        # keeps what it parsed per UID and resourceVersion (adapters/kube/dra_common.py), and
+        # two fakes in one process would otherwise hand it the same version of different claims
+        self.uid_token = uuid.uuid4().hex[:8]
         self._pods: dict[tuple[str, str], dict[str, Any]] = {}
         self._nodes: dict[str, dict[str, Any]] = {}
         self._leases: dict[tuple[str, str], dict[str, Any]] = {}

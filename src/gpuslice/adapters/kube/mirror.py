@@ -11,9 +11,12 @@ same).
 
 Waking (issue 58): with ``wake`` (a :class:`threading.Event`), every watch event that may
 give the allocator work sets it, so that a pass runs on the event instead of on a timer:
-any claim or slice event, a pod event of a pod not bound yet (created, its gates or claims
-changed), a pod deleted or finished (its CPU and claims free up). Nodes (their status
-heartbeats) and device classes do not wake it; the allocator's periodic pass reads them.
+any slice event; a claim created or deleted, or one whose allocation came or went or whose
+deletion began (not a change of its finalizers or ``reservedFor`` alone: kube-scheduler
+reserving an allocated claim for its pod, or the echo of our own finalizer, gives no work);
+a pod event of a pod not bound yet (created, its gates or claims changed), a pod deleted or
+finished (its CPU and claims free up). Nodes (their status heartbeats) and device classes do
+not wake it; the allocator's periodic pass reads them.
 """
 
 from __future__ import annotations
@@ -43,6 +46,27 @@ def _pod_wakes(event: WatchEvent) -> bool:
     obj = event.obj
     return event.type == "DELETED" or not (obj.get("spec") or {}).get("nodeName") or \
         (obj.get("status") or {}).get("phase") in ("Succeeded", "Failed")
+
+
+class _ClaimWakes:
+    """Whether a claim's watch event may give the claim allocator work: created or deleted,
+    or its allocation or deletion changed since the event before (kept per claim; called on
+    the watch's one thread)."""
+
+    def __init__(self) -> None:
+        self._seen: dict[Key, tuple[bool, bool]] = {}
+
+    def __call__(self, event: WatchEvent) -> bool:
+        key = _key(event.obj)
+        if event.type == "DELETED":
+            self._seen.pop(key, None)
+            return True
+        status = event.obj.get("status")
+        now = (bool(status.get("allocation")) if isinstance(status, dict) else False,
+               bool((event.obj.get("metadata") or {}).get("deletionTimestamp")))
+        before = self._seen.get(key)
+        self._seen[key] = now
+        return event.type != "MODIFIED" or before != now
 
 
 class _WakingQueue(queue.Queue[Any]):
@@ -162,7 +186,7 @@ class MirroredLists:
         self.pods = Mirror(api, core.list_pod_for_all_namespaces, "Pod", wake, _pod_wakes)
         self.nodes = Mirror(api, core.list_node, "Node")
         self.claims = Mirror(api, resource.list_resource_claim_for_all_namespaces,
-                             "ResourceClaim", wake)
+                             "ResourceClaim", wake, _ClaimWakes())
         self.slices = Mirror(api, resource.list_resource_slice, "ResourceSlice", wake)
         self.classes = Mirror(api, resource.list_device_class, "DeviceClass")
 
