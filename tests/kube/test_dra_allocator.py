@@ -210,12 +210,14 @@ def test_the_lease_is_renewed_every_2_s_and_a_long_pass_writes_only_5_s_after_it
             return True
 
     clock, elector = Clock(), Elector()
-    alloc = allocator(rest, tmp_path, clock, elector=elector)
+    alloc = allocator(rest, tmp_path, clock, elector=elector, writers=1)
     write = alloc._write
 
     def slow(*args: Any) -> Any:  # each claim's writes take 2 s
-        clock.now += 2.0
-        return write(*args)
+        try:
+            return write(*args)
+        finally:
+            clock.now += 2.0
 
     alloc._write = slow  # type: ignore[method-assign]
     first = alloc.run_once()  # writes at 0, 2 and 4 s after the renewal; not at 6
@@ -230,6 +232,60 @@ def test_the_lease_is_renewed_every_2_s_and_a_long_pass_writes_only_5_s_after_it
     clock.now += 1.0
     alloc.run_once()
     assert elector.steps == 4
+
+
+def test_a_claim_waits_for_a_free_writer_and_then_for_the_lease_window(
+        rest: RestApiServer, tmp_path: Path) -> None:
+    """With two writers busy, the pass waits for one to be free before it decides the next
+    claim, and checks the Lease's window then: a write never waits in a queue past the
+    5 s after the renewal. Here both writes take 6 s of the clock: the three claims left are
+    placed by the next pass, which renews the Lease first."""
+    import threading
+
+    cluster(rest, n=4)
+    for i in range(5):
+        rest.add_resourceclaim(claim(f"c{i}", 10))
+        rest.add_pod(pod(f"p{i}", f"c{i}"))
+
+    class Elector:
+        leader, steps = False, 0
+
+        def step(self) -> bool:
+            self.steps += 1
+            self.leader = True
+            return True
+
+    clock, elector = Clock(), Elector()
+    alloc = allocator(rest, tmp_path, clock, elector=elector, writers=2)
+    api, go, started = alloc.api, threading.Event(), threading.Semaphore(0)
+
+    class Slow:  # the allocation writes wait for ``go``
+        def __getattr__(self, name: str) -> Any:
+            return getattr(api, name)
+
+        def update_resource_claim_status(self, body: dict[str, Any]) -> dict[str, Any]:
+            started.release()
+            assert go.wait(20)
+            return dict(api.update_resource_claim_status(body))
+
+    def later() -> None:  # both writers busy: 6 s pass, then the writes land
+        for _ in range(2):
+            assert started.acquire(timeout=20)
+        clock.now += 6.0
+        go.set()
+
+    alloc.api = Slow()  # type: ignore[assignment]
+    helper = threading.Thread(target=later, daemon=True)
+    helper.start()
+    try:
+        first = alloc.run_once()
+        assert sorted(first.allocated) == ["ml/c0", "ml/c1"], first
+        second = alloc.run_once()  # renews, then places the other three
+        assert elector.steps == 2 and sorted(second.allocated) == ["ml/c2", "ml/c3", "ml/c4"]
+    finally:
+        go.set()
+        alloc.close()
+    helper.join(5)
 
 
 class RacingServer(RestApiServer):

@@ -88,6 +88,8 @@ class AllocatorPort(KubePort, DraApiPort, PodGatePort, Protocol):
 
 
 PodKey = tuple[str, str]
+Written = tuple[str, dict[str, Any] | None, int]  # _write: outcome, the claim, conflicts
+Write = tuple[kdra.PendingClaim, DraPlacement, PodKey, Future[Written]]
 
 
 @dataclass
@@ -151,6 +153,9 @@ class DraAllocator:
         # not the decisions, were the allocator's pace
         self._pool = ThreadPoolExecutor(writers, "dra-allocator-write") if writers > 1 \
             else None
+        # a claim is decided once a writer is free, so its write starts at once, within the
+        # Lease's window checked just before (none waits in a queue past it)
+        self._free_writers = threading.Semaphore(writers)
         self._seen_since: dict[str, float] = {}  # node -> when its devices were first usable
         self._attempts: dict[str, int] = {}  # claim UID -> allocations we wrote
         self._retry_at: dict[str, float] = {}  # claim UID -> no new try before (clock)
@@ -161,6 +166,7 @@ class DraAllocator:
         # after the lease could have lapsed and our drivers dropped the taint
         self.elect_every_s, self.write_within_s = elect_every_s, 5.0
         self._elected_at = float("-inf")
+        self._renew_after = False  # the Lease renewed at the end of this pass
         self.book = DraBook(driver, classes)
         self._slices_version: tuple[tuple[object, object], ...] | None = None
         self._devices: dict[str, list[DraDevice]] = {}
@@ -222,6 +228,11 @@ class DraAllocator:
             self._await_echo(report, pods)
         self._release_held(pods, claims, report, outcome, usable,
                            not usable and any(devices.values()), now)
+        if self._renew_after:
+            self._renew_after = False
+            at = self.clock()
+            if self.elector.step():
+                self._elected_at = at
         return report
 
     def _read_devices(self, slices: list[dict[str, Any]]) -> tuple[tuple[object, object], ...]:
@@ -247,56 +258,78 @@ class DraAllocator:
         if not pending:
             return
         classes = self.api.list_device_classes()  # their configs go into the allocations
-        writes: list[tuple[kdra.PendingClaim, DraPlacement, PodKey,
-                           Future[tuple[str, dict[str, Any] | None, int]]]] = []
+        writes: list[Write] = []
         for pc in pending:
-            pod_key = (str(pc.pod["metadata"].get("namespace")), str(pc.pod["metadata"]["name"]))
-            if self.elector is not None and \
-                    self.clock() - self._elected_at > self.write_within_s:
-                outcome[pod_key] = (Claims.PENDING, "")
-                break  # a long pass: renew the Lease (next pass) before writing more
-            uid = str(pc.claim["metadata"].get("uid"))
-            name = _key(pc.claim)
-            if now < self._retry_at.get(uid, now):
-                report.due(self._retry_at[uid])
-                outcome[pod_key] = (Claims.PENDING, "")
-                continue  # released by the scheduler too often: backing off
-            dec = ledger.decide(pc.request, self.policy, self.rng, cpu_milli=pc.cpu_milli,
-                                memory_mib=pc.memory_mib)
-            if dec.placement is None:
-                report.unplaced[name] = dec.message()
-                outcome[pod_key] = (Claims.UNPLACED, f"claim {name}: {dec.message()}")
-                continue
-            try:  # its share IDs drawn here, in the order the claims were decided
-                alloc = kdra.allocation(pc.claim, dec.placement, classes, self.new_share_id,
-                                        self.driver, allocated_at=self.wall_clock())
-            except GpusliceError as exc:  # a config of the wrong shape: this claim only
-                self._note(f"claim {name}: not allocated: {exc}")
-                outcome[pod_key] = (Claims.REFUSED, f"claim {name}: {exc}")
-                continue
-            # counted at once, so the next claim is decided without these devices; a write
-            # that fails leaves them counted until the next pass's sync sets the ledger back
-            # from the claims (services.dra_book): never a device given twice
-            ledger.apply(dec.placement,
-                         ledger.slice_request(pc.request, pc.cpu_milli, pc.memory_mib))
-            writes.append((pc, dec.placement, pod_key, self._submit(pc.claim, alloc)))
+            self._free_writers.acquire()  # released when its write is done, or here
+            write: Write | None = None
+            try:
+                stop, write = self._decide_and_submit(pc, ledger, classes, report, outcome,
+                                                      now)
+            finally:
+                if write is None:
+                    self._free_writers.release()
+            if stop:
+                break
+            if write is not None:
+                writes.append(write)
         for pc, placement, pod_key, fut in writes:
             self._written(pc, placement, pod_key, fut, ledger, report, outcome, now)
 
-    def _submit(self, claim: dict[str, Any], alloc: dict[str, Any]) -> \
-            Future[tuple[str, dict[str, Any] | None, int]]:
-        """:meth:`_write` on the writers' pool (at once without one)."""
+    def _decide_and_submit(self, pc: kdra.PendingClaim, ledger: DraLedger,
+                           classes: list[dict[str, Any]], report: PassReport,
+                           outcome: dict[PodKey, tuple[Claims, str]], now: float) -> \
+            tuple[bool, Write | None]:
+        """One claim decided and its write handed to a free writer: whether the Lease's
+        window is over (the next pass renews it first), and the write (claim, placement,
+        pod, future; ``None`` when nothing is written)."""
+        pod_key = (str(pc.pod["metadata"].get("namespace")), str(pc.pod["metadata"]["name"]))
+        if self.elector is not None and \
+                self.clock() - self._elected_at > self.write_within_s:
+            outcome[pod_key] = (Claims.PENDING, "")
+            return True, None  # a long pass: renew the Lease (next pass) before writing more
+        uid = str(pc.claim["metadata"].get("uid"))
+        name = _key(pc.claim)
+        if now < self._retry_at.get(uid, now):
+            report.due(self._retry_at[uid])
+            outcome[pod_key] = (Claims.PENDING, "")
+            return False, None  # released by the scheduler too often: backing off
+        dec = ledger.decide(pc.request, self.policy, self.rng, cpu_milli=pc.cpu_milli,
+                            memory_mib=pc.memory_mib)
+        if dec.placement is None:
+            report.unplaced[name] = dec.message()
+            outcome[pod_key] = (Claims.UNPLACED, f"claim {name}: {dec.message()}")
+            return False, None
+        try:  # its share IDs drawn here, in the order the claims were decided
+            alloc = kdra.allocation(pc.claim, dec.placement, classes, self.new_share_id,
+                                    self.driver, allocated_at=self.wall_clock())
+        except GpusliceError as exc:  # a config of the wrong shape: this claim only
+            self._note(f"claim {name}: not allocated: {exc}")
+            outcome[pod_key] = (Claims.REFUSED, f"claim {name}: {exc}")
+            return False, None
+        # counted at once, so the next claim is decided without these devices; a write
+        # that fails leaves them counted until the next pass's sync sets the ledger back
+        # from the claims (services.dra_book): never a device given twice
+        ledger.apply(dec.placement,
+                     ledger.slice_request(pc.request, pc.cpu_milli, pc.memory_mib))
+        return False, (pc, dec.placement, pod_key, self._submit(pc.claim, alloc))
+
+    def _submit(self, claim: dict[str, Any], alloc: dict[str, Any]) -> Future[Written]:
+        """:meth:`_write` on the writers' pool (at once without one); its writer is free
+        again once it is done."""
         if self._pool is not None:
-            return self._pool.submit(self._write, claim, alloc)
-        fut: Future[tuple[str, dict[str, Any] | None, int]] = Future()
+            out = self._pool.submit(self._write, claim, alloc)
+            out.add_done_callback(lambda _: self._free_writers.release())
+            return out
+        fut: Future[Written] = Future()
         try:
             fut.set_result(self._write(claim, alloc))
         except Exception as exc:  # handed to _written as the pool would
             fut.set_exception(exc)
+        self._free_writers.release()
         return fut
 
     def _written(self, pc: kdra.PendingClaim, placement: DraPlacement, pod_key: PodKey,
-                 fut: Future[tuple[str, dict[str, Any] | None, int]], ledger: DraLedger,
+                 fut: Future[Written], ledger: DraLedger,
                  report: PassReport, outcome: dict[PodKey, tuple[Claims, str]],
                  now: float) -> None:
         """What became of one claim's write (in the order the claims were decided)."""
@@ -422,12 +455,16 @@ class DraAllocator:
     def _leading(self) -> bool:
         """Whether we lead: an election step (the Lease read, then renewed or taken) at most
         every ``elect_every_s`` while we lead, as client-go's leader renews every RetryPeriod
-        (2 s) of a 15 s lease; every pass while we do not."""
+        (2 s) of a 15 s lease, at the end of the pass while the last renewal is less than
+        ``write_within_s`` old; every pass while we do not."""
         if self.elector is None:
             return True
         now = self.clock()
         if self.elector.leader and now - self._elected_at < self.elect_every_s:
             return True
+        if self.elector.leader and now - self._elected_at < self.write_within_s:
+            self._renew_after = True  # this pass's work first (a pod waits for no Lease
+            return True  # write), then the renewal: writes stay within the window
         leading = bool(self.elector.step())
         if leading:
             self._elected_at = now
@@ -441,8 +478,7 @@ class DraAllocator:
             out.append(DeviceResult("", pool, device, not u.whole, dict(u.consumed)))
         return DraPlacement("", tuple(out), 0.0)
 
-    def _write(self, claim: dict[str, Any], alloc: dict[str, Any]) -> \
-            tuple[str, dict[str, Any] | None, int]:
+    def _write(self, claim: dict[str, Any], alloc: dict[str, Any]) -> Written:
         """Finalizer, then ``alloc`` as status.allocation, each with the resourceVersion
         just read (run on a writer's thread: it touches no state of the allocator's). A
         conflict re-reads the claim: allocated by someone else -> ``taken``; else retry.
