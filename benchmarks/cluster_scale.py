@@ -339,12 +339,14 @@ def dra_runs(args: argparse.Namespace, dev: DevCluster, console: Console, t_all:
     nodes = [f"kwok-{i:05d}" for i in range(args.nodes)]
     helpers = sys.modules[__name__]
     runs = []
-    for k, ours in enumerate((False, True)):
-        console.print(f"run {k + 1}/2: kube-scheduler"
-                      f"{' + gpuslice dra-allocator' if ours else ' alone'}, pods with claims")
+    variants = ((False, False), (True, False), *(((True, True),) if args.gated else ()))
+    for k, (ours, gated) in enumerate(variants):
+        console.print(f"run {k + 1}/{len(variants)}: kube-scheduler"
+                      f"{' + gpuslice dra-allocator' if ours else ' alone'}, pods with claims"
+                      f"{', gated' if gated else ''}")
         paced = args.paced if args.paced is not None else 100 if args.quick else 300
         runs.append(cd.run_dra(dev, nodes, args.gpus, args.pods, ours, args.timeout, k + 1,
-                               helpers, paced, args.paced_rate))
+                               helpers, paced, args.paced_rate, gated))
     return cd.report(runs, args.nodes, args.gpus, args.pods, time.monotonic() - t_all,
                      os.cpu_count(), console, args.write, DRA_COMPONENTS)
 
@@ -401,6 +403,9 @@ def main() -> int:
     ap.add_argument("--binds-in-flight", type=int, default=None, metavar="N",
                     help="the extender's --binds-in-flight (default: its own)")
     ap.add_argument("--write", type=Path, help="write the figures (markdown) to this file")
+    ap.add_argument("--gated", action="store_true",
+                    help="--path dra: a third run, its pods created with the claim "
+                    "allocator's scheduling gate as the admission webhook creates them")
     args = ap.parse_args()
     # a SIGTERM (timeout, CI) unwinds like Ctrl-C, so the cluster's processes are stopped
     def interrupted(*_: object) -> None:

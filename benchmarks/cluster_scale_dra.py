@@ -7,7 +7,11 @@ ResourceClaim of ``share.gpuslice.io`` (compute 25/25/50/75 of 100, 8 GiB) are s
   allocates each claim in the pod's scheduling cycle (first fit over the devices);
 * **with gpuslice dra-allocator**: the devices carry the allocator's taint (as our driver
   publishes them while the allocator's Lease is fresh), ``gpuslice dra-allocator`` places the
-  claims with frag-strand and kube-scheduler binds each pod where its claim was put.
+  claims with frag-strand and kube-scheduler binds each pod where its claim was put;
+* with ``--gated``, a third run: the same, the pods created with the allocator's scheduling
+  gate (``gpu.gpuslice.io/allocator``), as gpuslice's admission webhook creates them in the
+  namespaces that opt in (docs/dra-placement.md): kube-scheduler tries each pod once its claim
+  is allocated, where the ungated pods of the second run are tried before, fail and back off.
 
 The pods and claims are created while no scheduler (and no allocator) runs; the clock runs
 from their start to the last pod bound. A watch on the claims records when each allocation
@@ -67,8 +71,9 @@ def publish(dev: DevCluster, nodes: list[str], gpus: int, tainted: bool, generat
         dev.kubectl("create", "-f", "-", input=yaml.safe_dump_all(docs), timeout_s=600)
 
 
-def claimed_pod(i: int) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Pod ``i`` and its ResourceClaim (a share of one GPU)."""
+def claimed_pod(i: int, gated: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Pod ``i`` and its ResourceClaim (a share of one GPU); ``gated``: the pod carries the
+    allocator's scheduling gate."""
     name = f"d{i:05d}"
     claim = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
              "metadata": {"name": name, "namespace": NS},
@@ -83,13 +88,15 @@ def claimed_pod(i: int) -> tuple[dict[str, Any], dict[str, Any]]:
                     "resourceClaims": [{"name": "gpu", "resourceClaimName": name}],
                     "containers": [{"name": "m", "image": "model:1",
                                     "resources": {"claims": [{"name": "gpu"}]}}]}}
+    if gated:
+        pod["spec"]["schedulingGates"] = [{"name": kdra.ALLOCATOR_GATE}]
     return pod, claim
 
 
-def create(dev: DevCluster, n: int) -> float:
+def create(dev: DevCluster, n: int, gated: bool = False) -> float:
     t0 = time.monotonic()
     for lo in range(0, n, 500):
-        made = [claimed_pod(i) for i in range(lo, min(n, lo + 500))]
+        made = [claimed_pod(i, gated) for i in range(lo, min(n, lo + 500))]
         dev.kubectl("create", "-f", "-", input=yaml.safe_dump_all([c for _, c in made]),
                     timeout_s=600)
         dev.kubectl("create", "-f", "-", input=yaml.safe_dump_all([p for p, _ in made]),
@@ -104,7 +111,7 @@ def allocation_watch(dev: DevCluster) -> FirstSeen:
 
 
 def paced(dev: DevCluster, first: int, n: int, rate: float, watch: FirstSeen,
-          timeout_s: float) -> list[float]:
+          timeout_s: float, gated: bool = False) -> list[float]:
     """``n`` more pods with claims, one every ``1 / rate`` s (each claim then its pod, by the
     API); each claim's allocation latency in seconds, from its pod's creation to the watch
     seeing the allocation."""
@@ -121,7 +128,7 @@ def paced(dev: DevCluster, first: int, n: int, rate: float, watch: FirstSeen,
     t0 = time.monotonic()
     for k in range(n):
         time.sleep(max(0.0, t0 + k / rate - time.monotonic()))
-        pod, claim = claimed_pod(first + k)
+        pod, claim = claimed_pod(first + k, gated)
         post(f"/apis/resource.k8s.io/v1/namespaces/{NS}/resourceclaims", claim)
         post(f"/api/v1/namespaces/{NS}/pods", pod)
         created[pod["metadata"]["name"]] = time.monotonic()
@@ -183,7 +190,7 @@ def clean(dev: DevCluster, list_json: Callable[..., list[dict[str, Any]]]) -> No
 
 def run_dra(dev: DevCluster, nodes: list[str], gpus: int, pods: int, ours: bool,
             timeout_s: float, generation: int, helpers: Any, paced_n: int = 0,
-            paced_rate: float = 10.0) -> dict[str, Any]:
+            paced_rate: float = 10.0, gated: bool = False) -> dict[str, Any]:
     """One DRA run (``ours``: with ``gpuslice dra-allocator``): the burst of ``pods``, then
     ``paced_n`` pods arriving at ``paced_rate`` per second for the allocation latency;
     ``helpers``: cluster_scale's module (its metrics readers, CPU sampling and pod
@@ -194,7 +201,7 @@ def run_dra(dev: DevCluster, nodes: list[str], gpus: int, pods: int, ours: bool,
     if "kube-scheduler" in dev.procs:
         dev.procs.pop("kube-scheduler").stop()
     publish(dev, nodes, gpus, tainted=ours, generation=generation)
-    created = create(dev, pods)
+    created = create(dev, pods, gated)
     console.print(f"  {pods} pods with claims created in {created:.0f} s; starting "
                   f"kube-scheduler{' and gpuslice dra-allocator' if ours else ''}")
     watch = allocation_watch(dev).start()
@@ -212,7 +219,8 @@ def run_dra(dev: DevCluster, nodes: list[str], gpus: int, pods: int, ours: bool,
         after = helpers.cpu_now(dev, pids)
         metrics = dev.scheduler_metrics()  # the burst's, before the paced pods
         at = sorted(t - t0 for t in watch.seen.values())
-        latency = paced(dev, pods, paced_n, paced_rate, watch, timeout_s) if paced_n else []
+        latency = paced(dev, pods, paced_n, paced_rate, watch, timeout_s, gated) \
+            if paced_n else []
     finally:
         watch.stop()
         if allocator is not None:
@@ -254,18 +262,20 @@ def run_dra(dev: DevCluster, nodes: list[str], gpus: int, pods: int, ours: bool,
 
 
 
-ROWS = ("kube-scheduler's DRA allocation (first fit)", "with gpuslice dra-allocator (frag-strand)")
+ROWS = ("kube-scheduler's DRA allocation (first fit)", "with gpuslice dra-allocator (frag-strand)",
+        "with gpuslice dra-allocator, pods gated (as the webhook admits them)")
 
 
 def report(runs: list[dict[str, Any]], nodes: int, gpus: int, pods: int, total_s: float,
            cores: int | None, console: Any, write: Path | None, components: tuple[str, ...],
            ) -> int:
-    """Print (and with ``write`` append to that markdown file) the two DRA runs; 1 when a
-    run lost a pod or over-allocated a device."""
+    """Print (and with ``write`` append to that markdown file) the DRA runs (two, or three
+    with the gated one); 1 when a run lost a pod or over-allocated a device."""
     from rich.table import Table
 
-    default, ours = runs
+    default, ours = runs[0], runs[1]
     ratio = ours["pods_per_s"] / default["pods_per_s"]
+    rows = ROWS[:len(runs)]
     cols = ("run", "pods/s", "bound", "failed attempts", "scheduling algorithm p50 / p99 ms",
             "attempt p50 / p99 ms", "claims allocated", "allocated p50 / p99 s after start",
             "over-allocated")
@@ -281,13 +291,13 @@ def report(runs: list[dict[str, Any]], nodes: int, gpus: int, pods: int, total_s
                   f"run ({cores} CPUs, whole benchmark {total_s / 60:.1f} min)")
     for c in cols:
         table.add_column(c)
-    for name, r in zip(ROWS, runs, strict=True):
+    for name, r in zip(rows, runs, strict=True):
         table.add_row(name, *cells(r))
     console.print(table)
     cpu = Table(title="CPU per pod bound (ms, user + system, over the timed window)")
     for c in ("run", *components, "all", "cores busy"):
         cpu.add_column(c)
-    for name, r in zip(ROWS, runs, strict=True):
+    for name, r in zip(rows, runs, strict=True):
         cpu.add_row(name, *(f"{r['cpu_ms'][n]:.1f}" for n in components),
                     f"{sum(r['cpu_ms'].values()):.1f}", f"{r['cores']:.2f} of {cores}")
     console.print(cpu)
@@ -295,27 +305,29 @@ def report(runs: list[dict[str, Any]], nodes: int, gpus: int, pods: int, total_s
     paced_line = (f"claim allocation latency, {runs[0]['paced']} more pods arriving at "
                   f"{runs[0]['paced_rate']:g}/s after the burst (pod created -> allocation "
                   f"seen), p50 / p99 ms: " + "; ".join(
-                      f"{name.split(' (')[0]} {v}" for name, v in zip(ROWS, lat, strict=True))
+                      f"{name.split(' (')[0]} {v}" for name, v in zip(rows, lat, strict=True))
                   + " (goal p99 <= 1000 for ours)")
     if runs[0]["paced"]:
         console.print(paced_line)
+    gated = (f"; gated {runs[2]['pods_per_s'] / default['pods_per_s']:.2f}"
+             if len(runs) > 2 else "")
     console.print(f"ratio dra-allocator / kube-scheduler's DRA allocation: {ratio:.2f} "
-                  f"(goal >= 0.80); over-allocation: {default['over_allocation']} / "
-                  f"{ours['over_allocation']} (must be 0)")
+                  f"(goal >= 0.80){gated}; over-allocation: "
+                  f"{' / '.join(str(r['over_allocation']) for r in runs)} (must be 0)")
     if write is not None:
         lines = ["| " + " | ".join(cols) + " |", "|---" * len(cols) + "|"]
         lines += [f"| {name} | " + " | ".join(cells(r)) + " |"
-                  for name, r in zip(ROWS, runs, strict=True)]
+                  for name, r in zip(rows, runs, strict=True)]
         lines += ["", "CPU per pod bound (ms, user + system, over the timed window):", "",
                   "| run | " + " | ".join(components) + " | all | cores busy |",
                   "|---" * (len(components) + 3) + "|"]
         lines += [f"| {name} | " + " | ".join(f"{r['cpu_ms'][n]:.1f}" for n in components)
                   + f" | {sum(r['cpu_ms'].values()):.1f} | {r['cores']:.2f} of {cores} |"
-                  for name, r in zip(ROWS, runs, strict=True)]
+                  for name, r in zip(rows, runs, strict=True)]
         if runs[0]["paced"]:
             lines += ["", paced_line[0].upper() + paced_line[1:] + "."]
         block = (f"<!-- cluster_scale --path dra: {nodes} nodes x {gpus} GPUs, {pods} pods -->"
-                 "\n" + "\n".join(lines) + f"\n\nRatio {ratio:.2f}; whole benchmark "
+                 "\n" + "\n".join(lines) + f"\n\nRatio {ratio:.2f}{gated}; whole benchmark "
                  f"{total_s / 60:.1f} min on {cores} CPUs.\n")
         write.parent.mkdir(parents=True, exist_ok=True)
         with write.open("a") as f:

@@ -34,6 +34,7 @@ from gpuslice.adapters.kube.mirror import _ClaimWakes, _pod_wakes, _WakingQueue
 from gpuslice.adapters.kube.ports import WatchEvent
 from gpuslice.core.dra_gate import ALLOCATOR_UNAVAILABLE, LEFT_TO_SCHEDULER, NOT_PLACED
 from gpuslice.core.errors import GpusliceError
+from gpuslice.services.dra_allocator import DraAllocator
 from gpuslice.services.dra_gate import KEEPER_LEASE, GateKeeper
 from gpuslice.services.leader import LeaderElector
 from tests.kube.helpers import kube_client
@@ -95,6 +96,41 @@ def test_a_gated_pod_is_released_right_after_its_claim_is_allocated(
                       ("PUT", "/apis/resource.k8s.io/v1/namespaces/ml/resourceclaims/c1/status"),
                       ("PATCH", "/api/v1/namespaces/ml/pods/p1")]
     assert not rest.denied
+
+
+@pytest.mark.parametrize("writers", [3, 1])
+def test_a_bursts_gated_pods_are_released_side_by_side(rest: RestApiServer, tmp_path: Path,
+                                                      writers: int) -> None:
+    """The gates of the pods a pass releases are removed by the writers together (in a
+    burst, removing them one after the other was the pace of the pods' binds): three
+    patches under way at once; one writer cannot get them there."""
+    cluster(rest, nodes=("n1", "n2", "n3"))
+    for i in range(3):
+        rest.add_resourceclaim(claim(f"c{i}", 60))
+        rest.add_pod(gated(f"p{i}", f"c{i}"))
+    api = kube_client(rest, tmp_path, ALLOCATOR)
+    barrier = threading.Barrier(3, timeout=2.0 if writers == 1 else 20.0)
+
+    class Together:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(api, name)
+
+        def remove_pod_scheduling_gate(self, ns: str, name: str,
+                                       ops: list[dict[str, Any]]) -> dict[str, Any]:
+            barrier.wait()
+            return dict(api.remove_pod_scheduling_gate(ns, name, ops))
+
+    alloc = DraAllocator(Together(), clock=Clock(), settle_s=0.0, writers=writers)
+    try:
+        if writers == 1:
+            with pytest.raises(threading.BrokenBarrierError):
+                alloc.run_once()
+            return
+        report = alloc.run_once()
+    finally:
+        alloc.close()
+    assert sorted(report.released) == ["ml/p0", "ml/p1", "ml/p2"], report
+    assert all(gates_of(rest, f"p{i}") == [] for i in range(3))
 
 
 def test_a_gated_pod_the_allocator_will_not_place_goes_at_once_with_an_event(
@@ -268,7 +304,6 @@ def test_over_watches_the_gate_comes_off_once_the_allocation_has_come_back(
     import time
 
     from gpuslice.adapters.kube.mirror import MirroredLists
-    from gpuslice.services.dra_allocator import DraAllocator
 
     cluster(rest)
     rest.add_resourceclaim(claim("c1", 50))

@@ -387,6 +387,7 @@ class DraAllocator:
         """Every pod not bound yet that carries our gate: released when its claims are
         allocated or the allocator will not place them, else held (at most max_hold_s)."""
         held: dict[str, float] = {}
+        releases: list[tuple[dict[str, Any], PodKey, str, Any]] = []
         by_key: dict[PodKey, dict[str, Any]] | None = None
         flight: set[tuple[str | None, str]] | None = None
         for pod in pods:
@@ -422,7 +423,15 @@ class DraAllocator:
                 if v.recheck_s is not None:
                     report.due(now + v.recheck_s)
                 continue
-            if self.gate.release(pod, v.reason, v.message, v.warning):
+            releases.append((pod, key, uid, v))
+        # the patches side by side on the writers (a burst's pods are released together)
+        done = [self._pool.submit(self.gate.release, pod, v.reason, v.message, v.warning)
+                if self._pool is not None and len(releases) > 1 else None
+                for pod, _, _, v in releases]
+        for (pod, key, uid, v), fut in zip(releases, done, strict=True):
+            out = fut.result() if fut is not None else \
+                self.gate.release(pod, v.reason, v.message, v.warning)
+            if out:
                 report.released["/".join(key)] = v.reason or "allocated"
                 held.pop(uid, None)
         self._held = held

@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 import uuid
 from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
@@ -39,13 +40,15 @@ def _now_iso() -> str:
 
 class GateReleaser:
     """Removes ``gate`` from pods, each release with a reason noted in an Event on the pod
-    (from ``component``); what could not be done is logged and left to the next call."""
+    (from ``component``); what could not be done is logged and left to the next call. Safe
+    to call from several threads (the claim allocator's writers)."""
 
     def __init__(self, api: PodGatePort, component: str, gate: str = ALLOCATOR_GATE,
                  wall: Callable[[], str] = _now_iso) -> None:
         self.api, self.component, self.gate, self.wall = api, component, gate, wall
         self.released = 0  # pods released so far
         self.events_failed = 0
+        self._count = threading.Lock()
 
     def release(self, pod: Mapping[str, Any], reason: str = "", message: str = "",
                 warning: bool = False) -> dict[str, Any] | None:
@@ -63,14 +66,16 @@ class GateReleaser:
         except (ApiNotFound, ApiInvalid, ApiConflict) as exc:  # gone, or its gates changed
             log.debug("pod %s/%s: gate not removed: %s", ns, name, exc)
             return None
-        self.released += 1
+        with self._count:
+            self.released += 1
         if reason:
             try:
                 self.api.create_event(ns, pod_event(pod, reason, message, warning=warning,
                                                     component=self.component, now=self.wall(),
                                                     suffix=uuid.uuid4().hex[:16]))
             except GpusliceError as exc:
-                self.events_failed += 1
+                with self._count:
+                    self.events_failed += 1
                 log.warning("pod %s/%s: released (%s) but the Event was not recorded: %s",
                             ns, name, message, exc)
         return out
