@@ -133,6 +133,30 @@ def test_a_bursts_gated_pods_are_released_side_by_side(rest: RestApiServer, tmp_
     assert all(gates_of(rest, f"p{i}") == [] for i in range(3))
 
 
+def test_a_pass_places_at_most_its_share_and_the_rest_keep_their_gate(
+        rest: RestApiServer, tmp_path: Path) -> None:
+    """A pass writes at most ``max_writes_per_pass`` claims and releases their pods; the
+    pods whose claims wait for the next pass keep the gate (no Event: they are not left to
+    kube-scheduler), and that pass is due at once."""
+    cluster(rest, nodes=("n1", "n2"))
+    for i in range(5):
+        rest.add_resourceclaim(claim(f"c{i}", 40))
+        rest.add_pod(gated(f"p{i}", f"c{i}"))
+    clock = Clock()
+    alloc = allocator(rest, tmp_path, clock, max_writes_per_pass=2)
+    try:
+        for want in (["ml/p0", "ml/p1"], ["ml/p2", "ml/p3"], ["ml/p4"]):
+            report = alloc.run_once()
+            assert sorted(report.released) == want, report
+            assert len(report.allocated) == len(want)
+            if want != ["ml/p4"]:
+                assert report.next_due == clock.now
+        assert all(gates_of(rest, f"p{i}") == [] for i in range(5))
+        assert all(events(rest, f"p{i}") == [] for i in range(5))
+    finally:
+        alloc.close()
+
+
 def test_a_gated_pod_the_allocator_will_not_place_goes_at_once_with_an_event(
         rest: RestApiServer, tmp_path: Path) -> None:
     """No room now: a Warning ClaimNotPlaced (kube-scheduler then reports it Unschedulable,

@@ -28,10 +28,9 @@ Safety (docs/dra-placement.md):
 * A pod may carry the allocator's scheduling gate (``gpu.gpuslice.io/allocator``, issue 58):
   kube-scheduler then does not try it until the allocator has written its claim's allocation
   and removed the gate, so the pod is scheduled once, with no failed attempt and no backoff.
-  The gate comes off once the allocation has come back through the allocator's own watch of
-  claims (the pass that pod's claim event wakes): released at once, kube-scheduler, whose
-  watch of claims may lag its watch of pods, tried a pod of a burst on a claim it still saw
-  unallocated (tests/cluster/test_dra_gate.py). A held pod the allocator will not place (not
+  The gate comes off once the allocation has come back through the allocator's own watch
+  (:meth:`DraAllocator._await_echo`): kube-scheduler's watch of claims may lag its watch of
+  pods (tests/cluster/test_dra_gate.py). A held pod the allocator will not place (not
   its shape, no room now, its write refused, no device tainted for it) is released at once
   with an Event saying why; one still waiting (its claim not created yet, devices settling)
   at most ``max_hold_s`` (:func:`gpuslice.core.dra_gate.verdict`). When the allocator is
@@ -113,6 +112,10 @@ class PassReport:
         self.next_due = at if self.next_due is None else min(self.next_due, at)
 
 
+def _pod_key(pc: kdra.PendingClaim) -> PodKey:
+    return str(pc.pod["metadata"].get("namespace")), str(pc.pod["metadata"]["name"])
+
+
 def _key(obj: Mapping[str, Any]) -> str:
     return f"{obj['metadata'].get('namespace', 'default')}/{obj['metadata']['name']}"
 
@@ -126,13 +129,18 @@ class DraAllocator:
                  clock: Callable[[], float] = time.monotonic,
                  new_share_id: Callable[[], str] = lambda: str(uuid.uuid4()),
                  elector: Any = None, seed: int = 0, elect_every_s: float = 2.0,
-                 writers: int = 4,
+                 writers: int = 4, max_writes_per_pass: int = 128,
                  wall_clock: Callable[[], str] = lambda: datetime.now(UTC).strftime(
                      "%Y-%m-%dT%H:%M:%SZ")) -> None:
         if not max_hold_s > 0:
             raise ValidationError("max_hold_s", "a positive number of seconds", max_hold_s)
         if writers < 1:
             raise ValidationError("writers", "at least 1", writers)
+        if max_writes_per_pass < 1:
+            raise ValidationError("max_writes_per_pass", "at least 1", max_writes_per_pass)
+        # a pass places at most this many claims: in a burst of gated pods the gates come
+        # off every few hundred milliseconds, not once the whole burst is allocated
+        self.max_writes_per_pass = max_writes_per_pass
         self.api = api
         self.driver, self.classes = driver, classes
         self.policy: Policy = make_policy(policy)
@@ -259,7 +267,11 @@ class DraAllocator:
             return
         classes = self.api.list_device_classes()  # their configs go into the allocations
         writes: list[Write] = []
-        for pc in pending:
+        for i, pc in enumerate(pending):
+            if len(writes) >= self.max_writes_per_pass:  # the rest in the next pass, right
+                report.due(now)  # after this one has taken its pods' gates off
+                self._hold(pending[i:], outcome)
+                break
             self._free_writers.acquire()  # released when its write is done, or here
             write: Write | None = None
             try:
@@ -269,11 +281,19 @@ class DraAllocator:
                 if write is None:
                     self._free_writers.release()
             if stop:
+                self._hold(pending[i + 1:], outcome)
                 break
             if write is not None:
                 writes.append(write)
         for pc, placement, pod_key, fut in writes:
             self._written(pc, placement, pod_key, fut, ledger, report, outcome, now)
+
+    @staticmethod
+    def _hold(rest: list[kdra.PendingClaim], outcome: dict[PodKey, tuple[Claims, str]]) -> None:
+        """Claims this pass leaves to the next: their pods keep the gate (not released as
+        claims the allocator would not place)."""
+        for pc in rest:
+            outcome.setdefault(_pod_key(pc), (Claims.PENDING, ""))
 
     def _decide_and_submit(self, pc: kdra.PendingClaim, ledger: DraLedger,
                            classes: list[dict[str, Any]], report: PassReport,
@@ -282,7 +302,7 @@ class DraAllocator:
         """One claim decided and its write handed to a free writer: whether the Lease's
         window is over (the next pass renews it first), and the write (claim, placement,
         pod, future; ``None`` when nothing is written)."""
-        pod_key = (str(pc.pod["metadata"].get("namespace")), str(pc.pod["metadata"]["name"]))
+        pod_key = _pod_key(pc)
         if self.elector is not None and \
                 self.clock() - self._elected_at > self.write_within_s:
             outcome[pod_key] = (Claims.PENDING, "")
