@@ -28,7 +28,7 @@ def _latest_dra_run() -> tuple[str, str, str]:
     section = scale[scale.index("### The DRA path at 1000 nodes"):]
     section = section[:section.index("\n### ", 10)]
     ratio = re.search(r"^Ratio ([\d.]+);", section, re.M)
-    claim = re.search(r"with gpuslice dra-allocator (\d+) / (\d+) \(goal", section)
+    claim = re.search(r"with gpuslice dra-allocator (\d+) / (\d+)(?: \(goal|;)", section)
     assert ratio and claim, section[:500]
     return ratio.group(1), claim.group(1), claim.group(2)
 

@@ -137,15 +137,16 @@ def test_a_pass_places_at_most_its_share_and_the_rest_keep_their_gate(
         rest: RestApiServer, tmp_path: Path) -> None:
     """A pass writes at most ``max_writes_per_pass`` claims and releases their pods; the
     pods whose claims wait for the next pass keep the gate (no Event: they are not left to
-    kube-scheduler), and that pass is due at once."""
+    kube-scheduler, however long they wait), and that pass is due at once."""
     cluster(rest, nodes=("n1", "n2"))
     for i in range(5):
         rest.add_resourceclaim(claim(f"c{i}", 40))
         rest.add_pod(gated(f"p{i}", f"c{i}"))
     clock = Clock()
-    alloc = allocator(rest, tmp_path, clock, max_writes_per_pass=2)
+    alloc = allocator(rest, tmp_path, clock, max_writes_per_pass=2, max_hold_s=1.0)
     try:
         for want in (["ml/p0", "ml/p1"], ["ml/p2", "ml/p3"], ["ml/p4"]):
+            clock.now += 5.0  # queued past the hold: still held, the allocator works
             report = alloc.run_once()
             assert sorted(report.released) == want, report
             assert len(report.allocated) == len(want)

@@ -51,6 +51,9 @@ HOLD_S = 30.0
     (GatedPod(HOLD_S + 1, Claims.PENDING, devices=False, settling=True), True,
      ALLOCATOR_UNAVAILABLE, True),
     (GatedPod(HOLD_S, Claims.PENDING), True, ALLOCATOR_UNAVAILABLE, True),
+    # queued behind a burst the allocator is working through: held while it works
+    (GatedPod(10 * HOLD_S, Claims.QUEUED), False, "", False),
+    (GatedPod(10 * HOLD_S, Claims.QUEUED, devices=False), True, ALLOCATOR_UNAVAILABLE, True),
 ])
 def test_verdict(pod: GatedPod, release: bool, reason: str, warning: bool) -> None:
     v = verdict(pod, HOLD_S)

@@ -37,6 +37,9 @@ class Claims(StrEnum):
 
     ALLOCATED = "allocated"  # every claim of the pod is allocated (by us or anyone)
     PENDING = "pending"  # one claim we place, not written yet (a later pass writes it)
+    # one claim we place, left to the next passes of an allocator working through a burst
+    # (a pass's share of claims, or the Lease's window, was used up): held while it works
+    QUEUED = "queued"
     UNPLACED = "unplaced"  # one claim we place, and no node has room for it now
     REFUSED = "refused"  # the API server refused our write of its allocation
     NOT_OURS = "not-ours"  # claims the allocator leaves to kube-scheduler's own allocation
@@ -83,7 +86,9 @@ def verdict(pod: GatedPod, max_hold_s: float) -> Verdict:
     once; one the allocator will not place (not its shape, no room now, its write refused,
     no device tainted for it) goes at once with an Event saying why, so kube-scheduler reports
     it (Unschedulable, or allocates it itself); one still waiting (its claim not created yet,
-    devices settling, a write left to the next pass) is held at most ``max_hold_s``."""
+    devices settling, a write left to the next pass) is held at most ``max_hold_s``; one
+    queued behind a burst the allocator is working through, as long as it works (when it
+    stops, the DRA drivers release it once its Lease is stale: :func:`keeper_message`)."""
     if not max_hold_s > 0:
         raise ValidationError("max_hold_s", "a positive number of seconds", max_hold_s)
     if pod.other_gates:  # not ours yet: the other gates' owners decide first
@@ -102,6 +107,8 @@ def verdict(pod: GatedPod, max_hold_s: float) -> Verdict:
         return Verdict(True, ALLOCATOR_UNAVAILABLE, "no device carries the allocator's taint "
                        "(the DRA drivers put it on while the allocator's Lease is fresh): "
                        "released to kube-scheduler's own allocation", warning=True)
+    if pod.claims is Claims.QUEUED:
+        return HOLD  # its pass is due at once
     if pod.held_s >= max_hold_s:
         what = "its claim not created yet" if pod.claims is Claims.MISSING else \
             "the allocator's devices still settling" if not pod.devices else \

@@ -293,7 +293,7 @@ class DraAllocator:
         """Claims this pass leaves to the next: their pods keep the gate (not released as
         claims the allocator would not place)."""
         for pc in rest:
-            outcome.setdefault(_pod_key(pc), (Claims.PENDING, ""))
+            outcome.setdefault(_pod_key(pc), (Claims.QUEUED, ""))
 
     def _decide_and_submit(self, pc: kdra.PendingClaim, ledger: DraLedger,
                            classes: list[dict[str, Any]], report: PassReport,
@@ -305,7 +305,7 @@ class DraAllocator:
         pod_key = _pod_key(pc)
         if self.elector is not None and \
                 self.clock() - self._elected_at > self.write_within_s:
-            outcome[pod_key] = (Claims.PENDING, "")
+            outcome[pod_key] = (Claims.QUEUED, "")
             return True, None  # a long pass: renew the Lease (next pass) before writing more
         uid = str(pc.claim["metadata"].get("uid"))
         name = _key(pc.claim)
