@@ -35,6 +35,53 @@ class Clock:
         return self.now
 
 
+class StepElector:
+    """A LeaderElector that always wins, counting its steps (Lease reads and renewals)."""
+
+    leader, steps = False, 0
+
+    def step(self) -> bool:
+        self.steps += 1
+        self.leader = True
+        return True
+
+
+class Together:
+    """``api`` with each call of ``method`` held until ``n`` are under way at once (a
+    barrier): calls made one after the other break it (after 2 s with ``writers`` 1)."""
+
+    def __init__(self, api: Any, method: str, n: int, writers: int) -> None:
+        import threading
+
+        self.api, self.method = api, method
+        self.barrier = threading.Barrier(n, timeout=2.0 if writers == 1 else 20.0)
+
+    def __getattr__(self, name: str) -> Any:
+        fn = getattr(self.api, name)
+        if name != self.method:
+            return fn
+
+        def held(*args: Any) -> Any:
+            self.barrier.wait()
+            return fn(*args)
+        return held
+
+
+def pass_together(alloc: DraAllocator, writers: int) -> Any:
+    """One pass over a :class:`Together` API: its report, or ``None`` once it is shown that
+    one writer breaks the barrier."""
+    import threading
+
+    try:
+        if writers == 1:
+            with pytest.raises(threading.BrokenBarrierError):
+                alloc.run_once()
+            return None
+        return alloc.run_once()
+    finally:
+        alloc.close()
+
+
 def gpu(name: str, *, used_by_taint: bool = True, model: str = "NVIDIA A100-SXM4-80GB") -> \
         dict[str, Any]:
     dev: dict[str, Any] = {
@@ -201,15 +248,7 @@ def test_the_lease_is_renewed_every_2_s_and_a_long_pass_writes_only_5_s_after_it
         rest.add_resourceclaim(claim(f"c{i}", 10))
         rest.add_pod(pod(f"p{i}", f"c{i}"))
 
-    class Elector:
-        leader, steps = False, 0
-
-        def step(self) -> bool:
-            self.steps += 1
-            self.leader = True
-            return True
-
-    clock, elector = Clock(), Elector()
+    clock, elector = Clock(), StepElector()
     alloc = allocator(rest, tmp_path, clock, elector=elector, writers=1)
     write = alloc._write
 
@@ -247,15 +286,7 @@ def test_a_claim_waits_for_a_free_writer_and_then_for_the_lease_window(
         rest.add_resourceclaim(claim(f"c{i}", 10))
         rest.add_pod(pod(f"p{i}", f"c{i}"))
 
-    class Elector:
-        leader, steps = False, 0
-
-        def step(self) -> bool:
-            self.steps += 1
-            self.leader = True
-            return True
-
-    clock, elector = Clock(), Elector()
+    clock, elector = Clock(), StepElector()
     alloc = allocator(rest, tmp_path, clock, elector=elector, writers=2)
     api, go, started = alloc.api, threading.Event(), threading.Semaphore(0)
 
@@ -574,45 +605,22 @@ def test_over_watched_lists_it_places_as_with_full_lists_and_lists_once(
         other.stop()
 
 
-class _Together:
-    """The allocator's API with each finalizer write held until ``n`` are under way at once
-    (a barrier): a pass whose writes run one after the other breaks it."""
-
-    def __init__(self, api: Any, n: int, timeout_s: float) -> None:
-        import threading
-
-        self.api, self.barrier = api, threading.Barrier(n, timeout=timeout_s)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.api, name)
-
-    def update_resource_claim(self, claim: dict[str, Any]) -> dict[str, Any]:
-        self.barrier.wait()
-        return dict(self.api.update_resource_claim(claim))
-
-
 @pytest.mark.parametrize("writers", [4, 1])
 def test_a_pass_writes_its_claims_side_by_side(rest: RestApiServer, tmp_path: Path,
                                                writers: int) -> None:
     """A pass decides its claims in turn but writes them ``writers`` at a time (in a burst the
     writes' round trips were the allocator's pace): four claims' writes are under way
     together, each lands, on distinct room; one writer at a time cannot get them there."""
-    import threading
-
     cluster(rest, nodes=("n1", "n2"), n=2)
     for i in range(4):
         rest.add_resourceclaim(claim(f"c{i}", 60))
         rest.add_pod(pod(f"p{i}", f"c{i}"))
-    api = _Together(kube_client(rest, tmp_path, ALLOCATOR), 4, 2.0 if writers == 1 else 20.0)
-    alloc = DraAllocator(api, clock=Clock(), settle_s=0.0, writers=writers)
-    try:
-        if writers == 1:
-            with pytest.raises(threading.BrokenBarrierError):
-                alloc.run_once()
-            return
-        report = alloc.run_once()
-    finally:
-        alloc.close()
+    api = Together(kube_client(rest, tmp_path, ALLOCATOR), "update_resource_claim", 4,
+                   writers)
+    report = pass_together(DraAllocator(api, clock=Clock(), settle_s=0.0, writers=writers),
+                           writers)
+    if report is None:
+        return
     assert sorted(report.allocated) == [f"ml/c{i}" for i in range(4)], report
     devices = {tuple(r["pool"] + "/" + r["device"] for r in results(rest, f"c{i}"))
                for i in range(4)}

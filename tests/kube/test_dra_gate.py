@@ -43,9 +43,11 @@ from tests.kube.test_dra_allocator import (
     ALLOCATOR,
     DRA_DEPLOY,
     Clock,
+    Together,
     allocator,
     claim,
     cluster,
+    pass_together,
     pod,
 )
 
@@ -108,27 +110,12 @@ def test_a_bursts_gated_pods_are_released_side_by_side(rest: RestApiServer, tmp_
     for i in range(3):
         rest.add_resourceclaim(claim(f"c{i}", 60))
         rest.add_pod(gated(f"p{i}", f"c{i}"))
-    api = kube_client(rest, tmp_path, ALLOCATOR)
-    barrier = threading.Barrier(3, timeout=2.0 if writers == 1 else 20.0)
-
-    class Together:
-        def __getattr__(self, name: str) -> Any:
-            return getattr(api, name)
-
-        def remove_pod_scheduling_gate(self, ns: str, name: str,
-                                       ops: list[dict[str, Any]]) -> dict[str, Any]:
-            barrier.wait()
-            return dict(api.remove_pod_scheduling_gate(ns, name, ops))
-
-    alloc = DraAllocator(Together(), clock=Clock(), settle_s=0.0, writers=writers)
-    try:
-        if writers == 1:
-            with pytest.raises(threading.BrokenBarrierError):
-                alloc.run_once()
-            return
-        report = alloc.run_once()
-    finally:
-        alloc.close()
+    api = Together(kube_client(rest, tmp_path, ALLOCATOR), "remove_pod_scheduling_gate", 3,
+                   writers)
+    report = pass_together(DraAllocator(api, clock=Clock(), settle_s=0.0, writers=writers),
+                           writers)
+    if report is None:
+        return
     assert sorted(report.released) == ["ml/p0", "ml/p1", "ml/p2"], report
     assert all(gates_of(rest, f"p{i}") == [] for i in range(3))
 
