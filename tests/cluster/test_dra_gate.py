@@ -15,7 +15,8 @@ kube-scheduler rules these tests rely on (kubernetes v1.36.3):
 * pkg/scheduler/framework/plugins/dynamicresources/dynamicresources.go, ``PreFilter`` (an
   allocated claim's ``allocation.nodeSelector`` becomes the claim's ``availableOnNodes``) and
   ``Filter`` (a node it does not match is refused): the pod goes to the node of the claim the
-  allocator allocated, and ``bindClaim`` only adds it to ``reservedFor``;
+  allocator allocated, and ``PreBind`` writes nothing to a claim the allocator reserved for
+  the pod with its allocation (``resourceclaim.IsReservedForPod``);
 * pkg/controller/resourceclaim/controller.go, ``podNeedsClaims`` / ``syncPod``: the claim of a
   pod's template is created for a gated pod too (gates do not matter to it), so the
   allocator can allocate it before the pod is ever tried;
@@ -225,6 +226,13 @@ def test_a_gated_pod_is_scheduled_once_after_its_claim_is_allocated(gates: GateC
     (result,) = _results(gates, st["resourceClaimName"])
     assert result["pool"] == one["spec"]["nodeName"] and result.get("shareID"), result
     assert _failed_scheduling(gates, "one") == [], gates.events("one")
+    # the allocator reserved the claim for the pod with its allocation: kube-scheduler's
+    # PreBind (IsReservedForPod) wrote nothing to it
+    got = gates.objects.get_namespaced_custom_object("resource.k8s.io", "v1", NS,
+                                                     "resourceclaims", st["resourceClaimName"])
+    assert [r["uid"] for r in got["status"]["reservedFor"]] == [one["metadata"]["uid"]]
+    writers = {m.get("manager") for m in got["metadata"].get("managedFields") or []}
+    assert "kube-scheduler" not in writers, got["metadata"]["managedFields"]
     # the claim that fits nowhere: released with the allocator's note, then kube-scheduler's
     huge = next(p for p in pods if p["metadata"]["name"] == "huge")
     assert not huge["spec"].get("schedulingGates")
@@ -311,6 +319,33 @@ def test_the_webhook_gates_a_stock_dra_pod(gates: GateCluster, kube: Kube) -> No
     finally:
         gates.dev.kubectl("label", "namespace", NS, "gpuslice.io/webhook-")
         kube.core.delete_namespaced_pod("stock", NS, grace_period_seconds=0)
+
+
+def test_a_claim_gets_the_finalizer_before_its_pod_and_goes_when_deleted(
+        gates: GateCluster) -> None:
+    """A claim created with no pod yet: the allocator puts kube-scheduler's finalizer on it
+    early (services.dra_writes), so a pod that comes waits for one write; deleted while
+    unallocated, kube-controller-manager's resourceclaim controller (controller.go
+    ``syncClaim``: being deleted, reserved for nobody) removes that finalizer, and the claim
+    is gone."""
+    from kubernetes.client.exceptions import ApiException
+
+    def read() -> dict[str, Any] | None:
+        try:
+            return dict(gates.objects.get_namespaced_custom_object(
+                "resource.k8s.io", "v1", NS, "resourceclaims", "early"))
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    gates.create_claims(gates.claim("early", 25))
+    wait_until("the allocator's early finalizer", lambda: kdra.FINALIZER in (
+        (read() or {}).get("metadata", {}).get("finalizers") or []), 30, every_s=0.1)
+    assert not ((read() or {}).get("status") or {}).get("allocation")
+    gates.objects.delete_namespaced_custom_object("resource.k8s.io", "v1", NS,
+                                                  "resourceclaims", "early")
+    wait_until("the unallocated claim gone", lambda: read() is None, 60, every_s=0.2)
 
 
 def test_an_allocator_gone_leaves_no_pod_behind_its_gate(gates: GateCluster,

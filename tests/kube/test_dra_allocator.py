@@ -202,6 +202,9 @@ def test_allocates_a_pending_claim_with_our_placement(rest: RestApiServer,
     # kube-scheduler 1.36's PreBind writes one when it is missing, and the API server refuses
     # that change of an allocation (seen on the dev cluster: tests/cluster, dra_placement)
     assert datetime.fromisoformat(alloc["allocationTimestamp"]).tzinfo is not None
+    # reserved for its pod in the same write: kube-scheduler's PreBind then writes nothing
+    uid = rest.get_pod("ml", "p1")["metadata"]["uid"]
+    assert got["status"]["reservedFor"] == [{"resource": "pods", "name": "p1", "uid": uid}]
     # the writes: the finalizer (update), then the allocation (status), nothing else
     puts = [path for who, verb, path, _ in rest.requests if verb == "PUT" and who == ALLOCATOR]
     assert puts == ["/apis/resource.k8s.io/v1/namespaces/ml/resourceclaims/c1",
@@ -250,7 +253,7 @@ def test_the_lease_is_renewed_every_2_s_and_a_long_pass_writes_only_5_s_after_it
 
     clock, elector = Clock(), StepElector()
     alloc = allocator(rest, tmp_path, clock, elector=elector, writers=1)
-    write = alloc._write
+    write = alloc.writes.write
 
     def slow(*args: Any) -> Any:  # each claim's writes take 2 s
         try:
@@ -258,7 +261,7 @@ def test_the_lease_is_renewed_every_2_s_and_a_long_pass_writes_only_5_s_after_it
         finally:
             clock.now += 2.0
 
-    alloc._write = slow  # type: ignore[method-assign]
+    alloc.writes.write = slow  # type: ignore[method-assign]
     first = alloc.run_once()  # writes at 0, 2 and 4 s after the renewal; not at 6
     assert elector.steps == 1 and len(first.allocated) == 3, first
     second = alloc.run_once()  # 6 s after it: renewed (at 6), then the last claim (till 8)
@@ -288,7 +291,7 @@ def test_a_claim_waits_for_a_free_writer_and_then_for_the_lease_window(
 
     clock, elector = Clock(), StepElector()
     alloc = allocator(rest, tmp_path, clock, elector=elector, writers=2)
-    api, go, started = alloc.api, threading.Event(), threading.Semaphore(0)
+    api, go, started = alloc.writes.api, threading.Event(), threading.Semaphore(0)
 
     class Slow:  # the allocation writes wait for ``go``
         def __getattr__(self, name: str) -> Any:
@@ -305,7 +308,7 @@ def test_a_claim_waits_for_a_free_writer_and_then_for_the_lease_window(
         clock.now += 6.0
         go.set()
 
-    alloc.api = Slow()  # type: ignore[assignment]
+    alloc.writes.api = Slow()  # type: ignore[assignment]
     helper = threading.Thread(target=later, daemon=True)
     helper.start()
     try:

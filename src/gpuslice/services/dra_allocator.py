@@ -6,9 +6,11 @@ Each pass reads slices, claims, pods and nodes (from watches: adapters.kube.mirr
 the ledger kept between passes up to date with what changed (services.dra_book: what every
 allocated claim consumed, whoever allocated it, and what the pods request of each node), and for
 each unallocated claim of an unbound pod that is a shape we place, writes ``status.allocation``
-(after the scheduler's finalizer, as the scheduler does), both writes preconditioned on the
-claim's resourceVersion. kube-scheduler then only checks that the pod's node can reach the claim
-and reserves it for the pod. The Lease is renewed every ``elect_every_s`` (2 s), not every pass.
+with the pod in ``status.reservedFor`` (after the scheduler's finalizer, as the scheduler does;
+the finalizer goes on early, when a writer is free as the claim is first seen), each write
+preconditioned on the claim's resourceVersion (services.dra_writes). kube-scheduler then only
+checks that the pod's node can reach the claim, finds it reserved for the pod, and binds. The
+Lease is renewed every ``elect_every_s`` (2 s), not every pass.
 
 Safety (docs/dra-placement.md):
 
@@ -49,13 +51,12 @@ Safety (docs/dra-placement.md):
 
 from __future__ import annotations
 
-import copy
 import logging
 import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Protocol
@@ -65,8 +66,6 @@ import numpy as np
 from gpuslice.adapters.kube import dra as kdra
 from gpuslice.adapters.kube.dra_gate import gates, why_not_placed
 from gpuslice.adapters.kube.fake import (
-    ApiConflict,
-    ApiNotFound,
     DraApiPort,
     KubePort,
     PodGatePort,
@@ -77,6 +76,7 @@ from gpuslice.core.errors import GpusliceError, ValidationError
 from gpuslice.core.policies import Policy, make_policy
 from gpuslice.services.dra_book import DraBook
 from gpuslice.services.dra_gate import GateReleaser
+from gpuslice.services.dra_writes import ClaimWrites, Written
 
 log = logging.getLogger("gpuslice.dra-allocator")
 
@@ -87,7 +87,6 @@ class AllocatorPort(KubePort, DraApiPort, PodGatePort, Protocol):
 
 
 PodKey = tuple[str, str]
-Written = tuple[str, dict[str, Any] | None, int]  # _write: outcome, the claim, conflicts
 Write = tuple[kdra.PendingClaim, DraPlacement, PodKey, Future[Written]]
 
 
@@ -158,12 +157,10 @@ class DraAllocator:
         self.gate = GateReleaser(api, "gpuslice-dra-allocator")
         # a pass decides its claims one after the other (each on the ledger the ones before
         # it left) but writes them ``writers`` at a time: in a burst the writes' round trips,
-        # not the decisions, were the allocator's pace
-        self._pool = ThreadPoolExecutor(writers, "dra-allocator-write") if writers > 1 \
-            else None
-        # a claim is decided once a writer is free, so its write starts at once, within the
-        # Lease's window checked just before (none waits in a queue past it)
-        self._free_writers = threading.Semaphore(writers)
+        # not the decisions, were the allocator's pace. A claim is decided once a writer is
+        # free, so its write starts at once, within the Lease's window checked just before
+        # (none waits in a queue past it)
+        self.writes = ClaimWrites(api, writers)
         self._seen_since: dict[str, float] = {}  # node -> when its devices were first usable
         self._attempts: dict[str, int] = {}  # claim UID -> allocations we wrote
         self._retry_at: dict[str, float] = {}  # claim UID -> no new try before (clock)
@@ -232,6 +229,7 @@ class DraAllocator:
                 raise
             for problem in self.book.problems():
                 self._note(problem)
+            self.writes.finalize_early(self.book.new_unallocated)
             self._place(ledger, report, outcome, now)
             self._await_echo(report, pods)
         self._release_held(pods, claims, report, outcome, usable,
@@ -272,14 +270,14 @@ class DraAllocator:
                 report.due(now)  # after this one has taken its pods' gates off
                 self._hold(pending[i:], outcome)
                 break
-            self._free_writers.acquire()  # released when its write is done, or here
+            self.writes.free.acquire()  # released when its write is done, or here
             write: Write | None = None
             try:
                 stop, write = self._decide_and_submit(pc, ledger, classes, report, outcome,
                                                       now)
             finally:
                 if write is None:
-                    self._free_writers.release()
+                    self.writes.free.release()
             if stop:
                 self._hold(pending[i + 1:], outcome)
                 break
@@ -331,22 +329,8 @@ class DraAllocator:
         # from the claims (services.dra_book): never a device given twice
         ledger.apply(dec.placement,
                      ledger.slice_request(pc.request, pc.cpu_milli, pc.memory_mib))
-        return False, (pc, dec.placement, pod_key, self._submit(pc.claim, alloc))
-
-    def _submit(self, claim: dict[str, Any], alloc: dict[str, Any]) -> Future[Written]:
-        """:meth:`_write` on the writers' pool (at once without one); its writer is free
-        again once it is done."""
-        if self._pool is not None:
-            out = self._pool.submit(self._write, claim, alloc)
-            out.add_done_callback(lambda _: self._free_writers.release())
-            return out
-        fut: Future[Written] = Future()
-        try:
-            fut.set_result(self._write(claim, alloc))
-        except Exception as exc:  # handed to _written as the pool would
-            fut.set_exception(exc)
-        self._free_writers.release()
-        return fut
+        return False, (pc, dec.placement, pod_key, self.writes.submit(
+            pc.claim, alloc, kdra.reservation(pc.pod)))
 
     def _written(self, pc: kdra.PendingClaim, placement: DraPlacement, pod_key: PodKey,
                  fut: Future[Written], ledger: DraLedger,
@@ -445,8 +429,9 @@ class DraAllocator:
                 continue
             releases.append((pod, key, uid, v))
         # the patches side by side on the writers (a burst's pods are released together)
-        done = [self._pool.submit(self.gate.release, pod, v.reason, v.message, v.warning)
-                if self._pool is not None and len(releases) > 1 else None
+        pool = self.writes.pool
+        done = [pool.submit(self.gate.release, pod, v.reason, v.message, v.warning)
+                if pool is not None and len(releases) > 1 else None
                 for pod, _, _, v in releases]
         for (pod, key, uid, v), fut in zip(releases, done, strict=True):
             out = fut.result() if fut is not None else \
@@ -507,43 +492,11 @@ class DraAllocator:
             out.append(DeviceResult("", pool, device, not u.whole, dict(u.consumed)))
         return DraPlacement("", tuple(out), 0.0)
 
-    def _write(self, claim: dict[str, Any], alloc: dict[str, Any]) -> Written:
-        """Finalizer, then ``alloc`` as status.allocation, each with the resourceVersion
-        just read (run on a writer's thread: it touches no state of the allocator's). A
-        conflict re-reads the claim: allocated by someone else -> ``taken``; else retry.
-        Returns the outcome, the claim as it is now, and the conflicts met."""
-        meta = claim["metadata"]
-        conflicts = 0
-        for _ in range(3):
-            try:
-                cur = claim
-                if kdra.FINALIZER not in (cur["metadata"].get("finalizers") or []):
-                    body = copy.deepcopy(cur)
-                    body["metadata"].setdefault("finalizers", []).append(kdra.FINALIZER)
-                    cur = self.api.update_resource_claim(body)
-                body = copy.deepcopy(cur)
-                body.setdefault("status", {})["allocation"] = copy.deepcopy(alloc)
-                return "allocated", self.api.update_resource_claim_status(body), conflicts
-            except ApiConflict:
-                conflicts += 1
-                try:
-                    claim = self.api.get_resource_claim(meta["namespace"], meta["name"])
-                except ApiNotFound:
-                    return "gone", None, conflicts
-                if (claim.get("status") or {}).get("allocation"):
-                    return "taken", claim, conflicts
-                if claim["metadata"].get("deletionTimestamp"):
-                    return "gone", None, conflicts
-            except ApiNotFound:
-                return "gone", None, conflicts
-        return "conflict", None, conflicts
-
     # -- the loop ------------------------------------------------------------------------------
 
     def close(self) -> None:
         """Wait for the writes under way and stop the writers."""
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
+        self.writes.close()
 
     def _pass_safely(self) -> PassReport:
         """:meth:`run_once`; a failure fails that pass only (an empty report, its problem)."""

@@ -118,6 +118,9 @@ class DraBook:
         self._bad_pods: dict[Key, str] = {}
         self._bad_nodes: list[str] = []
         self._found: list[str] = []  # what is wrong with the object being read (reused)
+        # claims of ours the last sync saw for the first time, not allocated: the allocator
+        # puts its finalizer on them early (services.dra_writes)
+        self.new_unallocated: list[dict[str, Any]] = []
 
     # -- the pass's view -------------------------------------------------------------------
 
@@ -200,6 +203,7 @@ class DraBook:
         or request changed (the pods naming them count again)."""
         moved: set[kdra.ClaimKey] = set()
         changed, gone = _diff(claims, self._claims)
+        self.new_unallocated = []
         found = self._found
         found.clear()
         for key, c, version in changed:
@@ -217,6 +221,9 @@ class DraBook:
                 found.clear()
             old = self._claims.get(key)
             self._claims[key] = new
+            if old is None and new.request is not None and not took \
+                    and not kdra.is_allocated(c):
+                self.new_unallocated.append(c)
             self._take(old.took if old is not None else (), -1)
             self._take(took, 1)
             if old is None or old.node != new.node or old.request != new.request:

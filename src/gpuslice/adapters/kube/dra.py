@@ -336,6 +336,22 @@ def pending_claims(pods: Sequence[Mapping[str, Any]], claims: Sequence[Mapping[s
     return out
 
 
+def reservation(pod: Mapping[str, Any]) -> dict[str, str] | None:
+    """The ``status.reservedFor`` entry naming ``pod`` (core group, ``pods``, name and UID;
+    None for a pod without both). Written with the allocation, kube-scheduler's PreBind
+    finds the claim reserved for the pod and writes nothing (``resourceclaim.IsReservedForPod``
+    in dynamicresources.go ``PreBind``); its PostFilter still releases a claim reserved for
+    that pod alone when the claim's node cannot take it, and kube-controller-manager's
+    resourceclaim controller (``syncClaim``) drops the entry, and with it the allocation,
+    when the pod is deleted before it runs."""
+    meta = pod.get("metadata")
+    name, uid = (meta.get("name"), meta.get("uid")) if isinstance(meta, Mapping) else (None,
+                                                                                        None)
+    if not isinstance(name, str) or not isinstance(uid, str) or not name or not uid:
+        return None
+    return {"resource": "pods", "name": name, "uid": uid}
+
+
 def _gated_by_others(spec: Mapping[str, Any]) -> bool:
     """Whether the pod spec carries a scheduling gate other than the allocator's (or gates of
     the wrong shape): someone else holds that pod."""
