@@ -81,8 +81,9 @@ class ClusterTarget:
     def __init__(self, bin_dir: Path, nodes: int, gpus: int, tune_ratio: float,
                  console: Console, burst: bool = False, variant: str | None = None,
                  mix: str | None = None,
-                 nodes_to_score: int | None = None) -> None:
+                 nodes_to_score: int | None = None, stages: bool = False) -> None:
         self.console, self.tune_ratio = console, tune_ratio
+        self.stages = stages  # time each GPU pod's claim allocation and gate's removal too
         self.nodes_to_score = nodes_to_score  # the gpuslice profile's, when not deploy/'s
         self.nodes, self.scenario, mix_name = kwok_scenario(nodes, gpus, variant, mix)
         # the model of the device-plugin path scores the share of nodes the profile does
@@ -403,6 +404,11 @@ class ClusterTarget:
         milli_of: dict[str, int] = {}
         watch = FirstSeen(self.dev, f"/api/v1/namespaces/{ns}/pods",
                           lambda p: bool((p.get("spec") or {}).get("nodeName"))).start()
+        extra = [FirstSeen(self.dev, f"/apis/resource.k8s.io/v1/namespaces/{ns}/resourceclaims",
+                           lambda c: bool((c.get("status") or {}).get("allocation"))).start(),
+                 FirstSeen(self.dev, f"/api/v1/namespaces/{ns}/pods", lambda p: not (
+                     p.get("spec") or {}).get("schedulingGates")).start()] \
+            if self.stages else []
         time.sleep(0.5)  # the watch open before the first pod
         t0 = time.monotonic()
         binding_s = 0.0  # summed over the tasks bound: creation to bound (decision latency)
@@ -424,9 +430,13 @@ class ClusterTarget:
             wait_until("the watch seeing every bound GPU pod", lambda: all(
                 n in watch.seen for n in self._bound_now(ns) if n in created), 30, every_s=0.2)
         finally:
-            watch.stop()
+            for w in (watch, *extra):
+                w.stop()
         latencies = tuple(sorted(watch.seen[n] - t for n, t in created.items()
                                  if n in watch.seen))
+        stages = tuple((extra[0].seen[n] - t, extra[1].seen[n] - t, watch.seen[n] - t)
+                       for n, t in created.items() if extra and n in watch.seen
+                       and n in extra[0].seen and n in extra[1].seen)
         pods = json.loads(self.core.list_namespaced_pod(
             ns, _preload_content=False).data)["items"]
         bound_names = {p["metadata"]["name"] for p in pods if p["spec"].get("nodeName")}
@@ -451,4 +461,4 @@ class ClusterTarget:
         for key, n in sorted(why.items(), key=lambda kv: -kv[1])[:4]:
             self.console.print(f"    {n} pending, {key}")
         return Outcome(100.0 - 100.0 * allocated / cap, len(bound_names), binding_s,
-                       wall_s=elapsed, latencies=latencies)
+                       wall_s=elapsed, latencies=latencies, stages=stages)

@@ -86,6 +86,27 @@ def timing(rows: dict[str, list[Outcome]]) -> dict[str, tuple[float, float, floa
     return out
 
 
+def print_stages(rows: dict[str, list[Outcome]], labels: dict[str, str],
+                 console: Console) -> None:
+    """With ``--stages``: per path, when (p50 / p99 ms after its creation) each bound GPU
+    pod's claim was seen allocated, the pod seen without a scheduling gate (for a pod created
+    without one: seen at all), and the pod seen bound, all seeds pooled."""
+    table = Table(title="where a pod's time goes (ms after its creation, p50 / p99, as a "
+                  "watch sees it; --stages)")
+    for col in ("path", "claim allocated", "pod ungated", "pod bound", "pods"):
+        table.add_column(col, justify="right" if col != "path" else "left")
+    for mode, outs in rows.items():
+        st = [x for o in outs for x in o.stages]
+        if not st:
+            continue
+        cols = [sorted(x[i] for x in st) for i in range(3)]
+        table.add_row(labels.get(mode, mode), *(
+            f"{quantile(c, 0.5) * 1e3:.0f} / {quantile(c, 0.99) * 1e3:.0f}" for c in cols),
+            str(len(st)))
+    if table.row_count:
+        console.print(table)
+
+
 def timing_gates(times: dict[str, tuple[float, float, float, int]],
                  labels: dict[str, str]) -> list[tuple[str, bool, str]]:
     """Issue 58's goals: our allocator's created-to-bound p99 and its one-by-one replay's
@@ -183,6 +204,7 @@ def run(target: Target, seeds: list[int], console: Console,
             ttable.add_row(labels.get(mode, mode), f"{wall:.0f}", f"{p50 * 1e3:.0f}",
                            f"{p99 * 1e3:.0f}", str(n))
         console.print(ttable)
+    print_stages(rows, labels, console)
     # the simulator's frag-strand placing every pod: the figure each deployed path should reach
     ref = "device-plugin-sim" if "device-plugin-sim" in unalloc else "device-plugin"
     pairs = [(a, b) for a, b in (("device-plugin", ref), ("ours", ref),
@@ -338,6 +360,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="the gpuslice-scheduler profile's percentageOfNodesToScore, on the "
                     "cluster and in the device-plugin-model path (default: deploy/'s, 0: "
                     "kube-scheduler's adaptive share; 100: every node)")
+    ap.add_argument("--stages", action="store_true",
+                    help="on the control plane, also time when each GPU pod's claim is "
+                    "allocated and its gate removed (two more watches)")
     ap.add_argument("--seeds", default="42-44")
     ap.add_argument("--only", default=None, metavar="PATH[,PATH]",
                     help=f"replay only these paths ({', '.join(PATHS)}; device-plugin-sim, "
@@ -385,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
                              "them with tools/cluster/build.sh")
         with ClusterTarget(bin_dir, args.nodes, args.gpus, args.tune, console,
                            burst=args.burst, variant=args.variant, mix=args.mix,
-                           nodes_to_score=args.nodes_to_score) as ct:
+                           nodes_to_score=args.nodes_to_score, stages=args.stages) as ct:
             return run(ct, seeds, console, only, args.json, args.doc, args.doc_key,
                        args.tune)
     target = sim_target(args)

@@ -27,6 +27,9 @@ class Outcome:
     seconds: float
     wall_s: float = float("nan")
     latencies: tuple[float, ...] = ()
+    # with --stages, per bound GPU pod: seconds from its creation until its claim was seen
+    # allocated, until the pod was seen without a scheduling gate, and until it was seen bound
+    stages: tuple[tuple[float, float, float], ...] = ()
 
     @property
     def per_second(self) -> float:

@@ -105,3 +105,29 @@ def test_control_plane_runs_are_named_by_cluster_and_mix() -> None:
     rows = cluster_sample([run])
     assert len(rows) == 3 and rows[2].startswith("| 16 x 8 A100-80GB, default | first fit | 3 |")
     assert "| +0.00 ± 0.50 | yes |" in rows[2]  # paired: -0.5, +1.0, -0.5
+
+
+def test_the_stages_table_pools_the_seeds_per_path() -> None:
+    """``--stages``: per path, p50 / p99 of when each pod's claim was allocated, its gate
+    came off and it was bound (ms after its creation), the seeds pooled; a path without
+    stages (the simulator's, or a run without the flag) has no row."""
+    import io
+
+    from dra_placement import print_stages
+
+    def out(*stages: tuple[float, float, float]) -> Outcome:
+        return Outcome(10.0, len(stages), 1.0, stages=stages)
+
+    rows = {"default": [out((0.015, 0.005, 0.018)), out((0.020, 0.004, 0.024))],
+            "ours": [out((0.012, 0.017, 0.025))], "default-model": [out()]}
+    buf = io.StringIO()
+    print_stages(rows, {"default": "first fit", "ours": "allocator"},
+                 Console(file=buf, width=200))
+    lines = [ln for ln in buf.getvalue().splitlines() if "│" in ln]
+    assert any("first fit" in ln and "15 / 20" in ln and "4 / 5" in ln and "18 / 24" in ln
+               and ln.rstrip().endswith("2 │") for ln in lines), buf.getvalue()
+    assert any("allocator" in ln and "12 / 12" in ln and "17 / 17" in ln for ln in lines)
+    assert not any("default-model" in ln for ln in lines)
+    quiet = io.StringIO()
+    print_stages({"ours": [out()]}, {}, Console(file=quiet))
+    assert quiet.getvalue() == ""
