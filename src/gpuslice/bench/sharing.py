@@ -178,7 +178,6 @@ def even_caps(n: int) -> list[int]:
 def run_sharing(opts: SharingOptions,
                 progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     say = progress or (lambda _: None)
-    run_id = uuid.uuid4().hex[:12]
     res: dict[str, Any] = {"workload": opts.workload, "replicas": opts.replicas,
                            "batch": opts.batch, "fake_timer": bool(opts.fake_timer)}
     if opts.fake_timer:  # the named GPU's model and memory, as the catalogue has them
@@ -190,123 +189,164 @@ def run_sharing(opts: SharingOptions,
         res["gpu_name"] = dev.name
     res["gpu"], res["gpu_memory_mib"] = gpu, gpu_mib
     base = {} if opts.fake_timer else {"CUDA_VISIBLE_DEVICES": gpu}  # every mode, one GPU
-    timeslice = {"GPUSLICE_FAKE_MODE": "timeslice"} if opts.fake_timer else base
     with tempfile.TemporaryDirectory(prefix="gsb-") as tmp:
-        root = Path(tmp)
+        run = _Parts(opts, say, uuid.uuid4().hex[:12], Path(tmp), gpu, base,
+                     {"GPUSLICE_FAKE_MODE": "timeslice"} if opts.fake_timer else base)
         if "throughput" in opts.parts:
-            n = opts.replicas
-            caps = even_caps(n)  # what the device plugin gives N replicas of 1/N GPU each
-            mem_mib = gpu_mib // n  # each slice's even share of the GPU's memory
-            mem_cap = {"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": pinned_mem_limit(mem_mib)}
-            runs: dict[str, list[list[list[dict[str, object]]]]] = {
-                m: [] for m in ("exclusive-sequential", "time-slicing", "mps", "gpuslice")}
-            for k in range(opts.repeats):
-                run = f" (run {k + 1} of {opts.repeats})" if opts.repeats > 1 else ""
-                say(f"exclusive: one replica alone{run}")
-                runs["exclusive-sequential"].append(
-                    run_together([_spec(opts, opts.batch, base, 1)], run_id))
-                say(f"time-slicing: {n} replicas{run}")
-                runs["time-slicing"].append(
-                    run_together([_spec(opts, opts.batch, timeslice, n)] * n, run_id))
-                say(f"MPS without limits: {n} replicas{run}")
-                with _Mps(opts, root, f"mps-{k}", gpu) as env:
-                    runs["mps"].append(
-                        run_together([_spec(opts, opts.batch, env, n)] * n, run_id))
-                say(f"gpuslice slices: {n} replicas at {caps[0]}% of the threads, {mem_mib} MiB "
-                    f"each{run}")
-                with _Mps(opts, root, f"gpuslice-{k}", gpu) as env:
-                    runs["gpuslice"].append(run_together([_spec(opts, opts.batch, {
-                        **env, **mem_cap, "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(c)}, n)
-                        for c in caps], run_id))
-            res["throughput"] = summarise(runs)
-            res["throughput"]["gpuslice"]["caps"] = caps
-            res["throughput"]["gpuslice"]["mem_cap_mib"] = mem_mib
+            res["throughput"] = run.throughput(gpu_mib)
             res["repeats"] = opts.repeats
         if "noisy" in opts.parts:
-            k = opts.be_replicas
-            say("noisy neighbour: the latency-critical replica alone")
-            solo_rows = run_together([_spec(opts, opts.lc_batch, base, 1)], run_id)
-            solo_p99 = _p99(solo_rows[0])
-            group = k + 1
-            say("noisy neighbour: time-slicing")
-            ts_rows = run_together([_spec(opts, opts.lc_batch, timeslice, group)] +
-                                   [_spec(opts, opts.be_batch, timeslice, group)] * k, run_id)
-            say("noisy neighbour: MPS without limits")
-            with _Mps(opts, root, "noisy-mps", gpu) as env:
-                mps_rows = run_together([_spec(opts, opts.lc_batch, env, group)] +
-                                        [_spec(opts, opts.be_batch, env, group)] * k, run_id)
-            lc_cap, be_cap = 40, 20
-            sizing = "no profile: the 40% / 20% split"
-            if opts.profile is not None:
-                try:
-                    sized = size_slices(
-                        [Tenant("lc", opts.workload, 1.1 * solo_p99, (opts.lc_batch,))] +
-                        [Tenant(f"be{i}", opts.workload, None, (opts.be_batch,))
-                         for i in range(k)], opts.profile, opts.gpu, step=5)
-                    lc_cap, be_cap = sized[0].thread_pct, min(s.thread_pct for s in sized[1:])
-                    sizing = "from the profile"
-                except Unsizable as exc:
-                    sizing = f"the profile gives no caps ({exc}); the 40% / 20% split"
-                    say(sizing)
-            def capped(env: dict[str, str], be_priority: bool, lc_pct: int = lc_cap,
-                       be_pct: int = be_cap) -> list[list[dict[str, object]]]:
-                lc = {**env, "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(lc_pct)}
-                be = {**env, "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(be_pct)}
-                if be_priority:  # best-effort work yields to the latency-critical replica's
-                    be["CUDA_MPS_CLIENT_PRIORITY"] = PRIORITIES["best-effort"]
-                return run_together([_spec(opts, opts.lc_batch, lc, group)] +
-                                    [_spec(opts, opts.be_batch, be, group)] * k, run_id)
-
-            say(f"noisy neighbour: gpuslice caps {lc_cap}% / {be_cap}%")
-            with _Mps(opts, root, "noisy-caps", gpu) as env:
-                caps_rows = capped(env, be_priority=False)
-            say(f"noisy neighbour: gpuslice caps {lc_cap}% / {be_cap}%, best-effort at "
-                "below-normal MPS client priority")
-            with _Mps(opts, root, "noisy-gpuslice", gpu) as env:
-                gs_rows = capped(env, be_priority=True)
-            swept = []
-            for i, (lc_pct, be_pct) in enumerate(opts.noisy_splits):
-                say(f"noisy neighbour: gpuslice caps {lc_pct}% / {be_pct}%, best-effort at "
-                    "below-normal MPS client priority (the trade-off curve)")
-                with _Mps(opts, root, f"noisy-split-{i}", gpu) as env:
-                    swept.append(((lc_pct, be_pct), capped(env, True, lc_pct, be_pct)))
-            be_mps = float(np.sum(_thr(mps_rows[1:])))
-
-            def figures(rows: list[list[dict[str, object]]]) -> dict[str, float]:
-                return {"lc_p99_ms": round(_p99(rows[0]), 3),
-                        "lc_p99_vs_solo": round(_p99(rows[0]) / solo_p99, 3),
-                        "be_rps": round(float(np.sum(_thr(rows[1:]))), 2),
-                        "be_vs_mps": round(float(np.sum(_thr(rows[1:]))) / be_mps, 3)}
-
-            res["noisy"] = {"solo_p99_ms": round(solo_p99, 3), "caps": [lc_cap, be_cap],
-                            "sizing": sizing}
-            for name, rows in (("time-slicing", ts_rows), ("mps", mps_rows),
-                               ("gpuslice-caps", caps_rows), ("gpuslice", gs_rows)):
-                res["noisy"][name] = figures(rows)
-            res["noisy"]["splits"] = [{"caps": [lc_cap, be_cap], **res["noisy"]["gpuslice"]}] + [
-                {"caps": list(split), **figures(rows)} for split, rows in swept]
+            res["noisy"] = run.noisy()
         if "memory" in opts.parts:
-            cap = {"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": pinned_mem_limit(opts.mem_cap_mib)}
-            say("memory cap: three replicas, none over its cap")
-            with _Mps(opts, root, "mem-a", gpu) as env:
-                before = _thr(run_together([_spec(opts, opts.batch, {**env, **cap}, 3)] * 3,
-                                           run_id))
-            say(f"memory cap: one replica allocates {opts.alloc_mib} MiB past its "
-                f"{opts.mem_cap_mib} MiB cap")
-            with _Mps(opts, root, "mem-b", gpu) as env:
-                rows = run_together([_spec(opts, opts.batch, {**env, **cap}, 3,
-                                           opts.alloc_mib)] +
-                                    [_spec(opts, opts.batch, {**env, **cap}, 3)] * 2, run_id,
-                                    errors_ok=True)
-            alloc = next((r["alloc"] for r in rows[0] if "alloc" in r), None)
-            after = _thr(rows[1:])
-            res["memory"] = {"cap_mib": opts.mem_cap_mib, "alloc_mib": opts.alloc_mib,
-                             "over_cap": alloc,
-                             "neighbours_rps_before": [round(x, 2) for x in before[1:]],
-                             "neighbours_rps_after": [round(x, 2) for x in after],
-                             "neighbours_ratio": round(float(np.sum(after))
-                                                       / float(np.sum(before[1:])), 3)}
+            res["memory"] = run.memory()
     return res
+
+
+@dataclass
+class _Parts:
+    """The benchmark's parts, each run on one GPU (``gpu``; ``base``: the environment every
+    replica gets, ``timeslice``: a time-sliced replica's), MPS daemons under ``root``."""
+
+    opts: SharingOptions
+    say: Callable[[str], None]
+    run_id: str
+    root: Path
+    gpu: str
+    base: dict[str, str]
+    timeslice: dict[str, str]
+
+    def _together(self, specs: list[WorkerSpec], errors_ok: bool = False) \
+            -> list[list[dict[str, object]]]:
+        return run_together(specs, self.run_id, errors_ok=errors_ok)
+
+    def throughput(self, gpu_mib: int) -> dict[str, Any]:
+        """N replicas exclusive one after the other, time-sliced, under MPS without limits
+        and as gpuslice's slices (1/N of the threads and of the memory each)."""
+        opts, say, n = self.opts, self.say, self.opts.replicas
+        caps = even_caps(n)  # what the device plugin gives N replicas of 1/N GPU each
+        mem_mib = gpu_mib // n  # each slice's even share of the GPU's memory
+        mem_cap = {"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": pinned_mem_limit(mem_mib)}
+        runs: dict[str, list[list[list[dict[str, object]]]]] = {
+            m: [] for m in ("exclusive-sequential", "time-slicing", "mps", "gpuslice")}
+        for k in range(opts.repeats):
+            run = f" (run {k + 1} of {opts.repeats})" if opts.repeats > 1 else ""
+            say(f"exclusive: one replica alone{run}")
+            runs["exclusive-sequential"].append(
+                self._together([_spec(opts, opts.batch, self.base, 1)]))
+            say(f"time-slicing: {n} replicas{run}")
+            runs["time-slicing"].append(
+                self._together([_spec(opts, opts.batch, self.timeslice, n)] * n))
+            say(f"MPS without limits: {n} replicas{run}")
+            with _Mps(opts, self.root, f"mps-{k}", self.gpu) as env:
+                runs["mps"].append(self._together([_spec(opts, opts.batch, env, n)] * n))
+            say(f"gpuslice slices: {n} replicas at {caps[0]}% of the threads, {mem_mib} MiB "
+                f"each{run}")
+            with _Mps(opts, self.root, f"gpuslice-{k}", self.gpu) as env:
+                runs["gpuslice"].append(self._together([_spec(opts, opts.batch, {
+                    **env, **mem_cap, "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(c)}, n)
+                    for c in caps]))
+        out = summarise(runs)
+        out["gpuslice"]["caps"] = caps
+        out["gpuslice"]["mem_cap_mib"] = mem_mib
+        return out
+
+    def _caps(self, solo_p99: float) -> tuple[int, int, str]:
+        """The latency-critical and best-effort thread caps: sized from the profile (the
+        LC replica's p99 within 1.1x of alone), else 40% / 20%; and how they were had."""
+        opts, k = self.opts, self.opts.be_replicas
+        if opts.profile is None:
+            return 40, 20, "no profile: the 40% / 20% split"
+        try:
+            sized = size_slices(
+                [Tenant("lc", opts.workload, 1.1 * solo_p99, (opts.lc_batch,))] +
+                [Tenant(f"be{i}", opts.workload, None, (opts.be_batch,)) for i in range(k)],
+                opts.profile, opts.gpu, step=5)
+        except Unsizable as exc:
+            sizing = f"the profile gives no caps ({exc}); the 40% / 20% split"
+            self.say(sizing)
+            return 40, 20, sizing
+        return sized[0].thread_pct, min(s.thread_pct for s in sized[1:]), "from the profile"
+
+    def _lc_be(self, env: dict[str, str], lc_pct: int | None = None,
+               be_pct: int | None = None, be_priority: bool = False) \
+            -> list[list[dict[str, object]]]:
+        """The latency-critical replica beside the best-effort ones, each capped when a
+        cap is given; ``be_priority``: best-effort work yields to the LC replica's."""
+        opts = self.opts
+        lc, be = dict(env), dict(env)
+        if lc_pct is not None:
+            lc["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(lc_pct)
+        if be_pct is not None:
+            be["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(be_pct)
+        if be_priority:
+            be["CUDA_MPS_CLIENT_PRIORITY"] = PRIORITIES["best-effort"]
+        group = opts.be_replicas + 1
+        return self._together([_spec(opts, opts.lc_batch, lc, group)] +
+                              [_spec(opts, opts.be_batch, be, group)] * opts.be_replicas)
+
+    def noisy(self) -> dict[str, Any]:
+        """The latency-critical replica alone, then beside best-effort ones: time-sliced,
+        under MPS without limits, with gpuslice's caps (without and with best-effort at a
+        lower client priority) and each split of ``noisy_splits`` (the trade-off curve)."""
+        opts, say = self.opts, self.say
+        say("noisy neighbour: the latency-critical replica alone")
+        solo_p99 = _p99(self._together([_spec(opts, opts.lc_batch, self.base, 1)])[0])
+        say("noisy neighbour: time-slicing")
+        ts_rows = self._lc_be(self.timeslice)
+        say("noisy neighbour: MPS without limits")
+        with _Mps(opts, self.root, "noisy-mps", self.gpu) as env:
+            mps_rows = self._lc_be(env)
+        lc_cap, be_cap, sizing = self._caps(solo_p99)
+        say(f"noisy neighbour: gpuslice caps {lc_cap}% / {be_cap}%")
+        with _Mps(opts, self.root, "noisy-caps", self.gpu) as env:
+            caps_rows = self._lc_be(env, lc_cap, be_cap)
+        say(f"noisy neighbour: gpuslice caps {lc_cap}% / {be_cap}%, best-effort at "
+            "below-normal MPS client priority")
+        with _Mps(opts, self.root, "noisy-gpuslice", self.gpu) as env:
+            gs_rows = self._lc_be(env, lc_cap, be_cap, be_priority=True)
+        swept = []
+        for i, (lc_pct, be_pct) in enumerate(opts.noisy_splits):
+            say(f"noisy neighbour: gpuslice caps {lc_pct}% / {be_pct}%, best-effort at "
+                "below-normal MPS client priority (the trade-off curve)")
+            with _Mps(opts, self.root, f"noisy-split-{i}", self.gpu) as env:
+                swept.append(((lc_pct, be_pct), self._lc_be(env, lc_pct, be_pct, True)))
+        be_mps = float(np.sum(_thr(mps_rows[1:])))
+
+        def figures(rows: list[list[dict[str, object]]]) -> dict[str, float]:
+            return {"lc_p99_ms": round(_p99(rows[0]), 3),
+                    "lc_p99_vs_solo": round(_p99(rows[0]) / solo_p99, 3),
+                    "be_rps": round(float(np.sum(_thr(rows[1:]))), 2),
+                    "be_vs_mps": round(float(np.sum(_thr(rows[1:]))) / be_mps, 3)}
+
+        out: dict[str, Any] = {"solo_p99_ms": round(solo_p99, 3), "caps": [lc_cap, be_cap],
+                               "sizing": sizing}
+        for name, rows in (("time-slicing", ts_rows), ("mps", mps_rows),
+                           ("gpuslice-caps", caps_rows), ("gpuslice", gs_rows)):
+            out[name] = figures(rows)
+        out["splits"] = [{"caps": [lc_cap, be_cap], **out["gpuslice"]}] + [
+            {"caps": list(split), **figures(rows)} for split, rows in swept]
+        return out
+
+    def memory(self) -> dict[str, Any]:
+        """Three replicas under a memory cap, then one of them allocating past it: what it
+        got, and its neighbours' throughput before and after."""
+        opts, say = self.opts, self.say
+        cap = {"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": pinned_mem_limit(opts.mem_cap_mib)}
+        say("memory cap: three replicas, none over its cap")
+        with _Mps(opts, self.root, "mem-a", self.gpu) as env:
+            before = _thr(self._together([_spec(opts, opts.batch, {**env, **cap}, 3)] * 3))
+        say(f"memory cap: one replica allocates {opts.alloc_mib} MiB past its "
+            f"{opts.mem_cap_mib} MiB cap")
+        with _Mps(opts, self.root, "mem-b", self.gpu) as env:
+            rows = self._together([_spec(opts, opts.batch, {**env, **cap}, 3, opts.alloc_mib)]
+                                  + [_spec(opts, opts.batch, {**env, **cap}, 3)] * 2,
+                                  errors_ok=True)
+        alloc = next((r["alloc"] for r in rows[0] if "alloc" in r), None)
+        after = _thr(rows[1:])
+        return {"cap_mib": opts.mem_cap_mib, "alloc_mib": opts.alloc_mib, "over_cap": alloc,
+                "neighbours_rps_before": [round(x, 2) for x in before[1:]],
+                "neighbours_rps_after": [round(x, 2) for x in after],
+                "neighbours_ratio": round(float(np.sum(after)) / float(np.sum(before[1:])), 3)}
 
 
 def plot_sharing(res: dict[str, Any], png: Path) -> Path:

@@ -27,14 +27,13 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
-import re
 import shutil
 import signal
 import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,8 +53,8 @@ from gpuslice.adapters.mps import CONTROL
 from gpuslice.adapters.mps.fake import write_fake_control
 from gpuslice.adapters.nvml.port import FakeNvml
 from gpuslice.core import dra
-from gpuslice.core.dra_placement import DeviceResult, DraPlacement
 from gpuslice.core.errors import GpusliceError
+from gpuslice.demo.dra_first_fit import DraDemoFailed, first_fit_counters
 from gpuslice.services.dra_allocator import DraAllocator
 from gpuslice.services.dra_driver import DraConfig, DraDriver
 from gpuslice.services.dra_driver import run as run_driver
@@ -86,10 +85,6 @@ PODS: tuple[tuple[str, str | dict[str, Any]], ...] = (
     ("trainer-mig", "mig-3g"),
     ("batch-whole", "whole-gpu"),
 )
-
-
-class DraDemoFailed(GpusliceError):
-    """A step of the DRA demo did not do what it should; the message names the step."""
 
 
 @dataclass
@@ -193,112 +188,6 @@ class KubeletDra:
 
 # -- kube-scheduler's part, for the claim shape gpuslice's allocator leaves to it ---------------
 
-_PROFILE_SELECTOR = re.compile(
-    r"^device\.attributes\['(?P<domain>[^']+)'\]\.migProfile\.startsWith\('(?P<prefix>[^']*)'\)$")
-_CLASS_TYPES = {"gpu.gpuslice.io": dra.TYPE_GPU, "mig.gpuslice.io": dra.TYPE_MIG,
-                "share.gpuslice.io": dra.TYPE_SHARE}
-
-
-def _selector(exactly: Mapping[str, Any], driver: str) -> Callable[[Mapping[str, Any]], bool]:
-    """The request's CEL selectors as a predicate on a device. Only the form the example
-    template uses is understood (``migProfile.startsWith('<prefix>')``): this is not a CEL
-    evaluator, and any other selector is refused rather than ignored."""
-    prefixes = []
-    for i, sel in enumerate(exactly.get("selectors") or []):
-        expr = str((sel.get("cel") or {}).get("expression", "")).strip()
-        m = _PROFILE_SELECTOR.match(expr)
-        if m is None or m.group("domain") != driver:
-            raise DraDemoFailed(f"selectors[{i}].cel.expression {expr!r}: the demo's stand-in "
-                                f"for kube-scheduler evaluates only device.attributes"
-                                f"['{driver}'].migProfile.startsWith('<prefix>')")
-        prefixes.append(m.group("prefix"))
-
-    def ok(device: Mapping[str, Any]) -> bool:
-        profile = str(((device.get("attributes") or {}).get("migProfile") or {}).get("string")
-                      or "")
-        return all(profile.startswith(p) for p in prefixes)
-
-    return ok
-
-
-def first_fit_counters(claim: Mapping[str, Any], slices: Sequence[Mapping[str, Any]],
-                       claims: Sequence[Mapping[str, Any]], node: str,
-                       driver: str = kdra.DRIVER) -> DraPlacement:
-    """kube-scheduler's structured allocator for a one-request claim on ``node``, as it treats
-    partitionable devices (k8s.io/dynamic-resource-allocation structured ``allocateOne`` and
-    its counter check): pools by name, slices by name, devices in slice order (newest pool
-    generation); the first device of the class's type that the selectors accept, that no
-    allocated claim holds, and whose ``consumesCounters`` fit what the pool's
-    ``sharedCounters`` have left after the allocated devices' consumption."""
-    exactly = ((claim.get("spec") or {}).get("devices") or {}).get("requests", [{}])[0]
-    request = str(exactly.get("name") or "")
-    exactly = exactly.get("exactly") or {}
-    want = _CLASS_TYPES.get(str(exactly.get("deviceClassName")))
-    if want is None:
-        raise DraDemoFailed(f"claim {claim['metadata']['name']}: device class "
-                            f"{exactly.get('deviceClassName')!r} is not one of ours")
-    accepts = _selector(exactly, driver)
-    ours = [s for s in slices if (s.get("spec") or {}).get("driver") == driver]
-    top: dict[str, int] = {}
-    for s in ours:
-        pool = s["spec"]["pool"]
-        top[pool["name"]] = max(top.get(pool["name"], 0), int(pool.get("generation", 0)))
-    ours = sorted((s for s in ours if int(s["spec"]["pool"].get("generation", 0))
-                   == top[s["spec"]["pool"]["name"]]),
-                  key=lambda s: (s["spec"]["pool"]["name"], s["metadata"]["name"]))
-    left: dict[tuple[str, str], dict[str, float]] = {}
-    devices: dict[tuple[str, str], Mapping[str, Any]] = {}
-    for s in ours:
-        pool = s["spec"]["pool"]["name"]
-        for cs in s["spec"].get("sharedCounters") or []:
-            left[(pool, cs["name"])] = {
-                k: quantity((v or {}).get("value"), f"sharedCounters {cs['name']}.{k}")
-                for k, v in (cs.get("counters") or {}).items()}
-        for d in s["spec"].get("devices") or []:
-            devices[(pool, d["name"])] = d
-
-    def take(pool: str, device: Mapping[str, Any], check: bool) -> bool:
-        """Take the device's ``consumesCounters`` from what is left; with ``check``, nothing
-        is taken and False returned when they do not fit."""
-        wants = [((pool, c["counterSet"]), k, quantity((v or {}).get("value"), k))
-                 for c in device.get("consumesCounters") or []
-                 for k, v in (c.get("counters") or {}).items()]
-        if check and any(left.get(cs, {}).get(k, 0.0) < n for cs, k, n in wants):
-            return False
-        for cs, k, n in wants:
-            left.setdefault(cs, {})[k] = left.get(cs, {}).get(k, 0.0) - n
-        return True
-
-    # devices allocated whole (a result without a shareID), each counted once
-    held: set[tuple[str, str]] = set()
-    for c in claims:
-        for r in (((c.get("status") or {}).get("allocation") or {}).get("devices") or {}).get(
-                "results") or []:
-            key = (str(r.get("pool")), str(r.get("device")))
-            if r.get("driver") != driver or r.get("adminAccess") or r.get("shareID") \
-                    or key in held:
-                continue
-            held.add(key)
-            if key in devices:
-                take(key[0], devices[key], check=False)
-    for s in ours:
-        if s["spec"].get("nodeName") != node:
-            continue
-        pool = s["spec"]["pool"]["name"]
-        for d in s["spec"].get("devices") or []:
-            attrs = d.get("attributes") or {}
-            if (attrs.get("type") or {}).get("string") != want or not accepts(d) \
-                    or d.get("allowMultipleAllocations") or (pool, d["name"]) in held \
-                    or any(t.get("effect") in ("NoSchedule", "NoExecute")
-                           for t in d.get("taints") or []):
-                continue  # consumable capacity is DraAllocator's (core.dra_placement) part
-            if take(pool, d, check=True):
-                return DraPlacement(node, (DeviceResult(request, pool, str(d["name"]),
-                                                        False),), 0.0)
-    raise DraDemoFailed(f"claim {claim['metadata']['name']}: no {want} device on {node} fits "
-                        "(selectors, devices held, shared counters)")
-
-
 # -- the run --------------------------------------------------------------------------------------
 
 def _pod(name: str, uid: str, created: str, claim_ref: dict[str, str],
@@ -378,221 +267,280 @@ def run_dra_demo(say: Callable[[str], None], mps_binary: str | None = None) -> D
     """Run the DRA demo (see the module doc); ``say`` gets one line per step done.
     ``mps_binary``: the MPS control program (default: the real one on PATH, else the
     stand-in; ``""``: the stand-in). Raises :class:`DraDemoFailed`; leaves nothing behind."""
-    result = DraDemoResult()
-    stop = threading.Event()
-    crashed: list[BaseException] = []
-    thread: threading.Thread | None = None
-    kubelet: KubeletDra | None = None
-    driver: DraDriver | None = None
-    failed: BaseException | None = None
-    # no Ctrl-C / SIGTERM between making the directory and the try that removes it
-    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
-    root = Path(tempfile.mkdtemp(prefix="gpuslice-dra-", dir="/tmp"))
-    result.workdir = root
-    try:
-        signal.pthread_sigmask(signal.SIG_SETMASK, held)
-        with _step("fake GPUs"):
-            inv = root / "gpus.yaml"
-            inv.write_text(yaml.safe_dump({"driver": "580.95.05", "gpus": list(GPUS)}))
-            nvml = FakeNvml.from_yaml(inv, NODE)
-            gpus = nvml.devices()
-            say(f"fake NVML: {len(gpus)} GPUs on node {NODE}: " + ", ".join(
-                f"{g.index} {g.model} ({dict(MODES).get(str(g.index), dra.WHOLE)})"
-                for g in gpus))
-        with _step("API server"):
-            api = FakeApiServer()
-            api.add_node({"apiVersion": "v1", "kind": "Node",
-                          "metadata": {"name": NODE, "uid": str(uuid.uuid4())},
-                          "status": {"allocatable": {"cpu": "16", "memory": "64Gi"}}})
-            for key, doc in manifests().items():
-                if key.startswith("DeviceClass/"):
-                    api.add_deviceclass(doc)
-            say("in-memory API server (resource.k8s.io/v1) with the DeviceClasses of "
-                "deploy/dra")
-        with _step("MPS"):
-            found = shutil.which(CONTROL) if mps_binary is None else mps_binary
-            if found:
-                result.mps = "real"
-            else:
-                found = str(write_fake_control(root / "mps-control"))
-                result.mps = "stand-in"
-            why = f"{CONTROL} is not on PATH" if mps_binary is None else "this machine's unused"
-            say(f"MPS control: {found} ({result.mps}"
-                f"{'' if result.mps == 'real' else ': ' + why})")
-        with _step("DRA driver start"):
-            cfg = DraConfig(NODE, kubelet_dir=root / "kubelet", cdi_dir=root / "cdi",
-                            mps_pipe_dir=str(root / "mps"), mps_binary=found,
-                            modes=dict(MODES), allocator_lease=None, dev_dir="/dev")
-            driver = DraDriver(cfg, nvml, api)
+    return _DemoRun(say).run(mps_binary)
 
-            def serve() -> None:
-                try:
-                    run_driver(driver, stop, poll_s=0.2)
-                except BaseException as exc:
-                    crashed.append(exc)
 
-            thread = threading.Thread(target=serve, name="dra-driver", daemon=True)
-            thread.start()
-            deadline = time.monotonic() + 20
-            while not (cfg.registration_socket.exists() and cfg.dra_socket.exists()):
-                if crashed or not thread.is_alive():
-                    raise DraDemoFailed(f"the driver stopped: {crashed[:1] or 'no reason'}")
-                if time.monotonic() > deadline:
-                    raise DraDemoFailed(f"no sockets in {cfg.kubelet_dir} after 20 s")
-                time.sleep(0.05)
-            feats = driver.features or dra.Features()
-            slices = api.list_resource_slices(dra.DRIVER, NODE)
-            kinds: dict[str, int] = {}
-            for s in slices:
-                for d in s["spec"].get("devices") or []:
-                    t = ((d.get("attributes") or {}).get("type") or {}).get("string", "?")
-                    kinds[t] = kinds.get(t, 0) + 1
-            if not (feats.consumable_capacity and feats.partitionable):
-                raise DraDemoFailed(f"features detected {feats}: consumable capacity and "
-                                    "partitionable devices should be served")
-            if not all(kinds.get(t) for t in (dra.TYPE_SHARE, dra.TYPE_MIG, dra.TYPE_GPU)):
-                raise DraDemoFailed(f"published devices {kinds}: a share, MIG placements and "
-                                    "a whole GPU were expected")
-            say(f"DRA driver serving on {cfg.dra_socket}; {len(slices)} ResourceSlices, devices: "
-                + ", ".join(f"{n} {t}" for t, n in sorted(kinds.items())))
-        with _step("kubelet registration"):
-            kubelet = KubeletDra(cfg.registration_socket)
-            say(f"kubelet registered the plugin {kubelet.driver} ({kubelet.version}) at "
-                f"{kubelet.endpoint}")
-        with _step("claims"):
-            pairs = _claims_of_pods(api)
-            say(f"{len(pairs)} pods and their ResourceClaims: " + ", ".join(
-                c["metadata"]["name"] for _, c in pairs))
-        with _step("allocation by gpuslice's allocator"):
-            allocator = DraAllocator(api, require_taint=False, settle_s=0.0)
-            report = allocator.run_once()
-            if report.unplaced:
-                raise DraDemoFailed(f"not placed: {report.unplaced}")
-            for name, where in sorted(report.allocated.items()):
-                say(f"allocated {name} -> {where} (gpuslice allocator, policy frag-strand)")
-            rest = [c for _, c in pairs if f"{NAMESPACE}/{c['metadata']['name']}"
-                    not in report.allocated]
-            for claim in rest:
-                cur = api.get_resource_claim(NAMESPACE, claim["metadata"]["name"])
-                placement = first_fit_counters(cur, api.list_resource_slices(),
-                                               api.list_resource_claims(), NODE)
-                cur["metadata"].setdefault("finalizers", []).append(kdra.FINALIZER)
-                cur = api.update_resource_claim(cur)
-                cur.setdefault("status", {})["allocation"] = kdra.allocation(
-                    cur, placement, api.list_device_classes(), lambda: str(uuid.uuid4()),
-                    allocated_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
-                api.update_resource_claim_status(cur)
-                say(f"allocated {NAMESPACE}/{cur['metadata']['name']} -> {NODE}: "
-                    f"{placement.results[0].device} (first fit with counters: what "
-                    "kube-scheduler does for a CEL-selected MIG profile)")
-            # kube-scheduler's PreBind: the pod reserves its claim, then it is bound
-            for pod, claim in pairs:
-                cur = api.get_resource_claim(NAMESPACE, claim["metadata"]["name"])
-                if not (cur.get("status") or {}).get("allocation"):
-                    raise DraDemoFailed(f"claim {cur['metadata']['name']} is not allocated")
-                cur["status"]["reservedFor"] = [{"resource": "pods", "name": pod["metadata"][
-                    "name"], "uid": pod["metadata"]["uid"]}]
-                api.update_resource_claim_status(cur)
-                api.bind(NAMESPACE, pod["metadata"]["name"], pod["metadata"]["uid"], NODE)
-            claims = [api.get_resource_claim(NAMESPACE, c["metadata"]["name"])
-                      for _, c in pairs]
-        for claim in claims:
-            name = claim["metadata"]["name"]
-            with _step(f"NodePrepareResources {NAMESPACE}/{name}"):
-                got = kubelet.prepare(claim)
-                if got.error:
-                    raise DraDemoFailed(got.error)
-                (dev,) = got.devices
-                (cdi_id,) = dev.cdi_device_ids
-                path = driver.cdi.path(claim["metadata"]["uid"])
-                spec = json.loads(path.read_text())  # what the runtime applies: it must exist
-                found_dev = [d for d in spec["devices"]
-                             if f"{spec['kind']}={d['name']}" == cdi_id]
-                if not found_dev:
-                    raise DraDemoFailed(f"CDI device {cdi_id} is not in {path}")
-                edits = found_dev[0]["containerEdits"]
-                env = dict(e.split("=", 1) for e in edits.get("env") or [])
-                if not env.get("CUDA_VISIBLE_DEVICES"):
-                    raise DraDemoFailed(f"{cdi_id}: no CUDA_VISIBLE_DEVICES in its CDI edits")
-                alloc = claim["status"]["allocation"]["devices"]
-                res = alloc["results"][0]
-                ref = driver.plan.devices[res["device"]]
-                result.rows.append(Row(
-                    f"{NAMESPACE}/{name}", ref.type if ref.type != dra.TYPE_GPU else dra.WHOLE,
-                    res["device"], _limits(res, ref, alloc.get("config") or []), cdi_id, env,
-                    [f"{m['hostPath']}:{m['containerPath']}" for m in edits.get("mounts") or []],
-                    path))
-                say(f"prepared {NAMESPACE}/{name} over gRPC: CDI spec {path.name} written")
-        with _step("the shares' limits"):
-            shares = [r for r in result.rows if r.model == dra.TYPE_SHARE]
-            gpus_of = {r.env["CUDA_VISIBLE_DEVICES"] for r in shares}
-            limits = {(r.env.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"),
-                       r.env.get("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT")) for r in shares}
-            if len(shares) != 2 or len(gpus_of) != 1 or len(limits) != 2:
-                raise DraDemoFailed(f"expected two shares of one GPU with their own limits, "
-                                    f"got GPUs {sorted(gpus_of)} and limits {sorted(limits)}")
-            mig = next(r for r in result.rows if r.model == dra.TYPE_MIG)
-            layout = nvml.mig_layout(gpus[1].uuid)
-            if not layout:
-                raise DraDemoFailed(f"no MIG instance on GPU 1 after preparing {mig.claim}")
-            say(f"two shares of {gpus_of.pop()} with their own MPS limits; MIG instance "
-                f"{layout[0][0]}@{layout[0][1]} created for {mig.claim}")
-        for claim, row in zip(claims, result.rows, strict=True):
-            with _step(f"NodeUnprepareResources {row.claim}"):
-                err = kubelet.unprepare(claim)
-                if err:
-                    raise DraDemoFailed(err)
-                if row.spec_path.exists():
-                    raise DraDemoFailed(f"{row.spec_path} is still there")
-                result.removed.append(str(row.spec_path))
-                say(f"unprepared {row.claim}: CDI spec {row.spec_path.name} removed")
-        with _step("after unprepare"):
-            if nvml.mig_layout(gpus[1].uuid):
-                raise DraDemoFailed(f"MIG instances left on GPU 1: "
-                                    f"{nvml.mig_layout(gpus[1].uuid)}")
-            if driver.checkpoint.claims:
-                raise DraDemoFailed(f"claims left in the checkpoint: "
-                                    f"{sorted(driver.checkpoint.claims)}")
-        return result
-    except BaseException as exc:
-        failed = exc
-        raise
-    finally:
-        # a Ctrl-C or SIGTERM now would leave things behind: hold them until clean
+class _DemoRun:
+    """One run of the demo: each step a method, run in order by :meth:`run`, which cleans up
+    whatever the steps made however they end."""
+
+    def __init__(self, say: Callable[[str], None]) -> None:
+        self.say = say
+        self.result = DraDemoResult()
+        self.stop = threading.Event()
+        self.crashed: list[BaseException] = []
+        self.thread: threading.Thread | None = None
+        self.kubelet: KubeletDra | None = None
+        self.driver: DraDriver | None = None
+
+    def run(self, mps_binary: str | None) -> DraDemoResult:
+        failed: BaseException | None = None
+        # no Ctrl-C / SIGTERM between making the directory and the try that removes it
         held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+        self.root = root = Path(tempfile.mkdtemp(prefix="gpuslice-dra-", dir="/tmp"))
+        self.result.workdir = root
         try:
-            _clean(say, root, stop, thread, kubelet, driver, failed)
-        finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, held)
+            with _step("fake GPUs"):
+                self._fake_gpus()
+            with _step("API server"):
+                self._api_server()
+            with _step("MPS"):
+                mps = self._mps(mps_binary)
+            with _step("DRA driver start"):
+                self._start_driver(mps)
+            with _step("kubelet registration"):
+                self.kubelet = KubeletDra(self.cfg.registration_socket)
+                self.say(f"kubelet registered the plugin {self.kubelet.driver} "
+                         f"({self.kubelet.version}) at {self.kubelet.endpoint}")
+            with _step("claims"):
+                pairs = _claims_of_pods(self.api)
+                self.say(f"{len(pairs)} pods and their ResourceClaims: " + ", ".join(
+                    c["metadata"]["name"] for _, c in pairs))
+            with _step("allocation by gpuslice's allocator"):
+                claims = self._allocate(pairs)
+            for claim in claims:
+                with _step(f"NodePrepareResources {NAMESPACE}/{claim['metadata']['name']}"):
+                    self._prepare(claim)
+            with _step("the shares' limits"):
+                self._check_limits()
+            for claim, row in zip(claims, self.result.rows, strict=True):
+                with _step(f"NodeUnprepareResources {row.claim}"):
+                    self._unprepare(claim, row)
+            with _step("after unprepare"):
+                self._check_clean()
+            return self.result
+        except BaseException as exc:
+            failed = exc
+            raise
+        finally:
+            # a Ctrl-C or SIGTERM now would leave things behind: hold them until clean
+            held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+            try:
+                self._clean(failed)
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
+    # -- the steps ---------------------------------------------------------------------------
 
-def _clean(say: Callable[[str], None], root: Path, stop: threading.Event,
-           thread: threading.Thread | None, kubelet: KubeletDra | None,
-           driver: DraDriver | None, failed: BaseException | None) -> None:
-    """Stop the driver and its MPS daemons, remove the work directory; raise when something
-    is left (unless the run failed already: then say it)."""
-    if kubelet is not None:
-        kubelet.close()
-    stop.set()
-    if thread is not None:
-        thread.join(15)
-    problems = []
-    if thread is not None and thread.is_alive():
-        problems.append("the driver did not stop")
-    if driver is not None:
-        try:
-            stopped = driver.stop_mps()
-            if stopped:
-                say(f"stopped {len(stopped)} MPS control daemon(s)")
-        except GpusliceError as exc:
-            problems.append(f"MPS daemons: {exc}")
-        problems += [f"{p} left" for p in (driver.cfg.registration_socket,
-                                           driver.cfg.dra_socket) if p.exists()]
-    shutil.rmtree(root, ignore_errors=True)
-    if root.exists():
-        problems.append(f"{root} not removed")
-    say(f"removed {root}" if not root.exists() else f"could not remove {root}")
-    if problems and failed is None:
-        raise DraDemoFailed("clean-up: " + "; ".join(problems))
-    if problems:
-        say("clean-up: " + "; ".join(problems))
+    def _fake_gpus(self) -> None:
+        inv = self.root / "gpus.yaml"
+        inv.write_text(yaml.safe_dump({"driver": "580.95.05", "gpus": list(GPUS)}))
+        self.nvml = FakeNvml.from_yaml(inv, NODE)
+        self.gpus = self.nvml.devices()
+        self.say(f"fake NVML: {len(self.gpus)} GPUs on node {NODE}: " + ", ".join(
+            f"{g.index} {g.model} ({dict(MODES).get(str(g.index), dra.WHOLE)})"
+            for g in self.gpus))
+
+    def _api_server(self) -> None:
+        self.api = api = FakeApiServer()
+        api.add_node({"apiVersion": "v1", "kind": "Node",
+                      "metadata": {"name": NODE, "uid": str(uuid.uuid4())},
+                      "status": {"allocatable": {"cpu": "16", "memory": "64Gi"}}})
+        for key, doc in manifests().items():
+            if key.startswith("DeviceClass/"):
+                api.add_deviceclass(doc)
+        self.say("in-memory API server (resource.k8s.io/v1) with the DeviceClasses of "
+                 "deploy/dra")
+
+    def _mps(self, mps_binary: str | None) -> str:
+        """The MPS control program: the real one (on PATH, or ``mps_binary``), else the
+        stand-in, written into the work directory."""
+        found = shutil.which(CONTROL) if mps_binary is None else mps_binary
+        if found:
+            self.result.mps = "real"
+        else:
+            found = str(write_fake_control(self.root / "mps-control"))
+            self.result.mps = "stand-in"
+        why = f"{CONTROL} is not on PATH" if mps_binary is None else "this machine's unused"
+        self.say(f"MPS control: {found} ({self.result.mps}"
+                 f"{'' if self.result.mps == 'real' else ': ' + why})")
+        return found
+
+    def _start_driver(self, mps: str) -> None:
+        """The driver on a thread as the DaemonSet runs it; up once both sockets exist, and
+        it must serve shares, MIG placements and a whole GPU."""
+        root = self.root
+        self.cfg = cfg = DraConfig(NODE, kubelet_dir=root / "kubelet", cdi_dir=root / "cdi",
+                                   mps_pipe_dir=str(root / "mps"), mps_binary=mps,
+                                   modes=dict(MODES), allocator_lease=None, dev_dir="/dev")
+        self.driver = driver = DraDriver(cfg, self.nvml, self.api)
+
+        def serve() -> None:
+            try:
+                run_driver(driver, self.stop, poll_s=0.2)
+            except BaseException as exc:
+                self.crashed.append(exc)
+
+        self.thread = thread = threading.Thread(target=serve, name="dra-driver", daemon=True)
+        thread.start()
+        deadline = time.monotonic() + 20
+        while not (cfg.registration_socket.exists() and cfg.dra_socket.exists()):
+            if self.crashed or not thread.is_alive():
+                raise DraDemoFailed(f"the driver stopped: {self.crashed[:1] or 'no reason'}")
+            if time.monotonic() > deadline:
+                raise DraDemoFailed(f"no sockets in {cfg.kubelet_dir} after 20 s")
+            time.sleep(0.05)
+        feats = driver.features or dra.Features()
+        slices = self.api.list_resource_slices(dra.DRIVER, NODE)
+        kinds: dict[str, int] = {}
+        for s in slices:
+            for d in s["spec"].get("devices") or []:
+                t = ((d.get("attributes") or {}).get("type") or {}).get("string", "?")
+                kinds[t] = kinds.get(t, 0) + 1
+        if not (feats.consumable_capacity and feats.partitionable):
+            raise DraDemoFailed(f"features detected {feats}: consumable capacity and "
+                                "partitionable devices should be served")
+        if not all(kinds.get(t) for t in (dra.TYPE_SHARE, dra.TYPE_MIG, dra.TYPE_GPU)):
+            raise DraDemoFailed(f"published devices {kinds}: a share, MIG placements and "
+                                "a whole GPU were expected")
+        self.say(f"DRA driver serving on {cfg.dra_socket}; {len(slices)} ResourceSlices, "
+                 "devices: " + ", ".join(f"{n} {t}" for t, n in sorted(kinds.items())))
+
+    def _allocate(self, pairs: list[tuple[dict[str, Any], dict[str, Any]]]) \
+            -> list[dict[str, Any]]:
+        """gpuslice's allocator places what it places; kube-scheduler's stand-in the rest
+        (first fit with counters), then reserves each claim for its pod when the allocator
+        has not (its PreBind) and binds the pod. The claims as allocated."""
+        api = self.api
+        report = DraAllocator(api, require_taint=False, settle_s=0.0).run_once()
+        if report.unplaced:
+            raise DraDemoFailed(f"not placed: {report.unplaced}")
+        for name, where in sorted(report.allocated.items()):
+            self.say(f"allocated {name} -> {where} (gpuslice allocator, policy frag-strand)")
+        for _, claim in pairs:
+            if f"{NAMESPACE}/{claim['metadata']['name']}" not in report.allocated:
+                self._first_fit(claim)
+        for pod, claim in pairs:
+            cur = api.get_resource_claim(NAMESPACE, claim["metadata"]["name"])
+            if not (cur.get("status") or {}).get("allocation"):
+                raise DraDemoFailed(f"claim {cur['metadata']['name']} is not allocated")
+            me = {"resource": "pods", "name": pod["metadata"]["name"],
+                  "uid": pod["metadata"]["uid"]}
+            reserved = list(cur["status"].get("reservedFor") or [])
+            if me["uid"] not in {r.get("uid") for r in reserved}:
+                cur["status"]["reservedFor"] = [*reserved, me]
+                api.update_resource_claim_status(cur)
+            api.bind(NAMESPACE, pod["metadata"]["name"], pod["metadata"]["uid"], NODE)
+        return [api.get_resource_claim(NAMESPACE, c["metadata"]["name"]) for _, c in pairs]
+
+    def _first_fit(self, claim: Mapping[str, Any]) -> None:
+        """kube-scheduler's allocation of a claim the allocator leaves to it: finalizer, then
+        the allocation (first fit with the pool's counters)."""
+        api = self.api
+        cur = api.get_resource_claim(NAMESPACE, claim["metadata"]["name"])
+        placement = first_fit_counters(cur, api.list_resource_slices(),
+                                       api.list_resource_claims(), NODE)
+        cur["metadata"].setdefault("finalizers", []).append(kdra.FINALIZER)
+        cur = api.update_resource_claim(cur)
+        cur.setdefault("status", {})["allocation"] = kdra.allocation(
+            cur, placement, api.list_device_classes(), lambda: str(uuid.uuid4()),
+            allocated_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+        api.update_resource_claim_status(cur)
+        self.say(f"allocated {NAMESPACE}/{cur['metadata']['name']} -> {NODE}: "
+                 f"{placement.results[0].device} (first fit with counters: what "
+                 "kube-scheduler does for a CEL-selected MIG profile)")
+
+    def _prepare(self, claim: dict[str, Any]) -> None:
+        """NodePrepareResources over gRPC; the CDI spec it names must exist and set the
+        device's visibility."""
+        assert self.kubelet is not None and self.driver is not None
+        name = claim["metadata"]["name"]
+        got = self.kubelet.prepare(claim)
+        if got.error:
+            raise DraDemoFailed(got.error)
+        (dev,) = got.devices
+        (cdi_id,) = dev.cdi_device_ids
+        path = self.driver.cdi.path(claim["metadata"]["uid"])
+        spec = json.loads(path.read_text())  # what the runtime applies: it must exist
+        found_dev = [d for d in spec["devices"] if f"{spec['kind']}={d['name']}" == cdi_id]
+        if not found_dev:
+            raise DraDemoFailed(f"CDI device {cdi_id} is not in {path}")
+        edits = found_dev[0]["containerEdits"]
+        env = dict(e.split("=", 1) for e in edits.get("env") or [])
+        if not env.get("CUDA_VISIBLE_DEVICES"):
+            raise DraDemoFailed(f"{cdi_id}: no CUDA_VISIBLE_DEVICES in its CDI edits")
+        alloc = claim["status"]["allocation"]["devices"]
+        res = alloc["results"][0]
+        ref = self.driver.plan.devices[res["device"]]
+        self.result.rows.append(Row(
+            f"{NAMESPACE}/{name}", ref.type if ref.type != dra.TYPE_GPU else dra.WHOLE,
+            res["device"], _limits(res, ref, alloc.get("config") or []), cdi_id, env,
+            [f"{m['hostPath']}:{m['containerPath']}" for m in edits.get("mounts") or []],
+            path))
+        self.say(f"prepared {NAMESPACE}/{name} over gRPC: CDI spec {path.name} written")
+
+    def _check_limits(self) -> None:
+        """Two shares of one GPU, each with its own MPS limits; a MIG instance made."""
+        shares = [r for r in self.result.rows if r.model == dra.TYPE_SHARE]
+        gpus_of = {r.env["CUDA_VISIBLE_DEVICES"] for r in shares}
+        limits = {(r.env.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"),
+                   r.env.get("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT")) for r in shares}
+        if len(shares) != 2 or len(gpus_of) != 1 or len(limits) != 2:
+            raise DraDemoFailed(f"expected two shares of one GPU with their own limits, "
+                                f"got GPUs {sorted(gpus_of)} and limits {sorted(limits)}")
+        mig = next(r for r in self.result.rows if r.model == dra.TYPE_MIG)
+        layout = self.nvml.mig_layout(self.gpus[1].uuid)
+        if not layout:
+            raise DraDemoFailed(f"no MIG instance on GPU 1 after preparing {mig.claim}")
+        self.say(f"two shares of {gpus_of.pop()} with their own MPS limits; MIG instance "
+                 f"{layout[0][0]}@{layout[0][1]} created for {mig.claim}")
+
+    def _unprepare(self, claim: dict[str, Any], row: Row) -> None:
+        assert self.kubelet is not None
+        err = self.kubelet.unprepare(claim)
+        if err:
+            raise DraDemoFailed(err)
+        if row.spec_path.exists():
+            raise DraDemoFailed(f"{row.spec_path} is still there")
+        self.result.removed.append(str(row.spec_path))
+        self.say(f"unprepared {row.claim}: CDI spec {row.spec_path.name} removed")
+
+    def _check_clean(self) -> None:
+        """No MIG instance and no claim in the checkpoint left after unprepare."""
+        assert self.driver is not None
+        if left := self.nvml.mig_layout(self.gpus[1].uuid):
+            raise DraDemoFailed(f"MIG instances left on GPU 1: {left}")
+        if self.driver.checkpoint.claims:
+            raise DraDemoFailed(f"claims left in the checkpoint: "
+                                f"{sorted(self.driver.checkpoint.claims)}")
+
+    def _clean(self, failed: BaseException | None) -> None:
+        """Stop the driver and its MPS daemons, remove the work directory; raise when
+        something is left (unless the run failed already: then say it)."""
+        say, root, thread, driver = self.say, self.root, self.thread, self.driver
+        if self.kubelet is not None:
+            self.kubelet.close()
+        self.stop.set()
+        if thread is not None:
+            thread.join(15)
+        problems = []
+        if thread is not None and thread.is_alive():
+            problems.append("the driver did not stop")
+        if driver is not None:
+            try:
+                stopped = driver.stop_mps()
+                if stopped:
+                    say(f"stopped {len(stopped)} MPS control daemon(s)")
+            except GpusliceError as exc:
+                problems.append(f"MPS daemons: {exc}")
+            problems += [f"{p} left" for p in (driver.cfg.registration_socket,
+                                               driver.cfg.dra_socket) if p.exists()]
+        shutil.rmtree(root, ignore_errors=True)
+        if root.exists():
+            problems.append(f"{root} not removed")
+        say(f"removed {root}" if not root.exists() else f"could not remove {root}")
+        if problems and failed is None:
+            raise DraDemoFailed("clean-up: " + "; ".join(problems))
+        if problems:
+            say("clean-up: " + "; ".join(problems))
