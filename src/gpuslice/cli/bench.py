@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
@@ -116,59 +117,8 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
     text = json.dumps(res, indent=1)
     write_files({args.out / "sharing.json": lambda path: path.write_text(text),
                  args.out / "sharing.png": lambda path: plot_sharing(res, path)}, "--out")
-    gates: list[tuple[str, bool]] = []
-    if "throughput" in res:
-        thr = res["throughput"]
-        g = thr["gpuslice"]
-        t = Table(title=f"{args.replicas} x {args.workload} batch {args.batch}, "
-                  f"{args.repeats} run(s) each; gpuslice slices {_pcts(g['caps'])} threads, "
-                  f"{g['mem_cap_mib']} MiB")
-        for col in ("mode", "req/s", "each run", "x one replica", "x time-slicing",
-                    "run spread", "per-replica CV", "worst p99 ms"):
-            t.add_column(col, justify="right")
-        for m, v in thr.items():
-            t.add_row(m, f"{v['total_rps']:.1f}", " / ".join(f"{x:.1f}" for x in v["runs_rps"]),
-                      f"{v['vs_one_replica']:.2f}", f"{v['vs_time_slicing']:.2f}",
-                      f"{100 * v['run_spread']:.1f}%", f"{100 * v['cv']:.1f}%",
-                      f"{v['worst_p99_ms']:.1f}")
-        console.print(t)
-        gates += [("gpuslice >= 1.7x time-slicing", g["vs_time_slicing"] >= 1.7),
-                  ("per-replica CV <= 5%", g["cv"] <= 0.05)]
-    if "noisy" in res:
-        t = Table(title=f"noisy neighbour (solo p99 {res['noisy']['solo_p99_ms']:.2f} ms, "
-                  f"gpuslice caps {_pcts(res['noisy']['caps'])})")
-        for col in ("mode", "LC p99 ms", "x solo", "BE req/s", "BE x MPS"):
-            t.add_column(col, justify="right")
-        for m in ("time-slicing", "mps", "gpuslice-caps", "gpuslice"):
-            v = res["noisy"][m]
-            t.add_row(m, f"{v['lc_p99_ms']:.2f}", f"{v['lc_p99_vs_solo']:.2f}",
-                      f"{v['be_rps']:.1f}", f"{v['be_vs_mps']:.2f}")
-        console.print(t)
-        splits = res["noisy"]["splits"]
-        if len(splits) > 1:
-            t = Table(title="gpuslice's trade-off: LC / BE thread caps (BE at below-normal "
-                      "MPS client priority)")
-            for col in ("LC / BE caps", "LC p99 ms", "x solo", "BE req/s", "BE x MPS"):
-                t.add_column(col, justify="right")
-            for v in splits:
-                t.add_row(f"{v['caps'][0]}% / {v['caps'][1]}%", f"{v['lc_p99_ms']:.2f}",
-                          f"{v['lc_p99_vs_solo']:.2f}", f"{v['be_rps']:.1f}",
-                          f"{v['be_vs_mps']:.2f}")
-            console.print(t)
-        # met when some split holds both (the caps a user would choose)
-        both = [v for v in splits if v["lc_p99_vs_solo"] <= 1.1 and v["be_vs_mps"] >= 0.85]
-        g = both[0] if both else res["noisy"]["gpuslice"]
-        gates += [("LC p99 <= 1.1x solo", g["lc_p99_vs_solo"] <= 1.1),
-                  ("BE keeps >= 85% of uncapped MPS", g["be_vs_mps"] >= 0.85)]
-    if "memory" in res:
-        m = res["memory"]
-        over = m["over_cap"] or {}
-        console.print(f"memory cap {m['cap_mib']} MiB: allocating {m['alloc_mib']} MiB -> "
-                      f"{'allowed' if over.get('ok') else over.get('error', 'no answer')}; "
-                      f"neighbours at {m['neighbours_ratio']:.2f}x their throughput",
-                      highlight=False, soft_wrap=True)
-        gates += [("over-cap allocation fails", over.get("ok") is False),
-                  ("neighbours unaffected (>= 0.9x)", m["neighbours_ratio"] >= 0.9)]
+    gates = _throughput_table(args, res, console) + _noisy_tables(res, console) + \
+        _memory_line(res, console)
     for name, ok in gates:
         console.print(f"{'PASS' if ok else 'FAIL'}  {name}", highlight=False)
     if res.get("fake_timer"):
@@ -180,6 +130,74 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
         console.print(f"{len(failed)} of {len(gates)} checks failed", highlight=False)
         return EXIT_FAILED
     return 0
+
+
+def _throughput_table(args: argparse.Namespace, res: dict[str, Any],
+                      console: Console) -> list[tuple[str, bool]]:
+    """The throughput part's table and its goals (none without that part)."""
+    if "throughput" not in res:
+        return []
+    thr = res["throughput"]
+    g = thr["gpuslice"]
+    t = Table(title=f"{args.replicas} x {args.workload} batch {args.batch}, "
+              f"{args.repeats} run(s) each; gpuslice slices {_pcts(g['caps'])} threads, "
+              f"{g['mem_cap_mib']} MiB")
+    for col in ("mode", "req/s", "each run", "x one replica", "x time-slicing",
+                "run spread", "per-replica CV", "worst p99 ms"):
+        t.add_column(col, justify="right")
+    for m, v in thr.items():
+        t.add_row(m, f"{v['total_rps']:.1f}", " / ".join(f"{x:.1f}" for x in v["runs_rps"]),
+                  f"{v['vs_one_replica']:.2f}", f"{v['vs_time_slicing']:.2f}",
+                  f"{100 * v['run_spread']:.1f}%", f"{100 * v['cv']:.1f}%",
+                  f"{v['worst_p99_ms']:.1f}")
+    console.print(t)
+    return [("gpuslice >= 1.7x time-slicing", g["vs_time_slicing"] >= 1.7),
+            ("per-replica CV <= 5%", g["cv"] <= 0.05)]
+
+
+def _noisy_tables(res: dict[str, Any], console: Console) -> list[tuple[str, bool]]:
+    """The noisy-neighbour part's tables (the modes, then the trade-off curve) and its goals,
+    met when some split holds both (the caps a user would choose)."""
+    if "noisy" not in res:
+        return []
+    t = Table(title=f"noisy neighbour (solo p99 {res['noisy']['solo_p99_ms']:.2f} ms, "
+              f"gpuslice caps {_pcts(res['noisy']['caps'])})")
+    for col in ("mode", "LC p99 ms", "x solo", "BE req/s", "BE x MPS"):
+        t.add_column(col, justify="right")
+    for m in ("time-slicing", "mps", "gpuslice-caps", "gpuslice"):
+        v = res["noisy"][m]
+        t.add_row(m, f"{v['lc_p99_ms']:.2f}", f"{v['lc_p99_vs_solo']:.2f}",
+                  f"{v['be_rps']:.1f}", f"{v['be_vs_mps']:.2f}")
+    console.print(t)
+    splits = res["noisy"]["splits"]
+    if len(splits) > 1:
+        t = Table(title="gpuslice's trade-off: LC / BE thread caps (BE at below-normal "
+                  "MPS client priority)")
+        for col in ("LC / BE caps", "LC p99 ms", "x solo", "BE req/s", "BE x MPS"):
+            t.add_column(col, justify="right")
+        for v in splits:
+            t.add_row(f"{v['caps'][0]}% / {v['caps'][1]}%", f"{v['lc_p99_ms']:.2f}",
+                      f"{v['lc_p99_vs_solo']:.2f}", f"{v['be_rps']:.1f}",
+                      f"{v['be_vs_mps']:.2f}")
+        console.print(t)
+    both = [v for v in splits if v["lc_p99_vs_solo"] <= 1.1 and v["be_vs_mps"] >= 0.85]
+    g = both[0] if both else res["noisy"]["gpuslice"]
+    return [("LC p99 <= 1.1x solo", g["lc_p99_vs_solo"] <= 1.1),
+            ("BE keeps >= 85% of uncapped MPS", g["be_vs_mps"] >= 0.85)]
+
+
+def _memory_line(res: dict[str, Any], console: Console) -> list[tuple[str, bool]]:
+    """The memory-cap part's line and its goals."""
+    if "memory" not in res:
+        return []
+    m = res["memory"]
+    over = m["over_cap"] or {}
+    console.print(f"memory cap {m['cap_mib']} MiB: allocating {m['alloc_mib']} MiB -> "
+                  f"{'allowed' if over.get('ok') else over.get('error', 'no answer')}; "
+                  f"neighbours at {m['neighbours_ratio']:.2f}x their throughput",
+                  highlight=False, soft_wrap=True)
+    return [("over-cap allocation fails", over.get("ok") is False),
+            ("neighbours unaffected (>= 0.9x)", m["neighbours_ratio"] >= 0.9)]
 
 
 def _splits(text: str) -> tuple[tuple[int, int], ...]:

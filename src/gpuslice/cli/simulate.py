@@ -18,6 +18,7 @@ from gpuslice.core.errors import GpusliceError, ValidationError
 from gpuslice.core.policies import ALIASES, policy_names
 
 if TYPE_CHECKING:
+    from gpuslice.sim.compare import CompareRow
     from gpuslice.sim.runner import Scenario
 
 EMBEDDED = "embedded"  # --variant: the scenario of sim/default.py, which ships in the package
@@ -118,18 +119,7 @@ def _simulate(args: argparse.Namespace, console: Console) -> int:
         write_results,
     )
 
-    policies = parse_policies(args.policy) if args.policy else []
-    if args.dra:
-        from gpuslice.sim.dra import MODES
-
-        for mode in (m.strip() for m in args.dra.split(",") if m.strip()):
-            if f"dra-{mode}" not in MODES:
-                raise ValidationError("--dra", "modes from default, ours, ours-all", mode)
-            policies.append(f"dra-{mode}")
-    if args.deployed:
-        policies.append("deployed")
-    if not policies:
-        raise ValidationError("--policy", "at least one policy or a --dra mode", args.policy)
+    policies = _policies(args)
     if not args.no_plot:  # a missing matplotlib is said before the replay, not after it
         from gpuslice.adapters.optional import pyplot
 
@@ -173,9 +163,33 @@ def _simulate(args: argparse.Namespace, console: Console) -> int:
         title = f"{scenario.name}: unallocated GPU vs arrived workload"
         also["unallocated.png"] = lambda path: plot_unallocated(ordered, path, title)
     written = write_results(args.out, scenario.name, ordered, also, "--out")
-    rows = compare(scenario.name, ordered, published)
+    _report(args, console, scenario.name, seeds, compare(scenario.name, ordered, published),
+            written)
+    return 0
+
+
+def _policies(args: argparse.Namespace) -> list[str]:
+    """The policies to replay: ``--policy``'s, then ``--dra``'s modes, then ``deployed``."""
+    policies = parse_policies(args.policy) if args.policy else []
+    if args.dra:
+        from gpuslice.sim.dra import MODES
+
+        for mode in (m.strip() for m in args.dra.split(",") if m.strip()):
+            if f"dra-{mode}" not in MODES:
+                raise ValidationError("--dra", "modes from default, ours, ours-all", mode)
+            policies.append(f"dra-{mode}")
+    if args.deployed:
+        policies.append("deployed")
+    if not policies:
+        raise ValidationError("--policy", "at least one policy or a --dra mode", args.policy)
+    return policies
+
+
+def _report(args: argparse.Namespace, console: Console, name: str, seeds: list[int],
+            rows: list[CompareRow], written: list[Path]) -> None:
+    """The comparison as JSON on stdout (``-o json``) or a table, then the files written."""
     if args.output == "json":
-        print_json({"scenario": scenario.name, "seeds": seeds, "tune": args.tune,
+        print_json({"scenario": name, "seeds": seeds, "tune": args.tune,
                     "statistic": "unallocated GPU % at 100% arrived workload, mean and sd "
                     "over seeds",
                     "policies": [{
@@ -187,7 +201,7 @@ def _simulate(args: argparse.Namespace, console: Console) -> int:
                     "files": [str(p) for p in written]})
         for path in written:
             console.print(f"wrote {path}", highlight=False)
-        return 0
+        return
     table = Table(title=f"unallocated GPU % at 100% arrived ({len(seeds)} seeds)")
     table.add_column("policy")
     table.add_column("measured mean ± sd", justify="right")  # every policy, run here
@@ -209,7 +223,6 @@ def _simulate(args: argparse.Namespace, console: Console) -> int:
     console.print(table)
     for path in written:
         console.print(f"wrote {path}", highlight=False)
-    return 0
 
 
 def _scenario(args: argparse.Namespace, embedded: bool) -> Scenario:
