@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import socket
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 
@@ -24,6 +26,9 @@ from gpuslice.cli.flagtypes import (
     positive_int,
 )
 from gpuslice.core.errors import ValidationError
+
+if TYPE_CHECKING:
+    from gpuslice.services.dra_allocator import DraAllocator, PassReport
 
 REPEATS_EVERY_S = 60.0  # an identical warning (a claim's refused write) at most this often
 
@@ -87,7 +92,6 @@ def register(sub: Sub) -> None:
 
 
 def _run(args: argparse.Namespace, console: Console) -> int:
-    import logging
     import threading
     import time
 
@@ -95,21 +99,11 @@ def _run(args: argparse.Namespace, console: Console) -> int:
     from gpuslice.adapters.kube.client import KubeClient
     from gpuslice.adapters.kube.mirror import MirroredLists
     from gpuslice.adapters.signals import StopSignals
-    from gpuslice.services.dra_allocator import DraAllocator, PassReport
+    from gpuslice.services.dra_allocator import DraAllocator
     from gpuslice.services.heap import LongLivedHeap
     from gpuslice.services.leader import LeaderElector
 
-    if args.interval <= 0:
-        raise ValidationError("--interval", "a positive number of seconds", args.interval)
-    if args.settle < 0:
-        raise ValidationError("--settle", "0 or more seconds", args.settle)
-    if args.max_backoff <= 0:
-        raise ValidationError("--max-backoff", "a positive number of seconds", args.max_backoff)
-    if args.coalesce < 0:
-        raise ValidationError("--coalesce", "0 or more seconds", args.coalesce)
-    if args.gate_timeout <= 0:
-        raise ValidationError("--gate-timeout", "a positive number of seconds",
-                              args.gate_timeout)
+    _check(args)
     lease_ns, lease_name = parse_lease(args.lease)
     lease = args.lease
     # a refused write comes back every pass (5 a second): once a minute per claim is enough
@@ -134,26 +128,7 @@ def _run(args: argparse.Namespace, console: Console) -> int:
              extra={"event": "starting", "driver": args.driver, "classes": classes,
                     "lease": lease, "identity": identity, "taint": kdra.ALLOCATOR_TAINT
                     if alloc.require_taint else None})
-    leading: bool | None = None
-
-    def show(report: PassReport) -> None:
-        nonlocal leading
-        if report.leading != leading:
-            leading = report.leading
-            log.info("%s the Lease %s", "holding" if leading else "waiting for", lease,
-                     extra={"event": "leading" if leading else "following", "lease": lease})
-        for claim, where in report.allocated.items():
-            log.info("allocated %s -> %s", claim, where, extra={"claim": claim, "to": where})
-        for claim in report.taken:
-            log.info("%s: allocated by someone else first", claim, extra={"claim": claim})
-        for pod, why in report.released.items():
-            log.log(logging.DEBUG if why == "allocated" else logging.INFO,
-                    "released %s from the gate %s (%s)", pod, kdra.ALLOCATOR_GATE, why,
-                    extra={"event": "gate-released", "pod": pod, "reason": why})
-        for problem in alloc.problems:
-            log.warning("problem: %s", problem, extra={"event": "problem"})
-        alloc.problems.clear()
-
+    show = _PassLog(log, alloc, lease)
     heap = LongLivedHeap()
 
     def passed(report: PassReport) -> None:
@@ -174,3 +149,47 @@ def _run(args: argparse.Namespace, console: Console) -> int:
                                         else f"did not hold the Lease {lease}"),
              extra={"event": "stopped", "released": released})
     return 0
+
+
+def _check(args: argparse.Namespace) -> None:
+    """The timing flags' ranges, each refused naming the flag."""
+    if args.interval <= 0:
+        raise ValidationError("--interval", "a positive number of seconds", args.interval)
+    if args.settle < 0:
+        raise ValidationError("--settle", "0 or more seconds", args.settle)
+    if args.max_backoff <= 0:
+        raise ValidationError("--max-backoff", "a positive number of seconds", args.max_backoff)
+    if args.coalesce < 0:
+        raise ValidationError("--coalesce", "0 or more seconds", args.coalesce)
+    if args.gate_timeout <= 0:
+        raise ValidationError("--gate-timeout", "a positive number of seconds",
+                              args.gate_timeout)
+
+
+class _PassLog:
+    """Each pass's report in the log: the Lease gained or lost, claims allocated or taken
+    first, pods released from the gate (those allocated at debug level), problems."""
+
+    def __init__(self, log: logging.Logger, alloc: DraAllocator, lease: str) -> None:
+        self.log, self.alloc, self.lease = log, alloc, lease
+        self.leading: bool | None = None
+
+    def __call__(self, report: PassReport) -> None:
+        from gpuslice.adapters.kube import dra as kdra
+
+        log, lease = self.log, self.lease
+        if report.leading != self.leading:
+            self.leading = leading = report.leading
+            log.info("%s the Lease %s", "holding" if leading else "waiting for", lease,
+                     extra={"event": "leading" if leading else "following", "lease": lease})
+        for claim, where in report.allocated.items():
+            log.info("allocated %s -> %s", claim, where, extra={"claim": claim, "to": where})
+        for claim in report.taken:
+            log.info("%s: allocated by someone else first", claim, extra={"claim": claim})
+        for pod, why in report.released.items():
+            log.log(logging.DEBUG if why == "allocated" else logging.INFO,
+                    "released %s from the gate %s (%s)", pod, kdra.ALLOCATOR_GATE, why,
+                    extra={"event": "gate-released", "pod": pod, "reason": why})
+        for problem in self.alloc.problems:
+            log.warning("problem: %s", problem, extra={"event": "problem"})
+        self.alloc.problems.clear()
