@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 
@@ -19,6 +21,12 @@ from gpuslice.cli.common import (
 )
 from gpuslice.cli.flagtypes import non_negative_int, parse_hostport, positive_float
 from gpuslice.core.errors import ValidationError
+
+if TYPE_CHECKING:
+    from gpuslice.adapters.kube.client import KubeClient
+    from gpuslice.adapters.kube.fake import FakeApiServer
+    from gpuslice.services.extender import ExtenderState
+    from gpuslice.services.leader import LeaderLabel
 
 
 def register(sub: Sub) -> None:
@@ -85,17 +93,15 @@ def _extender(args: argparse.Namespace, console: Console) -> int:
 
     from gpuslice.adapters import eventloop
     from gpuslice.adapters.kube.client import KubeClient
-    from gpuslice.adapters.kube.fake import FakeApiServer, KubePort, load_fake_cluster
+    from gpuslice.adapters.kube.fake import KubePort, load_fake_cluster
     from gpuslice.adapters.signals import StopSignals
     from gpuslice.services.extender import (
-        LEADER_LABEL,
         ExtenderState,
         bind_clock,
         serve,
         tls_context,
     )
     from gpuslice.services.heap import LongLivedHeap
-    from gpuslice.services.leader import LeaderElector, LeaderLabel
 
     log = setup_logging(args.log_format, "extender")
     host, port = parse_hostport("--listen", args.listen)
@@ -116,26 +122,7 @@ def _extender(args: argparse.Namespace, console: Console) -> int:
     state = ExtenderState(api, key, policy=args.policy, clock=bind_clock,
                           narrow=args.filter_keeps == "best",
                           previous_keys=read_previous_keys(args.previous_key_file))
-    label: LeaderLabel | None = None
-    if args.leader_elect:
-        import os
-        import socket
-        import time
-
-        ns, sep, lease_name = args.lease.partition("/")
-        if not sep or not ns or not lease_name:
-            raise ValidationError("--lease", "NAMESPACE/NAME", args.lease)
-        identity = os.environ.get("POD_NAME") or socket.gethostname()
-        state.elector = LeaderElector(api, ns, lease_name, identity, time.time)
-        # the pod, from the downward API: the leader labels it for the Service to select
-        pod_ns, pod_name = os.environ.get("POD_NAMESPACE"), os.environ.get("POD_NAME")
-        if pod_ns and pod_name:
-            label = LeaderLabel(client, pod_ns, pod_name, LEADER_LABEL)
-        else:
-            log.warning("POD_NAME and POD_NAMESPACE are not both set (the downward API, as "
-                        "deploy/ sets them): the leader does not label its pod %s, so a "
-                        "Service that selects it finds no endpoint", f"{LEADER_LABEL}=leader",
-                        extra={"event": "no-leader-label"})
+    label = _elect(args, state, client, log) if args.leader_elect else None
     for problem in state.problems:
         log.warning("ignored: %s", problem, extra={"event": "ignored"})
     scheme = "https" if ctx else "http"
@@ -174,3 +161,30 @@ def _extender(args: argparse.Namespace, console: Console) -> int:
         f"did not hold the Lease {args.lease}"),
         extra={"event": "stopped", "released": el is not None and el.released})
     return 0
+
+
+def _elect(args: argparse.Namespace, state: ExtenderState, client: KubeClient | FakeApiServer,
+           log: logging.Logger) -> LeaderLabel | None:
+    """Leader election on ``--lease`` (the elector set on ``state``), and the label the
+    leader puts on its own pod (from the downward API) for the Service to select; None when
+    the pod is not known."""
+    import os
+    import socket
+    import time
+
+    from gpuslice.services.extender import LEADER_LABEL
+    from gpuslice.services.leader import LeaderElector, LeaderLabel
+
+    ns, sep, lease_name = args.lease.partition("/")
+    if not sep or not ns or not lease_name:
+        raise ValidationError("--lease", "NAMESPACE/NAME", args.lease)
+    identity = os.environ.get("POD_NAME") or socket.gethostname()
+    state.elector = LeaderElector(client, ns, lease_name, identity, time.time)
+    pod_ns, pod_name = os.environ.get("POD_NAMESPACE"), os.environ.get("POD_NAME")
+    if pod_ns and pod_name:
+        return LeaderLabel(client, pod_ns, pod_name, LEADER_LABEL)
+    log.warning("POD_NAME and POD_NAMESPACE are not both set (the downward API, as "
+                "deploy/ sets them): the leader does not label its pod %s, so a "
+                "Service that selects it finds no endpoint", f"{LEADER_LABEL}=leader",
+                extra={"event": "no-leader-label"})
+    return None
