@@ -174,22 +174,8 @@ def _node_agent(args: argparse.Namespace, console: Console) -> int:
         if given:
             raise ValidationError(flag, "only with --cleanup", "without it")
     log = setup_logging(args.log_format, "node-agent")
-    node = args.node or os.environ.get("NODE_NAME")
-    if not node:
-        raise ValidationError("--node", "the node's name (or $NODE_NAME)", node)
-    if not 1 <= args.replicas <= MAX_REPLICAS:
-        raise ValidationError("--replicas", f"1..{MAX_REPLICAS} virtual devices per GPU (the "
-                              "kubelet tracks each one)", args.replicas)
-    if args.key_file is None:
-        raise ValidationError("--key-file", "the file holding the HMAC key shared with the "
-                              "extender", None)
+    node = _check(args, args.node or os.environ.get("NODE_NAME"))
     key = read_key(args.key_file)
-    if not args.socket_dir.is_dir():
-        raise ValidationError("--socket-dir", "the kubelet's device plugin directory",
-                              str(args.socket_dir))
-    if args.cdi_root.exists() and not args.cdi_root.is_dir():  # made when missing
-        raise ValidationError("--cdi-root", "a folder for the CDI specs (made if missing)",
-                              f"{args.cdi_root}: not a folder")
     from gpuslice.adapters.nvml.real import LateNvml
 
     # without a stand-in inventory: NVML, tried again while the NVIDIA driver has not loaded
@@ -206,23 +192,7 @@ def _node_agent(args: argparse.Namespace, console: Console) -> int:
                        else Path(args.pod_resources_socket),
                        device_list_strategy=device_list_strategy(args.device_list_strategy),
                        cdi_root=args.cdi_root, dev_dir=args.dev_dir)
-    if args.fake_mps and args.fake_gpus is None:
-        raise ValidationError("--fake-mps", "only with --fake-gpus (real GPUs get real MPS)",
-                              "without it")
-    # a fake inventory has no real GPU behind it: MPS daemons only as stand-ins (--fake-mps)
-    mps_binary = CONTROL
-    if args.fake_mps:
-        import tempfile
-
-        from gpuslice.adapters.mps.fake import write_fake_control
-
-        mps_binary = str(write_fake_control(Path(tempfile.mkdtemp(prefix="gpuslice-mps-"))
-                                            / "nvidia-cuda-mps-control"))
-        from gpuslice.adapters.mps.fake import standin_processes
-        from gpuslice.adapters.nvml.port import FakeNvml
-
-        if isinstance(nvml, FakeNvml):  # NVML lists a daemon's clients: the stand-in's
-            nvml.process_source = standin_processes(args.mps_pipe_dir)
+    mps_binary = _mps_binary(args, nvml)
     agent = NodeAgent(cfg, nvml, api, quiet_s=args.quiet,
                       mps=not args.no_mps and (args.fake_gpus is None or args.fake_mps),
                       mps_binary=mps_binary, quit_mps_on_stop=args.quit_mps_on_exit,
@@ -253,6 +223,45 @@ def _node_agent(args: argparse.Namespace, console: Console) -> int:
         return 1
     log.info("%s", signals.stopped_line(), extra={"event": "stopped"})
     return 0
+
+
+def _check(args: argparse.Namespace, node: str | None) -> str:
+    """The flags the agent cannot start without, each refused naming it; the node."""
+    if not node:
+        raise ValidationError("--node", "the node's name (or $NODE_NAME)", node)
+    if not 1 <= args.replicas <= MAX_REPLICAS:
+        raise ValidationError("--replicas", f"1..{MAX_REPLICAS} virtual devices per GPU (the "
+                              "kubelet tracks each one)", args.replicas)
+    if args.key_file is None:
+        raise ValidationError("--key-file", "the file holding the HMAC key shared with the "
+                              "extender", None)
+    if not args.socket_dir.is_dir():
+        raise ValidationError("--socket-dir", "the kubelet's device plugin directory",
+                              str(args.socket_dir))
+    if args.cdi_root.exists() and not args.cdi_root.is_dir():  # made when missing
+        raise ValidationError("--cdi-root", "a folder for the CDI specs (made if missing)",
+                              f"{args.cdi_root}: not a folder")
+    if args.fake_mps and args.fake_gpus is None:
+        raise ValidationError("--fake-mps", "only with --fake-gpus (real GPUs get real MPS)",
+                              "without it")
+    return node
+
+
+def _mps_binary(args: argparse.Namespace, nvml: NvmlPort) -> str:
+    """The MPS control program: the real one, or with ``--fake-mps`` (a fake inventory has
+    no real GPU behind it) the stand-in, whose clients the fake NVML then lists."""
+    if not args.fake_mps:
+        return CONTROL
+    import tempfile
+
+    from gpuslice.adapters.mps.fake import standin_processes, write_fake_control
+    from gpuslice.adapters.nvml.port import FakeNvml
+
+    binary = str(write_fake_control(Path(tempfile.mkdtemp(prefix="gpuslice-mps-"))
+                                    / "nvidia-cuda-mps-control"))
+    if isinstance(nvml, FakeNvml):  # NVML lists a daemon's clients: the stand-in's
+        nvml.process_source = standin_processes(args.mps_pipe_dir)
+    return binary
 
 
 def _uninstall(agent: NodeAgent, api: KubeClient | FakeApiServer, node: str,
