@@ -79,31 +79,8 @@ class ClaimPlanner:
                 continue
             mine = [x for x in entries if not x.get("admin")]
             if ref.type == dra.TYPE_SHARE:
-                share = r.get("shareID")
-                if not share:
-                    raise ClaimError(f"{where}.shareID: missing for a device that allows "
-                                     "multiple allocations (DRAConsumableCapacity off in the "
-                                     "scheduler?)")
-                if not isinstance(share, str):
-                    raise ClaimError(f"{where}.shareID: expected a string, got {share!r}")
-                mps = last.mps if isinstance(last, dra.MpsConfig) else dra.MpsSettings()
-                try:
-                    caps = dra.share_caps(_object(r.get("consumedCapacity"),
-                                                  f"{where}.consumedCapacity"),
-                                          ref.memory_mib, mps, f"{where}.consumedCapacity")
-                except ValidationError as exc:
-                    raise ClaimError(str(exc)) from None
-                held = [dra.ShareCaps(x["threadPct"], x["memoryMiB"])
-                        for o in others.values() for x in o["devices"]
-                        if x.get("type") == dra.TYPE_SHARE and x["gpu"] == ref.gpu_uuid]
-                held += [dra.ShareCaps(x["threadPct"], x["memoryMiB"]) for x in mine
-                         if x.get("type") == dra.TYPE_SHARE and x["gpu"] == ref.gpu_uuid]
-                problems = dra.share_problems(held, caps, ref.memory_mib)
-                if problems:
-                    raise ClaimError(f"share {share} of GPU {ref.gpu_index} refused: "
-                                     f"{problems[0]}")
-                e.update(shareID=share, threadPct=caps.thread_pct, memoryMiB=caps.memory_mib,
-                         processes=mps.processes)
+                e.update(_share(r, ref, last, where, [*(x for o in others.values()
+                                                         for x in o["devices"]), *mine]))
             elif ref.type == dra.TYPE_MIG:
                 e.update(profile=ref.profile, start=ref.start, migUUID=ref.mig_uuid)
                 if isinstance(last, dra.MigConfig):
@@ -114,18 +91,7 @@ class ClaimPlanner:
                 if clash:
                     raise ClaimError(f"{where}.device {r['device']}: {clash}")
             else:
-                holder = next((f"{o['namespace']}/{o['name']}" for o in others.values()
-                               for x in o["devices"] if x["device"] == r["device"]), None)
-                if holder:
-                    raise ClaimError(f"{where}.device {r['device']} is prepared for claim "
-                                     f"{holder} already")
-                if any(x["device"] == r["device"] for x in mine):
-                    raise ClaimError(f"{where}.device {r['device']} is allocated twice in this "
-                                     "claim (a whole GPU is one allocation)")
-                if isinstance(last, dra.GpuConfig):
-                    e.update(strategy=last.strategy, interval=last.interval,
-                             mpsPct=last.mps.active_thread_percentage,
-                             mpsMiB=last.mps.pinned_memory_mib, processes=last.mps.processes)
+                e.update(_whole(r, ref, last, where, others, mine))
             entries.append(e)
         targets = sorted({t for t in map(_mps_target, entries) if t})
         if len(targets) > 1:
@@ -195,3 +161,49 @@ def _mps_target(e: dict[str, Any]) -> str:
 
 _CONFIG_FOR: dict[str, type] = {dra.TYPE_SHARE: dra.MpsConfig, dra.TYPE_MIG: dra.MigConfig,
                                 dra.TYPE_GPU: dra.GpuConfig}
+
+
+def _share(r: dict[str, Any], ref: dra.DeviceRef, last: object, where: str,
+           held_by: list[dict[str, Any]]) -> dict[str, Any]:
+    """A share's entry fields: its ID and caps (from ``consumedCapacity`` and the MPS
+    settings of ``last``, the config that applies), refused when the shares of its GPU
+    already prepared (``held_by``: every other device entry, this claim's too) leave too
+    little."""
+    share = r.get("shareID")
+    if not share:
+        raise ClaimError(f"{where}.shareID: missing for a device that allows multiple "
+                         "allocations (DRAConsumableCapacity off in the scheduler?)")
+    if not isinstance(share, str):
+        raise ClaimError(f"{where}.shareID: expected a string, got {share!r}")
+    mps = last.mps if isinstance(last, dra.MpsConfig) else dra.MpsSettings()
+    try:
+        caps = dra.share_caps(_object(r.get("consumedCapacity"), f"{where}.consumedCapacity"),
+                              ref.memory_mib, mps, f"{where}.consumedCapacity")
+    except ValidationError as exc:
+        raise ClaimError(str(exc)) from None
+    held = [dra.ShareCaps(x["threadPct"], x["memoryMiB"]) for x in held_by
+            if x.get("type") == dra.TYPE_SHARE and x["gpu"] == ref.gpu_uuid]
+    problems = dra.share_problems(held, caps, ref.memory_mib)
+    if problems:
+        raise ClaimError(f"share {share} of GPU {ref.gpu_index} refused: {problems[0]}")
+    return {"shareID": share, "threadPct": caps.thread_pct, "memoryMiB": caps.memory_mib,
+            "processes": mps.processes}
+
+
+def _whole(r: dict[str, Any], ref: dra.DeviceRef, last: object, where: str,
+           others: dict[str, Any], mine: list[dict[str, Any]]) -> dict[str, Any]:
+    """A whole GPU's entry fields (its sharing from ``last``, a GpuConfig), refused when
+    another claim has it prepared or this claim names it twice."""
+    holder = next((f"{o['namespace']}/{o['name']}" for o in others.values()
+                   for x in o["devices"] if x["device"] == r["device"]), None)
+    if holder:
+        raise ClaimError(f"{where}.device {r['device']} is prepared for claim {holder} "
+                         "already")
+    if any(x["device"] == r["device"] for x in mine):
+        raise ClaimError(f"{where}.device {r['device']} is allocated twice in this claim (a "
+                         "whole GPU is one allocation)")
+    if not isinstance(last, dra.GpuConfig):
+        return {}
+    return {"strategy": last.strategy, "interval": last.interval,
+            "mpsPct": last.mps.active_thread_percentage, "mpsMiB": last.mps.pinned_memory_mib,
+            "processes": last.mps.processes}
