@@ -17,7 +17,8 @@ import yaml
 
 from gpuslice.core import dra
 from gpuslice.core.devices import GpuDevice
-from gpuslice.demo.dra import DraDemoFailed, first_fit_counters, manifests
+from gpuslice.demo.dra import manifests
+from gpuslice.demo.dra_first_fit import DraDemoFailed, first_fit_counters
 
 ROOT = Path(__file__).resolve().parents[2]
 

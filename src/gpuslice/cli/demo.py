@@ -50,7 +50,8 @@ def _dra(console: Console, local_gpus: bool = True) -> int:
     from rich.table import Table
 
     from gpuslice.cli.common import EXIT_FAILED
-    from gpuslice.demo.dra import DraDemoFailed, run_dra_demo
+    from gpuslice.demo.dra import run_dra_demo
+    from gpuslice.demo.dra_first_fit import DraDemoFailed
 
     def say(line: str) -> None:
         console.print(f"[green]\u2713[/green] {line}", highlight=False, markup=True,
