@@ -425,8 +425,9 @@ class _DemoRun:
             cur = api.get_resource_claim(NAMESPACE, claim["metadata"]["name"])
             if not (cur.get("status") or {}).get("allocation"):
                 raise DraDemoFailed(f"claim {cur['metadata']['name']} is not allocated")
-            me = {"resource": "pods", "name": pod["metadata"]["name"],
-                  "uid": pod["metadata"]["uid"]}
+            me = kdra.reservation(pod)
+            if me is None:
+                raise DraDemoFailed(f"pod {pod['metadata'].get('name')} has no name or UID")
             reserved = list(cur["status"].get("reservedFor") or [])
             if me["uid"] not in {r.get("uid") for r in reserved}:
                 cur["status"]["reservedFor"] = [*reserved, me]

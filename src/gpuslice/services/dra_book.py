@@ -209,7 +209,8 @@ class DraBook:
         for key, c, version in changed:
             took = kdra.claim_took(c, self.driver, found)
             node = None
-            if took or kdra.is_allocated(c):
+            allocated = bool(took) or kdra.is_allocated(c)
+            if allocated:
                 try:
                     node = kdra.allocated_node(c)
                 except ValidationError as exc:  # its pods count on no node
@@ -221,8 +222,7 @@ class DraBook:
                 found.clear()
             old = self._claims.get(key)
             self._claims[key] = new
-            if old is None and new.request is not None and not took \
-                    and not kdra.is_allocated(c):
+            if old is None and new.request is not None and not allocated:
                 self.new_unallocated.append(c)
             self._take(old.took if old is not None else (), -1)
             self._take(took, 1)
