@@ -86,6 +86,10 @@ class ClusterTarget:
         self.stages = stages  # time each GPU pod's claim allocation and gate's removal too
         self.nodes_to_score = nodes_to_score  # the gpuslice profile's, when not deploy/'s
         self.nodes, self.scenario, mix_name = kwok_scenario(nodes, gpus, variant, mix)
+        # what the run replays, written into --json so that the simulator's rows can be
+        # recomputed later (placement_matrix.py --cluster-json)
+        self.spec = {"nodes": nodes, "gpus": gpus, "variant": variant, "mix": mix,
+                     "tune": tune_ratio, "nodes_to_score": nodes_to_score, "burst": burst}
         # the model of the device-plugin path scores the share of nodes the profile does
         self.sim = SimTarget(self.scenario, tune_ratio, nodes_to_score)
         self.name = (f"real control plane (kube-scheduler v1.36, kwok), {nodes} nodes x "

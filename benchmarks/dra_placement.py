@@ -180,7 +180,8 @@ def run(target: Target, seeds: list[int], console: Console,
     if json_out is not None:
         json_out.write_text(json.dumps({"unallocated": {
             m: {str(s): round(v, 4) for s, v in zip(seeds, vals, strict=True)}
-            for m, vals in unalloc.items()}, "target": target.name}, indent=1) + "\n")
+            for m, vals in unalloc.items()}, "target": target.name,
+            "scenario": getattr(target, "spec", None)}, indent=1) + "\n")
     table = Table(title=f"DRA placement: {target.name}, seeds {seeds[0]}-{seeds[-1]}")
     for col in ("path", "unallocated GPU % at 100% arrived", "tasks placed / s", "vs default"):
         table.add_column(col, justify="right" if col != "path" else "left")

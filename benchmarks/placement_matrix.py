@@ -27,7 +27,8 @@ the JSON of every run (``--json``, which ``--resume`` reuses), the tables into a
 list has no figure at 100% arrived (one multi-GPU task stepping over the bins on a small
 cluster, ``sim.runner.arrival_gap``) is left out of its cell with a note. ``--cluster-json``
 adds a sample from the real control plane (``dra_placement.py --cluster --json``) beside the
-simulator's figures for the same cells.
+simulator's figures for the same cells, its simulator rows replayed again by the simulator as
+it is now (``remodel``).
 
     python benchmarks/placement_matrix.py --json bench-out/matrix.json \\
         --doc docs/dra-placement.md --plot docs/placement-matrix.png     # about 2 h, 2 cores
@@ -45,6 +46,7 @@ from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from rich.console import Console
@@ -93,6 +95,30 @@ BY_KEY = {p.key: p for p in PATHS}
 def node_count(cluster: str) -> int:
     spec = CLUSTERS[cluster]
     return 1213 if spec == "trace" else sum(g[1] for g in spec)
+
+
+# the simulator's rows of a control-plane sample, and the simulator's path each one replays
+MODEL_ROWS = {"default-model": "default", "ours-model": "ours",
+              "device-plugin-model": "device-plugin-model"}
+
+
+def remodel(run: dict[str, Any]) -> dict[str, Any]:
+    """A control-plane sample (``dra_placement.py --cluster --json``) with its simulator rows
+    replayed again by the simulator as it is now, seed for seed: the control plane's figures
+    are measurements and stay, the models move with the code. A sample without its
+    ``scenario`` (written before it was recorded) or of a burst keeps the rows it has."""
+    spec = run.get("scenario")
+    if not isinstance(spec, dict) or spec.get("burst"):
+        return run
+    from dra_targets import SimTarget, kwok_scenario
+
+    _, scen, _ = kwok_scenario(spec["nodes"], spec["gpus"], spec["variant"], spec["mix"])
+    sim = SimTarget(scen, spec["tune"], spec["nodes_to_score"])
+    got = {row: dict(seeds) for row, seeds in run["unallocated"].items()}
+    for row, mode in MODEL_ROWS.items():
+        if row in got:
+            got[row] = {s: round(sim.replay(mode, int(s)).unallocated_pct, 4) for s in got[row]}
+    return {**run, "unallocated": got}
 
 
 # -- scenarios and runs (in worker processes) ---------------------------------------------
@@ -302,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     left_out = run_all(cells, paths, lambda c: small if node_count(c) <= SMALL else seeds,
                        args.tune, args.workers, runs, save, console)
     table = cells_of(runs, cells, paths, left_out)
-    sample = [json.loads(f.read_text()) for f in args.cluster_json]
+    sample = [remodel(json.loads(f.read_text())) for f in args.cluster_json]
     text, ok = report(table, paths, {p.key: p.label for p in PATHS}, sample, console)
     console.print(f"{time.monotonic() - started:.0f} s")
     if args.doc is not None:

@@ -131,3 +131,23 @@ def test_the_stages_table_pools_the_seeds_per_path() -> None:
     quiet = io.StringIO()
     print_stages({"ours": [out()]}, {}, Console(file=quiet))
     assert quiet.getvalue() == ""
+
+
+def test_a_control_plane_sample_gets_the_simulators_rows_of_today() -> None:
+    """placement_matrix.remodel: the simulator's rows of a control-plane sample are replayed
+    again (the models move with the code), the control plane's figures stay, and a sample
+    that did not record its scenario keeps what it has."""
+    from dra_targets import SimTarget, kwok_scenario
+    from placement_matrix import remodel
+
+    spec = {"nodes": 2, "gpus": 8, "variant": None, "mix": None, "tune": 1.3,
+            "nodes_to_score": None, "burst": False}
+    sim = SimTarget(kwok_scenario(2, 8, None)[1], 1.3)
+    want = round(sim.replay("default", 42).unallocated_pct, 4)
+    stale = {"default": {"42": 50.0}, "default-model": {"42": -1.0}}
+    got = remodel({"target": "t", "scenario": spec, "unallocated": stale})
+    assert got["unallocated"] == {"default": {"42": 50.0}, "default-model": {"42": want}}
+    assert stale["default-model"] == {"42": -1.0}  # the input is not changed in place
+    old = {"target": "t", "unallocated": stale}
+    assert remodel(old) is old
+    assert remodel({**old, "scenario": {**spec, "burst": True}})["unallocated"] == stale

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from gpuslice.core.model import BoolArray, ClusterArrays, FloatArray, IntArray, SliceRequest
+from gpuslice.core.model import BoolArray, ClusterArrays, IntArray, SliceRequest
 
 # kube-scheduler's defaults (pkg/scheduler/schedule_one.go)
 MIN_FEASIBLE_NODES_TO_FIND = 100
@@ -70,16 +70,53 @@ def window(ok: BoolArray, start: int, percentage: int = 0) -> tuple[IntArray, in
     return order[taken], (start + processed) % n
 
 
-def default_scores(arrays: ClusterArrays, req: SliceRequest, nodes: IntArray) -> FloatArray:
-    """NodeResourcesFit with the LeastAllocated strategy plus NodeResourcesBalancedAllocation
-    (both weight 1, CPU and memory weight 1), as integers like the plugins'."""
+def default_scores(arrays: ClusterArrays, req: SliceRequest, nodes: IntArray) -> IntArray:
+    """kube-scheduler v1.36's default scores for ``req`` on ``nodes``: NodeResourcesFit with
+    the LeastAllocated strategy plus NodeResourcesBalancedAllocation, both weight 1, CPU and
+    memory weight 1, in the plugins' integer arithmetic. BalancedAllocation scores the change
+    to the node's balance (``balancedResourceScorer`` in
+    pkg/scheduler/framework/plugins/noderesources/balanced_allocation.go, since
+    kubernetes/kubernetes#135573): ``50 + (50 + with - without) / 2``, 75 when the pod leaves
+    the balance as it was."""
+    cap, used, after = _requested(arrays, req, nodes)
+    with_pod, without = _balance(after, cap), _balance(used, cap)
+    half = MAX_NODE_SCORE // 2
+    return _least_allocated(after, cap) + half + (half + with_pod - without) // 2
+
+
+def spread_scores(arrays: ClusterArrays, req: SliceRequest, nodes: IntArray) -> IntArray:
+    """The spreading scores ``frag-strand`` breaks its bands' ties with (issue 59): LeastAllocated
+    plus the balance of CPU and memory once the pod is placed, as kube-scheduler's
+    BalancedAllocation scored it up to v1.35 (the balance after the pod alone). Measured as the
+    policy's (docs/dra-placement.md); :func:`default_scores` is kube-scheduler's own now."""
+    cap, _, after = _requested(arrays, req, nodes)
+    return _least_allocated(after, cap) + _balance(after, cap)
+
+
+def _requested(arrays: ClusterArrays, req: SliceRequest,
+               nodes: IntArray) -> tuple[IntArray, IntArray, IntArray]:
+    """Per node (rows) and resource (CPU, memory): allocatable, requested without the pod and
+    with it."""
     cap = np.stack([arrays.cpu_cap[nodes], arrays.mem_cap[nodes]], axis=1).astype(np.int64)
     used = cap - np.stack([arrays.cpu_free[nodes], arrays.mem_free[nodes]], axis=1)
-    after = used + np.array([req.cpu_milli, req.memory_mib], dtype=np.int64)
-    safe = np.maximum(cap, 1)
-    least = np.where(after > cap, 0, (cap - after) * MAX_NODE_SCORE // safe)
-    least = np.where(cap == 0, 0, least).sum(axis=1) // 2
-    frac = np.minimum(after / safe, 1.0)
-    std = np.abs(frac[:, 0] - frac[:, 1]) / 2.0
-    balanced = np.trunc((1.0 - std) * MAX_NODE_SCORE)
-    return np.asarray(least + balanced, dtype=np.float64)
+    return cap, used, used + np.array([req.cpu_milli, req.memory_mib], dtype=np.int64)
+
+
+def _least_allocated(requested: IntArray, cap: IntArray) -> IntArray:
+    """``leastResourceScorer`` (least_allocated.go): per resource ``(cap - requested) * 100 /
+    cap``, 0 past the capacity, averaged over the resources a node has (integer division)."""
+    has = cap > 0
+    per = np.where(requested > cap, 0,
+                   (cap - requested) * MAX_NODE_SCORE // np.maximum(cap, 1))
+    per = np.where(has, per, 0)
+    return np.asarray(per.sum(axis=1) // np.maximum(has.sum(axis=1), 1), dtype=np.int64)
+
+
+def _balance(requested: IntArray, cap: IntArray) -> IntArray:
+    """``balancedResourceScore`` (balanced_allocation.go) for CPU and memory: ``(1 - std) *
+    100`` truncated, ``std`` half the difference of the two fractions (each capped at 1); a
+    node lacking one of them scores 100 (one fraction, no spread)."""
+    frac = np.minimum(requested / np.maximum(cap, 1), 1.0)
+    both = (cap > 0).all(axis=1)
+    std = np.where(both, np.abs(frac[:, 0] - frac[:, 1]) / 2.0, 0.0)
+    return np.asarray(np.trunc((1.0 - std) * MAX_NODE_SCORE), dtype=np.int64)

@@ -19,7 +19,7 @@ from typing import Protocol
 import numpy as np
 
 from gpuslice.core import placement_state as _state
-from gpuslice.core.dra_default import default_scores
+from gpuslice.core.dra_default import spread_scores
 from gpuslice.core.errors import ValidationError
 from gpuslice.core.fit import feasible, gpu_ok, reject_reasons
 from gpuslice.core.frag import TargetWorkload, shape_frag
@@ -317,9 +317,10 @@ class FragStrandPolicy(FgdPolicy):
     ``z`` standard errors where the workload was learned), which tasks get the CPU decides, not
     GPU fragmentation. Placements whose fragmentation change (counting the GPUs a node's CPU
     cannot feed: ``shape_frag``'s ``cpu_bound``) falls in the same band of ``q`` milli-GPU are
-    then equal, and kube-scheduler's spreading scores (LeastAllocated + BalancedAllocation on
-    CPU and memory) choose among them, as DRA's first fit does. ``q = spread x min(1, (kappa -
-    bound_from) / bound_ramp)``, 0 below ``min_band`` (narrower bands would only trade FGD's
+    then equal, and spreading scores choose among them, as DRA's first fit does
+    (LeastAllocated + the balance of CPU and memory after the pod, kube-scheduler's scores up
+    to v1.35: :func:`~gpuslice.core.dra_default.spread_scores`). ``q = spread x min(1, (kappa
+    - bound_from) / bound_ramp)``, 0 below ``min_band`` (narrower bands would only trade FGD's
     integer ties, which pack, for exact scores); at 0 the policy is the packing one.
 
     Below that, scores use FGD's integer scale, so near-equal placements tie and go to a fixed
@@ -389,8 +390,8 @@ class FragStrandPolicy(FgdPolicy):
                 return Scored(nodes, delta, gpu)
         if not bound:
             return Scored(nodes, fgd_int_score(delta), gpu)
-        # band first, then kube-scheduler's spreading scores (0..200), then the integer score
-        spreading = default_scores(st.arrays, req, nodes)
+        # band first, then the spreading scores (0..200), then the integer score
+        spreading = spread_scores(st.arrays, req, nodes)
         return Scored(nodes, np.floor(delta / q) * 1e6 + spreading * 1e3 + fgd_int_score(delta),
                       gpu)
 
