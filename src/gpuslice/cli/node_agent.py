@@ -90,6 +90,24 @@ def register(sub: Sub) -> None:
                     help="seconds without errors before a faulty GPU is healthy again")
     na.add_argument("--metrics", default="0.0.0.0:9402",
                     help="HOST:PORT of the Prometheus endpoint ('off' to disable)")
+    _mps_flags(na)
+    na.add_argument("--proc-root", type=Path, default=Path("/proc"),
+                    help="the host's /proc as the agent sees it, where each GPU process's "
+                    "cgroup names its pod (default /proc: the agent runs with hostPID; "
+                    "/host/proc where the host's is mounted there instead)")
+    na.add_argument("--pod-resources-socket",
+                    default="/var/lib/kubelet/pod-resources/kubelet.sock",
+                    help="the kubelet's PodResources API ('off' not to ask): pods it gave "
+                    "devices to are not waiting for Allocate, even while Pending")
+    nsrc = na.add_mutually_exclusive_group()
+    nsrc.add_argument("--kubeconfig", help=KUBECONFIG_HELP)
+    nsrc.add_argument("--fake-cluster", type=Path, help="YAML with 'nodes' and 'pods'")
+    add_log_format(na)
+    na.set_defaults(handler=_node_agent)
+
+
+def _mps_flags(na: argparse.ArgumentParser) -> None:
+    """The node agent's MPS flags."""
     na.add_argument("--no-mps", action="store_true",
                     help="do not start MPS control daemons (MPS slices then share the GPU "
                     "without caps)")
@@ -106,19 +124,6 @@ def register(sub: Sub) -> None:
     na.add_argument("--mps-shm-dir", default=SHM_DIR,
                     help="host directory that is the MPS daemons' /dev/shm, mounted at /dev/shm "
                     "in MPS clients ('' for none: then clients need hostIPC)")
-    na.add_argument("--proc-root", type=Path, default=Path("/proc"),
-                    help="the host's /proc as the agent sees it, where each GPU process's "
-                    "cgroup names its pod (default /proc: the agent runs with hostPID; "
-                    "/host/proc where the host's is mounted there instead)")
-    na.add_argument("--pod-resources-socket",
-                    default="/var/lib/kubelet/pod-resources/kubelet.sock",
-                    help="the kubelet's PodResources API ('off' not to ask): pods it gave "
-                    "devices to are not waiting for Allocate, even while Pending")
-    nsrc = na.add_mutually_exclusive_group()
-    nsrc.add_argument("--kubeconfig", help=KUBECONFIG_HELP)
-    nsrc.add_argument("--fake-cluster", type=Path, help="YAML with 'nodes' and 'pods'")
-    add_log_format(na)
-    na.set_defaults(handler=_node_agent)
 
 
 def _cleanup(args: argparse.Namespace, console: Console) -> int:

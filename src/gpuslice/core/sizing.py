@@ -95,25 +95,8 @@ def size_slices(tenants: Sequence[Tenant], profiles: ProfileSet, gpu: str, *,
     if len(set(names)) != len(names):
         raise ValidationError("tenants", "distinct names", names)
     n = len(tenants)
-    out: dict[str, SliceSize] = {}
-    used = 0
-    for t in tenants:
-        if not t.critical:
-            continue
-        assert t.slo_ms is not None
-        pts = _points(profiles, t.model, gpu, n, t.batches)
-        if not pts:
-            raise Unsizable(f"{t.name}: no MPS profile of {t.model} on {gpu}")
-        ok = [p for p in pts.values() if p.tail_latency_s * 1000 <= t.slo_ms]
-        if not ok:
-            fastest = min(pts.values(), key=lambda p: p.tail_latency_s)
-            raise Unsizable(f"{t.name}: no profiled cap meets its {t.slo_ms:g} ms SLO with {n} "
-                            f"processes on the GPU (best: {fastest.tail_latency_s * 1000:.1f} "
-                            f"ms at {fastest.slice_size}% batch {fastest.batch})")
-        p = min(ok, key=lambda p: (p.slice_size, -p.throughput, p.batch))
-        out[t.name] = SliceSize(t.name, p.slice_size, p.batch, p.throughput,
-                                p.tail_latency_s * 1000, True)
-        used += p.slice_size
+    out = {t.name: _size_critical(t, profiles, gpu, n) for t in tenants if t.critical}
+    used = sum(s.thread_pct for s in out.values())
     if used > 100:
         raise Unsizable(f"the latency-critical replicas need {used}% of the GPU together: "
                         + ", ".join(f"{s.name} {s.thread_pct}%" for s in out.values()))
@@ -122,30 +105,62 @@ def size_slices(tenants: Sequence[Tenant], profiles: ProfileSet, gpu: str, *,
     if best_effort and left < min_pct * len(best_effort):
         raise Unsizable(f"{left}% left after the latency-critical replicas; the "
                         f"{len(best_effort)} best-effort ones need {min_pct}% each")
-    # per best-effort tenant: throughput at each cap on the grid (best batch at that cap)
-    curves: list[tuple[Tenant, dict[int, tuple[float, int, float]]]] = []
-    for t in best_effort:
-        pts = _points(profiles, t.model, gpu, n, t.batches)
-        if not pts:
-            raise Unsizable(f"{t.name}: no MPS profile of {t.model} on {gpu}")
-        batches = sorted({b for _, b in pts})
-        curve: dict[int, tuple[float, int, float]] = {}
-        for pct in range(min_pct, left + 1, step):
-            best: tuple[float, int, float] | None = None
-            for b in batches:
-                caps = sorted(c for c, bb in pts if bb == b)
-                thr = _interp(caps, [pts[(c, b)].throughput for c in caps], pct)
-                lat = _interp(caps, [pts[(c, b)].tail_latency_s for c in caps], pct) \
-                    if pct >= caps[0] else pts[(caps[0], b)].tail_latency_s * caps[0] / pct
-                if best is None or thr > best[0]:
-                    best = (thr, b, lat * 1000)
-            assert best is not None
-            curve[pct] = best
-        curves.append((t, curve))
-    # knapsack: maximise total best-effort throughput with caps adding up to at most `left`;
-    # among equal totals (a straight stretch of the interpolated curves makes many), the most
-    # even caps (smallest sum of squares), so identical replicas get identical slices
-    grid = list(range(min_pct, left + 1, step))
+    curves = [(t, _curve(t, profiles, gpu, n, range(min_pct, left + 1, step)))
+              for t in best_effort]
+    if curves:
+        picks = _split(curves, list(range(min_pct, left + 1, step)), left)
+        for (t, curve), pct in zip(curves, picks, strict=True):
+            thr, b, lat = curve[pct]
+            out[t.name] = SliceSize(t.name, pct, b, thr, lat, False)
+    return [out[t.name] for t in tenants]
+
+
+def _size_critical(t: Tenant, profiles: ProfileSet, gpu: str, n: int) -> SliceSize:
+    """A latency-critical tenant's smallest profiled cap meeting its SLO with ``n`` processes
+    on the GPU (then the highest throughput, then the smallest batch)."""
+    assert t.slo_ms is not None
+    pts = _points(profiles, t.model, gpu, n, t.batches)
+    if not pts:
+        raise Unsizable(f"{t.name}: no MPS profile of {t.model} on {gpu}")
+    ok = [p for p in pts.values() if p.tail_latency_s * 1000 <= t.slo_ms]
+    if not ok:
+        fastest = min(pts.values(), key=lambda p: p.tail_latency_s)
+        raise Unsizable(f"{t.name}: no profiled cap meets its {t.slo_ms:g} ms SLO with {n} "
+                        f"processes on the GPU (best: {fastest.tail_latency_s * 1000:.1f} "
+                        f"ms at {fastest.slice_size}% batch {fastest.batch})")
+    p = min(ok, key=lambda p: (p.slice_size, -p.throughput, p.batch))
+    return SliceSize(t.name, p.slice_size, p.batch, p.throughput, p.tail_latency_s * 1000, True)
+
+
+def _curve(t: Tenant, profiles: ProfileSet, gpu: str, n: int,
+           grid: range) -> dict[int, tuple[float, int, float]]:
+    """A best-effort tenant's throughput at each cap of ``grid`` (the best batch at that
+    cap, interpolated between profiled caps): cap -> (throughput, batch, latency ms)."""
+    pts = _points(profiles, t.model, gpu, n, t.batches)
+    if not pts:
+        raise Unsizable(f"{t.name}: no MPS profile of {t.model} on {gpu}")
+    batches = sorted({b for _, b in pts})
+    curve: dict[int, tuple[float, int, float]] = {}
+    for pct in grid:
+        best: tuple[float, int, float] | None = None
+        for b in batches:
+            caps = sorted(c for c, bb in pts if bb == b)
+            thr = _interp(caps, [pts[(c, b)].throughput for c in caps], pct)
+            lat = _interp(caps, [pts[(c, b)].tail_latency_s for c in caps], pct) \
+                if pct >= caps[0] else pts[(caps[0], b)].tail_latency_s * caps[0] / pct
+            if best is None or thr > best[0]:
+                best = (thr, b, lat * 1000)
+        assert best is not None
+        curve[pct] = best
+    return curve
+
+
+def _split(curves: Sequence[tuple[Tenant, dict[int, tuple[float, int, float]]]],
+           grid: list[int], left: int) -> tuple[int, ...]:
+    """The best-effort caps (one per curve) adding up to at most ``left`` with the highest
+    total throughput (a knapsack); among equal totals (a straight stretch of the interpolated
+    curves makes many), the least GPU, then the most even caps (smallest sum of squares), so
+    identical replicas get identical slices."""
     table: dict[int, tuple[float, tuple[int, ...]]] = {0: (0.0, ())}
 
     def rank(v: tuple[float, tuple[int, ...]]) -> tuple[float, int]:
@@ -162,10 +177,5 @@ def size_slices(tenants: Sequence[Tenant], profiles: ProfileSet, gpu: str, *,
                 if total not in nxt or rank(cand) > rank(nxt[total]):
                     nxt[total] = cand
         table = nxt
-    if curves:
-        _, picks = max(table.values(), key=lambda v: (round(v[0], 6), -sum(v[1]),
-                                                      -sum(p * p for p in v[1])))
-        for (t, curve), pct in zip(curves, picks, strict=True):
-            thr, b, lat = curve[pct]
-            out[t.name] = SliceSize(t.name, pct, b, thr, lat, False)
-    return [out[t.name] for t in tenants]
+    return max(table.values(), key=lambda v: (round(v[0], 6), -sum(v[1]),
+                                              -sum(p * p for p in v[1])))[1]

@@ -316,17 +316,28 @@ def pool_slices(gpus: Sequence[GpuFacts], modes: Mapping[str, str], driver_versi
                                 "is not served by the API server; published as a whole GPU")
             own = [_whole_device(f, driver_version)]
             refs[own[0]["name"]] = DeviceRef(TYPE_GPU, g.uuid, g.index, g.memory_mib)
-        if g.uuid in bad:
-            for d in own:
-                d.setdefault("taints", []).append(
-                    {"key": UNHEALTHY_TAINT, "value": "true", "effect": "NoSchedule"})
-        if allocator_taint and features.taints:
-            for d in own:
-                if d.get("allowMultipleAllocations"):
-                    d.setdefault("taints", []).append(
-                        {"key": ALLOCATOR_TAINT, "value": ALLOCATOR_TAINT_VALUE,
-                         "effect": "NoSchedule"})
+        _taint(own, unhealthy=g.uuid in bad, allocator=allocator_taint and features.taints)
         devices.extend(own)
+    return PoolPlan(_chunked(devices, counter_sets), refs, warnings)
+
+
+def _taint(devices: list[dict[str, Any]], *, unhealthy: bool, allocator: bool) -> None:
+    """A GPU's devices tainted: :data:`UNHEALTHY_TAINT` on every one of an unhealthy GPU,
+    :data:`ALLOCATOR_TAINT` on the consumable-capacity ones while the allocator is fresh."""
+    for d in devices:
+        if unhealthy:
+            d.setdefault("taints", []).append(
+                {"key": UNHEALTHY_TAINT, "value": "true", "effect": "NoSchedule"})
+        if allocator and d.get("allowMultipleAllocations"):
+            d.setdefault("taints", []).append(
+                {"key": ALLOCATOR_TAINT, "value": ALLOCATOR_TAINT_VALUE, "effect": "NoSchedule"})
+
+
+def _chunked(devices: list[dict[str, Any]],
+             counter_sets: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The pool's slice specs: the counter sets (:data:`MAX_COUNTER_SETS` a slice), then the
+    devices, as many a slice as the limits allow (fewer where one has taints or consumes
+    counters); at least one slice, even an empty one."""
     slices: list[dict[str, Any]] = []
     for i in range(0, len(counter_sets), MAX_COUNTER_SETS):
         slices.append({"sharedCounters": counter_sets[i:i + MAX_COUNTER_SETS]})
@@ -338,9 +349,9 @@ def pool_slices(gpus: Sequence[GpuFacts], modes: Mapping[str, str], driver_versi
             slices.append({"devices": chunk})
             chunk = []
         chunk.append(d)
-    if chunk or not slices:  # at least one slice per pool, even an empty one
+    if chunk or not slices:
         slices.append({"devices": chunk})
-    return PoolPlan(slices, refs, warnings)
+    return slices
 
 
 def slice_problems(spec: Mapping[str, Any]) -> list[str]:
