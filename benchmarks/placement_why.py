@@ -12,7 +12,8 @@ list, mean ± standard error; the cells of :mod:`placement_matrix`):
   100% arrived (every path through ``core.dra_placement.DraLedger``, first fit as
   ``dra-default``, ours placing every pod);
 * ``parts``: the new policy taken apart: spreading alone (FGD's fragmentation measure,
-  ``cpu_fed=False``) and with the measure that counts the GPUs a node's CPU cannot feed;
+  ``cpu_fed=False``) and with the measure that counts the GPUs a node's CPU cannot feed, and
+  its bands' ties broken by kube-scheduler v1.36's own scores instead (``v136_scores``);
 * ``learned``: what the deployed paths add: the workload learned from the pods seen (with the
   band opened only past ``z`` standard errors of the learned ratio, z 0, 1, 2), CPU-only pods
   left to kube-scheduler's spreading scores, and the claim allocator's devices (compute in whole
@@ -188,6 +189,8 @@ VARIANTS: dict[str, tuple[str, Callable[..., Any]]] = {
     "packing": ("frag-strand before issue 59, every pod", _every(spread=0)),
     "spread-fgd": ("spreading in bands of FGD's fragmentation, every pod", _every(cpu_fed=False)),
     "ours": ("frag-strand now (bands of the CPU-fed fragmentation), every pod", _every()),
+    "ours-v136": ("frag-strand with kube-scheduler v1.36's scores breaking its bands' ties "
+                  "(the change in balance), every pod", _every(v136_scores=True)),
     "dp-known-policy": ("device-plugin model, workload known, CPU-only pods by the policy",
                         _deployed(learn=False, cpu_only_by_policy=True)),
     "dp-known": ("device-plugin model, workload known", _deployed(learn=False)),
@@ -203,7 +206,7 @@ VARIANTS: dict[str, tuple[str, Callable[..., Any]]] = {
     "dra-known": ("claim allocator, workload known", _dra("dra-ours", learn=False)),
     "dra": ("claim allocator as deployed (learned, z 1)", _dra("dra-ours")),
 }
-PARTS = {"parts": ("packing", "spread-fgd", "ours"),
+PARTS = {"parts": ("packing", "spread-fgd", "ours", "ours-v136"),
          "learned": ("ours", "dp-known-policy", "dp-known", "dp-learned-policy", "dp-z0", "dp",
                      "dp-z2", "dra-all", "dra-known", "dra")}
 

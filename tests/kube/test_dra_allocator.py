@@ -255,9 +255,9 @@ def test_the_lease_is_renewed_every_2_s_and_a_long_pass_writes_only_5_s_after_it
     alloc = allocator(rest, tmp_path, clock, elector=elector, writers=1)
     write = alloc.writes.write
 
-    def slow(*args: Any) -> Any:  # each claim's writes take 2 s
+    def slow(*args: Any, **kw: Any) -> Any:  # each claim's writes take 2 s
         try:
-            return write(*args)
+            return write(*args, **kw)
         finally:
             clock.now += 2.0
 

@@ -19,7 +19,7 @@ from typing import Protocol
 import numpy as np
 
 from gpuslice.core import placement_state as _state
-from gpuslice.core.dra_default import spread_scores
+from gpuslice.core.dra_default import default_scores, spread_scores
 from gpuslice.core.errors import ValidationError
 from gpuslice.core.fit import feasible, gpu_ok, reject_reasons
 from gpuslice.core.frag import TargetWorkload, shape_frag
@@ -326,7 +326,9 @@ class FragStrandPolicy(FgdPolicy):
     Below that, scores use FGD's integer scale, so near-equal placements tie and go to a fixed
     node order, which packs. ``weight`` and ``contention`` scale the first two terms against
     fragmentation; ``spread=0`` turns the third off, ``cpu_fed=False`` keeps FGD's measure in
-    it (for taking it apart: ``benchmarks/placement_why.py``).
+    it, ``v136_scores=True`` breaks the bands' ties with kube-scheduler v1.36's own scores
+    (:func:`~gpuslice.core.dra_default.default_scores`; for taking it apart:
+    ``benchmarks/placement_why.py``).
     """
 
     name = "frag-strand"
@@ -334,7 +336,8 @@ class FragStrandPolicy(FgdPolicy):
 
     def __init__(self, weight: float = 1.0, contention: float = 0.3, *,
                  spread: float = 1000.0, bound_from: float = 1.0, bound_ramp: float = 0.5,
-                 min_band: float = 50.0, z: float = 1.0, cpu_fed: bool = True) -> None:
+                 min_band: float = 50.0, z: float = 1.0, cpu_fed: bool = True,
+                 v136_scores: bool = False) -> None:
         for label, value in (("weight", weight), ("contention", contention),
                              ("spread", spread), ("min_band", min_band), ("z", z)):
             if not value >= 0:
@@ -346,6 +349,7 @@ class FragStrandPolicy(FgdPolicy):
         self.spread, self.bound_from, self.bound_ramp, self.z = spread, bound_from, bound_ramp, z
         self.min_band = min_band
         self.cpu_fed = cpu_fed  # spreading: count the GPUs the CPU cannot feed (else FGD's F)
+        self.spreading = default_scores if v136_scores else spread_scores
 
     def band(self, st: PlacementState) -> float:
         """The width ``q`` (milli-GPU) of the bands of equal fragmentation change inside which
@@ -391,7 +395,7 @@ class FragStrandPolicy(FgdPolicy):
         if not bound:
             return Scored(nodes, fgd_int_score(delta), gpu)
         # band first, then the spreading scores (0..200), then the integer score
-        spreading = spread_scores(st.arrays, req, nodes)
+        spreading = self.spreading(st.arrays, req, nodes)
         return Scored(nodes, np.floor(delta / q) * 1e6 + spreading * 1e3 + fgd_int_score(delta),
                       gpu)
 

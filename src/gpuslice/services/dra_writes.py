@@ -108,16 +108,24 @@ class ClaimWrites:
         self.early_written += 1
         return out
 
-    def _finalized(self, claim: dict[str, Any]) -> dict[str, Any]:
-        """``claim`` as its early finalizer left it, when that was written and ``claim``
-        (read before it landed) does not show it yet; else ``claim``."""
+    def _take_early(self, claim: Mapping[str, Any]) -> Future[dict[str, Any] | None] | None:
+        """The early finalizer write of ``claim``, if one went out and ``claim`` (read before
+        it landed) does not show it yet; taken off the list on the pass's thread (the only one
+        that changes it)."""
         if _has_finalizer(claim):
-            return claim
+            return None
         got = self._early.pop(_uid(claim), None)
-        if got is None:
+        return None if got is None else got[0]
+
+    @staticmethod
+    def _finalized(claim: dict[str, Any],
+                   early: Future[dict[str, Any] | None] | None) -> dict[str, Any]:
+        """``claim`` as its ``early`` finalizer write left it, once that is done, when it
+        landed; else ``claim``."""
+        if early is None:
             return claim
         try:
-            after = got[0].result()
+            after = early.result()
         except Exception:  # a bug in the early write: the claim's own write adds it
             return claim
         return after if after is not None and _has_finalizer(after) else claim
@@ -128,7 +136,12 @@ class ClaimWrites:
                reserve: dict[str, str] | None) -> Future[Written]:
         """:meth:`write` of the claim on a writer (taken by the caller from :attr:`free`,
         free again once it is done); at once without a pool."""
-        run = self.write
+        early = self._take_early(claim)
+
+        def run(claim: dict[str, Any], alloc: dict[str, Any],
+                reserve: dict[str, str] | None) -> Written:
+            return self.write(claim, alloc, reserve, early=early)
+
         if self.pool is not None:
             out = self.pool.submit(run, claim, alloc, reserve)
             out.add_done_callback(lambda _: self.free.release())
@@ -142,15 +155,16 @@ class ClaimWrites:
         return fut
 
     def write(self, claim: dict[str, Any], alloc: dict[str, Any],
-              reserve: dict[str, str] | None = None) -> Written:
-        """Finalizer (unless it is on, or went on early), then ``alloc`` as
+              reserve: dict[str, str] | None = None, *,
+              early: Future[dict[str, Any] | None] | None = None) -> Written:
+        """Finalizer (unless it is on, or went on early: ``early``), then ``alloc`` as
         status.allocation with ``reserve``, the pod, as ``status.reservedFor``, each with the
         resourceVersion just read (run on a writer's thread). A conflict re-reads the claim:
         allocated by someone else -> ``taken``; else retry. Returns the outcome, the claim as
         it is now, and the conflicts met."""
         meta = claim["metadata"]
         conflicts = 0
-        claim = self._finalized(claim)
+        claim = self._finalized(claim, early)
         for _ in range(3):
             try:
                 cur = claim
