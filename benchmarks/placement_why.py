@@ -174,12 +174,13 @@ def _deployed(learn: bool = True, cpu_only_by_policy: bool = False,
     return go
 
 
-def _dra(mode: str, learn: bool = True, **kw: Any) -> Callable[..., Any]:
+def _dra(mode: str, learn: bool = True, cpu_only_by_policy: bool = False,
+         **kw: Any) -> Callable[..., Any]:
     def go(sc: Any, tasks: Any, rng: Any, seed: int) -> Any:
         from gpuslice.sim.dra import replay_dra
 
         return replay_dra(sc.arrays, tasks, mode, sc.workload, rng, seed=seed, learn=learn,
-                          policy=_policy(**kw))
+                          policy=_policy(**kw), cpu_only_by_policy=cpu_only_by_policy)
     return go
 
 
@@ -204,11 +205,13 @@ VARIANTS: dict[str, tuple[str, Callable[..., Any]]] = {
     "dra-all": ("claim allocator's devices, workload known, every pod by the policy",
                 _dra("dra-ours-all")),
     "dra-known": ("claim allocator, workload known", _dra("dra-ours", learn=False)),
+    "dra-learned-policy": ("claim allocator, workload learned, CPU-only pods by the policy",
+                           _dra("dra-ours", cpu_only_by_policy=True)),
     "dra": ("claim allocator as deployed (learned, z 1)", _dra("dra-ours")),
 }
 PARTS = {"parts": ("packing", "spread-fgd", "ours", "ours-v136"),
          "learned": ("ours", "dp-known-policy", "dp-known", "dp-learned-policy", "dp-z0", "dp",
-                     "dp-z2", "dra-all", "dra-known", "dra")}
+                     "dp-z2", "dra-all", "dra-known", "dra-learned-policy", "dra")}
 
 
 def against_first_fit(part: str, clusters: list[str], mixes: list[str],

@@ -72,3 +72,51 @@ def test_our_allocator_scores_against_the_workload_it_learns_not_the_traces(scen
     assert np.array_equal(learned, placed(other))
     assert not np.array_equal(placed(scenario.workload, learn=False),
                               placed(other, learn=False))
+
+
+def test_cpu_only_pods_by_the_policy_make_the_allocator_place_as_dra_ours_all(scenario) -> None:  # type: ignore[no-untyped-def]
+    """cpu_only_by_policy: dra-ours places the CPU-only pods with the policy too; with the
+    workload known and dra-ours-all's tie order that is dra-ours-all, decision for decision;
+    without it they go to kube-scheduler's scores and some land elsewhere."""
+    import numpy as np
+
+    from gpuslice.core.workload import tune
+    from gpuslice.sim.dra import replay_dra
+
+    tasks = tune(scenario.tasks, scenario.total_gpus * 1000, 1.3, np.random.default_rng(43))
+
+    def run(mode: str, **kw: object):  # type: ignore[no-untyped-def]
+        return replay_dra(scenario.arrays, tasks, mode, scenario.workload,
+                          np.random.default_rng(43), **kw)
+
+    every = run("dra-ours-all")
+    drawn = np.random.default_rng(43).permutation(scenario.arrays.n_nodes)  # its tie order
+    both = run("dra-ours", learn=False, cpu_only_by_policy=True, tie_rank=drawn)
+    assert np.array_equal(both.placed, every.placed)
+    assert np.array_equal(both.allocated, every.allocated)
+    assert np.allclose(both.frag, every.frag)
+    assert not np.allclose(run("dra-ours", learn=False, tie_rank=drawn).frag, every.frag)
+
+
+def test_the_allocator_model_breaks_ties_in_the_extenders_fixed_order(scenario) -> None:  # type: ignore[no-untyped-def]
+    """dra-ours ties as gpuslice dra-allocator does (the ledger's rank: core tie_order of the
+    node names, the extender's order), not in the random order dra-ours-all draws."""
+    import numpy as np
+
+    from gpuslice.core.dra_placement import DraLedger
+    from gpuslice.core.policies import tie_order
+    from gpuslice.core.workload import tune
+    from gpuslice.sim.dra import dra_nodes, replay_dra
+
+    ledger = DraLedger(dra_nodes(scenario.arrays, 100), {}, None)
+    assert np.array_equal(ledger.rank, tie_order([n.name for n in ledger.nodes]))
+    tasks = tune(scenario.tasks, scenario.total_gpus * 1000, 1.3, np.random.default_rng(44))
+
+    def run(**kw: object):  # type: ignore[no-untyped-def]
+        return replay_dra(scenario.arrays, tasks, "dra-ours", scenario.workload,
+                          np.random.default_rng(44), **kw)
+
+    own = run()
+    assert np.array_equal(run(tie_rank=ledger.rank).placed, own.placed)
+    drawn = np.random.default_rng(44).permutation(scenario.arrays.n_nodes)
+    assert not np.allclose(run(tie_rank=drawn).frag, own.frag)

@@ -51,7 +51,7 @@ from gpuslice.core.model import (
     SliceRequest,
     build_arrays,
 )
-from gpuslice.core.policies import PlacementState, Policy, choose, task_tag
+from gpuslice.core.policies import PlacementState, Policy, choose, task_tag, tie_order
 
 MIB = 1024 * 1024
 COMPUTE = "compute"
@@ -332,6 +332,8 @@ class DraLedger:
         self.state = PlacementState.build(self.arrays, workload)
         self.next_start = 0  # kube-scheduler's rotating filter start (nextStartNodeIndex)
         self.index = {nd.name: i for i, nd in enumerate(self.nodes)}
+        # ties go to a fixed node order by the names' hash, the extender's (core tie_order)
+        self.rank = tie_order([nd.name for nd in self.nodes])
         self._kinds: dict[tuple[frozenset[str], frozenset[str]], BoolArray] = {}
         self._sreq: dict[tuple[object, ...], SliceRequest | None] = {}
         # what apply() changed since the owner last set it from its inputs
@@ -446,7 +448,9 @@ class DraLedger:
         """Our placement: the policy picks the node and the devices among those where the
         claim fits (and the pod's CPU and memory), scored on the same arrays as the device
         plugin path; the devices it picks are then checked by the exact DRA rule. ``req``
-        None: a pod without devices, placed by the policy all the same."""
+        None: a pod without devices, placed by the policy all the same. Ties go to the node
+        of lowest ``rank`` (default :attr:`rank`: the fixed order by the names' hash that the
+        extender breaks ties in, so both paths tie alike)."""
         sreq = self.slice_request(req, cpu_milli, memory_mib)
         if sreq is None:
             return DraDecision(None, policy.name, 0, {REASON_UNSUPPORTED: len(self.nodes)})
@@ -455,7 +459,8 @@ class DraLedger:
         # the policy scores every slot; one of a kind the request does not accept (a node
         # mixing kinds) fails the exact check below and the node's first fit is taken instead
         for _ in range(4):
-            found = choose(policy, self.state, sreq, ok, rng, rank)
+            found = choose(policy, self.state, sreq, ok, rng,
+                           self.rank if rank is None else rank)
             if found is None:
                 break
             results: tuple[DeviceResult, ...] | None = ()

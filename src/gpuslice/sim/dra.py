@@ -48,7 +48,7 @@ from gpuslice.core.dra_placement import DraDevice as Device
 from gpuslice.core.errors import ValidationError
 from gpuslice.core.frag import Shape, TargetWorkload
 from gpuslice.core.learned import WorkloadEstimator
-from gpuslice.core.model import MILLI, ClusterArrays
+from gpuslice.core.model import MILLI, ClusterArrays, IntArray
 from gpuslice.core.policies import PlacementState, Policy, make_policy
 from gpuslice.core.workload import Tasks
 from gpuslice.sim.engine import Recorder, RunTrace, columns
@@ -95,11 +95,18 @@ def replay_dra(
     progress: Callable[[int], None] | None = None,
     learn: bool = True,
     policy: Policy | None = None,
+    cpu_only_by_policy: bool = False,
+    tie_rank: IntArray | None = None,
 ) -> RunTrace:
     """Submit ``tasks`` in order under ``mode`` (see the module doc); the trace has the shape
     of :func:`gpuslice.sim.engine.replay`'s. ``learn=False``: ``dra-ours`` scores against
     ``workload`` (known in advance) instead of the one learned from the pods seen.
-    ``policy``: our modes' policy, another than the allocator's default (``frag-strand``)."""
+    ``policy``: our modes' policy, another than the allocator's default (``frag-strand``).
+    ``cpu_only_by_policy``: ``dra-ours`` places the CPU-only pods with the policy too (what
+    the allocator would add by placing them; ``dra-ours-all`` is that with the workload
+    known). Ties: ``dra-ours`` breaks them as the allocator does, in the fixed order of the
+    node names' hash (:func:`~gpuslice.core.policies.tie_order`), ``dra-ours-all`` in a
+    random order drawn per seed, as the plain replay does; ``tie_rank``: another order."""
     if mode not in MODES:
         raise ValidationError("DRA mode", f"one of {', '.join(MODES)}", mode)
     learning = learn and mode == "dra-ours"
@@ -108,6 +115,10 @@ def replay_dra(
     estimator, version = WorkloadEstimator(), -1
     policy = policy or make_policy("frag-strand")
     rank = rng.permutation(arrays.n_nodes)  # the fixed tie order, as replay() draws it
+    if tie_rank is not None:
+        rank = tie_rank
+    elif mode == "dra-ours":  # the allocator's: the ledger's own (the names' hash)
+        rank = ledger.rank
     rec = Recorder(len(tasks), progress)
     cpu, mem, num, milli, spec = columns(tasks)
     arr_sum = alloc_sum = 0
@@ -121,7 +132,8 @@ def replay_dra(
         sreq = ledger.slice_request(req, cpu[i], mem[i])
         if learning and sreq is not None:  # the allocator sees the pod (dra_book's shape)
             estimator.add(Shape(cpu[i], sreq.gpus, sreq.milli if sreq.gpus else 0))
-        ours = mode == "dra-ours-all" or (mode == "dra-ours" and req is not None)
+        ours = mode == "dra-ours-all" or (mode == "dra-ours"
+                                          and (req is not None or cpu_only_by_policy))
         if ours:
             if learning:
                 learned = estimator.current()
