@@ -31,7 +31,7 @@ simulator's figures for the same cells, its simulator rows replayed again by the
 it is now (``remodel``).
 
     python benchmarks/placement_matrix.py --json bench-out/matrix.json \\
-        --doc docs/dra-placement.md --plot docs/placement-matrix.png     # about 2 h, 2 cores
+        --doc docs/dra-placement.md --plot docs/placement-matrix.png     # about 20 min, 2 cores
     python benchmarks/placement_matrix.py --clusters 16x8 --mixes default --seeds 42-45
 """
 
