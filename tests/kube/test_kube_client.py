@@ -435,3 +435,52 @@ def test_outside_a_pod_the_default_kubeconfig_is_kubectls(
     out = capsys.readouterr().out
     assert "ml/resnet-0 (250 mps)" in out
     assert rest.requests[-1][0] == "admin"
+
+
+def test_a_late_answer_to_an_earlier_write_never_hides_a_later_version(
+        rest: RestApiServer, tmp_path: Path) -> None:
+    """Mirror.wrote orders versions as CompareResourceVersion (apimachinery
+    pkg/util/resourceversion) does: the answer to an earlier write that a thread hands over
+    after the answer to a later one (the claim allocator's early finalizer, then its
+    allocation), or after the watch brought a later version, is not served in their place;
+    the watch bringing a version past ours drops ours."""
+    from gpuslice.adapters.kube.mirror import Mirror, rv_order
+
+    assert rv_order("9", "10") == -1 and rv_order("10", "10") == 0 and rv_order("11", "9") == 1
+    assert rv_order("010", "9") is None and rv_order("", "1") is None
+    assert rv_order(None, "1") is None
+    api = client(rest, tmp_path)
+    rest.add_pod(pod("a"))
+    m = Mirror(api, api._api.list_pod_for_all_namespaces, "Pod")
+
+    def served() -> dict[str, Any]:
+        return next(p for p in m.items() if p["metadata"]["name"] == "a")
+
+    a = served()
+    rv = int(a["metadata"]["resourceVersion"])
+
+    def version(n: int, mark: str) -> dict[str, Any]:
+        return {**a, "metadata": {**a["metadata"], "resourceVersion": str(n),
+                                  "annotations": {"mark": mark}}}
+
+    later, earlier = version(rv + 1000, "later"), version(rv + 500, "earlier")
+    m.wrote(later)
+    m.wrote(earlier)  # handed over late: the later answer stays
+    assert served() is later
+    m.wrote(version(rv, "old"))  # no newer than what the watch already brought: not kept
+    assert served() is later
+    # the watch passing our version (someone else's change after ours) drops ours
+    cur = a["metadata"]["resourceVersion"]
+    for _ in range(3):
+        cur = rest.patch_pod_annotations("ml", "a", {"x": "1"}, cur)["metadata"][
+            "resourceVersion"]
+    m._written.clear()
+    m.wrote(version(rv + 1, "ours"))
+    t0 = time.monotonic()
+    while m._written:
+        assert time.monotonic() - t0 < 10, "the watch's later version did not win"
+        m.items()
+        time.sleep(0.05)
+    assert served()["metadata"]["annotations"]["x"] == "1"
+    m.close()
+    api.close()

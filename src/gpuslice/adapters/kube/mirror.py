@@ -40,6 +40,31 @@ def _key(obj: dict[str, Any]) -> Key:
     return meta.get("namespace"), str(meta.get("name"))
 
 
+def _rv(obj: dict[str, Any]) -> object:
+    return (obj.get("metadata") or {}).get("resourceVersion")
+
+
+def rv_order(a: object, b: object) -> int | None:
+    """-1, 0 or 1 as resourceVersion ``a`` is older than, the same as or newer than ``b`` (two
+    versions of objects of one resource), as ``CompareResourceVersion`` in
+    k8s.io/apimachinery/pkg/util/resourceversion (v0.36) orders them: positive integers
+    without leading zeros, a longer one the newer. None when either is not of that form."""
+    if not (isinstance(a, str) and isinstance(b, str)):
+        return None
+    if not all(v and v[0] != "0" and v.isascii() and v.isdigit() for v in (a, b)):
+        return None
+    if len(a) != len(b):
+        return -1 if len(a) < len(b) else 1
+    return (a > b) - (a < b)
+
+
+def _not_older(a: object, b: object) -> bool:
+    """Whether version ``a`` is ``b`` or a later one (the same string where they cannot be
+    ordered)."""
+    order = rv_order(a, b)
+    return a == b if order is None else order >= 0
+
+
 def _pod_wakes(event: WatchEvent) -> bool:
     """Whether a pod's watch event may give the claim allocator work: the pod is not bound
     yet, or it is gone or finished (what it held frees up)."""
@@ -121,9 +146,19 @@ class Mirror:
 
     def wrote(self, obj: dict[str, Any]) -> None:
         """``obj`` is what the API server answered to our write: serve it until the watch
-        brings its version or a later change."""
+        brings its version or a later change. An answer that comes after one to a later
+        write of ours, or after the watch brought that version or a later one, is not
+        kept: served instead of them, it would show the object as it was before (a claim
+        unallocated again, its devices free to give twice)."""
+        key, rv = _key(obj), _rv(obj)
         with self._lock:
-            self._written[_key(obj)] = (time.monotonic(), obj)
+            mine = self._written.get(key)
+            seen = self._objects.get(key)
+            for known in (mine[1] if mine else None, seen):
+                order = None if known is None else rv_order(_rv(known), rv)
+                if order is not None and order >= 0:
+                    return
+            self._written[key] = (time.monotonic(), obj)
 
     def in_flight(self) -> set[Key]:
         """The objects we wrote whose version the watch has not brought yet (the events
@@ -169,9 +204,8 @@ class Mirror:
                 self._written.pop(key, None)
                 continue
             self._objects[key] = item.obj
-            if mine is not None and (mine[1].get("metadata") or {}).get("resourceVersion") == \
-                    (item.obj.get("metadata") or {}).get("resourceVersion"):
-                del self._written[key]  # the watch has caught up with our write
+            if mine is not None and _not_older(_rv(item.obj), _rv(mine[1])):
+                del self._written[key]  # the watch has caught up with our write (or passed it)
 
 
 class MirroredLists:
