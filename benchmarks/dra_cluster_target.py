@@ -61,9 +61,13 @@ class ClusterTarget:
       (deploy/base/scheduler-config.yaml) calls ``gpuslice extender`` (a process, HTTPS, on its
       service account) to filter, prioritize and bind; CPU-only tasks go to the default
       scheduler, as they do on a cluster.
-    * ``default-model``, ``ours-model``, ``device-plugin-model``: the simulator's models of
-      the first three on the same nodes and tuned trace (``sim.dra``'s ``dra-default`` and
-      ``dra-ours``, ``sim.deployed``), to compare seed for seed.
+    * ``ours-pinned``: ``ours`` with the CPU-only tasks behind the allocator's gate too (as
+      the webhook's ``--gate-cpu-only`` puts it on): the allocator places them by its policy
+      and pins each to its node (services/dra_pins.py).
+    * ``default-model``, ``ours-model``, ``ours-pinned-model``, ``device-plugin-model``: the
+      simulator's models of those paths on the same nodes and tuned trace (``sim.dra``'s
+      ``dra-default``, ``dra-ours`` and ``dra-ours-pinned``, ``sim.deployed``), to compare
+      seed for seed.
     * ``device-plugin-sim``: the simulator's ``ours`` on the same nodes and tuned trace, where
       ``frag-strand`` places every pod (what the device-plugin path would do if it placed the
       CPU-only pods too and kube-scheduler's own scores did not take part).
@@ -76,7 +80,8 @@ class ClusterTarget:
     create) to a watch of the namespace's pods seeing it bound."""
 
     modes = ("default", "ours", "device-plugin", "device-plugin-sim", "device-plugin-model",
-             "device-plugin-model-every", "default-model", "ours-model")
+             "device-plugin-model-every", "default-model", "ours-model", "ours-pinned",
+             "ours-pinned-model")
 
     def __init__(self, bin_dir: Path, nodes: int, gpus: int, tune_ratio: float,
                  console: Console, burst: bool = False, variant: str | None = None,
@@ -102,6 +107,7 @@ class ClusterTarget:
         self.device_plugin = False  # the run in progress is the device-plugin path's
         self.allocator_runs = False  # our DRA allocator runs (it may place a task late)
         self.gated = False  # GPU pods carry the allocator's scheduling gate
+        self.pin = False  # CPU-only pods carry it too (the webhook's --gate-cpu-only)
 
     # -- cluster lifecycle ----------------------------------------------------------------
 
@@ -194,23 +200,25 @@ class ClusterTarget:
     def replay(self, mode: str, seed: int) -> Outcome:
         if mode == "device-plugin-sim":
             return self.sim.replay("device-plugin", seed)
-        if mode in ("default-model", "ours-model"):  # the simulator's model of that path
+        if mode in ("default-model", "ours-model", "ours-pinned-model"):  # the simulator's
             return self.sim.replay(mode.removesuffix("-model"), seed)
         if mode.startswith("device-plugin-model"):
             return self.sim.replay(mode, seed)
         self.runs += 1
         ns = f"dra-bench-{mode}-{seed}-{self.runs}"
-        self._slices(tainted=mode == "ours")
+        ours = mode in ("ours", "ours-pinned")
+        self._slices(tainted=ours)
         self.core.create_namespace({"metadata": {"name": ns}})
         wait_until(f"ServiceAccount {ns}/default", lambda: bool(
             self.core.read_namespaced_service_account("default", ns)), 60)
         self.device_plugin = mode == "device-plugin"
-        self.allocator_runs = self.gated = mode == "ours"
+        self.allocator_runs = self.gated = ours
+        self.pin = mode == "ours-pinned"
         allocator: subprocess.Popen[bytes] | None = None
         extender: Proc | None = None
         if self.device_plugin:
             extender = self._start_extender()
-        elif mode == "ours":
+        elif ours:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             log = (self.log_dir / f"dra-allocator-{self.runs}.log").open("wb")
             allocator = subprocess.Popen(
@@ -294,7 +302,7 @@ class ClusterTarget:
             "apiVersion": "v1", "kind": "Pod",
             "metadata": {"name": name, "namespace": ns},
             "spec": {**({"schedulingGates": [{"name": ALLOCATOR_GATE}]}
-                        if num and self.gated else {}),
+                        if (num and self.gated) or (not num and self.pin) else {}),
                      "schedulerName": scheduler,
                      "tolerations": [{"operator": "Exists"}],
                      "terminationGracePeriodSeconds": 0,

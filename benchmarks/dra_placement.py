@@ -208,12 +208,14 @@ def run(target: Target, seeds: list[int], console: Console,
     print_stages(rows, labels, console)
     # the simulator's frag-strand placing every pod: the figure each deployed path should reach
     ref = "device-plugin-sim" if "device-plugin-sim" in unalloc else "device-plugin"
-    pairs = [(a, b) for a, b in (("device-plugin", ref), ("ours", ref),
+    pairs = [(a, b) for a, b in (("device-plugin", ref), ("ours", ref), ("ours-pinned", ref),
                                  ("device-plugin-model", ref), ("device-plugin",
                                                                 "device-plugin-model"),
                                  ("device-plugin-model", "device-plugin-model-every"),
                                  ("default", "default-model"), ("ours", "ours-model"),
-                                 ("default", "device-plugin"), ("default", "ours"))
+                                 ("ours-pinned", "ours-pinned-model"),
+                                 ("default", "device-plugin"), ("default", "ours"),
+                                 ("default", "ours-pinned"), ("ours", "ours-pinned"))
              if a in unalloc and b in unalloc and a != b]
     ptable = Table(title=f"paired per-seed differences (points of unallocated GPU, "
                    f"{len(seeds)} seeds, mean ± standard error)")
@@ -226,12 +228,12 @@ def run(target: Target, seeds: list[int], console: Console,
         ptable.add_row(f"{labels.get(a, a)} - {labels.get(b, b)}", pm(m, se))
     console.print(ptable)
     gates = []
-    for path in ("device-plugin", "ours"):
+    for path in ("device-plugin", "ours", "ours-pinned"):
         if (path, ref) in diffs:
             m, se = diffs[(path, ref)]
             gates.append((f"{labels[path]} within 0.3 points of the simulator's frag-strand "
                           "(paired mean)", abs(m) <= 0.3, pm(m, se)))
-    for path in ("device-plugin", "ours"):
+    for path in ("device-plugin", "ours", "ours-pinned"):
         if ("default", path) in diffs:
             m, se = diffs[("default", path)]
             gates.append((f"{labels[path]} better than DRA first fit by more than 2 SE",
@@ -255,7 +257,9 @@ LABELS = {"default": "DRA first fit (kube-scheduler)", "ours": "DRA, our claim a
           "device-plugin-sim": "simulator, frag-strand (every pod)",
           "device-plugin-model": "simulator, deployed model",
           "device-plugin-model-every": "simulator, deployed model, every node scored",
-          "default-model": "simulator, DRA first fit", "ours-model": "simulator, claim allocator"}
+          "default-model": "simulator, DRA first fit", "ours-model": "simulator, claim allocator",
+          "ours-pinned": "DRA, our claim allocator pinning CPU-only pods",
+          "ours-pinned-model": "simulator, claim allocator pinning CPU-only pods"}
 def doc_markers(key: str) -> tuple[str, str]:
     """The comments around a generated section (``--doc-key`` names one of several)."""
     tag = "--doc" if key == "main" else f"--doc {key}"
@@ -367,7 +371,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", default="42-44")
     ap.add_argument("--only", default=None, metavar="PATH[,PATH]",
                     help=f"replay only these paths ({', '.join(PATHS)}; device-plugin-sim, "
-                    "default-model and ours-model only with --cluster: the simulator's rows "
+                    "default-model, ours-model and ours-pinned-model only with --cluster: the "
+                    "simulator's rows "
                     "are those already)")
     ap.add_argument("--tune", type=float, default=1.3)
     ap.add_argument("--json", type=Path, default=None, metavar="FILE",
@@ -382,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
     seeds = parse_seeds(args.seeds)
     only = args.only.split(",") if args.only else None
     known = set(PATHS) if args.cluster else \
-        set(PATHS) - {"device-plugin-sim", "default-model", "ours-model"}
+        set(PATHS) - {"device-plugin-sim", "default-model", "ours-model", "ours-pinned-model"}
     if only and not set(only) <= known:
         raise SystemExit(f"dra_placement: --only takes {', '.join(sorted(known))}; got "
                          f"{args.only!r}")

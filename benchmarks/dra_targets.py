@@ -47,10 +47,12 @@ class Target(Protocol):
         ...
 
 
-SIM_POLICY = {"default": "dra-default", "ours": "dra-ours", "device-plugin": DEVICE_PLUGIN,
+SIM_POLICY = {"default": "dra-default", "ours": "dra-ours", "ours-pinned": "dra-ours-pinned",
+              "device-plugin": DEVICE_PLUGIN,
               "device-plugin-model": "deployed", "device-plugin-model-every": "deployed:100"}
 PATHS = ("default", "ours", "device-plugin", "device-plugin-sim", "device-plugin-model",
-         "device-plugin-model-every", "default-model", "ours-model")
+         "device-plugin-model-every", "default-model", "ours-model", "ours-pinned",
+         "ours-pinned-model")
 
 
 class SimTarget:
@@ -58,7 +60,7 @@ class SimTarget:
     ``percentageOfNodesToScore`` (default deploy/'s, kube-scheduler's adaptive share);
     ``device-plugin-model-every`` is that model scoring every node (100)."""
 
-    modes = ("default", "ours", "device-plugin", "device-plugin-model",
+    modes = ("default", "ours", "ours-pinned", "device-plugin", "device-plugin-model",
              "device-plugin-model-every")
     labels: ClassVar[dict[str, str]] = {
         "device-plugin": "device-plugin path, simulator's frag-strand (every pod)"}

@@ -99,7 +99,7 @@ def node_count(cluster: str) -> int:
 
 # the simulator's rows of a control-plane sample, and the simulator's path each one replays
 MODEL_ROWS = {"default-model": "default", "ours-model": "ours",
-              "device-plugin-model": "device-plugin-model"}
+              "ours-pinned-model": "ours-pinned", "device-plugin-model": "device-plugin-model"}
 
 
 def remodel(run: dict[str, Any]) -> dict[str, Any]:

@@ -144,6 +144,7 @@ def cluster_sample(sample: list[dict[str, Any]]) -> list[str]:
     """The control-plane runs beside the simulator's models of the same paths, seed for seed
     (the dra_placement.py JSON: ``unallocated`` per path and seed, ``target``)."""
     pairs = (("default", "default-model", "first fit"), ("ours", "ours-model", "allocator"),
+             ("ours-pinned", "ours-pinned-model", "allocator pinning CPU-only pods"),
              ("device-plugin", "device-plugin-model", "device-plugin path"))
     lines = [_row(["control plane run", "path", "seeds", "cluster %", "simulator %",
                    "cluster - simulator", "agree (within 2 SE)"]), "|---|---|---|---|---|---|---|"]

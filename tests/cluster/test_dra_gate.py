@@ -45,6 +45,7 @@ import yaml
 
 from gpuslice import devcluster
 from gpuslice.adapters.kube import dra as kdra
+from gpuslice.adapters.kube.cpu_pods import PINNED_TO
 from gpuslice.core.dra_gate import ALLOCATOR_UNAVAILABLE, NOT_PLACED
 from gpuslice.devcluster import DevCluster, wait_until
 from tests.cluster.conftest import DEPLOY
@@ -288,6 +289,45 @@ def test_a_burst_of_gated_pods_is_placed_each_scheduled_once(gates: GateCluster,
             int(r["consumedCapacity"]["compute"])
         assert _failed_scheduling(gates, name) == [], (name, gates.events(name))
     assert all(v <= 100 for v in used.values()), used
+
+
+def test_pods_without_claims_are_pinned_and_bound_where_the_allocator_chose(
+        gates: GateCluster, kube: Kube) -> None:
+    """Pods that ask for CPU only, created behind the allocator's gate (as the webhook's
+    ``--gate-cpu-only`` puts it on): the allocator places each by its policy and, in one
+    patch, removes the gate and adds a preferred node-affinity term of weight 100 for that
+    node and the pinned-to annotation. The real API server accepts that patch
+    (``ValidatePodUpdate``: the pod as stored is gated, so ``validateNodeAffinityMutation``
+    lets its node affinity change), and kube-scheduler binds each pod, on its first attempt,
+    to the node it was pinned to (NodeAffinity's score, weight 2, normalized)."""
+    names = [f"plain-{i}" for i in range(4)]
+    kube.create([{"apiVersion": "v1", "kind": "Pod",
+                  "metadata": {"name": n, "namespace": NS},
+                  "spec": {"schedulingGates": GATE, "terminationGracePeriodSeconds": 0,
+                           "containers": [{"name": "web", "image": "registry.local/web:1",
+                                           "resources": {"requests": {"cpu": "100m",
+                                                                      "memory": "64Mi"}}}]}}
+                 for n in names])
+    try:
+        pods = kube.wait_pods(NS, "the plain pods bound", lambda ps: len(
+            [p for p in bound(ps) if p["metadata"]["name"] in names]) == len(names), 120)
+        for p in pods:
+            name = p["metadata"]["name"]
+            if name not in names:
+                continue
+            pinned = (p["metadata"].get("annotations") or {}).get(PINNED_TO)
+            assert pinned and p["spec"]["nodeName"] == pinned, describe([p])
+            (term,) = p["spec"]["affinity"]["nodeAffinity"][
+                "preferredDuringSchedulingIgnoredDuringExecution"]
+            assert term["weight"] == 100 and term["preference"]["matchFields"] == [
+                {"key": "metadata.name", "operator": "In", "values": [pinned]}], term
+            assert not p["spec"].get("schedulingGates")
+            assert _failed_scheduling(gates, name) == [], (name, gates.events(name))
+    finally:
+        for n in names:
+            kube.core.delete_namespaced_pod(n, NS, grace_period_seconds=0)
+        kube.wait_pods(NS, "the plain pods gone", lambda ps: not any(
+            p["metadata"]["name"] in names for p in ps), 60)
 
 
 @pytest.mark.usefixtures("webhook")

@@ -6,6 +6,7 @@ down, /metrics counts each result, and nodes added later are read at the next re
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import shutil
 import ssl
@@ -269,5 +270,41 @@ def test_the_allocators_gate_is_put_on_a_pod_whose_claim_it_places(
         api.down = False
         resp = await mutate(_claim_pod({"resourceClaimTemplateName": "quarter"}))
         assert any("schedulingGates" in o["path"] for o in patch_of(resp)), resp
+
+    run(certs, api, body, gate=gate)
+
+
+@pytest.mark.parametrize("cpu_only", [True, False])
+def test_a_pod_without_claims_is_gated_only_with_gate_cpu_only(
+        certs: tuple[Path, tuple[Path, Path]], cpu_only: bool) -> None:
+    """``gpuslice webhook --gate-cpu-only``: a pod that names no claim and has no placement
+    wishes of its own gets the allocator's gate while its Lease is fresh (the allocator then
+    pins it, adapters/kube/cpu_pods.py); one with a node selector does not; without the flag
+    none does."""
+    import time as _time
+    from datetime import UTC, datetime
+
+    from gpuslice.services.webhook.gate import DraGate
+
+    api = FakeApiServer()
+    api.add_node(gpu_node("a", "L4", 1))
+    stamp = datetime.fromtimestamp(_time.time(), UTC).isoformat().replace("+00:00", "Z")
+    api.put_lease("gpuslice-system", "gpuslice-dra-allocator", {
+        "holderIdentity": "allocator-0", "leaseDurationSeconds": 15, "renewTime": stamp}, None)
+    gate = DraGate(api, cpu_only=cpu_only)
+    web = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "web", "namespace": "ml"},
+           "spec": {"containers": [{"name": "web", "image": "nginx",
+                                    "resources": {"requests": {"cpu": "2"}}}]}}
+    pinned = {**web, "spec": {**web["spec"], "nodeSelector": {"zone": "a"}}}
+
+    async def body(call: Call) -> None:
+        for pod, want in ((web, cpu_only), (pinned, False)):
+            status, doc = await call("POST", "/mutate", review(pod))
+            assert status == 200 and doc["response"]["allowed"], doc
+            ops = json.loads(base64.b64decode(doc["response"]["patch"])) \
+                if "patch" in doc["response"] else []
+            got = {"op": "add", "path": "/spec/schedulingGates",
+                   "value": [{"name": "gpu.gpuslice.io/allocator"}]} in ops
+            assert got is want, (pod["spec"], ops)
 
     run(certs, api, body, gate=gate)

@@ -51,8 +51,10 @@ def register(sub: Sub) -> None:
                      "one row)")
     sim.add_argument("--dra", default=None, metavar="MODES",
                      help="also replay the DRA path: comma-separated default (kube-scheduler's "
-                     "allocator, first fit in slice order), ours (our claim allocator), ours-all "
-                     "(ours placing pods without claims too); run as policies dra-<mode>")
+                     "allocator, first fit in slice order), ours (our claim allocator), "
+                     "ours-pinned (it pinning the pods without claims too: the webhook's "
+                     "--gate-cpu-only), ours-all (the policy placing every pod, the workload "
+                     "known); run as policies dra-<mode>")
     sim.add_argument("--deployed", action="store_true",
                      help="also replay the device-plugin path as a cluster runs it (policy "
                      "'deployed': the extender's frag-strand with the workload it learns, its "
@@ -176,7 +178,8 @@ def _policies(args: argparse.Namespace) -> list[str]:
 
         for mode in (m.strip() for m in args.dra.split(",") if m.strip()):
             if f"dra-{mode}" not in MODES:
-                raise ValidationError("--dra", "modes from default, ours, ours-all", mode)
+                raise ValidationError("--dra", "modes from " + ", ".join(
+                    m.removeprefix("dra-") for m in MODES), mode)
             policies.append(f"dra-{mode}")
     if args.deployed:
         policies.append("deployed")

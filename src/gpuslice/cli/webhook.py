@@ -48,6 +48,12 @@ def register(sub: Sub) -> None:
                    "(gpu.gpuslice.io/allocator) on pods whose one claim it places; by default "
                    "it is put on while the allocator's Lease is fresh, so kube-scheduler tries "
                    "such a pod once, after its claim is allocated (docs/dra-placement.md)")
+    w.add_argument("--gate-cpu-only", action="store_true",
+                   help="gate pods that name no claim too (no node selector, affinity or "
+                   "spread constraints, default scheduler), so the claim allocator places "
+                   "them by its policy and pins each softly to its node (a preferred "
+                   "node-affinity term): they no longer take the CPU GPU pods need "
+                   "(docs/dra-placement.md, \"Pods without claims\")")
     w.add_argument("--allocator-lease", default="gpuslice-system/gpuslice-dra-allocator",
                    metavar="NAMESPACE/NAME", help="the claim allocator's Lease (default "
                    "gpuslice-system/gpuslice-dra-allocator)")
@@ -78,7 +84,10 @@ def _webhook(args: argparse.Namespace, console: Console) -> int:
     client: KubeClient | FakeApiServer = load_fake_cluster(args.fake_cluster) \
         if args.fake_cluster is not None else KubeClient(args.kubeconfig, args.context)
     view = FleetView(client)
-    gate = None if args.no_dra_gate else DraGate(client, lease)
+    if args.no_dra_gate and args.gate_cpu_only:
+        raise ValidationError("--gate-cpu-only", "the DRA gate on (not with --no-dra-gate)",
+                              "--no-dra-gate")
+    gate = None if args.no_dra_gate else DraGate(client, lease, cpu_only=args.gate_cpu_only)
     opts = Options(scheduler_name=args.scheduler_name, translate_plain=not args.no_translate)
 
     def ready(port: int) -> None:

@@ -443,18 +443,18 @@ class DraLedger:
                           & feasible(self.arrays, sreq))
 
     def decide(self, req: DeviceRequest | None, policy: Policy, rng: np.random.Generator, *,
-               cpu_milli: int = 0, memory_mib: int = 0,
-               rank: IntArray | None = None) -> DraDecision:
+               cpu_milli: int = 0, memory_mib: int = 0, rank: IntArray | None = None,
+               only: BoolArray | None = None) -> DraDecision:
         """Our placement: the policy picks the node and the devices among those where the
         claim fits (and the pod's CPU and memory), scored on the same arrays as the device
         plugin path; the devices it picks are then checked by the exact DRA rule. ``req``
-        None: a pod without devices, placed by the policy all the same. Ties go to the node
-        of lowest ``rank`` (default :attr:`rank`: the fixed order by the names' hash that the
-        extender breaks ties in, so both paths tie alike)."""
+        None: a pod without devices, placed by the policy all the same; ``only``: the nodes
+        it may go to (by row). Ties go to the node of lowest ``rank`` (default :attr:`rank`:
+        the names' hash order the extender breaks ties in, so both paths tie alike)."""
         sreq = self.slice_request(req, cpu_milli, memory_mib)
         if sreq is None:
             return DraDecision(None, policy.name, 0, {REASON_UNSUPPORTED: len(self.nodes)})
-        ok = self._eligible(req, sreq)
+        ok = self._eligible(req, sreq) if only is None else self._eligible(req, sreq) & only
         n_ok = int(ok.sum())
         # the policy scores every slot; one of a kind the request does not accept (a node
         # mixing kinds) fails the exact check below and the node's first fit is taken instead

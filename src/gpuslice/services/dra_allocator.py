@@ -38,6 +38,11 @@ Safety (docs/dra-placement.md):
   at most ``max_hold_s`` (:func:`gpuslice.core.dra_gate.verdict`). When the allocator is
   gone, the DRA drivers release what it held once its Lease is stale
   (:class:`gpuslice.services.dra_gate.GateKeeper`).
+* A held pod that names no claim (gated by the webhook's ``--gate-cpu-only``, or by its
+  template) is placed by the same policy on the same ledger, over every node (those without
+  devices too), and released pinned softly to its node: a preferred node-affinity term of
+  weight 100, written with the gate's removal (:mod:`gpuslice.services.dra_pins`,
+  :mod:`gpuslice.adapters.kube.cpu_pods`); it counts on that node until bound.
 * Passes run on the watch events of claims, pods and slices (``wake``: coalesced for
   ``coalesce_s``, so a burst is one pass), and at the latest every ``interval_s`` and when
   something timed is due (a node's devices settled, a released claim's retry, a held pod's
@@ -76,6 +81,7 @@ from gpuslice.core.errors import GpusliceError, ValidationError
 from gpuslice.core.policies import Policy, make_policy
 from gpuslice.services.dra_book import DraBook
 from gpuslice.services.dra_gate import GateReleaser
+from gpuslice.services.dra_pins import Pinner
 from gpuslice.services.dra_writes import ClaimWrites, Written
 
 log = logging.getLogger("gpuslice.dra-allocator")
@@ -94,7 +100,8 @@ Write = tuple[kdra.PendingClaim, DraPlacement, PodKey, Future[Written]]
 class PassReport:
     """What one pass did: claims allocated (``ns/name`` -> node and devices), claims someone
     else allocated first, claims that fit nowhere, conflicts retried, pods released from the
-    gate (``ns/name`` -> the Event's reason, ``allocated`` when none), whether we lead, and
+    gate (``ns/name`` -> the Event's reason, ``allocated`` when none), pods without claims
+    released pinned to a node (``ns/name`` -> node), whether we lead, and
     when (on the allocator's clock) the next pass is due at the latest for something timed
     (``None``: nothing)."""
 
@@ -105,6 +112,7 @@ class PassReport:
     conflicts: int = 0
     nodes: int = 0
     released: dict[str, str] = field(default_factory=dict)
+    pinned: dict[str, str] = field(default_factory=dict)
     next_due: float | None = None
 
     def due(self, at: float) -> None:
@@ -155,6 +163,9 @@ class DraAllocator:
         self.elector = elector  # a LeaderElector (services.leader) or None: always lead
         self.rng = np.random.default_rng(seed)
         self.gate = GateReleaser(api, "gpuslice-dra-allocator")
+        # held pods without claims (the webhook's --gate-cpu-only): placed by the policy too
+        self.pinner = Pinner(self.gate, self.policy, self.rng)
+        self._pinned_now: set[PodKey] = set()  # pinned (or their pin refused) this pass
         # a pass decides its claims one after the other (each on the ledger the ones before
         # it left) but writes them ``writers`` at a time: in a burst the writes' round trips,
         # not the decisions, were the allocator's pace. A claim is decided once a writer is
@@ -231,6 +242,7 @@ class DraAllocator:
                 self._note(problem)
             self.writes.finalize_early(self.book.new_unallocated)
             self._place(ledger, report, outcome, now)
+            self._pin(ledger, pods, nodes, report, outcome, now)
             self._await_echo(report, pods)
         self._release_held(pods, claims, report, outcome, usable,
                            not usable and any(devices.values()), now)
@@ -240,6 +252,22 @@ class DraAllocator:
             if self.elector.step():
                 self._elected_at = at
         return report
+
+    def _pin(self, ledger: DraLedger, pods: list[dict[str, Any]], nodes: list[dict[str, Any]],
+             report: PassReport, outcome: dict[PodKey, tuple[Claims, str]],
+             now: float) -> None:
+        """The held pods without claims, placed by the policy and released pinned to their
+        node (:mod:`gpuslice.services.dra_pins`); what is left goes to :meth:`_release_held`
+        through ``outcome``."""
+        pins = self.pinner.run(ledger, pods, nodes, self.writes.pool, self.max_writes_per_pass)
+        self._pinned_now = set(pins.pinned) | pins.refused  # not released again this pass
+        for key, node in pins.pinned.items():
+            report.pinned["/".join(key)] = node
+        for key in pins.queued | pins.refused:
+            outcome[key] = (Claims.QUEUED, "")
+            report.due(now)
+        for key, why in pins.unplaced.items():
+            outcome[key] = (Claims.NOT_OURS, why)
 
     def _read_devices(self, slices: list[dict[str, Any]]) -> tuple[tuple[object, object], ...]:
         """Our usable devices per node (:attr:`_devices`), parsed again only when a slice
@@ -400,6 +428,8 @@ class DraAllocator:
                     spec.get("nodeName") or meta.get("deletionTimestamp"):
                 continue
             key = (str(meta.get("namespace")), str(meta.get("name")))
+            if key in self._pinned_now:
+                continue
             try:
                 names = gates(pod)
             except ValidationError:
@@ -440,6 +470,7 @@ class DraAllocator:
                 report.released["/".join(key)] = v.reason or "allocated"
                 held.pop(uid, None)
         self._held = held
+        self._pinned_now = set()
 
     def _claims_in_flight(self) -> set[tuple[str | None, str]]:
         """The claims we wrote that our watch has not brought back yet (``api``'s

@@ -11,8 +11,10 @@ changed:
 * an allocated claim adds what it took to its devices (:func:`kdra.claim_usage`'s rule:
   a share consumed its ``consumedCapacity``, a result without ``shareID`` took the device);
 * a pod adds its CPU and memory to the node :func:`kdra.pod_node` says it counts on (a claim
-  that changes moves the pods that name it), and its shape to the target workload learned
-  from the live pods (:class:`~gpuslice.core.learned.WorkloadEstimator`, the extender's);
+  that changes moves the pods that name it; a pod without claims that the allocator pinned
+  counts on that node until bound: :mod:`gpuslice.adapters.kube.cpu_pods`), and its shape
+  to the target workload learned from the live pods
+  (:class:`~gpuslice.core.learned.WorkloadEstimator`, the extender's);
 * a change to the nodes' devices (a slice, the set of nodes whose devices have settled) or
   to a node's allocatable builds everything again.
 
@@ -35,6 +37,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from gpuslice.adapters.kube import dra as kdra
+from gpuslice.adapters.kube.cpu_pods import pinned_node
 from gpuslice.core.dra_placement import DeviceRequest, DraDevice, DraLedger, DraNode, Usage
 from gpuslice.core.errors import ValidationError
 from gpuslice.core.frag import Shape
@@ -131,10 +134,8 @@ class DraBook:
         ``devices_version`` changes whenever they may have) and the listed objects."""
         alloc: dict[str, tuple[int, int]] = {}
         self._bad_nodes = []
-        for n in nodes:
+        for n in nodes:  # every node: pods without claims may go to those without devices
             name = n["metadata"]["name"]
-            if name not in devices:
-                continue
             try:
                 alloc[str(name)] = kdra.node_allocatable(n)
             except ValidationError as exc:  # no room on it rather than no allocator
@@ -309,6 +310,8 @@ class DraBook:
             self._pods.pop(key, None)
             return
         node = None if new.broken else kdra.pod_node(new.obj, new.claims, self._claim_node)
+        if node is None and new.waiting and not new.claims and not new.broken:
+            node = pinned_node(new.obj)  # pinned by the allocator, not bound yet
         if node is not None:
             self._use(node, new.cpu_milli, new.memory_mib)
         for c in new.claims:
@@ -360,7 +363,7 @@ class DraBook:
 
     def _build(self, devices: Mapping[str, Sequence[DraDevice]],
                alloc: Mapping[str, tuple[int, int]]) -> None:
-        nodes = [DraNode(name, alloc[name][0], alloc[name][1], tuple(devices[name]),
+        nodes = [DraNode(name, alloc[name][0], alloc[name][1], tuple(devices.get(name, ())),
                          *self._used.get(name, (0, 0)))
                  for name in sorted(alloc)]
         usage = {k: u for k in self._usage if (u := self._usage_of(k)) is not None}

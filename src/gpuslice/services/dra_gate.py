@@ -51,14 +51,16 @@ class GateReleaser:
         self._count = threading.Lock()
 
     def release(self, pod: Mapping[str, Any], reason: str = "", message: str = "",
-                warning: bool = False) -> dict[str, Any] | None:
-        """Remove the gate from ``pod`` (as read); the pod as patched, or ``None`` when it no
-        longer carries the gate where it was read, is gone, or the API server refused (the
-        next pass reads it again)."""
+                warning: bool = False,
+                ops: list[dict[str, Any]] | None = None) -> dict[str, Any] | None:
+        """Remove the gate from ``pod`` (as read; ``ops``: a patch that does, and more, e.g.
+        :func:`~gpuslice.adapters.kube.cpu_pods.pin_patch`); the pod as patched, or ``None``
+        when it no longer carries the gate where it was read, is gone, or the API server
+        refused (the next pass reads it again)."""
         meta = pod.get("metadata") or {}
         ns, name = str(meta.get("namespace")), str(meta.get("name"))
         try:
-            ops = removal_patch(pod, self.gate)
+            ops = removal_patch(pod, self.gate) if ops is None else ops
         except ValidationError:
             return None
         try:

@@ -7,7 +7,8 @@ percentage, the unit of ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``; request policy mi
 k GPUs x m milli is a claim for k devices each giving ``ceil(m x units / 1000)`` compute units; a
 task without GPUs is a pod without claims.
 
-Modes (run as the policy names ``dra-default``, ``dra-ours`` and ``dra-ours-all``):
+Modes (run as the policy names ``dra-default``, ``dra-ours``, ``dra-ours-pinned`` and
+``dra-ours-all``):
 
 * ``dra-default``: kube-scheduler as shipped. Nodes are scored by its default plugins
   (NodeResourcesFit LeastAllocated + BalancedAllocation on CPU and memory) over its window of
@@ -19,6 +20,10 @@ Modes (run as the policy names ``dra-default``, ``dra-ours`` and ``dra-ours-all`
   workload learned from the pods seen so far (every pod as it arrives, its claim's request in
   milli-GPU of the devices: :class:`~gpuslice.core.learned.WorkloadEstimator`), not the
   trace's, which it cannot know; the fragmentation recorded is still against the trace's.
+* ``dra-ours-pinned``: ``dra-ours`` with the webhook's ``--gate-cpu-only``: the allocator
+  places the pods without claims too, by the same policy on the same learned workload, and
+  pins each to its node (:mod:`gpuslice.services.dra_pins`); the model takes the pin as
+  kube-scheduler does when the node fits, which it does here (the ledger said so).
 * ``dra-ours-all``: ``frag-strand`` places the pods without claims too (what the device-plugin
   path's ``ours`` in this simulator does, against the trace's target workload), to separate
   the cost of the DRA translation (compute rounded to whole units) from the cost of leaving
@@ -53,7 +58,7 @@ from gpuslice.core.policies import PlacementState, Policy, make_policy
 from gpuslice.core.workload import Tasks
 from gpuslice.sim.engine import Recorder, RunTrace, columns
 
-MODES = ("dra-default", "dra-ours", "dra-ours-all")
+MODES = ("dra-default", "dra-ours", "dra-ours-pinned", "dra-ours-all")
 
 
 def is_dra(policy: str) -> bool:
@@ -109,11 +114,17 @@ def replay_dra(
     random order drawn per seed, as the plain replay does; ``tie_rank``: another order."""
     if mode not in MODES:
         raise ValidationError("DRA mode", f"one of {', '.join(MODES)}", mode)
+    label = mode
+    if mode == "dra-ours-pinned":  # the allocator pinning the pods without claims too
+        mode, cpu_only_by_policy = "dra-ours", True
     learning = learn and mode == "dra-ours"
     ledger = DraLedger(dra_nodes(arrays, units), {}, None if learning else workload)
     metric = ledger.state if not learning else PlacementState.build(ledger.arrays, workload)
     estimator, version = WorkloadEstimator(), -1
     policy = policy or make_policy("frag-strand")
+    # drawn in every mode (then replaced by the ledger's for dra-ours) so that the random
+    # stream after it, kube-scheduler's tie draws for the pods it places, is the same in
+    # every mode: the paired tables compare modes seed by seed
     rank = rng.permutation(arrays.n_nodes)  # the fixed tie order, as replay() draws it
     if tie_rank is not None:
         rank = tie_rank
@@ -151,4 +162,4 @@ def replay_dra(
             alloc_sum += num[i] * milli[i]
         rec.record(i, arr_sum, alloc_sum, float(metric.frag.sum()),
                    dec.placement is not None)
-    return rec.trace(mode, seed, arrays)
+    return rec.trace(label, seed, arrays)

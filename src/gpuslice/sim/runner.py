@@ -84,7 +84,7 @@ class JobResult:
 def run_job(scenario: Scenario, job: Job,
             progress: Callable[[int], None] | None = None) -> JobResult:
     """One replay: tune the task list with the seed, submit it under the policy, bin it.
-    A DRA mode (``dra-default``, ``dra-ours``, ``dra-ours-all``) replays the DRA path,
+    A DRA mode (:data:`gpuslice.sim.dra.MODES`) replays the DRA path,
     ``deployed`` the device-plugin path as a cluster runs it (:mod:`gpuslice.sim.deployed`;
     ``deployed:P`` with the profile's percentageOfNodesToScore P)."""
     from gpuslice.sim.deployed import is_deployed, nodes_to_score, replay_deployed

@@ -165,21 +165,31 @@ class FakeCoreApi(FakeState):
 
     def remove_pod_scheduling_gate(self, namespace: str, name: str,
                                    ops: list[dict[str, Any]]) -> dict[str, Any]:
-        """A JSON patch of the pod that may only remove scheduling gates (as the API server's
-        ``validateOnlyDeletedSchedulingGates``, and the rest of the spec immutable)."""
+        """A JSON patch of the pod that may remove scheduling gates (as the API server's
+        ``validateOnlyDeletedSchedulingGates``) and, while the pod as read was gated, change
+        the preferred terms of its node affinity (``validateNodeAffinityMutation``: the
+        required ones only narrowed; this fake allows them no change at all), and its
+        annotations; the rest of the spec is immutable."""
         with self._lock:
             p = self._pods.get((namespace, name))
             if p is None:
                 raise ApiNotFound(f"pod {namespace}/{name} not found")
             patched = apply_json_patch(p, ops)
-            before = {g.get("name") for g in (p.get("spec") or {}).get("schedulingGates") or []}
+            old_spec = p.get("spec") or {}
+            before = {g.get("name") for g in old_spec.get("schedulingGates") or []}
             spec = dict(patched.get("spec") or {})
             after = {g.get("name") for g in spec.pop("schedulingGates", None) or []}
-            if after - before or spec != {k: v for k, v in (p.get("spec") or {}).items()
-                                          if k != "schedulingGates"}:
+            rest = {k: v for k, v in old_spec.items() if k != "schedulingGates"}
+            if before:  # a gated pod: its preferred node-affinity terms may change
+                spec, rest = _without_preferred(spec), _without_preferred(rest)
+            if after - before or spec != rest:
                 raise ApiInvalid(f"pod {namespace}/{name}: only the deletion of scheduling "
-                                 "gates is allowed here")
+                                 "gates (and, while gated, a change of preferred node "
+                                 "affinity) is allowed here")
             p["spec"] = patched["spec"]
+            annotations = (patched.get("metadata") or {}).get("annotations")
+            if annotations is not None:
+                p["metadata"]["annotations"] = annotations
             self._bump(p)
             return copy.deepcopy(p)
 
@@ -246,3 +256,20 @@ def _merge(meta: dict[str, Any], field: str, values: Mapping[str, str | None]) -
             mine.pop(k, None)
         else:
             mine[k] = v
+
+
+def _without_preferred(spec: Mapping[str, Any]) -> dict[str, Any]:
+    """``spec`` without its node affinity's preferred terms (an affinity left empty goes)."""
+    out = dict(spec)
+    affinity = dict(out.get("affinity") or {})
+    node = dict(affinity.get("nodeAffinity") or {})
+    node.pop("preferredDuringSchedulingIgnoredDuringExecution", None)
+    if node:
+        affinity["nodeAffinity"] = node
+    else:
+        affinity.pop("nodeAffinity", None)
+    if affinity:
+        out["affinity"] = affinity
+    else:
+        out.pop("affinity", None)
+    return out

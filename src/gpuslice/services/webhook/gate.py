@@ -7,7 +7,9 @@ What decides is :func:`gpuslice.adapters.kube.dra_gate.admission_patch`; this re
 needs from the API server: the pod's ResourceClaim, or the ResourceClaimTemplate its claim will
 be made from, and whether the allocator's Lease is fresh (read at most once a second: while it
 is stale, pods go ungated to kube-scheduler's own allocation). A read that fails leaves the pod
-ungated (it is then placed as without the webhook, a little later), never refused.
+ungated (it is then placed as without the webhook, a little later), never refused. With
+``cpu_only`` (the webhook's ``--gate-cpu-only``) a pod that names no claim is gated too when
+the allocator places such pods (:func:`gpuslice.adapters.kube.cpu_pods.cpu_only_admission`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
+from gpuslice.adapters.kube.cpu_pods import cpu_only_admission, why_not_pinned
 from gpuslice.adapters.kube.dra_gate import Admission, admission_patch
 from gpuslice.adapters.kube.ports import ApiNotFound
 from gpuslice.core.errors import GpusliceError
@@ -42,8 +45,10 @@ class DraGate:
 
     def __init__(self, api: GateReads, lease: tuple[str, str] = ALLOCATOR_LEASE, *,
                  wall: Callable[[], float] = time.time,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, cpu_only: bool = False) -> None:
         self.api, self.lease, self.wall, self.clock = api, lease, wall, clock
+        # gate pods that name no claim too, for the allocator to pin (adapters.kube.cpu_pods)
+        self.cpu_only = cpu_only
         self._lease_read: tuple[float, bool] | None = None  # (clock, fresh)
         self.failures = 0  # reads that failed (the pod left ungated)
 
@@ -51,7 +56,15 @@ class DraGate:
         spec = pod.get("spec")
         refs = spec.get("resourceClaims") if isinstance(spec, Mapping) else None
         if not refs:
-            return Admission((), "the pod names no claim")
+            if not self.cpu_only:
+                return Admission((), "the pod names no claim")
+            if why_not_pinned(pod) is not None:  # no Lease read for a pod not to gate
+                return cpu_only_admission(pod, lease_fresh=False)
+            try:
+                return cpu_only_admission(pod, lease_fresh=self._fresh())
+            except GpusliceError as exc:
+                return self._failed(f"the allocator's Lease {'/'.join(self.lease)} could "
+                                    f"not be read: {exc}")
         if not isinstance(refs, list) or len(refs) != 1:
             return admission_patch(pod, [None, None], lease_fresh=False)
         try:
