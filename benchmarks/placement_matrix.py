@@ -18,7 +18,9 @@ tune 1.3) goes through every path:
   ``frag-strand`` with the workload it learns, kube-scheduler's window, CPU-only pods to the
   default scheduler);
 * ``allocator``: the DRA claim allocator (``sim.dra``'s ``dra-ours``: ``frag-strand`` with the
-  workload it learns, CPU-only pods to kube-scheduler).
+  workload it learns, CPU-only pods to kube-scheduler);
+* ``allocator-pinned``: the allocator with the webhook's ``--gate-cpu-only`` (``sim.dra``'s
+  ``dra-ours-pinned``: the CPU-only pods placed by it too, and pinned to their node).
 
 It prints, per cell, each path's mean unallocated GPU % at 100% arrived and the paired per-seed
 differences (mean ± standard error) to first fit and to FGD, then the issue's goals, and writes
@@ -88,6 +90,8 @@ PATHS = (
     PathSpec("ours", "frag-strand (every pod, the simulator's policy)", "ours"),
     PathSpec("device-plugin", "device-plugin path as deployed (model)", "deployed"),
     PathSpec("allocator", "DRA claim allocator (model)", "dra-ours"),
+    PathSpec("allocator-pinned", "DRA claim allocator pinning CPU-only pods (model)",
+             "dra-ours-pinned"),
 )
 BY_KEY = {p.key: p for p in PATHS}
 
