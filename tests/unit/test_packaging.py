@@ -187,3 +187,21 @@ def test_the_image_licence_label_is_the_distributions() -> None:
     containerfile = (ROOT / "Containerfile").read_text()
     assert re.findall(r'org\.opencontainers\.image\.licenses="([^"]*)"', containerfile) == \
         [license_]
+
+
+def test_the_stubs_are_written_by_a_grpcio_tools_the_images_grpcio_can_load() -> None:
+    """protoc's stubs refuse to load under a grpcio older than the grpcio-tools that wrote
+    them (``GRPC_GENERATED_VERSION``): the build backend's grpcio-tools (pyproject.toml, the one
+    ``pip wheel .`` and the image use) is pinned, at or below the image's pinned grpcio
+    (deploy/image/requirements.txt). A grpcio-tools left free once crashed the image's node
+    agent at start."""
+    from packaging.version import Version
+
+    build = tomllib.loads((ROOT / "pyproject.toml").read_text())["build-system"]["requires"]
+    (tools,) = [Requirement(r) for r in build if Requirement(r).name == "grpcio-tools"]
+    pins = [s for s in tools.specifier if s.operator == "=="]
+    assert pins, f"the build backend's grpcio-tools is not pinned: {tools}"
+    image = re.search(r"^grpcio==([0-9.]+)", (ROOT / "deploy" / "image" /
+                                              "requirements.txt").read_text(), re.M)
+    assert image is not None, "deploy/image/requirements.txt pins no grpcio"
+    assert Version(pins[0].version) <= Version(image.group(1)), (tools, image.group(0))
