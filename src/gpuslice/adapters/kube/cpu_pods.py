@@ -35,7 +35,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from gpuslice.adapters.kube.dra_common import ALLOCATOR_GATE
-from gpuslice.adapters.kube.dra_gate import Admission, gates, removal_patch
+from gpuslice.adapters.kube.dra_gate import Admission, gate_op, gates, removal_patch
 from gpuslice.core.errors import ValidationError
 
 # the node the allocator pinned a pod to (an annotation, set with the pin): the allocator
@@ -87,15 +87,12 @@ def cpu_only_admission(pod: Mapping[str, Any], *, lease_fresh: bool) -> Admissio
     why = why_not_pinned(pod)
     if why is not None:
         return Admission((), why)
-    if ALLOCATOR_GATE in gates(pod):
+    names = gates(pod)
+    if ALLOCATOR_GATE in names:
         return Admission((), "the pod carries the gate already")
     if not lease_fresh:
         return Admission((), "the allocator's Lease is stale: the pod goes to kube-scheduler")
-    gate = {"name": ALLOCATOR_GATE}
-    op = {"op": "add", "path": "/spec/schedulingGates/-", "value": gate} if \
-        (pod.get("spec") or {}).get("schedulingGates") else \
-        {"op": "add", "path": "/spec/schedulingGates", "value": [gate]}
-    return Admission((op,), "gated until the allocator has chosen its node")
+    return Admission((gate_op(names),), "gated until the allocator has chosen its node")
 
 
 def pin_patch(pod: Mapping[str, Any], node: str) -> list[dict[str, Any]]:

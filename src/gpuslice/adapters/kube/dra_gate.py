@@ -22,7 +22,7 @@ from gpuslice.adapters.kube.dra_common import ALLOCATOR_GATE, DRIVER
 from gpuslice.core.errors import ValidationError
 
 __all__ = ["ALLOCATOR_GATE", "GATED_CLASSES", "Admission", "admission_patch", "carries_gate",
-           "gates", "pod_event", "removal_patch", "why_not_placed"]
+           "gate_op", "gates", "pod_event", "removal_patch", "why_not_placed"]
 # the classes whose claims the allocator places on devices tainted for it (shares): a pod
 # with such a claim is worth gating; whole GPUs and MIG are left to kube-scheduler
 GATED_CLASSES: Mapping[str, frozenset[str]] = {"share.gpuslice.io": frozenset({"share"})}
@@ -113,10 +113,15 @@ def admission_patch(pod: Mapping[str, Any], claim_specs: Sequence[Mapping[str, A
     if not lease_fresh:
         return Admission((), "the allocator's Lease is stale: the pod goes to kube-scheduler's "
                          "own allocation")
+    return Admission((gate_op(names),), "gated until the allocator has allocated its claim")
+
+
+def gate_op(names: Sequence[str]) -> dict[str, Any]:
+    """The JSON patch operation that adds the allocator's gate to a pod whose gates are
+    ``names`` (as :func:`gates` read them): appended, or the list made."""
     gate = {"name": ALLOCATOR_GATE}
-    op = {"op": "add", "path": "/spec/schedulingGates/-", "value": gate} if names else \
+    return {"op": "add", "path": "/spec/schedulingGates/-", "value": gate} if names else \
         {"op": "add", "path": "/spec/schedulingGates", "value": [gate]}
-    return Admission((op,), "gated until the allocator has allocated its claim")
 
 
 def _shapes(classes: Mapping[str, frozenset[str]]) -> str:
